@@ -1,0 +1,50 @@
+"""The contract every decode backend (reference, torch, monokernel) fulfils.
+
+A backend turns prompt token ids into a stream of generated token ids. Everything textual
+(tokenising, detokenising, stop strings, timings) lives in the Engine above it, so the
+backends differ only in how fast they produce the same ids.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from monokernel.runtime.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRequest:
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams  # seed already fixed (SamplingParams.with_seed)
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]  # generation ends after emitting one of these
+
+
+class CancelToken:
+    """Set from any thread; a backend checks it at least once per generated token."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+
+class Backend(Protocol):
+    name: str
+
+    def stream(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[int]:
+        """Yield generated ids in order. Stops after a stop id (which is yielded), after
+        ``max_new_tokens`` ids, or soon after ``cancel`` is set. Closing the iterator early
+        must leave the backend ready for the next request."""
+        ...
+
+    def close(self) -> None:
+        """Free device memory; the backend is unusable afterwards."""
+        ...
