@@ -105,7 +105,8 @@ def draw_key(seed: int, position: int) -> int:
 def uniforms(
     seed: int, position: int, vocab_size: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """u in (0, 1), float32 [vocab_size]: u_i = ((fmix32(key ^ (i*0x9E3779B1)) >> 8) + 0.5) / 2^24."""
+    """u in (0, 1), float32 [vocab_size]:
+    u_i = ((fmix32(key ^ (i * 0x9E3779B1)) >> 8) + 0.5) / 2^24."""
     key = draw_key(seed, position)
     ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
     bits = fmix32(key ^ ((ids * 0x9E3779B1) & _M32))

@@ -1,0 +1,94 @@
+"""`monokernel run` end to end on a tiny model, in-process and as a console script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from monokernel.cli.main import main
+from monokernel.testing.tiny_models import make_tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir("llama3", tmp_path_factory.mktemp("cli") / "tiny")
+
+
+def test_run_json(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        [
+            "run",
+            "--model",
+            str(model),
+            "--max-tokens",
+            "7",
+            "--json",
+            "--chat",
+            "--temperature",
+            "0.8",
+            "--seed",
+            "1",
+            "hello",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {
+        "text",
+        "token_ids",
+        "finish_reason",
+        "prompt_tokens",
+        "ttft_ms",
+        "decode_tok_s",
+    }
+    assert 1 <= len(out["token_ids"]) <= 7 and out["prompt_tokens"] > 3
+
+
+def test_run_streams_text_and_timings(model: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "monokernel.cli.main",
+            "run",
+            "--model",
+            str(model),
+            "--max-tokens",
+            "5",
+            "def reverse(s):",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "TTFT" in proc.stderr and "tok/s" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--model", "/does/not/exist"], "does not exist"),
+        (["--engine", "monokernel", "--device", "cpu"], "needs an NVIDIA GPU"),
+    ],
+)
+def test_bad_input_is_a_clear_error(
+    model: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["run", "--model", str(model), *args, "hi"]
+    if args[0] == "--model":
+        argv = ["run", *args, "hi"]
+    assert main(argv) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["frobnicate"]) == 2
+    assert "unknown command" in capsys.readouterr().err

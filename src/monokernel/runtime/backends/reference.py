@@ -1,0 +1,42 @@
+"""The reference backend: the plain PyTorch forward, one token at a time. The ground truth."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from monokernel.models.config import ModelConfig
+from monokernel.models.transformer import Transformer
+from monokernel.runtime.backends.base import CancelToken, DecodeRequest
+from monokernel.runtime.sampling import sample
+from monokernel.weights.names import Weights
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(
+        self, cfg: ModelConfig, weights: Weights, max_seq_len: int, device: torch.device
+    ) -> None:
+        self.model = Transformer(cfg, weights, max_seq_len)
+        self.cache = self.model.new_cache(max_seq_len)
+        self.device = device
+
+    def stream(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[int]:
+        prompt = torch.tensor(request.prompt_ids, dtype=torch.long, device=self.device)
+        logits = self.model.forward(prompt, 0, self.cache, last_only=True)[0]
+        pos = len(request.prompt_ids)  # where the token being sampled will sit
+        for produced in range(1, request.max_new_tokens + 1):
+            if cancel.is_set():
+                return
+            token = sample(logits, request.sampling, pos)
+            yield token
+            if token in request.stop_token_ids or produced == request.max_new_tokens:
+                return
+            step = torch.tensor([token], dtype=torch.long, device=self.device)
+            logits = self.model.forward(step, pos, self.cache, last_only=True)[0]
+            pos += 1
+
+    def close(self) -> None:
+        del self.cache, self.model

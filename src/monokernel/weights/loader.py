@@ -1,0 +1,136 @@
+"""One entry point from a model reference to config + weights + tokenizer location.
+
+A reference is one of:
+- ``None``: the default model (SmolLM2-135M-Instruct, fetched once into the cache);
+- a ``*.gguf`` file;
+- a local HF directory (``config.json`` + safetensors, tokenizer files beside them);
+- an HF hub id such as ``HuggingFaceTB/SmolLM2-135M-Instruct`` (needs network and
+  ``huggingface_hub``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from monokernel.errors import ModelNotFoundError
+from monokernel.models.config import ModelConfig, load_hf_config
+from monokernel.weights.names import Weights
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    config: ModelConfig
+    weights: Weights  # our names, the checkpoint's dtype (float32 for dequantised GGUF), CPU
+    tokenizer_dir: Path
+    gguf_file: str | None  # set when the tokenizer lives inside a GGUF file
+    eos_token_ids: tuple[int, ...]  # config's and generation_config's, deduplicated
+    source: str
+
+
+def _local_hint(ref: str) -> str:
+    return (
+        f"to use a local copy instead, pass a directory holding config.json and "
+        f"*.safetensors, or a .gguf file: monokernel run --model /path/to/model_dir "
+        f"(was: {ref!r})"
+    )
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:
+        raise ModelNotFoundError(
+            f"{repo_id!r} is not a local path, and loading from the HF hub needs "
+            f"huggingface_hub (pip install 'monokernel[hub]'); {_local_hint(repo_id)}"
+        ) from e
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
+    except Exception as e:  # offline, unknown repo, gated repo: all end the same way
+        raise ModelNotFoundError(
+            f"could not fetch {repo_id!r} from the HF hub ({type(e).__name__}: {e}); "
+            + _local_hint(repo_id)
+        ) from e
+
+
+def _eos_ids(model_dir: Path, cfg: ModelConfig) -> tuple[int, ...]:
+    ids = list(cfg.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        ids += [value] if isinstance(value, int) else list(value or [])
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _load_gguf(path: Path) -> Checkpoint:
+    from monokernel.weights.gguf_loader import (
+        gguf_generation_eos_ids,
+        load_gguf_config,
+        load_gguf_weights,
+    )
+
+    cfg = load_gguf_config(path)
+    eos = tuple(dict.fromkeys((*cfg.eos_token_ids, *gguf_generation_eos_ids(path))))
+    return Checkpoint(
+        config=cfg,
+        weights=load_gguf_weights(path, cfg),
+        tokenizer_dir=path.parent,
+        gguf_file=path.name,
+        eos_token_ids=eos,
+        source=str(path),
+    )
+
+
+def _load_hf_dir(model_dir: Path) -> Checkpoint:
+    from monokernel.weights.safetensors_loader import load_safetensors_weights
+
+    cfg = load_hf_config(model_dir)
+    return Checkpoint(
+        config=cfg,
+        weights=load_safetensors_weights(model_dir, cfg),
+        tokenizer_dir=model_dir,
+        gguf_file=None,
+        eos_token_ids=_eos_ids(model_dir, cfg),
+        source=str(model_dir),
+    )
+
+
+def resolve_model_path(ref: str | Path | None, progress: bool = True) -> Path:
+    """A local file or directory for ``ref``, downloading only what must be downloaded."""
+    if ref is None:
+        from monokernel.weights.default_model import default_model_path
+
+        return default_model_path(progress=progress)
+    path = Path(ref).expanduser()
+    if path.exists():
+        return path
+    if isinstance(ref, str) and _HUB_ID.match(ref) and not ref.endswith(".gguf"):
+        return _download_from_hub(ref)
+    raise ModelNotFoundError(
+        f"model {str(ref)!r} does not exist; accepted: a local HF directory (config.json + "
+        "*.safetensors), a .gguf file, or an HF hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct'"
+    )
+
+
+def load_checkpoint(ref: str | Path | None, progress: bool = True) -> Checkpoint:
+    path = resolve_model_path(ref, progress=progress)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(
+                f"{path} is a file but not a .gguf; pass a .gguf file or a directory"
+            )
+        return _load_gguf(path)
+    if (path / "config.json").is_file():
+        return _load_hf_dir(path)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return _load_gguf(ggufs[0])
+    raise ModelNotFoundError(
+        f"{path} has no config.json"
+        + (f" and several .gguf files ({[g.name for g in ggufs]}); name one" if ggufs else "")
+    )
