@@ -9,7 +9,7 @@ import torch
 from monokernel.models.config import ModelConfig, RopeScaling
 
 
-def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+def llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
@@ -29,7 +29,7 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
     exponents = torch.arange(0, d, 2, dtype=torch.int64).to(torch.float32) / d
     inv_freq = 1.0 / (cfg.rope_theta**exponents)
     if cfg.rope_scaling is not None:
-        inv_freq = _llama3_scale(inv_freq, cfg.rope_scaling)
+        inv_freq = llama3_scale(inv_freq, cfg.rope_scaling)
     return inv_freq
 
 

@@ -1,0 +1,331 @@
+"""Load a GGUF file (llama.cpp's format) into a ModelConfig and a dict of float32 tensors.
+
+GGUF metadata is turned into an HF-config-shaped dict and sent through
+``config_from_hf_dict`` so GGUF and safetensors checkpoints meet the same refusals.
+Tensors are dequantised to float32 and renamed through one explicit table into our names.
+
+``gguf`` is imported inside functions only: the GPU machines need not have it installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from monokernel.errors import UnexpectedTensorError, UnsupportedModelError, WeightLoadError
+from monokernel.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, config_from_hf_dict
+from monokernel.weights.names import Weights, check_weights
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+
+# GGUF architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE.
+PERMUTED_QK_ARCHS: tuple[str, ...] = ("llama", "mistral")
+SUPPORTED_TENSOR_TYPES: tuple[str, ...] = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q4_K",
+    "Q6_K",
+)
+
+GGUF_GLOBAL_NAMES: dict[str, str] = {
+    "token_embd.weight": "embed",
+    "output_norm.weight": "norm",
+    "output.weight": "lm_head",
+}
+GGUF_LAYER_NAMES: dict[str, str] = {
+    "attn_norm.weight": "attn_norm",
+    "attn_q.weight": "wq",
+    "attn_k.weight": "wk",
+    "attn_v.weight": "wv",
+    "attn_q.bias": "bq",
+    "attn_k.bias": "bk",
+    "attn_v.bias": "bv",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
+    "attn_output.weight": "wo",
+    "attn_output.bias": "bo",
+    "ffn_norm.weight": "ffn_norm",
+    "ffn_gate.weight": "w_gate",
+    "ffn_up.weight": "w_up",
+    "ffn_down.weight": "w_down",
+}
+ROPE_FREQS = "rope_freqs.weight"
+_GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Llama 3.x defaults; only used as a first guess that is then checked against rope_freqs.
+_LLAMA3_LOW, _LLAMA3_HIGH, _LLAMA3_ORIG_CTX = 1.0, 4.0, 8192
+
+
+def gguf_to_ours(name: str) -> str | None:
+    """Our name for a GGUF tensor name; None for a name the table does not know."""
+    if name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[name]
+    m = _GGUF_LAYER.match(name)
+    if m and m.group(2) in GGUF_LAYER_NAMES:
+        return f"layers.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+def _reader(path: Path) -> GGUFReader:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    st = path.stat()
+    # Parsing the metadata (tens of thousands of token strings) takes seconds, and config,
+    # weights and eos ids are read one after another; reuse the parse for an unchanged file.
+    return _cached_reader(str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_reader(path: str, inode: int, size: int, mtime_ns: int) -> GGUFReader:
+    from gguf import GGUFReader
+
+    del inode, size, mtime_ns  # cache key only
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise WeightLoadError(f"{path}: not a readable GGUF file ({e})") from e
+
+
+def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def _tensor_names(reader: GGUFReader) -> set[str]:
+    return {t.name for t in reader.tensors}
+
+
+def _vocab_size(reader: GGUFReader, arch: str) -> int:
+    size = _meta(reader, f"{arch}.vocab_size")
+    if size is not None:
+        return int(size)
+    # The embedding's row count is what the forward pass indexes, so it beats the token list.
+    for t in reader.tensors:
+        if t.name == "token_embd.weight":
+            return int(t.shape[-1])
+    tokens = reader.get_field("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise UnsupportedModelError(f"GGUF has no {arch}.vocab_size and no token list")
+    return len(tokens.data)
+
+
+def _rope_freqs(reader: GGUFReader) -> np.ndarray | None:
+    for t in reader.tensors:
+        if t.name == ROPE_FREQS:
+            return _dequantize(t).reshape(-1)
+    return None
+
+
+def _llama3_rope_from_factors(
+    factors: np.ndarray, theta: float, head_dim: int, orig_ctx: int
+) -> dict[str, Any]:
+    """Recover llama3 rope parameters from llama.cpp's per-frequency divisors, or refuse.
+
+    llama.cpp stores ``inv_freq / factors`` as a tensor; our RoPE wants the parameters.
+    The curve depends on thresholds ``orig_ctx/low`` and ``orig_ctx/high`` only, so with
+    ``orig_ctx`` fixed we fit low/high from the blended band and accept only an exact match.
+    """
+    from monokernel.models.config import RopeScaling
+    from monokernel.models.rope import llama3_scale
+
+    factors = factors.astype(np.float64)
+    if factors.shape != (head_dim // 2,):
+        raise UnsupportedModelError(
+            f"{ROPE_FREQS} has {factors.size} entries, expected head_dim/2 = {head_dim // 2}"
+        )
+    factor = float(factors.max())
+    exps = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exps)
+    target = inv_freq.double().numpy() / factors
+    candidates = [(_LLAMA3_LOW, _LLAMA3_HIGH)]
+    # Inside the blended band 1/f = (1-s)/factor + s with s linear in 1/wavelength.
+    band = (factors > 1.0 + 1e-6) & (factors < factor - 1e-6)
+    if band.sum() >= 2 and factor > 1.0:
+        s = (1.0 / factors[band] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        inv_wavelen = inv_freq.double().numpy()[band] / (2 * math.pi)
+        slope, intercept = np.polyfit(inv_wavelen, s, 1)
+        if slope > 0:
+            low = -intercept * orig_ctx / slope
+            candidates.append((low, low + orig_ctx / slope))
+    for low, high in candidates:
+        scaling = RopeScaling(factor, low, high, orig_ctx)
+        got = llama3_scale(inv_freq, scaling).double().numpy()
+        if np.allclose(got, target, rtol=1e-5, atol=0.0):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": orig_ctx,
+            }
+    raise UnsupportedModelError(
+        f"the GGUF's {ROPE_FREQS} tensor does not match llama3 RoPE scaling; "
+        "supported RoPE types: default, llama3"
+    )
+
+
+def _rope_scaling(reader: GGUFReader, arch: str, theta: float, head_dim: int) -> dict | None:
+    kind = _meta(reader, f"{arch}.rope.scaling.type")
+    orig_ctx = _meta(reader, f"{arch}.rope.scaling.original_context_length")
+    factors = _rope_freqs(reader)
+    if factors is not None:
+        if kind not in (None, "none", "llama3"):
+            raise UnsupportedModelError(
+                f"rope scaling {kind!r} with a {ROPE_FREQS} tensor is not supported; "
+                "supported RoPE types: default, llama3"
+            )
+        ctx = int(orig_ctx) if orig_ctx else _LLAMA3_ORIG_CTX
+        return _llama3_rope_from_factors(factors, theta, head_dim, ctx)
+    if kind in (None, "none"):
+        return None
+    # Hand anything else to config_from_hf_dict, which refuses it by name.
+    return {
+        "rope_type": str(kind),
+        "factor": float(_meta(reader, f"{arch}.rope.scaling.factor", 1.0)),
+    }
+
+
+def _hf_dict(reader: GGUFReader) -> dict[str, Any]:
+    arch = _meta(reader, "general.architecture")
+    if arch not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"GGUF general.architecture {arch!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (dense decoders)"
+        )
+
+    def need(key: str) -> Any:
+        value = _meta(reader, f"{arch}.{key}")
+        if value is None:
+            raise UnsupportedModelError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(_meta(reader, f"{arch}.attention.key_length") or hidden // heads)
+    value_dim = _meta(reader, f"{arch}.attention.value_length")
+    if value_dim is not None and int(value_dim) != head_dim:
+        raise UnsupportedModelError(
+            f"attention.value_length={value_dim} differs from key_length={head_dim}"
+        )
+    rot_dim = _meta(reader, f"{arch}.rope.dimension_count")
+    if rot_dim is not None and int(rot_dim) != head_dim:
+        raise UnsupportedModelError(
+            f"partial rotary embeddings (rope.dimension_count={rot_dim} < head_dim={head_dim}) "
+            "are not supported"
+        )
+    if _meta(reader, f"{arch}.expert_count"):
+        raise UnsupportedModelError("mixture-of-experts GGUF models are not supported")
+    theta = float(_meta(reader, f"{arch}.rope.freq_base", 10000.0))
+    names = _tensor_names(reader)
+    if "blk.0.attn_q_norm.weight" in names and arch != "qwen3":
+        raise UnsupportedModelError(f"per-head q/k norms are only supported for qwen3, not {arch}")
+    cfg: dict[str, Any] = {
+        "model_type": arch,
+        "vocab_size": _vocab_size(reader, arch),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_meta(reader, f"{arch}.attention.head_count_kv") or heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": theta,
+        "max_position_embeddings": int(_meta(reader, f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names,
+        # qwen2 has q/k/v bias by family; for llama-likes the bias flag also implies o bias.
+        "attention_bias": arch != "qwen2" and "blk.0.attn_q.bias" in names,
+        "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id"),
+        "hidden_act": "silu",
+    }
+    window = _meta(reader, f"{arch}.attention.sliding_window")
+    if window:
+        cfg["sliding_window"] = int(window)
+    scaling = _rope_scaling(reader, arch, theta, head_dim)
+    if scaling is not None:
+        cfg["rope_scaling"] = scaling
+    return cfg
+
+
+def load_gguf_config(path: Path) -> ModelConfig:
+    """ModelConfig from a GGUF file's metadata (and which tensors it holds)."""
+    return config_from_hf_dict(_hf_dict(_reader(Path(path))))
+
+
+def gguf_generation_eos_ids(path: Path) -> tuple[int, ...]:
+    """Token ids that end generation: eos, then end-of-turn / end-of-message if present."""
+    reader = _reader(Path(path))
+    ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = _meta(reader, f"tokenizer.ggml.{key}")
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return tuple(ids)
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    """float32 array in numpy (row-major) order, i.e. GGUF's ggml shape reversed."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    qtype = GGMLQuantizationType(tensor.tensor_type)
+    if qtype.name not in SUPPORTED_TENSOR_TYPES:
+        raise WeightLoadError(
+            f"tensor {tensor.name} has type {qtype.name}; supported GGUF tensor types: "
+            f"{', '.join(SUPPORTED_TENSOR_TYPES)}"
+        )
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    # The reader's arrays view a read-only memmap; copy so torch owns writable memory.
+    return np.array(dequantize(tensor.data, qtype), dtype=np.float32).reshape(shape)
+
+
+def _unpermute_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head row interleave so rows are in HF's rotate_half order.
+
+    llama.cpp's converter reorders each head's rows from (first half, second half) to
+    alternating pairs; this applies the inverse reorder to the first axis (weights or bias).
+    A tensor of the wrong size is returned as is so ``check_weights`` can name the problem.
+    """
+    if w.shape[0] != n_heads * head_dim:
+        return w
+    split = w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:])
+    return split.transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def load_gguf_weights(path: Path, cfg: ModelConfig) -> Weights:
+    """All tensors of a GGUF file as float32, in our names and HF layout, checked vs ``cfg``."""
+    path = Path(path)
+    reader = _reader(path)
+    arch = _meta(reader, "general.architecture")
+    weights: Weights = {}
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            continue  # folded into cfg.rope_scaling by load_gguf_config
+        ours = gguf_to_ours(tensor.name)
+        if ours is None:
+            raise UnexpectedTensorError(f"{path}: tensor {tensor.name!r} is not one we know")
+        weights[ours] = torch.from_numpy(_dequantize(tensor))
+    if arch in PERMUTED_QK_ARCHS:
+        for name in list(weights):
+            short = name.rsplit(".", 1)[-1]
+            if short in ("wq", "bq"):
+                weights[name] = _unpermute_rows(weights[name], cfg.num_heads, cfg.head_dim)
+            elif short in ("wk", "bk"):
+                weights[name] = _unpermute_rows(weights[name], cfg.num_kv_heads, cfg.head_dim)
+    return check_weights(weights, cfg, source=str(path))

