@@ -13,6 +13,7 @@ from monokernel.errors import MonokernelError
 _SUBCOMMANDS = {
     # name -> module with `main(argv) -> int`, imported only when used
     "bench": "monokernel.bench.cli",
+    "serve": "monokernel.serve.cli",
 }
 
 
@@ -115,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             "usage: monokernel {" + ",".join(commands) + "} ...\n\n"
             "  run     generate text from a prompt\n"
-            "  bench   measure decode speed and TTFT per engine\n\n"
+            "  bench   measure decode speed and TTFT per engine\n"
+            "  serve   OpenAI-compatible HTTP server with a playground\n\n"
             "`monokernel COMMAND -h` for a command's options."
         )
         return 0 if argv else 2

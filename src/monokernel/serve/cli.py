@@ -1,0 +1,123 @@
+"""``monokernel serve``: parse options, build the app and run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from monokernel.serve.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, ServerSettings
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="monokernel serve",
+        description="Serve one model over an OpenAI-compatible HTTP API, with a playground at /.",
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, downloaded once)",
+    )
+    p.add_argument("--engine", default="auto", choices=["auto", "reference", "torch", "monokernel"])
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--max-model-len", type=int, default=None, help="context size to allocate")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUE,
+        help=f"requests that may wait behind the running one; more get 503 "
+        f"(default {DEFAULT_MAX_QUEUE})",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send and /v1/models lists (default: MODEL as typed, or "
+        f"{DEFAULT_SERVED_NAME} for the default model)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES})",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def served_name(model: str | None, explicit: str | None) -> str:
+    """As vLLM: the name given, else MODEL exactly as typed, so vLLM client configs work."""
+    if explicit:
+        return explicit
+    return DEFAULT_SERVED_NAME if model is None else model
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    if args.max_queue < 0:
+        print("monokernel serve: --max-queue must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        import uvicorn
+
+        from monokernel.serve.app import create_app
+    except ModuleNotFoundError as e:
+        print(
+            f"monokernel serve: {e.name} is missing; install the server extras with "
+            "pip install 'monokernel[serve]'",
+            file=sys.stderr,
+        )
+        return 2
+    from monokernel.runtime.engine import Engine, EngineConfig
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
+    config = EngineConfig(
+        engine=args.engine, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len
+    )
+    settings = ServerSettings(
+        served_model_name=served_name(args.model, args.served_model_name),
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+    )
+    failed: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def stop_on_load_error(e: BaseException) -> None:
+        # A server that can never answer would only hide the error: exit instead.
+        failed.append(e)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, lambda: Engine(args.model, config), stop_on_load_error)
+    server = uvicorn.Server(
+        # After Ctrl-C, open streams get 5 s; then their tasks are cancelled, which
+        # cancels their generations.
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+        )
+    )
+    print(
+        f"monokernel serve: http://{args.host}:{args.port}/ (playground), "
+        f"OpenAI base_url http://{args.host}:{args.port}/v1, model "
+        f"{settings.served_model_name!r}; loading it now",
+        file=sys.stderr,
+    )
+    server.run()
+    app.state.monokernel.close()
+    if failed:
+        print(f"monokernel serve: error: could not load the model: {failed[0]}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,131 @@
+"""One admitted request: wait for the engine slot, generate on a worker thread, and hand
+the events to the event loop.
+
+The engine is synchronous, so it runs on its own thread and every event crosses to asyncio
+through ``loop.call_soon_threadsafe`` into an ``asyncio.Queue``; the loop never blocks on
+it. The slot is given back by the worker thread when the engine has really finished, so
+the next request never shares the engine with a cancelled one that is still unwinding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor
+from typing import Any
+
+from starlette.requests import Request
+
+from monokernel.runtime.backends.base import CancelToken
+from monokernel.runtime.engine import Engine, TokenEvent
+from monokernel.serve.metrics import Metrics
+from monokernel.serve.params import Prepared
+from monokernel.serve.scheduler import Abandoned, Ticket
+
+log = logging.getLogger("monokernel.serve")
+
+
+class Generation:
+    def __init__(
+        self,
+        engine: Engine,
+        prepared: Prepared,
+        ticket: Ticket,
+        metrics: Metrics,
+        arrival: float,
+        engine_thread: Executor,
+    ) -> None:
+        self.engine = engine
+        self.prepared = prepared
+        self.ticket = ticket
+        self.metrics = metrics
+        self.engine_thread = engine_thread
+        self.arrival = arrival  # time.perf_counter() when the request came in
+        self.cancel = CancelToken()
+        self.admitted = time.perf_counter()  # validated, tokenised, in line
+        self.queue_s = 0.0
+        self._started = False
+
+    @property
+    def prompt_n(self) -> int:
+        return len(self.prepared.prompt_ids)
+
+    def abandon(self) -> None:
+        """The client is gone (or the response ended): stop generating, leave the queue.
+        Safe to call more than once and after a normal finish."""
+        self.cancel.set()
+        if not self._started:
+            self.ticket.release()
+
+    async def events(self, request: Request) -> AsyncIterator[TokenEvent]:
+        """Token events in order; the last has ``finish_reason``. Ends early, without a
+        final event, if the client leaves while the request is still queued."""
+        watcher = asyncio.create_task(self._watch_disconnect(request))
+        try:
+            try:
+                await self.ticket.wait()
+            except Abandoned:
+                return
+            if self.cancel.is_set():  # the client left just as the slot came free
+                return
+            self.queue_s = time.perf_counter() - self.admitted
+            queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            self.engine_thread.submit(self._work, loop, queue)
+            self._started = True  # from here the worker gives the slot back
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            watcher.cancel()
+            self.abandon()
+
+    async def _watch_disconnect(self, request: Request) -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                log.info("client disconnected; cancelling its request")
+                self.abandon()
+                return
+            await asyncio.sleep(0.05)  # an unexpected body message: do not spin
+
+    def _work(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any]) -> None:
+        def put(item: TokenEvent | BaseException) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop has closed: the server is shutting down
+                self.cancel.set()
+
+        previous: float | None = None
+        try:
+            events = self.engine.generate(
+                "", self.prepared.params, cancel=self.cancel, prompt_ids=self.prepared.prompt_ids
+            )
+            for event in events:
+                now = time.perf_counter()
+                if event.token_id is not None:
+                    if previous is None:
+                        self.metrics.observe_ttft(now - self.arrival)
+                    else:
+                        self.metrics.observe_itl(now - previous)
+                    previous = now
+                elif event.timings is not None and event.finish_reason is not None:
+                    t = event.timings
+                    self.metrics.finish(
+                        event.finish_reason, t.prompt_tokens, t.generated_tokens, now - self.arrival
+                    )
+                put(event)
+        except BaseException as e:
+            log.exception("generation failed")
+            put(e)
+        finally:
+            # RuntimeError: the loop has closed, so nothing waits for the slot any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self.ticket.release)

@@ -1,0 +1,114 @@
+"""ASGI middlewares that guard the routes: the API key and the body-size limit.
+
+Both are plain ASGI (not BaseHTTPMiddleware) so streaming responses and disconnect
+messages pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from monokernel.serve.errors import error_body
+
+
+async def send_error(
+    scope: Scope,
+    send: Send,
+    status: int,
+    message: str,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> None:
+    state = getattr(getattr(scope.get("app"), "state", None), "monokernel", None)
+    if state is not None:  # counted like the refusals the routes make
+        state.metrics.reject(status)
+    body = json.dumps(error_body(status, message, None, code)).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+class ApiKeyMiddleware:
+    """``Authorization: Bearer KEY`` on /v1/*; the page, /health and /metrics stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = (_header(scope, b"authorization") or "").encode("latin-1")
+            if not hmac.compare_digest(given, self.expected):
+                message = (
+                    "missing API key: send 'Authorization: Bearer KEY'"
+                    if not given
+                    else "incorrect API key"
+                )
+                await send_error(
+                    scope, send, 401, message, "invalid_api_key", {"WWW-Authenticate": "Bearer"}
+                )
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over ``max_bytes`` with 413, whether or not Content-Length is sent.
+
+    Request bodies are small JSON, so the body is read here in full (up to the limit) and
+    replayed to the app; later ``receive`` calls go to the server, so the routes still see
+    the client's disconnect.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        too_big = (
+            f"the request body is over the limit of {self.max_bytes} bytes "
+            "(the server's --max-body-bytes)"
+        )
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await send_error(scope, send, 413, too_big, "request_too_large")
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await send_error(scope, send, 413, too_big, "request_too_large")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                body: dict[str, Any] = {"type": "http.request", "body": b"".join(chunks)}
+                return body | {"more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

@@ -1,0 +1,187 @@
+"""The OpenAI wire format: request bodies (pydantic) and response/chunk builders.
+
+Fields that change the output but that this engine does not implement (``logprobs``,
+``tools``, penalties, ...) are accepted only at their neutral value and refused otherwise
+(see ``params.unsupported_fields``), so nothing a client asks for is silently dropped.
+Unknown extra fields are ignored, as OpenAI's API does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from monokernel.runtime.engine import Timings
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # vLLM's extras, accepted as top-level body fields (`extra_body` in the openai client).
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    # Accepted only at their neutral values.
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    # A string, one-string list, token ids, or one list of token ids.
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (name, tool_calls, ...) reach the chat template unchanged.
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def timings_json(t: Timings, queue_s: float) -> dict[str, float | int]:
+    """llama.cpp-style timings. ``prompt_ms`` is the engine's TTFT (prefill plus the first
+    token); ``predicted_per_second`` counts the tokens after the first over the time after
+    it, i.e. the steady decode rate. ``queue_ms`` is time spent waiting for the engine."""
+    prompt_ms = t.ttft_s * 1e3
+    predicted_ms = t.decode_s * 1e3
+    decode_steps = max(t.generated_tokens - 1, 0)
+    return {
+        "prompt_n": t.prompt_tokens,
+        "prompt_ms": round(prompt_ms, 3),
+        "prompt_per_token_ms": round(prompt_ms / t.prompt_tokens, 3) if t.prompt_tokens else 0.0,
+        "prompt_per_second": round(t.prompt_tok_s, 3),
+        "predicted_n": t.generated_tokens,
+        "predicted_ms": round(predicted_ms, 3),
+        "predicted_per_token_ms": round(predicted_ms / decode_steps, 3) if decode_steps else 0.0,
+        "predicted_per_second": round(t.decode_tok_s, 3),
+        "ttft_ms": round(prompt_ms, 3),
+        "queue_ms": round(queue_s * 1e3, 3),
+    }
+
+
+def completion_response(
+    rid: str, model: str, text: str, finish: str, prompt_n: int, timings: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "usage": usage(prompt_n, timings["predicted_n"]),
+        "timings": timings,
+    }
+
+
+def chat_response(
+    rid: str, model: str, text: str, finish: str, prompt_n: int, timings: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": now(),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        ],
+        "usage": usage(prompt_n, timings["predicted_n"]),
+        "timings": timings,
+    }
+
+
+class ChunkMaker:
+    """Builds the SSE chunks of one streamed response (completion or chat)."""
+
+    def __init__(self, chat: bool, rid: str, model: str) -> None:
+        self.chat = chat
+        self.rid = rid
+        self.model = model
+        self.created = now()
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        base = {
+            "id": self.rid,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        return base | extra
+
+    def role(self) -> dict[str, Any]:
+        """The chat stream opens with the assistant role, as OpenAI's does."""
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        return self._chunk([choice | {"finish_reason": None}])
+
+    def delta(self, text: str, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": text} if text else {}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice |= {"logprobs": None, "finish_reason": finish}
+        return self._chunk([choice], **extra)
+
+    def usage(self, prompt_n: int, completion_n: int, **extra: Any) -> dict[str, Any]:
+        return self._chunk([], usage=usage(prompt_n, completion_n), **extra)

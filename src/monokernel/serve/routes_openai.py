@@ -1,0 +1,150 @@
+"""``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from monokernel.runtime.engine import TokenEvent
+from monokernel.serve import params as P
+from monokernel.serve.body import parse_body
+from monokernel.serve.errors import APIError, error_body
+from monokernel.serve.generation import Generation
+from monokernel.serve.protocol import (
+    ChatCompletionRequest,
+    ChunkMaker,
+    CompletionRequest,
+    chat_response,
+    completion_response,
+    new_id,
+    timings_json,
+)
+from monokernel.serve.scheduler import QueueFullError
+from monokernel.serve.state import ServerState, get_state
+
+log = logging.getLogger("monokernel.serve")
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    card: dict[str, Any] = {
+        "id": state.settings.served_model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "monokernel",
+    }
+    if state.engine is not None:
+        card |= {"max_model_len": state.engine.max_model_len, "root": state.engine.source}
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(request: Request) -> Response:
+    return await _serve(request, await parse_body(request, CompletionRequest))
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(request: Request) -> Response:
+    return await _serve(request, await parse_body(request, ChatCompletionRequest))
+
+
+async def _admit(
+    state: ServerState, body: CompletionRequest | ChatCompletionRequest, arrival: float
+) -> Generation:
+    """Validate, tokenise and take a place in the queue; every refusal raises APIError."""
+    engine = state.require_engine()
+    P.check_model(body.model, state.settings.served_model_name)
+    P.unsupported_fields(body)
+    # Tokenising a long prompt takes milliseconds: keep it off the event loop.
+    ids = await asyncio.to_thread(P.encode_prompt, engine, body)
+    prepared = P.prepare(engine, body, ids, state.settings.default_max_tokens_cap)
+    try:
+        ticket = state.scheduler.enter()
+    except QueueFullError as e:
+        retry = {"Retry-After": str(state.settings.retry_after_s)}
+        raise APIError(503, str(e), code="queue_full", headers=retry) from e
+    return Generation(engine, prepared, ticket, state.metrics, arrival, state.engine_thread)
+
+
+async def _serve(request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
+    state = get_state(request)
+    arrival = time.perf_counter()
+    gen = await _admit(state, body, arrival)
+    chat = isinstance(body, ChatCompletionRequest)
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    model = state.settings.served_model_name
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = ChunkMaker(chat, rid, model)
+        return GenerationStream(gen, _sse(gen, request, chunks, include_usage))
+    try:
+        parts: list[str] = []
+        final: TokenEvent | None = None
+        async for event in gen.events(request):
+            parts.append(event.text)
+            if event.finish_reason is not None:
+                final = event
+    finally:
+        gen.abandon()
+    if final is None or final.timings is None or final.finish_reason == "cancelled":
+        # Only reached when the client has gone: nobody reads this.
+        return JSONResponse(error_body(499, "the client closed the request"), status_code=499)
+    timings = timings_json(final.timings, gen.queue_s)
+    build = chat_response if chat else completion_response
+    text = "".join(parts)
+    return JSONResponse(build(rid, model, text, final.finish_reason, gen.prompt_n, timings))
+
+
+def _data(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _sse(
+    gen: Generation, request: Request, chunks: ChunkMaker, include_usage: bool
+) -> AsyncIterator[bytes]:
+    if chunks.chat:
+        yield _data(chunks.role())
+    try:
+        async for event in gen.events(request):
+            if event.finish_reason is None:
+                if event.text:
+                    yield _data(chunks.delta(event.text))
+                continue
+            if event.finish_reason == "cancelled" or event.timings is None:
+                return  # the client has gone
+            timings = timings_json(event.timings, gen.queue_s)
+            yield _data(chunks.delta(event.text, event.finish_reason, timings=timings))
+            if include_usage:
+                completion_n = event.timings.generated_tokens
+                yield _data(chunks.usage(gen.prompt_n, completion_n, timings=timings))
+    except Exception as e:
+        # Headers are out already; report in-band so the client does not hang or guess.
+        log.exception("streamed generation failed")
+        yield _data(error_body(500, f"generation failed: {type(e).__name__}: {e}"))
+    yield b"data: [DONE]\n\n"
+
+
+class GenerationStream(StreamingResponse):
+    """An SSE response that always releases its generation, even when the client leaves
+    before the first byte and the body iterator is never started."""
+
+    def __init__(self, gen: Generation, content: AsyncIterator[bytes]) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.gen = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.abandon()

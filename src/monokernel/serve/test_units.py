@@ -1,0 +1,74 @@
+"""The queue and the metrics on their own, without a server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from monokernel.serve.body import validation_message
+from monokernel.serve.metrics import Metrics
+from monokernel.serve.scheduler import Abandoned, QueueFullError, Scheduler, Ticket
+
+
+def test_scheduler_is_fifo_bounded_and_drops_leavers() -> None:
+    async def scenario() -> list[str]:
+        sched = Scheduler(max_queue=2)
+        first = sched.enter()
+        assert first.granted and sched.running == 1
+        second, third = sched.enter(), sched.enter()
+        with pytest.raises(QueueFullError, match="1 request running and 2 waiting"):
+            sched.enter()
+        order: list[str] = []
+
+        async def run(name: str, ticket: Ticket) -> None:
+            try:
+                await ticket.wait()
+            except Abandoned:
+                order.append(name + " left")
+                return
+            order.append(name)
+            ticket.release()
+
+        tasks = [
+            asyncio.create_task(run("second", second)),
+            asyncio.create_task(run("third", third)),
+        ]
+        await asyncio.sleep(0)
+        second.release()  # its client went away while queued
+        assert sched.waiting == 1
+        first.release()
+        await asyncio.gather(*tasks)
+        assert sched.running == 0 and sched.waiting == 0
+        first.release()  # idempotent
+        return order
+
+    assert asyncio.run(scenario()) == ["second left", "third"]
+
+
+def test_metrics_exposition() -> None:
+    m = Metrics()
+    m.observe_ttft(0.003)
+    m.observe_itl(0.0007)
+    m.observe_itl(3.0)
+    m.finish("length", 10, 5, 0.5)
+    m.reject(400)
+    text = m.render(waiting=2, running=1)
+    assert "# TYPE monokernel_time_to_first_token_seconds histogram" in text
+    assert 'monokernel_time_to_first_token_seconds_bucket{le="0.0025"} 0' in text
+    assert 'monokernel_time_to_first_token_seconds_bucket{le="0.005"} 1' in text
+    assert 'monokernel_inter_token_latency_seconds_bucket{le="+Inf"} 2' in text
+    assert 'monokernel_inter_token_latency_seconds_bucket{le="0.001"} 1' in text
+    assert "monokernel_inter_token_latency_seconds_count 2" in text
+    assert "monokernel_num_requests_waiting 2" in text
+    assert "monokernel_prompt_tokens_total 10" in text
+    assert "monokernel_generation_tokens_total 5" in text
+    assert 'monokernel_request_success_total{finished_reason="length"} 1' in text
+    assert 'monokernel_request_rejected_total{status="400"} 1' in text
+
+
+def test_validation_message_names_the_field() -> None:
+    errors = [{"type": "float_parsing", "loc": ("temperature",), "msg": "Bad", "input": "hot"}]
+    assert validation_message(errors) == ("temperature: Bad (got 'hot')", "temperature")
+    missing = [{"type": "missing", "loc": ("messages", 0, "role"), "msg": "Field required"}]
+    assert validation_message(missing) == ("messages.0.role is required", "messages.0.role")

@@ -1,0 +1,68 @@
+"""Test helpers: a live uvicorn server on a free port in a thread, and a backend wrapper
+that slows decoding down so tests can catch a request mid-generation."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from fastapi import FastAPI
+
+from monokernel.runtime.backends.base import Backend, CancelToken, DecodeRequest
+
+
+class SlowBackend:
+    """Delegates to a real backend, sleeping ``delay_s`` before each token; with
+    ``fail_after`` set, raises after that many tokens (a backend crashing mid-request)."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.delay_s = 0.0
+        self.fail_after: int | None = None
+
+    def stream(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[int]:
+        tokens = self.inner.stream(request, cancel)
+        try:
+            for i, token in enumerate(tokens):
+                if self.fail_after is not None and i >= self.fail_after:
+                    raise RuntimeError("injected backend failure")
+                if self.delay_s:
+                    time.sleep(self.delay_s)
+                yield token
+        finally:
+            tokens.close()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@contextmanager
+def live_server(app: FastAPI, timeout_s: float = 20.0) -> Iterator[str]:
+    """Run ``app`` on 127.0.0.1 at a free port; yields its base URL."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()

@@ -1,0 +1,4 @@
+"""Names the server tests share (importable without FastAPI, unlike ``testing``)."""
+
+MODEL_NAME = "tiny-llama"  # what the test servers serve the tiny model as
+MAX_BODY_BYTES = 64 * 1024  # the shared test server's body limit
