@@ -14,6 +14,8 @@ _SUBCOMMANDS = {
     # name -> module with `main(argv) -> int`, imported only when used
     "bench": "monokernel.bench.cli",
     "serve": "monokernel.serve.cli",
+    "roofline": "monokernel.roofline.cli",
+    "agent-bench": "monokernel.workloads.cli",
 }
 
 
@@ -117,7 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "usage: monokernel {" + ",".join(commands) + "} ...\n\n"
             "  run     generate text from a prompt\n"
             "  bench   measure decode speed and TTFT per engine\n"
-            "  serve   OpenAI-compatible HTTP server with a playground\n\n"
+            "  serve   OpenAI-compatible HTTP server with a playground\n"
+            "  roofline     bandwidth ceiling on batch-1 tokens/s per model and GPU\n"
+            "  agent-bench  time a scripted coding-agent session (prefill/decode/tool)\n\n"
             "`monokernel COMMAND -h` for a command's options."
         )
         return 0 if argv else 2

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build the kernel, run the `gpu` tests, run the benchmark.
+#   scripts/gpu_check.sh OUTDIR            (stages from $MK_STAGES, default "build test bench")
+#   MK_STAGES="build test" scripts/gpu_check.sh "$OUT"
+# Logs and JSON land in OUTDIR; a short table is printed last.
+set -u -o pipefail
+OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR}
+mkdir -p "$OUTDIR"
+cd "$(dirname "$0")/.."
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export MONOKERNEL_CACHE=${MONOKERNEL_CACHE:-/tmp/monokernel-cache}
+STAGES=${MK_STAGES:-build test bench}
+TEST_FILTER=${MK_TEST_FILTER:-}
+BENCH_SHAPES=${MK_BENCH_SHAPES:-llama-3.2-1b qwen2.5-coder-1.5b}
+GEN=${MK_GEN_TOKENS:-512}
+status=0
+
+{ nvidia-smi; nvcc --version; python3 -c 'import torch; print(torch.__version__)'; } \
+  >"$OUTDIR/env.txt" 2>&1
+
+if [[ $STAGES == *build* ]]; then
+  echo "== build" >&2
+  timeout 300 python3 -m monokernel.kernels.prebuild llama-3.2-1b qwen2.5-coder-1.5b odd \
+    smollm2-135m qwen3-0.6b >"$OUTDIR/build.log" 2>&1 || status=1
+  grep -E "registers|spill|stack|: /" "$OUTDIR/build.log" >&2
+fi
+
+if [[ $STAGES == *test* ]]; then
+  echo "== gpu tests" >&2
+  timeout "${MK_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -v -s -p no:cacheprovider \
+    ${TEST_FILTER:+-k "$TEST_FILTER"} src/monokernel >"$OUTDIR/tests.log" 2>&1 || status=1
+  grep -E "PASSED|FAILED|ERROR|rel L2|greedy:|passed|failed" "$OUTDIR/tests.log" | tail -40 >&2
+fi
+
+if [[ $STAGES == *bench* ]]; then
+  for shape in $BENCH_SHAPES; do
+    echo "== bench $shape" >&2
+    timeout "${MK_BENCH_TIMEOUT:-400}" python3 -m monokernel.bench --shape "$shape" \
+      --engines "${MK_ENGINES:-monokernel,torch}" --prompt-tokens 64 --gen-tokens "$GEN" --profile \
+      --json "$OUTDIR/bench-$shape.json" >>"$OUTDIR/bench.log" 2>&1 || status=1
+  done
+  grep -E "^(device:|engine|monokernel|torch|reference)|error" "$OUTDIR/bench.log" | grep -v Warning
+fi
+exit $status

@@ -1,0 +1,64 @@
+"""What the benchmark measures: copy bandwidth, bytes per token, one timed request."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from monokernel.models.config import ModelConfig
+from monokernel.runtime.backends.base import Backend, CancelToken, DecodeRequest
+from monokernel.runtime.sampling import SamplingParams
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """HBM device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    src = torch.randn(nbytes // 4, device=device)  # random data, never zeros
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def bytes_per_token(cfg: ModelConfig, context: float, weight_bytes: int = 2) -> float:
+    """Bytes one decode step must read: every matrix and norm once (the LM head once, the
+    embedding table only as one row), plus the KV cache up to ``context`` positions."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    params = cfg.num_parameters() - v * h + h  # drop the embedding table, keep one row
+    if cfg.tie_word_embeddings:
+        params += v * h  # the tied table is read whole as the LM head
+    kv = cfg.num_layers * 2 * cfg.kv_size * context * weight_bytes
+    return params * weight_bytes + kv
+
+
+@dataclass(frozen=True, slots=True)
+class RunTiming:
+    ttft_s: float  # request start -> first token on the host
+    decode_s_per_token: float  # first token -> last token, per token after the first
+    tokens: int
+
+
+def time_request(backend: Backend, prompt: list[int], gen_tokens: int) -> RunTiming:
+    req = DecodeRequest(tuple(prompt), SamplingParams(temperature=0.0), gen_tokens, frozenset())
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    first = last = t0
+    n = 0
+    for _ in backend.stream(req, CancelToken()):
+        last = time.perf_counter()
+        if n == 0:
+            first = last
+        n += 1
+    per_token = (last - first) / max(n - 1, 1)
+    return RunTiming(first - t0, per_token, n)

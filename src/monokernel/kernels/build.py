@@ -1,0 +1,210 @@
+"""JIT build of the monokernel: nvcc -> cubin, specialised on the model's dimensions, cached.
+
+The cubin's cache key hashes the sources, the -D dimensions, the flags and the target arch,
+so any change rebuilds and nothing stale is ever loaded. Two processes building the same key
+at once are safe: a file lock serialises them, and the cubin is written to a temporary name
+then renamed into place (readers never see a half-written file).
+
+Environment: ``MONOKERNEL_CACHE`` (cache dir, default ``~/.cache/monokernel/kernels``),
+``MONOKERNEL_VERBOSE_BUILD=1`` (print the nvcc command and the ptxas -v report),
+``MONOKERNEL_DEBUG_BUILD=1`` (-lineinfo -G and device asserts), ``MONOKERNEL_NVCC``
+(compiler path), ``MONOKERNEL_NVCC_FLAGS`` (extra flags, e.g. tuning -D defines).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from monokernel.errors import BackendUnavailableError, UnsupportedModelError
+from monokernel.models.config import ModelConfig
+
+CSRC = Path(__file__).parent / "csrc"
+ENTRY = "decode.cu"
+KERNEL_NAME = "mk_decode"
+ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
+THREADS = 512  # MK_THREADS in common.cuh
+BATCH = 6  # MK_BATCH in gemv.cuh
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True, slots=True)
+class KernelDims:
+    """The compile-time shape of one kernel build (the -D defines)."""
+
+    hidden: int
+    q_size: int
+    kv_size: int
+    intermediate: int
+    vocab: int
+    layers: int
+    head_dim: int
+    heads: int
+    kv_heads: int
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> KernelDims:
+        check_supported(cfg)
+        return cls(
+            hidden=cfg.hidden_size,
+            q_size=cfg.q_size,
+            kv_size=cfg.kv_size,
+            intermediate=cfg.intermediate_size,
+            vocab=cfg.vocab_size,
+            layers=cfg.num_layers,
+            head_dim=cfg.head_dim,
+            heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads,
+            qkv_bias=cfg.qkv_bias,
+            o_bias=cfg.o_bias,
+            qk_norm=cfg.qk_norm,
+        )
+
+    def defines(self) -> list[str]:
+        vals = {
+            "MK_H": self.hidden,
+            "MK_Q": self.q_size,
+            "MK_KV": self.kv_size,
+            "MK_I": self.intermediate,
+            "MK_V": self.vocab,
+            "MK_L": self.layers,
+            "MK_D": self.head_dim,
+            "MK_NH": self.heads,
+            "MK_NKV": self.kv_heads,
+            "MK_QKV_BIAS": int(self.qkv_bias),
+            "MK_O_BIAS": int(self.o_bias),
+            "MK_QK_NORM": int(self.qk_norm),
+            "MK_SPLIT_E": self.down_split(),
+        }
+        return [f"-D{k}={v}" for k, v in vals.items()]
+
+    def down_split(self) -> int:
+        """Warps per row of the down projection: the fewest that make each warp's slice one
+        batch of loads (<= BATCH per lane), so rows pipeline without a third buffer."""
+        for split in (1, 2, 4, 8, 16):
+            chunks = self.intermediate // 8
+            if chunks % split == 0 and -(-chunks // split // 32) <= BATCH:
+                return split
+        return 16 if (self.intermediate // 8) % 16 == 0 else 1
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one CTA; mirrors the layout comment in decode.cu."""
+        xs = max(self.hidden, self.q_size, self.intermediate)
+        groups = THREADS // (self.head_dim // 8)
+        attn = 3 * self.head_dim + THREADS + groups * self.head_dim
+        floats_a = (xs + self.hidden + attn + 64 + 3) & ~3
+        return floats_a * 4 + 256 * 8 + 256 * 4 + 16 * 4
+
+
+def check_supported(cfg: ModelConfig) -> None:
+    """Refuse, with the reason, any shape the kernel cannot run exactly."""
+    d = cfg.head_dim
+    if d % 8 or d > MAX_HEAD_DIM:
+        raise UnsupportedModelError(
+            f"the monokernel needs head_dim to be a multiple of 8 and at most {MAX_HEAD_DIM}; "
+            f"got {d}"
+        )
+    for name, size in (
+        ("hidden_size", cfg.hidden_size),
+        ("intermediate_size", cfg.intermediate_size),
+    ):
+        if size % 8:
+            raise UnsupportedModelError(
+                f"the monokernel needs {name} to be a multiple of 8 (16-byte loads); got {size}"
+            )
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("MONOKERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "monokernel" / "kernels"
+
+
+def find_nvcc() -> str:
+    cand = os.environ.get("MONOKERNEL_NVCC") or shutil.which("nvcc")
+    if not cand:
+        cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+        path = Path(cuda_home) / "bin" / "nvcc"
+        cand = str(path) if path.is_file() else None
+    if not cand:
+        raise BackendUnavailableError(
+            "the monokernel is built at first use with nvcc, which was not found "
+            "(set MONOKERNEL_NVCC or CUDA_HOME, or put nvcc on PATH)"
+        )
+    return cand
+
+
+def _flags(debug: bool) -> list[str]:
+    flags = ["-O3", "-std=c++17", *ARCH_FLAGS, "-cubin"]
+    # Tuning knobs for experiments, e.g. "-DMK_PREFETCH_BYTES=4096" (part of the cache key).
+    flags += os.environ.get("MONOKERNEL_NVCC_FLAGS", "").split()
+    if debug:
+        flags += ["-lineinfo", "-G", "-DMK_DEBUG=1"]
+    return flags
+
+
+def _source_digest() -> str:
+    h = hashlib.sha256()
+    for f in sorted(CSRC.glob("*.cu*")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def nvcc_command(dims: KernelDims, out: Path, debug: bool = False) -> list[str]:
+    return [
+        find_nvcc(),
+        *_flags(debug),
+        "-Xptxas",
+        "-v",
+        *dims.defines(),
+        "-o",
+        str(out),
+        str(CSRC / ENTRY),
+    ]
+
+
+def cubin_path(dims: KernelDims, debug: bool | None = None) -> Path:
+    if debug is None:
+        debug = os.environ.get("MONOKERNEL_DEBUG_BUILD") == "1"
+    key = hashlib.sha256(
+        "\n".join([_source_digest(), *dims.defines(), *_flags(debug)]).encode()
+    ).hexdigest()[:24]
+    return cache_dir() / f"mk_decode-{key}.cubin"
+
+
+def build(dims: KernelDims, debug: bool | None = None) -> Path:
+    """The cubin for ``dims``, compiled now unless the cache already holds it."""
+    if debug is None:
+        debug = os.environ.get("MONOKERNEL_DEBUG_BUILD") == "1"
+    verbose = os.environ.get("MONOKERNEL_VERBOSE_BUILD") == "1"
+    target = cubin_path(dims, debug)
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():  # another process finished it while we waited
+            return target
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        cmd = nvcc_command(dims, tmp, debug)
+        if verbose:
+            print("monokernel build:", " ".join(cmd), file=sys.stderr)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if verbose:
+            print(proc.stdout + proc.stderr, file=sys.stderr)
+        if proc.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise BackendUnavailableError(
+                f"nvcc failed building the monokernel ({' '.join(cmd)}):\n{proc.stderr[-4000:]}"
+            )
+        os.replace(tmp, target)
+    return target

@@ -1,0 +1,151 @@
+// Shared helpers of the persistent decode kernel: loads, reductions, the grid barrier.
+//
+// Model dimensions arrive as -D defines (build.py): MK_H hidden, MK_Q = heads*head_dim,
+// MK_KV = kv_heads*head_dim, MK_I intermediate, MK_V vocab, MK_L layers, MK_D head_dim,
+// MK_NH heads, MK_NKV kv heads, and the 0/1 feature flags MK_QKV_BIAS, MK_O_BIAS, MK_QK_NORM.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#ifndef MK_H
+// A bare `nvcc -c decode.cu` (CI's compile check) gets the Llama-3.2-1B shape; build.py
+// always passes every dimension, so a real build never falls back to these.
+#define MK_H 2048
+#define MK_Q 2048
+#define MK_KV 512
+#define MK_I 8192
+#define MK_V 128256
+#define MK_L 16
+#define MK_D 64
+#define MK_NH 32
+#define MK_NKV 8
+#define MK_QKV_BIAS 0
+#define MK_O_BIAS 0
+#define MK_QK_NORM 0
+#endif
+
+#define MK_THREADS 512
+#define MK_WARPS (MK_THREADS / 32)
+
+#if (MK_H % 8) || (MK_Q % 8) || (MK_I % 8) || (MK_D % 8)
+#error "hidden, q, intermediate sizes and head_dim must be multiples of 8 (16-byte loads)"
+#endif
+#if MK_D > 256
+#error "head_dim above 256 is not supported"
+#endif
+
+typedef __nv_bfloat16 bf16;
+
+#ifdef MK_DEBUG
+#define MK_ASSERT(c) assert(c)
+#include <assert.h>
+#else
+#define MK_ASSERT(c)
+#endif
+
+// Weights are read once per token and never reused by the same SM: keep them out of L1.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+// Activations are written by other CTAs during the launch: read them from L2, never L1.
+__device__ __forceinline__ float ld_act(const float* p) { return __ldcg(p); }
+
+__device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Block-wide sum in a fixed order (deterministic). red: >= MK_WARPS + 1 floats of smem.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float t = lane < MK_WARPS ? red[lane] : 0.f;
+    t = warp_sum(t);
+    if (lane == 0) red[MK_WARPS] = t;
+  }
+  __syncthreads();
+  return red[MK_WARPS];
+}
+
+__device__ __forceinline__ float block_max(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float t = lane < MK_WARPS ? red[lane] : -INFINITY;
+    t = warp_max(t);
+    if (lane == 0) red[MK_WARPS] = t;
+  }
+  __syncthreads();
+  return red[MK_WARPS];
+}
+
+// (score, id) pairs: larger score wins, ties to the lower id (the sampling rule's tie-break).
+__device__ __forceinline__ bool better(float s, int i, float bs, int bi) {
+  return s > bs || (s == bs && i < bi);
+}
+
+__device__ __forceinline__ void warp_argmax(float& s, int& i) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    float os = __shfl_xor_sync(0xffffffffu, s, o);
+    int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (better(os, oi, s, i)) { s = os; i = oi; }
+  }
+}
+
+// Grid barrier on one monotonic counter (zeroed by the host before each launch, never
+// during it): the k-th barrier of the launch waits until the counter reaches k * gridDim.x.
+// `target` is the CTA's private count of barriers passed, so no reset race exists.
+//
+// Split in two so that the next stage's weight loads can be issued between arrival and
+// wait: the fence of the arrival then does not have to wait for those loads to land.
+__device__ __forceinline__ void grid_arrive(unsigned* counter, unsigned& target) {
+  __syncthreads();  // every thread's writes of this stage precede thread 0's release
+  target += gridDim.x;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(counter), "r"(1u) : "memory");
+  }
+}
+
+__device__ __forceinline__ void grid_wait(const unsigned* counter, unsigned target) {
+  if (threadIdx.x == 0) {
+    unsigned seen;
+    long long t0 = clock64();
+    while (true) {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+      if ((int)(seen - target) >= 0) break;
+      // A CTA that never arrives means a bug: fail loudly after ~10 s instead of hanging.
+      if (clock64() - t0 > 20000000000LL) __trap();
+    }
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned& target) {
+  grid_arrive(counter, target);
+  grid_wait(counter, target);
+}

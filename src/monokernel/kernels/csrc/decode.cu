@@ -1,0 +1,289 @@
+// The monokernel: one persistent CTA per SM runs every decode step of a request.
+//
+// Per token: embedding -> per layer [A: norm+QKV | B: qk-norm+RoPE+KV append+attention |
+// C: O-proj+residual | D: norm+gate/up+SiLU*mul | E: down+residual] -> F: final norm + LM
+// head + per-CTA best (score, id) -> sampling -> stop check -> token to host-mapped memory.
+// Stages are separated by a grid barrier. Between arriving at one and waiting at it, each warp
+// issues the first loads of its first row of the next stage (gemv.cuh), so HBM keeps
+// streaming meanwhile and the arrival's fence never waits for those loads.
+#include "attention.cuh"
+#include "gemv.cuh"
+#include "params.cuh"
+#include "sampling.cuh"
+
+#define MK_QKV (MK_Q + 2 * MK_KV)
+// Warps sharing one row (split-K) per stage; see gemv_split.
+#ifndef MK_SPLIT_A
+#define MK_SPLIT_A 2
+#endif
+#ifndef MK_SPLIT_C
+#define MK_SPLIT_C 2
+#endif
+#ifndef MK_SPLIT_E
+#define MK_SPLIT_E 4
+#endif
+// The LM head shares stage A's split (and register buffer): a buffer issued on one path
+// only would stay live through every layer and spill.
+#define MK_SPLIT_F MK_SPLIT_A
+#define MK_MAX2(a, b) ((a) > (b) ? (a) : (b))
+#define MK_XS MK_MAX2(MK_MAX2(MK_H, MK_Q), MK_I)
+
+// Shared memory, in floats: xs [MK_XS] | xres [MK_H] | attention [MK_ATTN_SMEM] | red [64] |
+// h64 [256 x u64] | h32 [256] | misc [16]. build.py computes the same total.
+#define MK_SMEM_FLOATS_A (((MK_XS + MK_H + MK_ATTN_SMEM + 64) + 3) & ~3)
+
+// xs[0..K) <- src (fp32, written by other CTAs); optionally RMS-normalised in place.
+// gain (may be null): the norm's gain when it was not folded into the next matrix.
+template <int K>
+__device__ __forceinline__ void load_vec(float* xs, const float* src, bool norm, float eps,
+                                         float* red, const float* gain = nullptr) {
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < K; i += MK_THREADS) {
+    const float v = ld_act(src + i);
+    xs[i] = v;
+    ss += v * v;
+  }
+  if (norm) {
+    const float r = rsqrtf(block_sum(ss, red) / K + eps);
+    if (gain) {
+      for (int i = threadIdx.x; i < K; i += MK_THREADS) xs[i] *= r * gain[i];
+    } else {
+      for (int i = threadIdx.x; i < K; i += MK_THREADS) xs[i] *= r;
+    }
+  }
+  __syncthreads();
+}
+
+// A valid row for a warp that has none in a stage: its early loads stay harmless, and every
+// register buffer is written on every path (no values carried around the loops, no spills).
+__device__ __forceinline__ size_t clamp_row(int r, int rows) {
+  return (size_t)(r < rows ? r : rows - 1);
+}
+
+__device__ __forceinline__ void mark(const Params& p, int step, int idx) {
+  if (p.timing && step == p.timing_step && blockIdx.x == 0 && threadIdx.x == 0)
+    p.timing[idx] = clock64();
+}
+
+extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Params p) {
+  extern __shared__ __align__(16) float smem[];
+  float* xs = smem;              // [XS] the current stage's input vector
+  float* xres = xs + MK_XS;      // [H]  residual after attention, from D to E
+  float* att = xres + MK_H;
+  float* red = att + MK_ATTN_SMEM;
+  SampleScratch ss;
+  ss.h64 = reinterpret_cast<unsigned long long*>(smem + MK_SMEM_FLOATS_A);
+  ss.h32 = reinterpret_cast<unsigned*>(ss.h64 + 256);
+  ss.misc = reinterpret_cast<int*>(ss.h32 + 256);
+  ss.red = red;
+
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int gw = blockIdx.x * MK_WARPS + warp;  // this warp's rank in the grid (gate/up)
+  const int tw = gridDim.x * MK_WARPS;          // warps in the grid
+  const bool greedy = p.temperature == 0.f;
+  const bool filtered = !greedy && ((p.top_k > 0 && p.top_k < MK_V) || p.top_p < 1.f);
+  unsigned bar = 0;
+  int token = p.first_token;
+
+  // First batches held in registers across barriers, one buffer per stage shape.
+  using SA = Split<MK_H, MK_SPLIT_A>;
+  using SC = Split<MK_Q, MK_SPLIT_C>;
+  using SE = Split<MK_I, MK_SPLIT_E>;
+  uint4 preA[SA::Shape::B], preC[SC::Shape::B], preE[SE::Shape::B];  // preA also serves F
+  uint4 preG[RowShape<MK_H, MK_BATCH2>::B], preU[RowShape<MK_H, MK_BATCH2>::B];
+  float* part = att;  // split-K partial sums [WARPS, SLOTS]; attention scratch is idle then
+  issue_first<SA::KP, MK_BATCH>(preA, split_first<MK_H, MK_SPLIT_A>(p.layers[0].wqkv, MK_QKV, warp),
+                                lane);
+
+  for (int step = 0; step < p.n_steps; ++step) {
+    const int pos = p.start_pos + step;
+    const int in_tok = p.forced ? p.forced[step] : token;
+    int mk = 0;  // timing slot
+    if (p.timing && step == p.timing_step && blockIdx.x == 0 && t == 0) {
+      unsigned long long g;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+      p.timing[10 * MK_L + 5] = (long long)g;
+    }
+    mark(p, step, mk++);
+    for (int layer = 0; layer < MK_L; ++layer) {
+      const LayerWeights lw = p.layers[layer];
+      // ---- A: RMSNorm + QKV projection -> qkv [QKV]
+      if (layer == 0) {
+        const bf16* row = p.embed + (size_t)in_tok * MK_H;
+        float s2 = 0.f;
+        for (int i = t; i < MK_H; i += MK_THREADS) {
+          const float v = __bfloat162float(row[i]);
+          xs[i] = v;
+          s2 += v * v;
+          if (blockIdx.x == 0) p.x[i] = v;
+        }
+        const float r = rsqrtf(block_sum(s2, red) / MK_H + p.eps);
+        for (int i = t; i < MK_H; i += MK_THREADS)
+          xs[i] *= lw.attn_gain ? r * lw.attn_gain[i] : r;
+        __syncthreads();
+      } else {
+        load_vec<MK_H>(xs, p.x, true, p.eps, red, lw.attn_gain);
+      }
+      gemv_split<MK_H, MK_SPLIT_A>(lw.wqkv, MK_QKV, xs, part, warp, lane, preA,
+                                   [&](int r, float d) {
+#if MK_QKV_BIAS
+                                     d += lw.bqkv[r];
+#endif
+                                     p.qkv[r] = d;
+                                   });
+      mark(p, step, mk++);
+      grid_barrier(p.barrier, bar);  // (stage B's units issue no early loads)
+      mark(p, step, mk++);
+
+      // ---- B: attention, one CTA per (query head, position range) -> attn, attn_ml
+      for (int u = blockIdx.x; u < MK_NH * p.attn_splits; u += gridDim.x)
+        attention_head(p, lw, layer, u / p.attn_splits, u % p.attn_splits, pos,
+                       (unsigned)(step * MK_L + layer + 1), att, red);
+      grid_arrive(p.barrier, bar);
+      issue_first<SC::KP, MK_BATCH>(preC, split_first<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, warp), lane);
+      mark(p, step, mk++);
+      grid_wait(p.barrier, bar);
+      mark(p, step, mk++);
+
+      // ---- C: O projection -> delta [H]
+      load_vec<MK_Q>(xs, p.attn_out, false, p.eps, red);
+      gemv_split<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, xs, part, warp, lane, preC, [&](int r, float d) {
+#if MK_O_BIAS
+        d += lw.bo[r];
+#endif
+        p.delta[r] = d;
+      });
+      grid_arrive(p.barrier, bar);
+      issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * clamp_row(gw, MK_I) * MK_H, lane);
+      issue_first<MK_H, MK_BATCH2>(preU, lw.wgu + (2 * clamp_row(gw, MK_I) + 1) * MK_H, lane);
+      mark(p, step, mk++);
+      grid_wait(p.barrier, bar);
+      mark(p, step, mk++);
+
+      // ---- D: residual (x + delta, kept in xres for E) + RMSNorm + gate/up + SiLU*mul -> act
+      {
+        float s2 = 0.f;
+        for (int i = t; i < MK_H; i += MK_THREADS) {
+          const float v = ld_act(p.x + i) + ld_act(p.delta + i);
+          xres[i] = v;
+          s2 += v * v;
+        }
+        const float r = rsqrtf(block_sum(s2, red) / MK_H + p.eps);
+        for (int i = t; i < MK_H; i += MK_THREADS)
+          xs[i] = xres[i] * (lw.ffn_gain ? r * lw.ffn_gain[i] : r);
+        __syncthreads();
+      }
+      gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xs, lane, preG, preU, [&](int r, float g, float u) {
+        if (lane == 0) p.act[r] = g / (1.f + expf(-g)) * u;
+      });
+      grid_arrive(p.barrier, bar);
+      issue_first<SE::KP, MK_BATCH>(preE, split_first<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, warp),
+                                    lane);
+      mark(p, step, mk++);
+      grid_wait(p.barrier, bar);
+      mark(p, step, mk++);
+
+      // ---- E: down projection + residual -> x [H]
+      load_vec<MK_I>(xs, p.act, false, p.eps, red);
+      gemv_split<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, xs, part, warp, lane, preE,
+                                   [&](int r, float d) { p.x[r] = xres[r] + d; });
+      const bf16* next_first =
+          layer + 1 < MK_L
+              ? split_first<MK_H, MK_SPLIT_A>(p.layers[layer + 1].wqkv, MK_QKV, warp)
+              : split_first<MK_H, MK_SPLIT_F>(p.lm_head, MK_V, warp);
+      grid_arrive(p.barrier, bar);
+      issue_first<SA::KP, MK_BATCH>(preA, next_first, lane);
+      mark(p, step, mk++);
+      grid_wait(p.barrier, bar);
+      mark(p, step, mk++);
+    }
+
+    // ---- F: final RMSNorm + LM head + this CTA's best draw
+    load_vec<MK_H>(xs, p.x, true, p.eps, red, p.norm_gain);
+    const uint32_t key = draw_key(p.seed_lo, p.seed_hi, pos + 1);  // position of the new token
+    float best = -INFINITY;
+    int best_id = 0x7fffffff;
+    gemv_split<MK_H, MK_SPLIT_F>(p.lm_head, MK_V, xs, part, warp, lane, preA,
+                                 [&](int r, float logit) {
+      p.logits[r] = logit;
+      if (p.debug_logits) p.debug_logits[(size_t)step * MK_V + r] = logit;
+      const float sc = greedy ? logit : logit / p.temperature + gumbel(key, r);
+      if (better(sc, r, best, best_id)) { best = sc; best_id = r; }
+    });
+    warp_argmax(best, best_id);
+    if (lane == 0) {
+      red[warp] = best;
+      ss.h32[warp] = (unsigned)best_id;
+    }
+    __syncthreads();
+    if (t == 0) {
+      float b = red[0];
+      int bi = (int)ss.h32[0];
+      for (int w = 1; w < MK_WARPS; ++w)
+        if (better(red[w], (int)ss.h32[w], b, bi)) { b = red[w]; bi = (int)ss.h32[w]; }
+      p.part_score[blockIdx.x] = b;
+      p.part_id[blockIdx.x] = bi;
+      if (blockIdx.x == 0) p.flags[0] = *p.host_cancel != 0;  // one PCIe read per token
+    }
+    grid_arrive(p.barrier, bar);
+    issue_first<SA::KP, MK_BATCH>(
+        preA, split_first<MK_H, MK_SPLIT_A>(p.layers[0].wqkv, MK_QKV, warp), lane);
+    mark(p, step, mk++);
+    grid_wait(p.barrier, bar);
+    mark(p, step, mk++);
+
+    // ---- sampling: every CTA reduces the partials itself (no extra barrier), unless
+    // top-k/top-p needs the whole distribution: then CTA 0 draws and publishes the token.
+    int next;
+    if (filtered) {
+      if (blockIdx.x == 0) {
+        next = sample_filtered(p, key, ss);
+        if (t == 0) p.flags[1] = next;
+      }
+      grid_barrier(p.barrier, bar);
+      next = __ldcg(p.flags + 1);
+    } else {
+      float b = -INFINITY;
+      int bi = 0x7fffffff;
+      for (int c = t; c < (int)gridDim.x; c += MK_THREADS) {
+        const float s = __ldcg(p.part_score + c);
+        const int i = __ldcg(p.part_id + c);
+        if (better(s, i, b, bi)) { b = s; bi = i; }
+      }
+      warp_argmax(b, bi);
+      __syncthreads();
+      if (lane == 0) {
+        red[warp] = b;
+        ss.h32[warp] = (unsigned)bi;
+      }
+      __syncthreads();
+      if (t == 0) {
+        for (int w = 1; w < MK_WARPS; ++w)
+          if (better(red[w], (int)ss.h32[w], b, bi)) { b = red[w]; bi = (int)ss.h32[w]; }
+        ss.misc[0] = bi;
+      }
+      __syncthreads();
+      next = ss.misc[0];
+      __syncthreads();
+    }
+    bool done = step + 1 == p.n_steps || __ldcg(p.flags) != 0;
+    for (int i = 0; i < p.n_stop; ++i) done |= p.stop_ids[i] == next;
+    if (blockIdx.x == 0 && t == 0) {
+      p.host_out[2 + step] = next;
+      __threadfence_system();  // the token lands before the count that publishes it
+      p.host_out[0] = step + 1;
+      if (done) {
+        __threadfence_system();
+        p.host_out[1] = 1;
+      }
+    }
+    mark(p, step, mk++);
+    if (p.timing && step == p.timing_step && blockIdx.x == 0 && t == 0) {
+      unsigned long long g;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+      p.timing[mk] = (long long)g;  // with slot 10L+5: ns for the clock64 marks' cycles
+    }
+    token = next;
+    if (done) break;
+  }
+}

@@ -1,0 +1,224 @@
+// Warp-per-row GEMV on CUDA cores: bf16 weights streamed with 16-byte loads, fp32 input in
+// shared memory, fp32 accumulation.
+//
+// A warp's rows form a software pipeline: the first batch of loads of row r+step is issued
+// before row r is reduced, and the first batch of a stage's first row is issued *before* the
+// grid barrier that precedes the stage (see decode.cu), so HBM keeps streaming while CTAs
+// wait and while the stage's input vector is being loaded.
+#pragma once
+#include "common.cuh"
+
+#ifndef MK_BATCH
+#define MK_BATCH 6   // 16-byte loads in flight per lane, one row (8 spills registers)
+#endif
+#ifndef MK_BATCH2
+#define MK_BATCH2 6  // per row when two rows (gate, up) stream together
+#endif
+
+template <int K, int BATCH>
+struct RowShape {
+  static constexpr int C = K / 8;                    // 16-byte chunks in a row
+  static constexpr int N = (C + 31) / 32;            // chunks per lane
+  static constexpr int B = N < BATCH ? N : BATCH;    // loads per lane per batch
+};
+
+// Issue the first batch of one row's loads into registers.
+template <int K, int BATCH>
+__device__ __forceinline__ void issue_first(uint4 (&buf)[RowShape<K, BATCH>::B],
+                                            const bf16* __restrict__ w, int lane) {
+  using S = RowShape<K, BATCH>;
+  const uint4* wp = reinterpret_cast<const uint4*>(w);
+#pragma unroll
+  for (int i = 0; i < S::B; ++i) {
+    const int c = i * 32 + lane;
+    buf[i] = c < S::C ? ld_stream(wp + c) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+__device__ __forceinline__ float dot8(const uint4 u, const float* __restrict__ xs, int c) {
+  const float4* xp = reinterpret_cast<const float4*>(xs);
+  const float4 a = xp[2 * c], b = xp[2 * c + 1];
+  float acc = bf_lo(u.x) * a.x;
+  acc = fmaf(bf_hi(u.x), a.y, acc);
+  acc = fmaf(bf_lo(u.y), a.z, acc);
+  acc = fmaf(bf_hi(u.y), a.w, acc);
+  acc = fmaf(bf_lo(u.z), b.x, acc);
+  acc = fmaf(bf_hi(u.z), b.y, acc);
+  acc = fmaf(bf_lo(u.w), b.z, acc);
+  acc = fmaf(bf_hi(u.w), b.w, acc);
+  return acc;
+}
+
+// Lane-partial dot of row w with xs; the first batch was issued earlier into `first`.
+template <int K, int BATCH>
+__device__ __forceinline__ float row_partial(const uint4 (&first)[RowShape<K, BATCH>::B],
+                                             const bf16* __restrict__ w,
+                                             const float* __restrict__ xs, int lane) {
+  using S = RowShape<K, BATCH>;
+  const uint4* wp = reinterpret_cast<const uint4*>(w);
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < S::B; ++i) {
+    const int c = i * 32 + lane;
+    if (c < S::C) acc += dot8(first[i], xs, c);
+  }
+#pragma unroll
+  for (int b0 = S::B; b0 < S::N; b0 += S::B) {
+    uint4 buf[S::B];
+#pragma unroll
+    for (int i = 0; i < S::B; ++i) {
+      const int c = (b0 + i) * 32 + lane;
+      if (b0 + i < S::N && c < S::C) buf[i] = ld_stream(wp + c);
+    }
+#pragma unroll
+    for (int i = 0; i < S::B; ++i) {
+      const int c = (b0 + i) * 32 + lane;
+      if (b0 + i < S::N && c < S::C) acc += dot8(buf[i], xs, c);
+    }
+  }
+  return acc;
+}
+
+// One stage's rows for this warp: rows r0, r0+step, ... < rows of W [rows, K]. `pre` holds
+// the first batch of row r0 (issued by the caller, possibly before a grid barrier).
+// out(r, value) is called on every lane with the full dot product.
+template <int K, class Out>
+__device__ __forceinline__ void gemv_rows(const bf16* __restrict__ W, int rows, int r0, int step,
+                                          const float* __restrict__ xs, int lane,
+                                          uint4 (&pre)[RowShape<K, MK_BATCH>::B], Out out) {
+  using S = RowShape<K, MK_BATCH>;
+  // Rows longer than one batch keep loads in flight by themselves; pipelining them across
+  // rows as well would need a third register buffer and spill.
+  constexpr bool PIPE = S::N <= S::B;
+  for (int r = r0; r < rows; r += step) {
+    uint4 nxt[S::B];
+    const int rn = r + step;
+    if (PIPE) issue_first<K, MK_BATCH>(nxt, W + (size_t)(rn < rows ? rn : r) * K, lane);
+    const float d = warp_sum(row_partial<K, MK_BATCH>(pre, W + (size_t)r * K, xs, lane));
+    out(r, d);
+    if (!PIPE) issue_first<K, MK_BATCH>(nxt, W + (size_t)(rn < rows ? rn : r) * K, lane);
+#pragma unroll
+    for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
+  }
+}
+
+// Split-K GEMV: SPLIT consecutive warps of a CTA share each row, one K/SPLIT slice each,
+// so short stages get more loads in flight and rows balance over fewer, larger units.
+// Partial sums meet in shared memory (fixed order: deterministic, no atomics).
+// Unit u = blockIdx * (WARPS/SPLIT) + warp/SPLIT owns rows u, u + units, ...
+template <int K, int SPLIT>
+struct Split {
+  static constexpr int S = (K % (8 * SPLIT) == 0) ? SPLIT : 1;  // else no split
+  static constexpr int KP = K / S;                               // slice length
+  static constexpr int GROUPS = MK_WARPS / S;                    // units per CTA
+  using Shape = RowShape<KP, MK_BATCH>;
+};
+
+// This warp's first row slice of a split GEMV over W [rows, K] (clamped: always valid).
+template <int K, int SPLIT>
+__device__ __forceinline__ const bf16* split_first(const bf16* W, int rows, int warp) {
+  using P = Split<K, SPLIT>;
+  const int unit = blockIdx.x * P::GROUPS + warp / P::S;
+  const int r = unit < rows ? unit : rows - 1;
+  return W + (size_t)r * K + (warp % P::S) * P::KP;
+}
+
+#define MK_SPLIT_SLOTS 32  // rows per unit combined per round; part[] is WARPS x SLOTS floats
+
+// out(r, value) is called once per row, by one thread. All threads of the CTA must call.
+template <int K, int SPLIT, class Out>
+__device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
+                                           const float* __restrict__ xs, float* part, int warp,
+                                           int lane,
+                                           uint4 (&pre)[Split<K, SPLIT>::Shape::B], Out out) {
+  using P = Split<K, SPLIT>;
+  using S = typename P::Shape;
+  constexpr bool PIPE = S::N <= S::B;
+  const int units = gridDim.x * P::GROUPS;
+  const int g = warp / P::S, s = warp % P::S;
+  const int u0 = blockIdx.x * P::GROUPS + g;
+  const int iters = (rows - (int)blockIdx.x * P::GROUPS + units - 1) / units;  // max over groups
+  const float* xp = xs + s * P::KP;
+  for (int it0 = 0; it0 < iters; it0 += MK_SPLIT_SLOTS) {
+    const int it1 = min(iters, it0 + MK_SPLIT_SLOTS);
+    for (int it = it0; it < it1; ++it) {
+      const int r = u0 + it * units;
+      const int rn = r + units;
+      uint4 nxt[S::B];
+      const bf16* wn = W + (size_t)(rn < rows ? rn : (r < rows ? r : rows - 1)) * K + s * P::KP;
+      if (PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane);
+      float d = 0.f;
+      if (r < rows) d = warp_sum(row_partial<P::KP, MK_BATCH>(pre, W + (size_t)r * K + s * P::KP,
+                                                             xp, lane));
+      if (lane == 0) part[warp * MK_SPLIT_SLOTS + (it - it0)] = d;
+      if (!PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane);
+#pragma unroll
+      for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
+    }
+    __syncthreads();
+    // Thread (group gg, slot j) adds the slices of row u(gg) + (it0 + j) * units.
+    for (int q = threadIdx.x; q < P::GROUPS * MK_SPLIT_SLOTS; q += MK_THREADS) {
+      const int gg = q / MK_SPLIT_SLOTS, j = q % MK_SPLIT_SLOTS;
+      const int r = blockIdx.x * P::GROUPS + gg + (it0 + j) * units;
+      if (it0 + j < it1 && r < rows) {
+        float v = 0.f;
+#pragma unroll
+        for (int k = 0; k < P::S; ++k) v += part[(gg * P::S + k) * MK_SPLIT_SLOTS + j];
+        out(r, v);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// Row pairs (2p, 2p+1) of W [2*pairs, K] (gate/up interleaved): out(p, dot0, dot1).
+template <int K, class Out>
+__device__ __forceinline__ void gemv_pairs(const bf16* __restrict__ W, int pairs, int p0, int step,
+                                           const float* __restrict__ xs, int lane,
+                                           uint4 (&pre0)[RowShape<K, MK_BATCH2>::B],
+                                           uint4 (&pre1)[RowShape<K, MK_BATCH2>::B], Out out) {
+  using S = RowShape<K, MK_BATCH2>;
+  // Two rows already stream together; a second pair in flight would need 128 registers.
+  constexpr bool PIPE = false;
+  for (int p = p0; p < pairs; p += step) {
+    uint4 n0[S::B], n1[S::B];
+    const int pn = p + step;
+    const size_t q = (size_t)(pn < pairs ? pn : p);
+    if (PIPE) {
+      issue_first<K, MK_BATCH2>(n0, W + (2 * q) * K, lane);
+      issue_first<K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane);
+    }
+    // While row 2p is reduced, row 2p+1's first batch is already in flight.
+    const float a = row_partial<K, MK_BATCH2>(pre0, W + (size_t)(2 * p) * K, xs, lane);
+    const float b = row_partial<K, MK_BATCH2>(pre1, W + (size_t)(2 * p + 1) * K, xs, lane);
+    out(p, warp_sum(a), warp_sum(b));
+    if (!PIPE) {
+      issue_first<K, MK_BATCH2>(n0, W + (2 * q) * K, lane);
+      issue_first<K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane);
+    }
+#pragma unroll
+    for (int i = 0; i < S::B; ++i) {
+      pre0[i] = n0[i];
+      pre1[i] = n1[i];
+    }
+  }
+}
+
+// Warm L2 with the first bytes of the rows this warp will read in the next stage, so that
+// HBM keeps streaming while the CTA waits at the grid barrier. Capped per warp: the whole
+// next stage (up to 67 MB for gate/up) would only evict itself from the 50 MB L2.
+#ifndef MK_PREFETCH_BYTES
+#define MK_PREFETCH_BYTES 0
+#endif
+__device__ __forceinline__ void prefetch_rows_l2(const bf16* base, int rows, int row_elems,
+                                                 int first_row, int row_step, int lane) {
+  const int bytes = row_elems * 2;
+  int budget = MK_PREFETCH_BYTES;
+  for (int r = first_row; r < rows && budget > 0; r += row_step) {
+    const char* p = reinterpret_cast<const char*>(base + (size_t)r * row_elems);
+    const int n = bytes < budget ? bytes : budget;
+    for (int off = lane * 128; off < n; off += 32 * 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
+    budget -= n;
+  }
+}

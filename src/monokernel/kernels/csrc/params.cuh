@@ -1,0 +1,60 @@
+// The kernel's one argument. Mirrored field by field by monokernel/kernels/launcher.py
+// (ctypes): pointers first, then 4-byte scalars, so both sides agree on the layout.
+#pragma once
+#include "common.cuh"
+
+struct LayerWeights {               // one entry per layer, in a device array
+  const bf16* wqkv;                 // [Q + 2*KV, H]  rows: q heads, k heads, v heads; attn_norm folded
+  const float* bqkv;                // [Q + 2*KV]     or null
+  const float* q_norm;              // [D]            or null
+  const float* k_norm;              // [D]            or null
+  const bf16* wo;                   // [H, Q]
+  const float* bo;                  // [H]            or null
+  const bf16* wgu;                  // [2*I, H]       row 2r = gate r, 2r+1 = up r; ffn_norm folded
+  const bf16* wdown;                // [H, I]
+  const float* attn_gain;           // [H] or null (null: folded into wqkv)
+  const float* ffn_gain;            // [H] or null (null: folded into wgu)
+};
+
+struct Params {
+  const LayerWeights* layers;       // [L]
+  const bf16* embed;                // [V, H]   unfolded
+  const bf16* lm_head;              // [V, H]   final norm folded (unless norm_gain)
+  const float* norm_gain;           // [H] or null
+  const float* rope_cos;            // [max_len, D/2]
+  const float* rope_sin;            // [max_len, D/2]
+  bf16* k_cache;                    // [L, NKV, max_len, D]
+  bf16* v_cache;                    // [L, NKV, max_len, D]
+  float* x;                         // [H]          residual stream
+  float* qkv;                       // [Q + 2*KV]   projections before norm/RoPE
+  float* attn;                      // [NH, splits, D] unnormalised partial attention outputs
+  float* attn_ml;                   // [NH, splits, 2] their running max and exp-sum
+  float* delta;                     // [H]          O-projection output (residual added in D)
+  float* attn_out;                  // [Q]          merged attention output
+  unsigned* attn_count;             // [NH] ranges finished per head, monotonic, zeroed per launch
+  float* act;                       // [I]          silu(gate) * up
+  float* logits;                    // [V]          this step's logits
+  float* part_score;                // [grid]       best (score, id) of each CTA
+  int* part_id;                     // [grid]
+  int* flags;                       // [4]  [0] cancel seen, [1] token from the slow sampler
+  unsigned* barrier;                // [1]  monotonic grid-barrier counter, zeroed per launch
+  const int* forced;                // [n_steps] input token of each step (teacher forcing) or null
+  float* debug_logits;              // [n_steps, V] or null
+  const int* stop_ids;              // [n_stop]
+  volatile int* host_out;           // host-mapped: [0] count, [1] done, [2 + i] token i
+  volatile int* host_cancel;        // host-mapped: nonzero asks the kernel to stop
+  long long* timing;                // [10L + 6] clock64 stage marks of one step (decode.cu), or null
+  int max_len;
+  int first_token;
+  int start_pos;                    // position of first_token
+  int n_steps;                      // tokens to produce at most
+  int n_stop;
+  int top_k;                        // 0: off
+  float temperature;                // 0: greedy
+  float top_p;                      // 1: off
+  unsigned seed_lo, seed_hi;
+  float eps;
+  int timing_step;                  // the step whose stages `timing` records
+  int attn_splits;                  // position ranges per head (flash-decoding), >= 1
+  int pad_;
+};

@@ -1,0 +1,208 @@
+"""Load the built cubin and launch it through the CUDA driver API (ctypes on libcuda).
+
+No torch extension is compiled: the kernel is a plain cubin, so a build takes seconds and
+needs no C++ toolchain beside nvcc. torch owns the device memory and the primary context;
+this module only loads the module, raises its shared-memory limit, allocates the host-mapped
+words the host and the kernel talk through, and does the cooperative launch (which
+guarantees every CTA is resident at once, as the grid barrier needs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+from monokernel.errors import BackendUnavailableError
+
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_MEMHOSTALLOC_PORTABLE = 0x01
+_CU_MEMHOSTALLOC_DEVICEMAP = 0x02
+_CUDA_ERROR_NOT_READY = 600
+
+_lib: ctypes.CDLL | None = None
+
+
+def driver() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        try:
+            _lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise BackendUnavailableError(f"the CUDA driver (libcuda.so.1) is missing: {e}") from e
+        check(_lib.cuInit(0), "cuInit")
+    return _lib
+
+
+def check(res: int, what: str) -> None:
+    if res == 0:
+        return
+    msg = ctypes.c_char_p()
+    lib = _lib
+    if lib is not None:
+        lib.cuGetErrorString(res, ctypes.byref(msg))
+    text = msg.value.decode() if msg.value else "unknown error"
+    raise RuntimeError(f"{what} failed: CUDA error {res} ({text})")
+
+
+_contexts: dict[int, ctypes.c_void_p] = {}
+
+
+def set_current_context(device_index: int) -> None:
+    """Make the device's primary context (the one torch uses) current on this thread."""
+    lib = driver()
+    ctx = _contexts.get(device_index)
+    if ctx is None:
+        dev = ctypes.c_int()
+        check(lib.cuDeviceGet(ctypes.byref(dev), device_index), "cuDeviceGet")
+        ctx = ctypes.c_void_p()
+        check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        _contexts[device_index] = ctx
+    check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+class HostMapped:
+    """``n`` int32 words of pinned host memory that the kernel reads and writes directly."""
+
+    def __init__(self, n: int) -> None:
+        lib = driver()
+        self.n = n
+        self._host = ctypes.c_void_p()
+        check(
+            lib.cuMemHostAlloc(
+                ctypes.byref(self._host),
+                ctypes.c_size_t(4 * n),
+                ctypes.c_uint(_CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_DEVICEMAP),
+            ),
+            "cuMemHostAlloc",
+        )
+        dptr = ctypes.c_uint64()
+        check(
+            lib.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), self._host, ctypes.c_uint(0)),
+            "cuMemHostGetDevicePointer",
+        )
+        self.device_ptr = dptr.value
+        # Reads through this array go to memory every time (no Python-side caching).
+        self.words = (ctypes.c_int32 * n).from_address(self._host.value)
+        ctypes.memset(self._host.value, 0, 4 * n)
+
+    def free(self) -> None:
+        if self._host.value:
+            driver().cuMemFreeHost(self._host)
+            self._host = ctypes.c_void_p()
+
+
+class KernelParams(ctypes.Structure):
+    """Mirror of ``struct Params`` in csrc/params.cuh (same order, same widths)."""
+
+    _fields_ = [
+        ("layers", ctypes.c_uint64),
+        ("embed", ctypes.c_uint64),
+        ("lm_head", ctypes.c_uint64),
+        ("norm_gain", ctypes.c_uint64),
+        ("rope_cos", ctypes.c_uint64),
+        ("rope_sin", ctypes.c_uint64),
+        ("k_cache", ctypes.c_uint64),
+        ("v_cache", ctypes.c_uint64),
+        ("x", ctypes.c_uint64),
+        ("qkv", ctypes.c_uint64),
+        ("attn", ctypes.c_uint64),
+        ("attn_ml", ctypes.c_uint64),
+        ("delta", ctypes.c_uint64),
+        ("attn_out", ctypes.c_uint64),
+        ("attn_count", ctypes.c_uint64),
+        ("act", ctypes.c_uint64),
+        ("logits", ctypes.c_uint64),
+        ("part_score", ctypes.c_uint64),
+        ("part_id", ctypes.c_uint64),
+        ("flags", ctypes.c_uint64),
+        ("barrier", ctypes.c_uint64),
+        ("forced", ctypes.c_uint64),
+        ("debug_logits", ctypes.c_uint64),
+        ("stop_ids", ctypes.c_uint64),
+        ("host_out", ctypes.c_uint64),
+        ("host_cancel", ctypes.c_uint64),
+        ("timing", ctypes.c_uint64),
+        ("max_len", ctypes.c_int32),
+        ("first_token", ctypes.c_int32),
+        ("start_pos", ctypes.c_int32),
+        ("n_steps", ctypes.c_int32),
+        ("n_stop", ctypes.c_int32),
+        ("top_k", ctypes.c_int32),
+        ("temperature", ctypes.c_float),
+        ("top_p", ctypes.c_float),
+        ("seed_lo", ctypes.c_uint32),
+        ("seed_hi", ctypes.c_uint32),
+        ("eps", ctypes.c_float),
+        ("timing_step", ctypes.c_int32),
+        ("attn_splits", ctypes.c_int32),
+        ("pad_", ctypes.c_int32),
+    ]
+
+
+class KernelModule:
+    """One loaded cubin and its persistent decode function."""
+
+    def __init__(self, cubin: Path, name: str, smem_bytes: int, threads: int) -> None:
+        lib = driver()
+        self._image = ctypes.create_string_buffer(cubin.read_bytes())
+        self._module = ctypes.c_void_p()
+        check(lib.cuModuleLoadData(ctypes.byref(self._module), self._image), "cuModuleLoadData")
+        self._fn = ctypes.c_void_p()
+        check(
+            lib.cuModuleGetFunction(ctypes.byref(self._fn), self._module, name.encode()),
+            "cuModuleGetFunction",
+        )
+        check(
+            lib.cuFuncSetAttribute(
+                self._fn, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes
+            ),
+            "cuFuncSetAttribute(max dynamic shared memory)",
+        )
+        per_sm = ctypes.c_int()
+        check(
+            lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(per_sm), self._fn, threads, ctypes.c_size_t(smem_bytes)
+            ),
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+        )
+        if per_sm.value < 1:
+            raise BackendUnavailableError(
+                f"the monokernel does not fit on one SM ({smem_bytes} B shared memory, "
+                f"{threads} threads)"
+            )
+        self.smem_bytes = smem_bytes
+        self.threads = threads
+
+    def launch(self, grid: int, params: KernelParams, stream: int) -> None:
+        """Cooperative launch of ``grid`` CTAs on ``stream`` (a CUstream handle)."""
+        arg = ctypes.c_void_p(ctypes.addressof(params))
+        args = (ctypes.c_void_p * 1)(arg)
+        check(
+            driver().cuLaunchCooperativeKernel(
+                self._fn,
+                ctypes.c_uint(grid),
+                ctypes.c_uint(1),
+                ctypes.c_uint(1),
+                ctypes.c_uint(self.threads),
+                ctypes.c_uint(1),
+                ctypes.c_uint(1),
+                ctypes.c_uint(self.smem_bytes),
+                ctypes.c_void_p(stream),
+                args,
+            ),
+            "cuLaunchCooperativeKernel",
+        )
+
+    def unload(self) -> None:
+        if self._module.value:
+            driver().cuModuleUnload(self._module)
+            self._module = ctypes.c_void_p()
+
+
+def stream_done(stream: int) -> bool:
+    """True once all work on the stream has finished; raises on a kernel fault."""
+    res = driver().cuStreamQuery(ctypes.c_void_p(stream))
+    if res == _CUDA_ERROR_NOT_READY:
+        return False
+    check(res, "the monokernel (cuStreamQuery)")
+    return True

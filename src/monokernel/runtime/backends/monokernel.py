@@ -1,0 +1,361 @@
+"""The monokernel backend: one persistent CUDA kernel per request runs every decode step.
+
+Prefill runs on the reference model (on the GPU) straight into the kernel's KV cache, which
+has the reference's layout [layers, kv_heads, max_len, head_dim]. The kernel then starts at
+the last prompt token and produces tokens by itself; each lands in pinned host-mapped memory
+where ``stream`` picks it up and yields it while the kernel goes on. A host-mapped cancel
+word (raised when the CancelToken is set or the iterator is closed) stops it within a token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from monokernel.errors import BackendUnavailableError, InvalidRequestError
+from monokernel.kernels import build as kbuild
+from monokernel.kernels import launcher
+from monokernel.models.config import ModelConfig
+from monokernel.models.transformer import KVCache, Transformer
+from monokernel.runtime.backends.base import CancelToken, DecodeRequest
+from monokernel.runtime.sampling import SamplingParams
+from monokernel.weights.names import Weights
+from monokernel.weights.repack import Repacked, repack
+
+_MAX_STOP_IDS = 256
+_STALL_SECONDS = 120.0  # no token for this long while the kernel runs: report, don't hang
+
+
+def monokernel_supported(device: torch.device) -> tuple[bool, str]:
+    """Whether the monokernel can run on ``device``; the reason when it cannot."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False, "the monokernel needs an NVIDIA GPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        name = torch.cuda.get_device_name(device)
+        return False, (
+            f"the monokernel is built for Hopper (sm_90: H100/H200); {name} is sm_{major}{minor}"
+        )
+    try:
+        kbuild.find_nvcc()
+    except BackendUnavailableError as e:
+        return False, str(e)
+    return True, "ok"
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class _Float32View(Mapping[str, torch.Tensor]):
+    """The weights, each upcast to float32 when read (transiently, one tensor at a time).
+
+    Prefill runs the reference forward on this view, so the prompt's KV cache comes from fp32
+    activations like the kernel's own steps: a bf16 prefill alone put ~9e-3 relative error on
+    the logits of every later step (measured, Llama-3.2-1B shape), against ~3.5e-3 this way.
+    """
+
+    def __init__(self, weights: Weights) -> None:
+        self._w = weights
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._w[name].float()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._w)
+
+    def __len__(self) -> int:
+        return len(self._w)
+
+
+class MonokernelBackend:
+    name = "monokernel"
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        max_seq_len: int,
+        device: torch.device,
+        fold_norms: bool = False,
+    ) -> None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        ok, why = monokernel_supported(device)
+        if not ok:
+            raise BackendUnavailableError(f"engine 'monokernel' cannot run here: {why}")
+        self.cfg, self.device, self.max_seq_len = cfg, device, max_seq_len
+        dims = kbuild.KernelDims.from_config(cfg)  # refuses unsupported shapes first
+        if weights["embed"].dtype != torch.bfloat16:
+            weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+        self.ref = Transformer(cfg, _Float32View(weights), max_seq_len)  # prefill only
+        # [L, kvh, max_len, d] x2, bf16: the reference's layout, which the kernel reads too
+        self.cache = KVCache.allocate(cfg, max_seq_len, torch.bfloat16, device)
+        self.packed: Repacked = repack(cfg, weights, max_seq_len, fold=fold_norms)
+        cubin = kbuild.build(dims)
+        launcher.set_current_context(device.index)
+        self.module = launcher.KernelModule(
+            cubin, kbuild.KERNEL_NAME, dims.smem_bytes(), kbuild.THREADS
+        )
+        self.grid = torch.cuda.get_device_properties(device).multi_processor_count
+        self._alloc_buffers()
+        self.stream_ = torch.cuda.Stream(device)
+
+    def _alloc_buffers(self) -> None:
+        cfg, dev, f32 = self.cfg, self.device, torch.float32
+        table = [
+            [
+                _ptr(lp.wqkv), _ptr(lp.bqkv), _ptr(lp.q_norm), _ptr(lp.k_norm), _ptr(lp.wo),
+                _ptr(lp.bo), _ptr(lp.wgu), _ptr(lp.wdown), _ptr(lp.attn_gain), _ptr(lp.ffn_gain),
+            ]
+            for lp in self.packed.layers
+        ]  # fmt: skip
+        self.layer_table = torch.tensor(table, dtype=torch.int64, device=dev)  # [L, 10]
+        qkv = cfg.q_size + 2 * cfg.kv_size
+        self.x = torch.empty(cfg.hidden_size, dtype=f32, device=dev)  # [H]
+        self.qkv = torch.empty(qkv, dtype=f32, device=dev)  # [Q + 2KV]
+        # Flash-decoding: each head's positions split over grid // heads CTAs.
+        self.attn_splits = max(1, self.grid // cfg.num_heads)
+        self.attn = torch.empty(
+            cfg.num_heads * self.attn_splits * cfg.head_dim, dtype=f32, device=dev
+        )  # [NH, splits, D]
+        self.attn_ml = torch.empty(
+            cfg.num_heads * self.attn_splits * 2, dtype=f32, device=dev
+        )  # [NH, splits, 2]
+        self.delta = torch.empty(cfg.hidden_size, dtype=f32, device=dev)  # [H]
+        self.attn_out = torch.empty(cfg.q_size, dtype=f32, device=dev)  # [Q]
+        self.attn_count = torch.zeros(cfg.num_heads, dtype=torch.int32, device=dev)  # [NH]
+        self.act = torch.empty(cfg.intermediate_size, dtype=f32, device=dev)  # [I]
+        self.logits = torch.empty(cfg.vocab_size, dtype=f32, device=dev)  # [V]
+        self.part_score = torch.empty(self.grid, dtype=f32, device=dev)  # [grid]
+        self.part_id = torch.empty(self.grid, dtype=torch.int32, device=dev)  # [grid]
+        self.flags = torch.zeros(4, dtype=torch.int32, device=dev)  # [4]
+        self.barrier = torch.zeros(1, dtype=torch.int32, device=dev)  # [1]
+        self.stop_ids = torch.zeros(_MAX_STOP_IDS, dtype=torch.int32, device=dev)
+        self.host_out = launcher.HostMapped(2 + self.max_seq_len + 1)  # count, done, tokens
+        self.host_cancel = launcher.HostMapped(1)
+
+    # ---- one launch ---------------------------------------------------------------------
+
+    def _params(
+        self,
+        first_token: int,
+        start_pos: int,
+        n_steps: int,
+        sampling: SamplingParams,
+        n_stop: int,
+        forced: torch.Tensor | None,
+        debug_logits: torch.Tensor | None,
+        timing: torch.Tensor | None = None,
+        timing_step: int = -1,
+    ) -> launcher.KernelParams:
+        pk = self.packed
+        seed = 0 if sampling.greedy else sampling.seed
+        if seed is None:
+            raise InvalidRequestError("sampling needs a fixed seed (SamplingParams.with_seed)")
+        top_k = sampling.top_k if sampling.top_k > 0 else 0
+        return launcher.KernelParams(
+            layers=_ptr(self.layer_table),
+            embed=_ptr(pk.embed),
+            lm_head=_ptr(pk.lm_head),
+            norm_gain=_ptr(pk.norm_gain),
+            rope_cos=_ptr(pk.rope_cos),
+            rope_sin=_ptr(pk.rope_sin),
+            k_cache=_ptr(self.cache.k),
+            v_cache=_ptr(self.cache.v),
+            x=_ptr(self.x),
+            qkv=_ptr(self.qkv),
+            attn=_ptr(self.attn),
+            attn_ml=_ptr(self.attn_ml),
+            delta=_ptr(self.delta),
+            attn_out=_ptr(self.attn_out),
+            attn_count=_ptr(self.attn_count),
+            act=_ptr(self.act),
+            logits=_ptr(self.logits),
+            part_score=_ptr(self.part_score),
+            part_id=_ptr(self.part_id),
+            flags=_ptr(self.flags),
+            barrier=_ptr(self.barrier),
+            forced=_ptr(forced),
+            debug_logits=_ptr(debug_logits),
+            stop_ids=_ptr(self.stop_ids),
+            host_out=self.host_out.device_ptr,
+            host_cancel=self.host_cancel.device_ptr,
+            timing=_ptr(timing),
+            max_len=self.max_seq_len,
+            first_token=first_token,
+            start_pos=start_pos,
+            n_steps=n_steps,
+            n_stop=n_stop,
+            top_k=top_k,
+            temperature=float(sampling.temperature),
+            top_p=float(sampling.top_p),
+            seed_lo=seed & 0xFFFFFFFF,
+            seed_hi=(seed >> 32) & 0xFFFFFFFF,
+            eps=float(self.cfg.rms_norm_eps),
+            timing_step=timing_step,
+            attn_splits=self.attn_splits,
+            pad_=0,
+        )
+
+    def _run(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: Sequence[int],
+        cancel: CancelToken | None,
+        forced: torch.Tensor | None = None,
+        debug_logits: torch.Tensor | None = None,
+        timing: torch.Tensor | None = None,
+        timing_step: int = -1,
+    ) -> Iterator[int]:
+        n = len(prompt_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt must hold at least one token")
+        if n > self.max_seq_len:
+            raise InvalidRequestError(
+                f"the prompt ({n} tokens) exceeds max_seq_len={self.max_seq_len}"
+            )
+        if any(not 0 <= t < self.cfg.vocab_size for t in prompt_ids):
+            raise InvalidRequestError("a prompt token id is outside the vocabulary")
+        if len(stop_ids) > _MAX_STOP_IDS:
+            raise InvalidRequestError(f"at most {_MAX_STOP_IDS} stop token ids are supported")
+        # The input of step s sits at position n-1+s, which must lie inside the cache.
+        n_steps = min(max_new_tokens, self.max_seq_len - n + 1)
+        launcher.set_current_context(self.device.index)
+        with torch.cuda.device(self.device):
+            if n > 1:
+                prompt = torch.tensor(prompt_ids[:-1], dtype=torch.long, device=self.device)
+                # fp32 prefill into a small fp32 cache, then into the kernel's bf16 cache
+                tmp = KVCache.allocate(self.cfg, n - 1, torch.float32, self.device)
+                self.ref.forward(prompt, 0, tmp, last_only=True)
+                self.cache.k[:, :, : n - 1].copy_(tmp.k)
+                self.cache.v[:, :, : n - 1].copy_(tmp.v)
+                del tmp
+            if stop_ids:
+                self.stop_ids[: len(stop_ids)].copy_(
+                    torch.tensor(sorted(stop_ids), dtype=torch.int32)
+                )
+            self.barrier.zero_()
+            self.attn_count.zero_()
+            self.flags.zero_()
+            self.stream_.wait_stream(torch.cuda.current_stream(self.device))
+        params = self._params(
+            prompt_ids[-1],
+            n - 1,
+            n_steps,
+            sampling,
+            len(stop_ids),
+            forced,
+            debug_logits,
+            timing,
+            timing_step,
+        )
+        out, cancel_word = self.host_out.words, self.host_cancel.words
+        ctypes.memset(ctypes.addressof(out), 0, 4 * 2)
+        cancel_word[0] = 0
+        self.module.launch(self.grid, params, self.stream_.cuda_stream)
+        finished = False
+        try:
+            got, last_progress, idle = 0, time.monotonic(), 0
+            while True:
+                count = out[0]
+                while got < count:
+                    if cancel is not None and cancel.is_set():
+                        return
+                    token = out[2 + got]
+                    got += 1
+                    yield token
+                    last_progress = time.monotonic()
+                if out[1] and got >= out[0]:
+                    finished = True
+                    return
+                if cancel is not None and cancel.is_set():
+                    return
+                idle += 1
+                if idle % 64 == 0:
+                    if launcher.stream_done(self.stream_.cuda_stream) and not out[1]:
+                        raise RuntimeError("the monokernel exited without finishing")
+                    if time.monotonic() - last_progress > _STALL_SECONDS:
+                        raise RuntimeError(
+                            f"the monokernel made no progress for {_STALL_SECONDS} s"
+                        )
+                    time.sleep(0)  # let other Python threads run
+        finally:
+            if not finished:
+                cancel_word[0] = 1  # the kernel reads it once per token
+            launcher.set_current_context(self.device.index)
+            while not launcher.stream_done(self.stream_.cuda_stream):
+                time.sleep(1e-4)
+
+    # ---- the Backend contract -------------------------------------------------------------
+
+    def stream(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[int]:
+        yield from self._run(
+            request.prompt_ids,
+            request.max_new_tokens,
+            request.sampling,
+            sorted(request.stop_token_ids),
+            cancel,
+        )
+
+    def teacher_forced_logits(
+        self, prompt_ids: Sequence[int], next_ids: Sequence[int]
+    ) -> torch.Tensor:
+        """Debug mode: logits [len(next_ids), V] float32, where step s feeds the kernel the
+        given token (the last prompt token, then next_ids[s-1]) instead of its own sample."""
+        steps = len(next_ids)
+        forced_list = [prompt_ids[-1], *next_ids[:-1]]
+        forced = torch.tensor(forced_list, dtype=torch.int32, device=self.device)  # [steps]
+        logits = torch.full(
+            (steps, self.cfg.vocab_size), float("nan"), dtype=torch.float32, device=self.device
+        )  # [steps, V]
+        greedy = SamplingParams(temperature=0.0, max_tokens=max(steps, 1))
+        produced = sum(1 for _ in self._run(prompt_ids, steps, greedy, (), None, forced, logits))
+        if produced != steps:
+            raise RuntimeError(f"the kernel ran {produced} of {steps} forced steps")
+        torch.cuda.synchronize(self.device)
+        return logits
+
+    def profile_step(self, prompt_ids: Sequence[int], n_steps: int, step: int) -> dict[str, float]:
+        """Time the stages of one decode step (greedy run of ``n_steps``), as CTA 0 sees them.
+
+        Returns µs per stage kind summed over layers: ``<stage>.work`` (CTA 0's own work) and
+        ``<stage>.wait`` (its wait at the grid barrier that ends the stage); stages A-E per
+        layer, F the LM head, S sampling and the token hand-off.
+        """
+        L = self.cfg.num_layers
+        timing = torch.zeros(10 * L + 8, dtype=torch.int64, device=self.device)
+        greedy = SamplingParams(temperature=0.0, max_tokens=n_steps)
+        for _ in self._run(prompt_ids, n_steps, greedy, (), None, timing=timing, timing_step=step):
+            pass
+        torch.cuda.synchronize(self.device)
+        t = timing.tolist()
+        ns_per_cycle = (t[10 * L + 4] - t[10 * L + 5]) / max(t[10 * L + 3] - t[0], 1)
+        out: dict[str, float] = {"clock_GHz": 1.0 / ns_per_cycle if ns_per_cycle else 0.0}
+
+        def add(key: str, cycles: int) -> None:
+            out[key] = out.get(key, 0.0) + cycles * ns_per_cycle / 1e3
+
+        i = 0
+        for _layer in range(L):
+            for stage in "ABCDE":
+                add(f"{stage}.work", t[i + 1] - t[i])
+                add(f"{stage}.wait", t[i + 2] - t[i + 1])
+                i += 2
+        add("F.work", t[i + 1] - t[i])
+        add("F.wait", t[i + 2] - t[i + 1])
+        add("S.work", t[i + 3] - t[i + 2])
+        out["total"] = (t[10 * L + 3] - t[0]) * ns_per_cycle / 1e3
+        return out
+
+    def close(self) -> None:
+        self.module.unload()
+        self.host_out.free()
+        self.host_cancel.free()
+        del self.packed, self.cache, self.ref

@@ -1,0 +1,153 @@
+"""The ``torch`` engine: the conventional stack done well (gpt-fast style).
+
+The reference model's math with a static KV cache, one decode step compiled by
+``torch.compile(mode="reduce-overhead")`` so that it replays as a CUDA graph; greedy argmax
+inside the graph, the next input fed back on the device. Prefill runs on the reference model
+straight into the same cache. On the CPU (tests) the same step runs eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from monokernel.errors import InvalidRequestError
+from monokernel.models.config import ModelConfig
+from monokernel.models.rope import apply_rope
+from monokernel.models.transformer import KVCache, Transformer, rms_norm
+from monokernel.runtime.backends.base import CancelToken, DecodeRequest
+from monokernel.runtime.sampling import sample
+from monokernel.weights.names import Weights
+
+
+class _DecodeStep(nn.Module):
+    """One token through the model at position ``self.pos``; every tensor is a buffer, so
+    CUDA-graph capture sees fixed addresses and the in-place cache writes are allowed."""
+
+    def __init__(self, ref: Transformer, cache: KVCache) -> None:
+        super().__init__()
+        self.cfg = ref.cfg
+        self.names: dict[str, str] = {}
+        for name, t in ref.w.items():
+            key = name.replace(".", "_")
+            self.names[name] = key
+            self.register_buffer(key, t, persistent=False)
+        self.register_buffer("k_cache", cache.k, persistent=False)  # [L, kvh, max_len, d]
+        self.register_buffer("v_cache", cache.v, persistent=False)  # [L, kvh, max_len, d]
+        self.register_buffer("cos", ref.cos, persistent=False)  # [max_len, d/2]
+        self.register_buffer("sin", ref.sin, persistent=False)  # [max_len, d/2]
+        self.register_buffer(  # [1] int64: position of the input token
+            "pos", torch.zeros(1, dtype=torch.long, device=cache.k.device), persistent=False
+        )
+        self.register_buffer(  # [1] int64: the input token; the step leaves its argmax here
+            "tok", torch.zeros(1, dtype=torch.long, device=cache.k.device), persistent=False
+        )
+        self.register_buffer(  # [max_len] int64
+            "arange", torch.arange(cache.k.shape[2], device=cache.k.device), persistent=False
+        )
+
+    def w(self, name: str) -> torch.Tensor:
+        return getattr(self, self.names[name])
+
+    def wopt(self, name: str) -> torch.Tensor | None:
+        return getattr(self, self.names[name]) if name in self.names else None
+
+    def _attention(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        cfg, p = self.cfg, f"layers.{n}."
+        q = F.linear(x, self.w(p + "wq"), self.wopt(p + "bq")).view(1, cfg.num_heads, -1)
+        k = F.linear(x, self.w(p + "wk"), self.wopt(p + "bk")).view(1, cfg.num_kv_heads, -1)
+        v = F.linear(x, self.w(p + "wv"), self.wopt(p + "bv")).view(1, cfg.num_kv_heads, -1)
+        if cfg.qk_norm:
+            q = rms_norm(q, self.w(p + "q_norm"), cfg.rms_norm_eps)
+            k = rms_norm(k, self.w(p + "k_norm"), cfg.rms_norm_eps)
+        cos, sin = self.cos[self.pos], self.sin[self.pos]  # [1, d/2]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.k_cache[n].index_copy_(1, self.pos, k.transpose(0, 1))
+        self.v_cache[n].index_copy_(1, self.pos, v.transpose(0, 1))
+        mask = (self.arange <= self.pos)[None, None, :]  # [1, 1, max_len]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), self.k_cache[n], self.v_cache[n], attn_mask=mask, enable_gqa=True
+        )  # [heads, 1, d]
+        return F.linear(out.reshape(1, cfg.q_size), self.w(p + "wo"), self.wopt(p + "bo"))
+
+    def forward(self) -> torch.Tensor:
+        """Input ``self.tok`` at ``self.pos`` -> logits [V] float32; leaves the greedy next
+        token in ``self.tok`` and advances ``pos`` (state stays in buffers, so graph replays
+        never hand an overwritten output back in as an input)."""
+        cfg = self.cfg
+        x = self.w("embed")[self.tok]  # [1, h]
+        for n in range(cfg.num_layers):
+            p = f"layers.{n}."
+            x = x + self._attention(rms_norm(x, self.w(p + "attn_norm"), cfg.rms_norm_eps), n)
+            h = rms_norm(x, self.w(p + "ffn_norm"), cfg.rms_norm_eps)
+            mlp = F.silu(F.linear(h, self.w(p + "w_gate"))) * F.linear(h, self.w(p + "w_up"))
+            x = x + F.linear(mlp, self.w(p + "w_down"))
+        head = self.w("embed") if cfg.tie_word_embeddings else self.w("lm_head")
+        logits = F.linear(rms_norm(x, self.w("norm"), cfg.rms_norm_eps), head).float()[0]
+        self.pos.add_(1)
+        self.tok.copy_(torch.argmax(logits).view(1))
+        return logits
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        max_seq_len: int,
+        device: torch.device,
+        compile: bool | None = None,
+    ) -> None:
+        self.cfg, self.device, self.max_seq_len = cfg, torch.device(device), max_seq_len
+        self.ref = Transformer(cfg, weights, max_seq_len)
+        self.cache = self.ref.new_cache(max_seq_len)
+        self.module = _DecodeStep(self.ref, self.cache)
+        use_compile = self.device.type == "cuda" if compile is None else compile
+        self.compiled = use_compile
+        self._step = (
+            torch.compile(self.module, mode="reduce-overhead", fullgraph=True)
+            if use_compile
+            else self.module
+        )
+
+    def _call(self) -> torch.Tensor:
+        if self.compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.inference_mode():
+            return self._step()
+
+    def stream(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[int]:
+        ids, sp = request.prompt_ids, request.sampling
+        n = len(ids)
+        if n == 0 or n > self.max_seq_len:
+            raise InvalidRequestError(f"prompt length {n} must be in [1, {self.max_seq_len}]")
+        prompt = torch.tensor(ids, dtype=torch.long, device=self.device)
+        logits = self.ref.forward(prompt, 0, self.cache, last_only=True)[0]
+        tok = self.module.tok  # [1] int64 buffer, the step's input and greedy output
+        if sp.greedy:
+            tok.copy_(torch.argmax(logits).view(1))
+        self.module.pos.fill_(n)
+        pos = n  # where the token being sampled will sit
+        for produced in range(1, request.max_new_tokens + 1):
+            if cancel.is_set():
+                return
+            if sp.greedy:
+                token = int(tok)  # the one sync per token: the host needs the id
+            else:
+                token = sample(logits, sp, pos)
+                tok.fill_(token)
+            yield token
+            if token in request.stop_token_ids or produced == request.max_new_tokens:
+                return
+            if pos >= self.max_seq_len:
+                return  # the cache is full
+            logits = self._call()
+            pos += 1
+
+    def close(self) -> None:
+        del self._step, self.module, self.cache, self.ref

@@ -1,0 +1,79 @@
+"""Repack + schedule interpreter == the reference forward, on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from monokernel.bench.shapes import SHAPES, random_weights
+from monokernel.kernels.schedule import ScheduleInterpreter
+from monokernel.models.config import ModelConfig, RopeScaling
+from monokernel.models.transformer import Transformer
+from monokernel.weights.repack import fold_gain, interleave_rows, repack
+
+_BASE = ModelConfig(
+    family="llama",
+    vocab_size=97,
+    hidden_size=48,
+    intermediate_size=72,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+CONFIGS = {
+    "llama3-tied": dataclasses.replace(
+        _BASE, tie_word_embeddings=True, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64)
+    ),
+    "qwen2-bias": dataclasses.replace(_BASE, family="qwen2", qkv_bias=True),
+    "qwen3-qknorm": dataclasses.replace(_BASE, family="qwen3", qk_norm=True, num_kv_heads=1),
+    "obias-mha": dataclasses.replace(_BASE, o_bias=True, num_kv_heads=4),
+    "odd": SHAPES["odd"],
+}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_fold_and_interleave() -> None:
+    w = torch.randn(6, 4)
+    g = torch.randn(4)
+    x = torch.randn(4)
+    assert torch.allclose(fold_gain(w, g) @ x, w @ (g * x), atol=1e-6)
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    ab = interleave_rows(a, b)
+    assert torch.equal(ab[0::2], a) and torch.equal(ab[1::2], b)
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "gains"])
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"]
+)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_schedule_matches_reference(name: str, dtype: torch.dtype, tol: float, fold: bool) -> None:
+    cfg = CONFIGS[name]
+    weights = random_weights(cfg, dtype=dtype, seed=3)
+    seq = 20
+    tokens = torch.randint(0, cfg.vocab_size, (seq,), generator=torch.Generator().manual_seed(1))
+    ref_w = {k: v.float() for k, v in weights.items()}  # the reference in fp32 on the same values
+    ref = Transformer(cfg, ref_w, seq)
+    expected = ref.forward(tokens, 0, ref.new_cache(seq))  # [seq, V]
+    interp = ScheduleInterpreter(cfg, repack(cfg, weights, seq, fold=fold), seq)
+    for pos in range(seq):
+        got = interp.step(int(tokens[pos]), pos)
+        assert _rel(got, expected[pos]) < tol, (name, pos, _rel(got, expected[pos]))
+
+
+def test_tied_head_is_a_folded_copy() -> None:
+    cfg = CONFIGS["llama3-tied"]
+    weights = random_weights(cfg, dtype=torch.float32)
+    packed = repack(cfg, weights, 8)
+    assert torch.equal(packed.embed, weights["embed"])  # the table stays unfolded
+    assert torch.allclose(packed.lm_head, weights["embed"] * weights["norm"])

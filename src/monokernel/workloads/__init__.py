@@ -1,0 +1,17 @@
+"""Workloads shaped like the engine's users: a scripted coding-agent loop."""
+
+from monokernel.workloads.agent_loop import (
+    AgentLoopConfig,
+    AgentLoopReport,
+    EndpointClient,
+    EngineClient,
+    run_agent_loop,
+)
+
+__all__ = [
+    "AgentLoopConfig",
+    "AgentLoopReport",
+    "EndpointClient",
+    "EngineClient",
+    "run_agent_loop",
+]
