@@ -32,6 +32,7 @@ ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
 THREADS = 512  # MK_THREADS in common.cuh
 BATCH = 6  # MK_BATCH in gemv.cuh
 MAX_HEAD_DIM = 256
+MAX_SMEM_BYTES = 227 * 1024  # dynamic shared memory one CTA may have on sm_90
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,7 @@ class KernelDims:
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> KernelDims:
         check_supported(cfg)
-        return cls(
+        dims = cls(
             hidden=cfg.hidden_size,
             q_size=cfg.q_size,
             kv_size=cfg.kv_size,
@@ -68,6 +69,14 @@ class KernelDims:
             o_bias=cfg.o_bias,
             qk_norm=cfg.qk_norm,
         )
+        if dims.attn_chunk() < 32:
+            raise UnsupportedModelError(
+                f"the monokernel's shared memory ({MAX_SMEM_BYTES} bytes a CTA) cannot hold "
+                f"this shape's vectors and an attention window of 32 positions "
+                f"(hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, "
+                f"head_dim {cfg.head_dim})"
+            )
+        return dims
 
     def defines(self) -> list[str]:
         vals = {
@@ -84,6 +93,7 @@ class KernelDims:
             "MK_O_BIAS": int(self.o_bias),
             "MK_QK_NORM": int(self.qk_norm),
             "MK_SPLIT_E": self.down_split(),
+            "MK_ATTN_CHUNK": self.attn_chunk(),
         }
         return [f"-D{k}={v}" for k, v in vals.items()]
 
@@ -96,18 +106,35 @@ class KernelDims:
                 return split
         return 16 if (self.intermediate // 8) % 16 == 0 else 1
 
-    def smem_bytes(self) -> int:
-        """Dynamic shared memory of one CTA; mirrors the layout comment in decode.cu."""
+    def _fixed_smem_floats(self) -> int:
         xs = max(self.hidden, self.q_size, self.intermediate)
         groups = THREADS // (self.head_dim // 8)
         attn = 3 * self.head_dim + THREADS + groups * self.head_dim
-        floats_a = (xs + self.hidden + attn + 64 + 3) & ~3
+        return xs + self.hidden + attn + 64
+
+    def attn_chunk(self) -> int:
+        """Positions of one attention range held in shared memory (K and V, bf16): as many as
+        the CTA's shared memory leaves room for, a multiple of 32, at most 512."""
+        tail = 256 * 8 + 256 * 4 + 16 * 4 + 16  # sampling scratch, alignment
+        free = (MAX_SMEM_BYTES - tail) // 4 - self._fixed_smem_floats() - self.head_dim
+        return max(0, min(512, free // self.head_dim // 32 * 32))
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one CTA; mirrors the layout comment in decode.cu."""
+        window = self.attn_chunk() * self.head_dim + self.head_dim
+        floats_a = (self._fixed_smem_floats() + window + 3) & ~3
         return floats_a * 4 + 256 * 8 + 256 * 4 + 16 * 4
 
 
 def check_supported(cfg: ModelConfig) -> None:
     """Refuse, with the reason, any shape the kernel cannot run exactly."""
     d = cfg.head_dim
+    biggest = max(cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
+    if biggest > 24576:
+        raise UnsupportedModelError(
+            "the monokernel keeps one layer's input vector in shared memory, so hidden, "
+            f"q and intermediate sizes must be at most 24576; got {biggest}"
+        )
     if d % 8 or d > MAX_HEAD_DIM:
         raise UnsupportedModelError(
             f"the monokernel needs head_dim to be a multiple of 8 and at most {MAX_HEAD_DIM}; "
@@ -144,7 +171,8 @@ def find_nvcc() -> str:
 
 def _flags(debug: bool) -> list[str]:
     flags = ["-O3", "-std=c++17", *ARCH_FLAGS, "-cubin"]
-    # Tuning knobs for experiments, e.g. "-DMK_PREFETCH_BYTES=4096" (part of the cache key).
+    # Tuning knobs for experiments, e.g. "-DMK_PF_PAIRS=1" or a smaller "-DMK_ATTN_CHUNK=64"
+    # (part of the cache key; they come after the dimensions, so they win).
     flags += os.environ.get("MONOKERNEL_NVCC_FLAGS", "").split()
     if debug:
         flags += ["-lineinfo", "-G", "-DMK_DEBUG=1"]
@@ -160,12 +188,16 @@ def _source_digest() -> str:
 
 
 def nvcc_command(dims: KernelDims, out: Path, debug: bool = False) -> list[str]:
+    flags = _flags(debug)
+    base = [f for f in flags if not f.startswith("-D")]
+    knobs = [f for f in flags if f.startswith("-D")]
     return [
         find_nvcc(),
-        *_flags(debug),
+        *base,
         "-Xptxas",
         "-v",
-        *dims.defines(),
+        *[d for d in dims.defines() if d.split("=")[0] not in {k.split("=")[0] for k in knobs}],
+        *knobs,
         "-o",
         str(out),
         str(CSRC / ENTRY),

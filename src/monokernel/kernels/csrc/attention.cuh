@@ -1,6 +1,7 @@
 // Decode attention of one query head over positions [0, pos], with qk-norm, RoPE and the
-// KV append of the new position fused in front. One CTA per query head; positions are
-// swept in chunks of MK_THREADS with an online softmax, so any cache length fits.
+// KV append of the new position fused in front. One CTA per (query head, position range);
+// positions are swept in chunks of MK_THREADS with an online softmax, so any cache length
+// fits.
 #pragma once
 #include "params.cuh"
 
@@ -10,6 +11,78 @@
 // Shared scratch this stage needs, in floats: q, k, v [3*D] | probs [THREADS] |
 // per-group partial outputs [GV * D] (<= 8 * THREADS).
 #define MK_ATTN_SMEM (3 * MK_D + MK_THREADS + MK_ATTN_GV * MK_D)
+// Positions per range before the head is split further (flash-decoding), and the size of the
+// shared-memory window that holds a range's cached keys and values. Ranges are sized to fit
+// the window whenever the grid allows, so at short and medium context every cached key and
+// value is read from shared memory, copied there before the A->B barrier (attention_prefetch)
+// while CTAs wait for the QKV projection. build.py passes the value it sized smem for.
+#ifndef MK_ATTN_CHUNK
+#define MK_ATTN_CHUNK ((152 * 1024 / (4 * MK_D)) / 32 * 32 < 512 ? (152 * 1024 / (4 * MK_D)) / 32 * 32 : 512)
+#endif
+// Window: K [CHUNK, D] bf16 with each row's 16-byte chunks rotated by the position (so the
+// score loop, one position per thread, reads without bank conflicts) | V [CHUNK, D] bf16 |
+// RoPE cos, sin of the new position [D/2 + D/2] fp32. In floats:
+#define MK_KVWIN_FLOATS (MK_ATTN_CHUNK * MK_D + MK_D)
+
+// Ranges per head for a query at `pos`: ceil((pos + 1) / CHUNK), at most max_splits.
+__device__ __forceinline__ int attn_ranges(int pos, int max_splits) {
+  const int n = (pos + MK_ATTN_CHUNK) / MK_ATTN_CHUNK;
+  return n < max_splits ? n : max_splits;
+}
+
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* src) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+
+// The unit this CTA runs first in stage B: its range of cached positions that lies in the
+// window, [lo, lo + n).
+struct AttnUnit {
+  int hq, split, lo, hi, n;
+};
+
+__device__ __forceinline__ AttnUnit attn_unit(int u, int ns, int pos) {
+  AttnUnit a;
+  a.hq = u / ns;
+  a.split = u % ns;
+  const int len = (pos + ns) / ns;  // ceil((pos + 1) / ns)
+  a.lo = a.split * len;
+  a.hi = min(pos + 1, a.lo + len);
+  a.n = max(0, min(min(a.hi, pos), a.lo + MK_ATTN_CHUNK) - a.lo);
+  return a;
+}
+
+// Start copying this CTA's first unit's cached keys and values and the RoPE row of `pos` into
+// the window. Nothing here depends on the step's QKV projection, so it runs between arriving
+// at the A->B barrier and waiting there. attention_head waits for the copies.
+__device__ __forceinline__ void attention_prefetch(const Params& p, int layer, int ns, int pos,
+                                                   float* win) {
+  constexpr int CH = MK_D / 8, GROUP = MK_NH / MK_NKV;
+  if ((int)blockIdx.x >= MK_NH * ns) return;
+  const AttnUnit a = attn_unit(blockIdx.x, ns, pos);
+  const size_t head_base = ((size_t)layer * MK_NKV + a.hq / GROUP) * p.max_len * MK_D;
+  const uint4* kc = reinterpret_cast<const uint4*>(p.k_cache + head_base) + (size_t)a.lo * CH;
+  const uint4* vc = reinterpret_cast<const uint4*>(p.v_cache + head_base) + (size_t)a.lo * CH;
+  uint4* ks = reinterpret_cast<uint4*>(win);
+  uint4* vs = ks + MK_ATTN_CHUNK * CH;
+  for (int q = threadIdx.x; q < a.n * CH; q += MK_THREADS) {
+    const int j = q / CH, k = q - j * CH;
+    int kk = k + j % CH;
+    kk -= kk >= CH ? CH : 0;
+    cp_async16(ks + j * CH + kk, kc + q);
+    cp_async16(vs + q, vc + q);
+  }
+  // cos and sin rows: D/2 floats each, D/8 chunks of 16 bytes each.
+  float* rope = win + MK_ATTN_CHUNK * MK_D;
+  const int t = threadIdx.x;
+  if (t < MK_D / 8) {
+    cp_async16(rope + 4 * t, p.rope_cos + (size_t)pos * (MK_D / 2) + 4 * t);
+  } else if (t < MK_D / 4) {
+    const int c = t - MK_D / 8;
+    cp_async16(rope + MK_D / 2 + 4 * c, p.rope_sin + (size_t)pos * (MK_D / 2) + 4 * c);
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
 
 __device__ __forceinline__ void head_rms(float* v, const float* gain, float eps, int warp_id,
                                          int lane) {
@@ -22,17 +95,27 @@ __device__ __forceinline__ void head_rms(float* v, const float* gain, float eps,
   (void)warp_id;
 }
 
-// Query head hq over positions [lo, hi) of [0, pos]: writes the unnormalised output
-// sum_i exp(s_i - m) v_i and (m, l = sum_i exp(s_i - m)) for stage C to merge across ranges.
-// gen: how many times this head's ranges have completed before, plus one (step * L + layer
-// + 1); the unit that finishes a head's last range merges them into attn_out.
-__device__ void attention_head(const Params& p, const LayerWeights& lw, int layer, int hq,
-                               int split, int pos, unsigned gen, float* sm, float* red) {
+// Query head hq over range `split` of the ns ranges of [0, pos]. One range: writes the
+// normalised output to attn_out. Several: writes the unnormalised output
+// sum_i exp(s_i - m) v_i and (m, l = sum_i exp(s_i - m)); the unit that finishes the head's
+// last range merges them into attn_out. done: the value the head's completion counter
+// reaches with this layer's ranges (every CTA tracks the same running total, so the counter
+// is never reset).
+__device__ void attention_head(const Params& p, const LayerWeights& lw, int layer, int unit, int ns,
+                               int pos, unsigned done, float* sm, float* red, float* win) {
   const int t = threadIdx.x;
   constexpr int HALF = MK_D / 2;
   constexpr int GROUP = MK_NH / MK_NKV;
   constexpr int CH = MK_ATTN_CH, GV = MK_ATTN_GV;
+  const AttnUnit a = attn_unit(unit, ns, pos);
+  const int hq = a.hq, split = a.split, lo = a.lo, hi = a.hi;
+  // Only the CTA's first unit has its window filled (units beyond the grid, when heads
+  // outnumber CTAs, read everything from global memory).
+  const int nwin = unit == (int)blockIdx.x ? a.n : 0;
   const int kvh = hq / GROUP;
+  const uint4* ks = reinterpret_cast<const uint4*>(win);
+  const uint4* vs = ks + MK_ATTN_CHUNK * CH;
+  const float* rope = win + MK_ATTN_CHUNK * MK_D;
   float* qs = sm;                  // [D] query, normed, rotated, pre-scaled
   float* kn = qs + MK_D;           // [D] the new key (position pos)
   float* vn = kn + MK_D;           // [D] the new value
@@ -44,6 +127,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     kn[t] = ld_act(p.qkv + MK_Q + kvh * MK_D + t);
     vn[t] = ld_act(p.qkv + MK_Q + MK_KV + kvh * MK_D + t);
   }
+  asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
 #if MK_QK_NORM
   const int lane = t & 31, warp = t >> 5;
@@ -52,7 +136,14 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   __syncthreads();
 #endif
   if (t < HALF) {
-    const float c = p.rope_cos[(size_t)pos * HALF + t], s = p.rope_sin[(size_t)pos * HALF + t];
+    float c, s;
+    if (unit == (int)blockIdx.x) {
+      c = rope[t];
+      s = rope[HALF + t];
+    } else {
+      c = p.rope_cos[(size_t)pos * HALF + t];
+      s = p.rope_sin[(size_t)pos * HALF + t];
+    }
     const float scale = rsqrtf((float)MK_D);
     const float q1 = qs[t], q2 = qs[t + HALF];
     qs[t] = (q1 * c - q2 * s) * scale;
@@ -67,8 +158,6 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   const bf16* vc = p.v_cache + head_base;
   // The first query head of each group appends the new key/value; the others use the
   // shared-memory copies for this position, so no CTA waits on another's write.
-  const int len = (pos + p.attn_splits) / p.attn_splits;  // ceil((pos + 1) / splits)
-  const int lo = split * len, hi = min(pos + 1, lo + len);
   if (hq % GROUP == 0 && split == 0 && t < MK_D) {
     p.k_cache[head_base + (size_t)pos * MK_D + t] = __float2bfloat16(kn[t]);
     p.v_cache[head_base + (size_t)pos * MK_D + t] = __float2bfloat16(vn[t]);
@@ -81,6 +170,21 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     const int pp = c0 + t;
     float s = -INFINITY;
     if (pp >= hi) {
+    } else if (pp - lo < nwin) {
+      const int j = pp - lo, r0 = j % CH;
+      const uint4* kr = ks + j * CH;
+      float d = 0.f;
+#pragma unroll 8
+      for (int k = 0; k < CH; ++k) {
+        const int kk = k + r0 < CH ? k + r0 : k + r0 - CH;
+        const uint4 u = kr[kk];
+        const float* q8 = qs + 8 * k;
+        d = fmaf(bf_lo(u.x), q8[0], d); d = fmaf(bf_hi(u.x), q8[1], d);
+        d = fmaf(bf_lo(u.y), q8[2], d); d = fmaf(bf_hi(u.y), q8[3], d);
+        d = fmaf(bf_lo(u.z), q8[4], d); d = fmaf(bf_hi(u.z), q8[5], d);
+        d = fmaf(bf_lo(u.w), q8[6], d); d = fmaf(bf_hi(u.w), q8[7], d);
+      }
+      s = d;
     } else if (pp < pos) {
       const uint4* kr = reinterpret_cast<const uint4*>(kc + (size_t)pp * MK_D);
       float d = 0.f;
@@ -119,7 +223,9 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[e] = fmaf(w, vn[8 * c + e], acc[e]);
         } else {
-          const uint4 u = __ldcg(reinterpret_cast<const uint4*>(vc + (size_t)q * MK_D) + c);
+          const uint4 u = q - lo < nwin
+                              ? vs[(q - lo) * CH + c]
+                              : __ldcg(reinterpret_cast<const uint4*>(vc + (size_t)q * MK_D) + c);
           acc[0] = fmaf(w, bf_lo(u.x), acc[0]); acc[1] = fmaf(w, bf_hi(u.x), acc[1]);
           acc[2] = fmaf(w, bf_lo(u.y), acc[2]); acc[3] = fmaf(w, bf_hi(u.y), acc[3]);
           acc[4] = fmaf(w, bf_lo(u.z), acc[4]); acc[5] = fmaf(w, bf_hi(u.z), acc[5]);
@@ -134,7 +240,16 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     for (int e = 0; e < 8; ++e) part[g * MK_D + 8 * c + e] = acc[e];
   }
   __syncthreads();
-  const size_t slot = (size_t)hq * p.attn_splits + split;
+  if (ns == 1) {
+    if (t < MK_D) {
+      float o = 0.f;
+      for (int gg = 0; gg < GV; ++gg) o += part[gg * MK_D + t];
+      p.attn_out[hq * MK_D + t] = o / l;
+    }
+    __syncthreads();
+    return;
+  }
+  const size_t slot = (size_t)hq * ns + split;
   if (t < MK_D) {
     float o = 0.f;
     for (int gg = 0; gg < GV; ++gg) o += part[gg * MK_D + t];
@@ -150,12 +265,11 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   if (t == 0) {
     __threadfence();
     const unsigned old = atomicAdd(p.attn_count + hq, 1u);
-    red[32] = old + 1 == gen * (unsigned)p.attn_splits ? 1.f : 0.f;
+    red[32] = old + 1 == done ? 1.f : 0.f;
     __threadfence();
   }
   __syncthreads();
   if (red[32] != 0.f) {
-    const int ns = p.attn_splits;
     const float* ml = p.attn_ml + (size_t)hq * ns * 2;
     float* mls = sc;            // [2 * ns] (m, l) of every range, loaded in parallel
     float* coef = sc + 2 * ns;  // [ns]     (3 * ns <= THREADS: ns <= grid / heads)

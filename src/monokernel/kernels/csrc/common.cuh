@@ -23,6 +23,7 @@
 #define MK_QKV_BIAS 0
 #define MK_O_BIAS 0
 #define MK_QK_NORM 0
+#define MK_SPLIT_E 8
 #endif
 
 #define MK_THREADS 512

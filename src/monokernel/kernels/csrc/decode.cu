@@ -29,8 +29,9 @@
 #define MK_XS MK_MAX2(MK_MAX2(MK_H, MK_Q), MK_I)
 
 // Shared memory, in floats: xs [MK_XS] | xres [MK_H] | attention [MK_ATTN_SMEM] | red [64] |
-// h64 [256 x u64] | h32 [256] | misc [16]. build.py computes the same total.
-#define MK_SMEM_FLOATS_A (((MK_XS + MK_H + MK_ATTN_SMEM + 64) + 3) & ~3)
+// K/V window [MK_KVWIN_FLOATS] | h64 [256 x u64] | h32 [256] | misc [16]. build.py computes
+// the same total.
+#define MK_SMEM_FLOATS_A (((MK_XS + MK_H + MK_ATTN_SMEM + 64 + MK_KVWIN_FLOATS) + 3) & ~3)
 
 // xs[0..K) <- src (fp32, written by other CTAs); optionally RMS-normalised in place.
 // gain (may be null): the norm's gain when it was not folded into the next matrix.
@@ -71,6 +72,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   float* xres = xs + MK_XS;      // [H]  residual after attention, from D to E
   float* att = xres + MK_H;
   float* red = att + MK_ATTN_SMEM;
+  float* kvwin = red + 64;  // 16-byte aligned: every region above is a multiple of 4 floats
   SampleScratch ss;
   ss.h64 = reinterpret_cast<unsigned long long*>(smem + MK_SMEM_FLOATS_A);
   ss.h32 = reinterpret_cast<unsigned*>(ss.h64 + 256);
@@ -83,6 +85,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   const bool greedy = p.temperature == 0.f;
   const bool filtered = !greedy && ((p.top_k > 0 && p.top_k < MK_V) || p.top_p < 1.f);
   unsigned bar = 0;
+  unsigned attn_done = 0;  // ranges finished per head so far (attention_head's counter)
   int token = p.first_token;
 
   // First batches held in registers across barriers, one buffer per stage shape.
@@ -98,6 +101,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   for (int step = 0; step < p.n_steps; ++step) {
     const int pos = p.start_pos + step;
     const int in_tok = p.forced ? p.forced[step] : token;
+    const int ns = attn_ranges(pos, p.attn_splits);  // position ranges per head this step
     int mk = 0;  // timing slot
     if (p.timing && step == p.timing_step && blockIdx.x == 0 && t == 0) {
       unsigned long long g;
@@ -106,7 +110,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     }
     mark(p, step, mk++);
     for (int layer = 0; layer < MK_L; ++layer) {
-      const LayerWeights lw = p.layers[layer];
+      const LayerWeights& lw = p.layers[layer];  // re-read at each use: 20 fewer live registers
       // ---- A: RMSNorm + QKV projection -> qkv [QKV]
       if (layer == 0) {
         const bf16* row = p.embed + (size_t)in_tok * MK_H;
@@ -132,13 +136,16 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
                                      p.qkv[r] = d;
                                    });
       mark(p, step, mk++);
-      grid_barrier(p.barrier, bar);  // (stage B's units issue no early loads)
+      grid_arrive(p.barrier, bar);
+      attention_prefetch(p, layer, ns, pos, kvwin);
+      prefetch_pairs_l2<MK_H>(lw.wgu, MK_I, gw, tw, lane);  // off unless MK_PF_PAIRS > 0
+      grid_wait(p.barrier, bar);
       mark(p, step, mk++);
 
-      // ---- B: attention, one CTA per (query head, position range) -> attn, attn_ml
-      for (int u = blockIdx.x; u < MK_NH * p.attn_splits; u += gridDim.x)
-        attention_head(p, lw, layer, u / p.attn_splits, u % p.attn_splits, pos,
-                       (unsigned)(step * MK_L + layer + 1), att, red);
+      // ---- B: attention, one CTA per (query head, position range) -> attn_out
+      if (ns > 1) attn_done += (unsigned)ns;
+      for (int u = blockIdx.x; u < MK_NH * ns; u += gridDim.x)
+        attention_head(p, lw, layer, u, ns, pos, attn_done, att, red, kvwin);
       grid_arrive(p.barrier, bar);
       issue_first<SC::KP, MK_BATCH>(preC, split_first<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, warp), lane);
       mark(p, step, mk++);

@@ -12,7 +12,7 @@
 #define MK_BATCH 6   // 16-byte loads in flight per lane, one row (8 spills registers)
 #endif
 #ifndef MK_BATCH2
-#define MK_BATCH2 6  // per row when two rows (gate, up) stream together
+#define MK_BATCH2 4  // per row when two rows (gate, up) stream together (6: spills, slower)
 #endif
 
 template <int K, int BATCH>
@@ -204,21 +204,22 @@ __device__ __forceinline__ void gemv_pairs(const bf16* __restrict__ W, int pairs
   }
 }
 
-// Warm L2 with the first bytes of the rows this warp will read in the next stage, so that
-// HBM keeps streaming while the CTA waits at the grid barrier. Capped per warp: the whole
-// next stage (up to 67 MB for gate/up) would only evict itself from the 50 MB L2.
-#ifndef MK_PREFETCH_BYTES
-#define MK_PREFETCH_BYTES 0
+// Warm L2 with the rows a warp will read after its first pair in gemv_pairs (its first pair
+// is issued into registers before the stage's barrier anyway). Issued a stage or two ahead,
+// while latency-bound stages leave HBM idle, so the bandwidth-bound stage then reads part of
+// its bytes from L2. One bulk prefetch per row pair (2 rows of K bf16, contiguous).
+#ifndef MK_PF_PAIRS
+#define MK_PF_PAIRS 0  // measured: slower (docs/perf-notes.md, step 8)
 #endif
-__device__ __forceinline__ void prefetch_rows_l2(const bf16* base, int rows, int row_elems,
-                                                 int first_row, int row_step, int lane) {
-  const int bytes = row_elems * 2;
-  int budget = MK_PREFETCH_BYTES;
-  for (int r = first_row; r < rows && budget > 0; r += row_step) {
-    const char* p = reinterpret_cast<const char*>(base + (size_t)r * row_elems);
-    const int n = bytes < budget ? bytes : budget;
-    for (int off = lane * 128; off < n; off += 32 * 128)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
-    budget -= n;
+template <int K>
+__device__ __forceinline__ void prefetch_pairs_l2(const bf16* W, int pairs, int p0, int step,
+                                                  int lane) {
+  if (lane != 0) return;
+#pragma unroll
+  for (int i = 1; i <= MK_PF_PAIRS; ++i) {
+    const int pp = p0 + i * step;
+    if (pp >= pairs) break;
+    const bf16* a = W + (size_t)(2 * pp) * K;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(4 * K) : "memory");
   }
 }

@@ -76,6 +76,30 @@ def test_teacher_forced_logits(shape: str) -> None:
 
 @pytest.mark.gpu
 @needs_hopper
+def test_teacher_forced_logits_split_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many position ranges per head, each longer than its shared-memory window: a 32-position
+    window forces the merge and the global-memory tail of every range at ~900 positions."""
+    monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_ATTN_CHUNK=32")
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+
+    cfg, prompt_len, steps = SHAPES["odd"], 900, 48
+    dev = torch.device("cuda")
+    weights = random_weights(cfg, device=dev, seed=5)
+    mk = MonokernelBackend(cfg, weights, prompt_len + steps, dev)
+    seq = _tokens(prompt_len + steps, cfg.vocab_size, seed=3)
+    got = mk.teacher_forced_logits(seq[:prompt_len], seq[prompt_len:])  # [steps, V]
+    mk.close()
+    ref = Transformer(cfg, {k: v.float() for k, v in weights.items()}, prompt_len + steps)
+    tokens = torch.tensor(seq, device="cuda")
+    want = ref.forward(tokens, 0, ref.new_cache(prompt_len + steps))[prompt_len - 1 : -1]
+    assert torch.isfinite(got).all(), "unwritten or non-finite logits"
+    rel = (got - want).norm(dim=-1) / want.norm(dim=-1)  # [steps]
+    print(f"odd, 32-position windows: rel L2 max {rel.max():.2e} mean {rel.mean():.2e}")
+    assert float(rel.max()) <= 1e-2, f"step {int(rel.argmax())}: rel L2 {float(rel.max()):.3e}"
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_greedy_matches_reference() -> None:
     """Free-running greedy tokens are the reference's argmax at every step.
 

@@ -1,0 +1,119 @@
+"""Build and launch the in-kernel all-reduce microbenchmark (``csrc/allreduce_bench.cu``).
+
+The same conventions as ``build.py`` (its nvcc lookup, cache dir and arch flags; a content
+hash as the cache key; a file lock and an atomic rename), but a separate cubin: the
+benchmark shares no code with the decode kernel. One ``AllReduceKernel`` per device, loaded
+into that device's primary context (torch's) through ``launcher.KernelModule``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from monokernel.errors import BackendUnavailableError
+from monokernel.kernels.build import ARCH_FLAGS, CSRC, cache_dir, find_nvcc
+from monokernel.kernels.launcher import KernelModule, set_current_context
+
+SOURCE = CSRC / "allreduce_bench.cu"
+MAX_RANKS = 8  # AR_MAX_RANKS
+MAX_THREADS = 512  # AR_MAX_THREADS (the kernels' launch bound)
+UNIT_FLOATS = 2  # floats per 16-byte wire unit {float, tag, float, tag}
+
+
+class ArParams(ctypes.Structure):
+    """Mirror of ``struct ArParams`` in csrc/allreduce_bench.cu (same order and widths)."""
+
+    _fields_ = [
+        ("peer_recv", ctypes.c_uint64 * MAX_RANKS),
+        ("inp", ctypes.c_uint64),
+        ("out", ctypes.c_uint64),
+        ("timing", ctypes.c_uint64),
+        ("error", ctypes.c_uint64),
+        ("rank", ctypes.c_int32),
+        ("nranks", ctypes.c_int32),
+        ("n", ctypes.c_int32),
+        ("iters", ctypes.c_int32),
+        ("base_tag", ctypes.c_uint32),
+        ("timeout_ms", ctypes.c_uint32),
+    ]
+
+
+def entry_name(nranks: int) -> str:
+    return f"ar_bench_{nranks}"
+
+
+def recv_buffer_bytes(nranks: int, n: int) -> int:
+    """Receive buffer of one GPU: [2 parities][nranks sources][n/2 units] x 16 bytes."""
+    return 2 * nranks * (n // UNIT_FLOATS) * 16
+
+
+def _flags() -> list[str]:
+    return ["-O3", "-std=c++17", *ARCH_FLAGS, "-cubin"]
+
+
+def nvcc_command(out: Path) -> list[str]:
+    return [find_nvcc(), *_flags(), "-Xptxas", "-v", "-o", str(out), str(SOURCE)]
+
+
+def cubin_path() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + "\n".join(_flags()).encode()).hexdigest()[:24]
+    return cache_dir() / f"allreduce_bench-{key}.cubin"
+
+
+def build() -> Path:
+    """The benchmark's cubin, compiled now unless the cache already holds it."""
+    target = cubin_path()
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():  # another process finished it while we waited
+            return target
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        cmd = nvcc_command(tmp)
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if os.environ.get("MONOKERNEL_VERBOSE_BUILD") == "1":
+            print(" ".join(cmd) + "\n" + proc.stdout + proc.stderr, file=sys.stderr)
+        if proc.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise BackendUnavailableError(
+                f"nvcc failed building the all-reduce benchmark ({' '.join(cmd)}):\n"
+                f"{proc.stderr[-4000:]}"
+            )
+        os.replace(tmp, target)
+    return target
+
+
+def grid_for(n: int, threads: int, max_ctas: int) -> int:
+    """One thread per wire unit (the most polls in flight), at most ``max_ctas`` CTAs."""
+    units = n // UNIT_FLOATS
+    return max(1, min(max_ctas, -(-units // threads)))
+
+
+class AllReduceKernel:
+    """The N-rank entry point loaded on one device."""
+
+    def __init__(self, cubin: Path, device: int, nranks: int, threads: int) -> None:
+        if not 1 <= nranks <= MAX_RANKS:
+            raise ValueError(f"nranks must be in [1, {MAX_RANKS}], got {nranks}")
+        if not 32 <= threads <= MAX_THREADS or threads % 32:
+            raise ValueError(f"threads must be a multiple of 32 in [32, {MAX_THREADS}]")
+        self.device = device
+        set_current_context(device)
+        self._module = KernelModule(cubin, entry_name(nranks), smem_bytes=0, threads=threads)
+
+    def launch(self, grid: int, params: ArParams, stream: int) -> None:
+        # Cooperative: every CTA resident at once, or an error instead of a cross-GPU hang.
+        set_current_context(self.device)
+        self._module.launch(grid, params, stream)  # type: ignore[arg-type]  # any Structure
+
+    def unload(self) -> None:
+        set_current_context(self.device)
+        self._module.unload()

@@ -1,0 +1,53 @@
+"""The all-reduce benchmark kernel compiles for sm_90a, and its ctypes mirror matches it.
+
+CPU only (nvcc, no GPU); the runs on GPUs are in monokernel/parallel/test_allreduce_bench.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from monokernel.kernels import allreduce as ar
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+_C_NAMES = {"inp": "in"}  # ctypes field -> C field, where `in` is a Python keyword
+
+
+@needs_nvcc
+def test_builds_a_cubin_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MONOKERNEL_CACHE", str(tmp_path))
+    path = ar.build()
+    assert path.parent == tmp_path and path.stat().st_size > 0
+    assert path.read_bytes()[:4] == b"\x7fELF"
+    assert ar.build() == path  # cached: same key, no rebuild
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+@needs_nvcc
+def test_ctypes_params_match_the_cuda_struct(tmp_path: Path) -> None:
+    checks = [f'static_assert(sizeof(ArParams) == {ctypes.sizeof(ar.ArParams)}, "sizeof");']
+    for name, *_ in ar.ArParams._fields_:
+        off = getattr(ar.ArParams, name).offset
+        c = _C_NAMES.get(name, name)
+        checks.append(f'static_assert(offsetof(ArParams, {c}) == {off}, "{c}");')
+    checks.append(f'static_assert(AR_MAX_RANKS == {ar.MAX_RANKS}, "ranks");')
+    checks.append(f'static_assert(AR_MAX_THREADS == {ar.MAX_THREADS}, "threads");')
+    src = tmp_path / "layout.cu"
+    src.write_text(f'#include <cstddef>\n#include "{ar.SOURCE}"\n' + "\n".join(checks) + "\n")
+    cmd = [ar.find_nvcc(), *ar.ARCH_FLAGS, "-c", "-o", str(tmp_path / "l.o"), str(src)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_grid_and_buffer_sizes() -> None:
+    assert ar.grid_for(1024, 128, 132) == 4  # 4 KB: 512 units, one per thread
+    assert ar.grid_for(8192, 128, 132) == 32
+    assert ar.grid_for(2, 128, 132) == 1
+    assert ar.grid_for(1 << 20, 128, 132) == 132
+    assert ar.recv_buffer_bytes(2, 1024) == 2 * 2 * 512 * 16
+    assert ar.entry_name(2) == "ar_bench_2"
