@@ -53,8 +53,8 @@ __device__ __forceinline__ AttnUnit attn_unit(int u, int ns, int pos) {
 }
 
 // Start copying this CTA's first unit's cached keys and values and the RoPE row of `pos` into
-// the window. Nothing here depends on the step's QKV projection, so it runs between arriving
-// at the A->B barrier and waiting there. attention_head waits for the copies.
+// the window. Nothing here depends on the step's QKV projection, so decode.cu issues it a
+// stage ahead (during the previous layer's down projection). attention_head waits for it.
 __device__ __forceinline__ void attention_prefetch(const Params& p, int layer, int ns, int pos,
                                                    float* win) {
   constexpr int CH = MK_D / 8, GROUP = MK_NH / MK_NKV;

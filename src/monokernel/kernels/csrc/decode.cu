@@ -98,6 +98,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   issue_first<SA::KP, MK_BATCH>(preA, split_first<MK_H, MK_SPLIT_A>(p.layers[0].wqkv, MK_QKV, warp),
                                 lane);
 
+  attention_prefetch(p, 0, attn_ranges(p.start_pos, p.attn_splits), p.start_pos, kvwin);
+
   for (int step = 0; step < p.n_steps; ++step) {
     const int pos = p.start_pos + step;
     const int in_tok = p.forced ? p.forced[step] : token;
@@ -137,7 +139,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
                                    });
       mark(p, step, mk++);
       grid_arrive(p.barrier, bar);
-      attention_prefetch(p, layer, ns, pos, kvwin);
       prefetch_pairs_l2<MK_H>(lw.wgu, MK_I, gw, tw, lane);  // off unless MK_PF_PAIRS > 0
       grid_wait(p.barrier, bar);
       mark(p, step, mk++);
@@ -186,6 +187,13 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       grid_arrive(p.barrier, bar);
       issue_first<SE::KP, MK_BATCH>(preE, split_first<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, warp),
                                     lane);
+      // The next attention stage's cached keys and values are final once this layer's B is
+      // over: copy them into the window now, inside a long bandwidth-bound stage, so the
+      // copies' issue and flight stay off the latency-bound A -> B path.
+      if (layer + 1 < MK_L)
+        attention_prefetch(p, layer + 1, ns, pos, kvwin);
+      else if (step + 1 < p.n_steps)
+        attention_prefetch(p, 0, attn_ranges(pos + 1, p.attn_splits), pos + 1, kvwin);
       mark(p, step, mk++);
       grid_wait(p.barrier, bar);
       mark(p, step, mk++);
@@ -293,4 +301,5 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     token = next;
     if (done) break;
   }
+  asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives the kernel
 }
