@@ -5,7 +5,8 @@ so any change rebuilds and nothing stale is ever loaded. Two processes building 
 at once are safe: a file lock serialises them, and the cubin is written to a temporary name
 then renamed into place (readers never see a half-written file).
 
-Environment: ``MONOKERNEL_CACHE`` (cache dir, default ``~/.cache/monokernel/kernels``),
+Environment: ``MONOKERNEL_CACHE`` (cache root, default ``~/.cache/monokernel``; cubins go in
+its ``kernels/``),
 ``MONOKERNEL_VERBOSE_BUILD=1`` (print the nvcc command and the ptxas -v report),
 ``MONOKERNEL_DEBUG_BUILD=1`` (-lineinfo -G and device asserts), ``MONOKERNEL_NVCC``
 (compiler path), ``MONOKERNEL_NVCC_FLAGS`` (extra flags, e.g. tuning -D defines).
@@ -151,8 +152,9 @@ def check_supported(cfg: ModelConfig) -> None:
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("MONOKERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "monokernel" / "kernels"
+    from monokernel.weights.default_model import cache_root  # one root for models and kernels
+
+    return cache_root() / "kernels"
 
 
 def find_nvcc() -> str:

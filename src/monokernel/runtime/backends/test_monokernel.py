@@ -111,26 +111,53 @@ def test_greedy_matches_reference() -> None:
     """
     cfg = SHAPES["llama-3.2-1b"]
     dev = torch.device("cuda")
-    from monokernel.runtime.backends.monokernel import MonokernelBackend
-
     weights = random_weights(cfg, device=dev, seed=12)
     gen = torch.Generator(device=dev).manual_seed(0)
     row_scale = torch.exp(1.5 * torch.randn(cfg.vocab_size, 1, generator=gen, device=dev))
     weights["embed"] = (weights["embed"].float() * row_scale).to(torch.bfloat16)
-    mk = MonokernelBackend(cfg, weights, PROMPT + STEPS, dev)
-    prompt = _tokens(PROMPT, cfg.vocab_size, seed=2)
+    _check_greedy(cfg, weights, _tokens(PROMPT, cfg.vocab_size, seed=2), "random")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_greedy_default_model() -> None:
+    """The same check on the real default model (SmolLM2-135M-Instruct), on a chat prompt."""
+    from monokernel.errors import ModelNotFoundError
+    from monokernel.tokenizer.tokenizer import Tokenizer
+    from monokernel.weights.default_model import default_model_path
+    from monokernel.weights.loader import load_checkpoint
+
+    try:
+        path = default_model_path(progress=False)
+    except ModelNotFoundError as e:
+        pytest.skip(f"the default model is not cached and cannot be fetched here: {e}")
+    ckpt = load_checkpoint(str(path))
+    tok = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file)
+    messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    prompt = tok.encode_chat(messages)
+    dev = torch.device("cuda")
+    weights = {k: v.to(device=dev, dtype=torch.bfloat16) for k, v in ckpt.weights.items()}
+    _check_greedy(ckpt.config, weights, prompt, "default model")
+
+
+def _check_greedy(cfg, weights, prompt: list[int], label: str) -> None:
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+
+    dev = torch.device("cuda")
+    n = len(prompt)
+    mk = MonokernelBackend(cfg, weights, n + STEPS, dev)
     got = list(mk.stream(_request(prompt, STEPS, SamplingParams(temperature=0.0)), CancelToken()))
     assert len(got) == STEPS
     mk.close()
-    ref = Transformer(cfg, {k: v.float() for k, v in weights.items()}, PROMPT + STEPS)
+    ref = Transformer(cfg, {k: v.float() for k, v in weights.items()}, n + STEPS)
     seq = torch.tensor(prompt + got, device=dev)
-    logits = ref.forward(seq[:-1], 0, ref.new_cache(PROMPT + STEPS))[PROMPT - 1 :]  # [STEPS, V]
+    logits = ref.forward(seq[:-1], 0, ref.new_cache(n + STEPS))[n - 1 :]  # [STEPS, V]
     best = logits.argmax(dim=-1)
-    chosen = logits.gather(1, seq[PROMPT:, None])[:, 0]
+    chosen = logits.gather(1, seq[n:, None])[:, 0]
     gap = logits.max(dim=-1).values - chosen  # 0 where the kernel chose the reference argmax
     tol = 0.02 * logits.std(dim=-1)  # ~4x the kernel's logit error (rel L2 ~5e-3)
-    differ = (best != seq[PROMPT:]).nonzero().flatten().tolist()
-    print(f"greedy: {STEPS - len(differ)}/{STEPS} steps identical; near-tie steps {differ}")
+    differ = (best != seq[n:]).nonzero().flatten().tolist()
+    print(f"greedy ({label}): {STEPS - len(differ)}/{STEPS} steps identical; near-tie {differ}")
     assert bool((gap <= tol).all()), f"kernel token far from the argmax at {differ}"
     assert len(differ) <= STEPS // 50
 
