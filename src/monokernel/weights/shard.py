@@ -1,0 +1,227 @@
+"""Tensor-parallel sharding of our weight dict (pure PyTorch): what rank r of N holds.
+
+The split (Megatron-style) makes every layer need exactly two all-reduces of one [h] vector
+and keeps everything else local:
+
+* attention: rank r owns the contiguous query heads [r*nh/N, (r+1)*nh/N) and the KV heads
+  they read, [r*nkv/N, (r+1)*nkv/N) (rows of wq / wk / wv and of bq / bk / bv). Its KV cache
+  holds only those heads. q_norm / k_norm act on one head_dim vector each: replicated.
+* O-proj: rank r holds Wo[:, its q columns] and produces a *partial* [h] output; the sum over
+  ranks (all-reduce #1) is Wo @ attn. The o bias is replicated and added once, by every rank,
+  after the reduction (not folded into one rank's partial), so every rank's partial is
+  bias-free and the shards of all ranks have the same keys and shapes.
+* MLP: gate/up rows [r*i/N, (r+1)*i/N) and the same columns of down; down gives a partial
+  [h] output, summed over ranks (all-reduce #2). The MLP has no bias (refused by config).
+* LM head: rows (vocabulary ids) [vocab_start, vocab_end) per rank, a balanced split that
+  allows any vocab size >= N. Each rank finds its best (score, global id); the token is the
+  max over ranks, ties to the lower id (the sampling rule's tie-break). A tied head is sliced
+  from the embedding; the shard always has ``lm_head`` (the slice), even when tied.
+* Replicated: the embedding (each rank gathers the token's row itself), every RMSNorm gain,
+  the final norm, and the residual stream: after each all-reduce every rank holds the same
+  full [h] vector, so norms need no communication.
+
+GQA policy: N must divide num_key_value_heads (each rank holds whole KV heads; KV heads are
+never replicated across ranks), which makes it divide num_attention_heads too. N must also
+divide intermediate_size. ``valid_tp_sizes`` lists what a model accepts.
+
+Row blocks are views of the input tensors (no copy); column blocks are contiguous copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from monokernel.errors import UnsupportedModelError
+from monokernel.models.config import ModelConfig
+from monokernel.weights.names import Weights, check_weights
+
+
+class TensorParallelError(UnsupportedModelError, ValueError):
+    """The model cannot be split over the asked number of ranks (or the rank is invalid)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardConfig:
+    """The per-rank dimensions of rank ``rank`` of ``tp``."""
+
+    base: ModelConfig
+    tp: int
+    rank: int
+    heads: int  # query heads on this rank
+    kv_heads: int  # KV heads on this rank
+    intermediate: int  # gate/up rows and down columns on this rank
+    vocab_start: int  # first global token id of this rank's LM-head rows
+    vocab_end: int  # one past the last
+
+    @property
+    def head_dim(self) -> int:
+        return self.base.head_dim
+
+    @property
+    def hidden(self) -> int:
+        return self.base.hidden_size
+
+    @property
+    def q_size(self) -> int:
+        return self.heads * self.base.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.kv_heads * self.base.head_dim
+
+    @property
+    def vocab_local(self) -> int:
+        return self.vocab_end - self.vocab_start
+
+    def layer_config(self) -> ModelConfig:
+        """A ModelConfig whose layer dims are this rank's: run through the reference forward's
+        layer code it yields the rank's partial outputs. o_bias is off because the bias is
+        added after the reduction; the vocabulary fields stay global (embedding replicated)."""
+        return dataclasses.replace(
+            self.base,
+            num_heads=self.heads,
+            num_kv_heads=self.kv_heads,
+            intermediate_size=self.intermediate,
+            o_bias=False,
+        )
+
+
+def valid_tp_sizes(cfg: ModelConfig) -> tuple[int, ...]:
+    """Every N this model can be split over (see the GQA policy above)."""
+    return tuple(
+        n
+        for n in range(1, cfg.num_kv_heads + 1)
+        if cfg.num_kv_heads % n == 0
+        and cfg.num_heads % n == 0
+        and cfg.intermediate_size % n == 0
+        and cfg.vocab_size >= n
+    )
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Refuse, naming the numbers and the valid sizes, a split the model does not allow."""
+    valid = ", ".join(str(n) for n in valid_tp_sizes(cfg))
+    if not isinstance(tp, int) or tp < 1:
+        raise TensorParallelError(f"tensor-parallel size must be an integer >= 1, got {tp!r}")
+    problems = []
+    if cfg.num_kv_heads % tp:
+        problems.append(
+            f"num_key_value_heads={cfg.num_kv_heads} (each rank must hold whole KV heads; "
+            "KV heads are not replicated)"
+        )
+    if cfg.num_heads % tp:
+        problems.append(f"num_attention_heads={cfg.num_heads}")
+    if cfg.intermediate_size % tp:
+        problems.append(f"intermediate_size={cfg.intermediate_size}")
+    if cfg.vocab_size < tp:
+        problems.append(f"vocab_size={cfg.vocab_size} (fewer ids than ranks)")
+    if problems:
+        raise TensorParallelError(
+            f"tensor-parallel size {tp} does not divide {'; nor '.join(problems)}; "
+            f"valid sizes for this model: {valid}"
+        )
+
+
+def vocab_range(vocab_size: int, rank: int, tp: int) -> tuple[int, int]:
+    """Balanced contiguous split: sizes differ by at most one id, lower ranks smaller."""
+    return rank * vocab_size // tp, (rank + 1) * vocab_size // tp
+
+
+def shard_config(cfg: ModelConfig, rank: int, tp: int) -> ShardConfig:
+    check_tp(cfg, tp)
+    if not isinstance(rank, int) or not 0 <= rank < tp:
+        raise TensorParallelError(f"rank must be in [0, {tp}), got {rank!r}")
+    start, end = vocab_range(cfg.vocab_size, rank, tp)
+    return ShardConfig(
+        base=cfg,
+        tp=tp,
+        rank=rank,
+        heads=cfg.num_heads // tp,
+        kv_heads=cfg.num_kv_heads // tp,
+        intermediate=cfg.intermediate_size // tp,
+        vocab_start=start,
+        vocab_end=end,
+    )
+
+
+def expected_shard_shapes(sc: ShardConfig) -> dict[str, tuple[int, ...]]:
+    cfg = sc.base
+    h, q, kv, i, d = sc.hidden, sc.q_size, sc.kv_size, sc.intermediate, sc.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed": (cfg.vocab_size, h),
+        "norm": (h,),
+        "lm_head": (sc.vocab_local, h),
+    }
+    for n in range(cfg.num_layers):
+        p = f"layers.{n}."
+        shapes |= {
+            p + "attn_norm": (h,),
+            p + "wq": (q, h),
+            p + "wk": (kv, h),
+            p + "wv": (kv, h),
+            p + "wo": (h, q),
+            p + "ffn_norm": (h,),
+            p + "w_gate": (i, h),
+            p + "w_up": (i, h),
+            p + "w_down": (h, i),
+        }
+        if cfg.qkv_bias:
+            shapes |= {p + "bq": (q,), p + "bk": (kv,), p + "bv": (kv,)}
+        if cfg.o_bias:
+            shapes[p + "bo"] = (h,)  # full: added after the reduction
+        if cfg.qk_norm:
+            shapes |= {p + "q_norm": (d,), p + "k_norm": (d,)}
+    return shapes
+
+
+def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    return t[start : start + size]
+
+
+def _cols(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    return t[:, start : start + size].contiguous()
+
+
+def _shard_layer(w: Weights, sc: ShardConfig, n: int) -> Weights:
+    p = f"layers.{n}."
+    q0, kv0, i0 = sc.rank * sc.q_size, sc.rank * sc.kv_size, sc.rank * sc.intermediate
+    out: Weights = {
+        p + "attn_norm": w[p + "attn_norm"],
+        p + "wq": _rows(w[p + "wq"], q0, sc.q_size),
+        p + "wk": _rows(w[p + "wk"], kv0, sc.kv_size),
+        p + "wv": _rows(w[p + "wv"], kv0, sc.kv_size),
+        p + "wo": _cols(w[p + "wo"], q0, sc.q_size),
+        p + "ffn_norm": w[p + "ffn_norm"],
+        p + "w_gate": _rows(w[p + "w_gate"], i0, sc.intermediate),
+        p + "w_up": _rows(w[p + "w_up"], i0, sc.intermediate),
+        p + "w_down": _cols(w[p + "w_down"], i0, sc.intermediate),
+    }
+    cfg = sc.base
+    if cfg.qkv_bias:
+        out[p + "bq"] = _rows(w[p + "bq"], q0, sc.q_size)
+        out[p + "bk"] = _rows(w[p + "bk"], kv0, sc.kv_size)
+        out[p + "bv"] = _rows(w[p + "bv"], kv0, sc.kv_size)
+    if cfg.o_bias:
+        out[p + "bo"] = w[p + "bo"]
+    if cfg.qk_norm:
+        out[p + "q_norm"] = w[p + "q_norm"]
+        out[p + "k_norm"] = w[p + "k_norm"]
+    return out
+
+
+def shard_weights(cfg: ModelConfig, weights: Weights, rank: int, tp: int) -> Weights:
+    """Rank ``rank``'s tensors (see the module docstring), on the device of ``weights``."""
+    sc = shard_config(cfg, rank, tp)
+    check_weights(dict(weights), cfg)  # a copy: check_weights drops a tied lm_head in place
+    head = weights["embed"] if cfg.tie_word_embeddings else weights["lm_head"]
+    out: Weights = {
+        "embed": weights["embed"],
+        "norm": weights["norm"],
+        "lm_head": head[sc.vocab_start : sc.vocab_end],
+    }
+    for n in range(cfg.num_layers):
+        out |= _shard_layer(weights, sc, n)
+    return out
