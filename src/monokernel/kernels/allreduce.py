@@ -9,15 +9,10 @@ into that device's primary context (torch's) through ``launcher.KernelModule``.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import hashlib
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from monokernel.errors import BackendUnavailableError
-from monokernel.kernels.build import ARCH_FLAGS, CSRC, cache_dir, find_nvcc
+from monokernel.kernels.build import ARCH_FLAGS, CSRC, cache_dir, compile_cached, find_nvcc
 from monokernel.kernels.launcher import KernelModule, set_current_context
 
 SOURCE = CSRC / "allreduce_bench.cu"
@@ -68,27 +63,7 @@ def cubin_path() -> Path:
 
 def build() -> Path:
     """The benchmark's cubin, compiled now unless the cache already holds it."""
-    target = cubin_path()
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.is_file():  # another process finished it while we waited
-            return target
-        tmp = target.with_suffix(f".tmp{os.getpid()}")
-        cmd = nvcc_command(tmp)
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if os.environ.get("MONOKERNEL_VERBOSE_BUILD") == "1":
-            print(" ".join(cmd) + "\n" + proc.stdout + proc.stderr, file=sys.stderr)
-        if proc.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            raise BackendUnavailableError(
-                f"nvcc failed building the all-reduce benchmark ({' '.join(cmd)}):\n"
-                f"{proc.stderr[-4000:]}"
-            )
-        os.replace(tmp, target)
-    return target
+    return compile_cached(cubin_path(), nvcc_command, "the all-reduce benchmark")
 
 
 def grid_for(n: int, threads: int, max_ctas: int) -> int:

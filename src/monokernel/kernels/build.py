@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,26 +220,33 @@ def build(dims: KernelDims, debug: bool | None = None) -> Path:
     """The cubin for ``dims``, compiled now unless the cache already holds it."""
     if debug is None:
         debug = os.environ.get("MONOKERNEL_DEBUG_BUILD") == "1"
-    verbose = os.environ.get("MONOKERNEL_VERBOSE_BUILD") == "1"
-    target = cubin_path(dims, debug)
+    return compile_cached(
+        cubin_path(dims, debug), lambda out: nvcc_command(dims, out, debug), "the monokernel"
+    )
+
+
+def compile_cached(target: Path, command: Callable[[Path], list[str]], what: str) -> Path:
+    """``target``, compiled by ``command(tmp_path)`` unless it exists already. A file lock
+    serialises concurrent builders; the result is renamed into place whole."""
     if target.is_file():
         return target
+    verbose = os.environ.get("MONOKERNEL_VERBOSE_BUILD") == "1"
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.is_file():  # another process finished it while we waited
             return target
         tmp = target.with_suffix(f".tmp{os.getpid()}")
-        cmd = nvcc_command(dims, tmp, debug)
+        cmd = command(tmp)
         if verbose:
-            print("monokernel build:", " ".join(cmd), file=sys.stderr)
+            print(f"building {what}:", " ".join(cmd), file=sys.stderr)
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if verbose:
             print(proc.stdout + proc.stderr, file=sys.stderr)
         if proc.returncode != 0:
             tmp.unlink(missing_ok=True)
             raise BackendUnavailableError(
-                f"nvcc failed building the monokernel ({' '.join(cmd)}):\n{proc.stderr[-4000:]}"
+                f"nvcc failed building {what} ({' '.join(cmd)}):\n{proc.stderr[-4000:]}"
             )
         os.replace(tmp, target)
     return target

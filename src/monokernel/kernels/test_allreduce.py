@@ -22,7 +22,7 @@ _C_NAMES = {"inp": "in"}  # ctypes field -> C field, where `in` is a Python keyw
 def test_builds_a_cubin_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MONOKERNEL_CACHE", str(tmp_path))
     path = ar.build()
-    assert path.parent == tmp_path and path.stat().st_size > 0
+    assert path.parent == tmp_path / "kernels" and path.stat().st_size > 0
     assert path.read_bytes()[:4] == b"\x7fELF"
     assert ar.build() == path  # cached: same key, no rebuild
     assert not list(tmp_path.glob("*.tmp*"))
