@@ -1,32 +1,63 @@
 """``monokernel bench``: decode µs/token, tok/s, TTFT and MBU per engine, side by side.
 
-Random bf16 weights in a named real shape unless ``--model`` names a checkpoint; every
-engine runs the same prompt in the same process, and MBU uses the copy bandwidth measured in
-this run. Prints a table; ``--json`` writes every number to a file.
+Random bf16 weights in a named real shape unless ``--model`` names a checkpoint. Every engine
+runs the same prompts in the same process; ``--prompt-tokens`` and ``--gen-tokens`` take comma
+lists and sweep every combination. MBU uses the copy bandwidth measured in this run. Prints a
+table; ``--json`` writes every number, ``--plot`` draws the figures (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
-import platform
-import statistics
 import sys
 from typing import Any
 
 import torch
 
-from monokernel.bench.measure import bytes_per_token, copy_bandwidth, time_request
+from monokernel.bench.engines import BACKENDS, ENGINES, GPU_ONLY, EngineOptions
 from monokernel.bench.shapes import SHAPES, random_weights
+from monokernel.bench.sweep import EngineLimits, SweepConfig, run_benchmark
+from monokernel.bench.table import format_table
 from monokernel.models.config import ModelConfig
 from monokernel.weights.names import Weights
 
-ENGINE_CLASSES = {
-    "monokernel": ("monokernel.runtime.backends.monokernel", "MonokernelBackend"),
-    "torch": ("monokernel.runtime.backends.torch_compiled", "TorchBackend"),
-    "reference": ("monokernel.runtime.backends.reference", "ReferenceBackend"),
-}
+# The reference engine runs one eager op at a time: a short run tells its speed, and a
+# long one would take most of the bench's time (the behaviour before sweeps existed).
+DEFAULT_LIMITS = {"reference": EngineLimits(gen_cap=64, repeats=1)}
+_LIMIT_KEYS = {"max-prompt": "max_prompt", "max-gen": "max_gen", "gen-cap": "gen_cap"}
+_LIMIT_KEYS["repeats"] = "repeats"
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def parse_limits(specs: list[str]) -> dict[str, EngineLimits]:
+    """``ENGINE:KEY=N`` (keys: max-prompt, max-gen, gen-cap, repeats; N=0 lifts a limit) on
+    top of DEFAULT_LIMITS."""
+    fields: dict[str, dict[str, int | None]] = {
+        name: {f: getattr(lim, f) for f in _LIMIT_KEYS.values()}
+        for name, lim in DEFAULT_LIMITS.items()
+    }
+    for spec in specs:
+        engine, _, rest = spec.partition(":")
+        key, _, value = rest.partition("=")
+        if engine not in ENGINES or key not in _LIMIT_KEYS or not value.isdigit():
+            raise ValueError(
+                f"bad --limit {spec!r}: expected ENGINE:KEY=N with ENGINE in {', '.join(ENGINES)} "
+                f"and KEY in {', '.join(_LIMIT_KEYS)}"
+            )
+        entry = fields.setdefault(engine, dict.fromkeys(_LIMIT_KEYS.values()))
+        entry[_LIMIT_KEYS[key]] = int(value) or None
+    return {name: EngineLimits(**f) for name, f in fields.items()}  # type: ignore[arg-type]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,129 +65,148 @@ def _parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint (dir, .gguf or hub id); default: --shape")
     src.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
-    ap.add_argument("--engines", default="monokernel,torch", help="comma-separated")
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--gen-tokens", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=3, help="timed requests per engine")
-    ap.add_argument("--json", dest="json_file", help="write the results here")
+    ap.add_argument(
+        "--engines", default="monokernel,torch", help=f"comma-separated: {', '.join(ENGINES)}"
+    )
+    ap.add_argument("--prompt-tokens", type=int_list, default=(64,), help="e.g. 128,512,2048")
+    ap.add_argument("--gen-tokens", type=int_list, default=(512,), help="e.g. 512,2048,8192")
+    ap.add_argument("--repeats", type=int, default=3, help="timed requests per engine and cell")
+    ap.add_argument("--json", dest="json_file", help="write the results here (after every cell)")
+    ap.add_argument("--plot", metavar="DIR", help="write PNG figures here (needs matplotlib)")
     ap.add_argument(
         "--profile", action="store_true", help="monokernel: time each stage of one step"
     )
+    ap.add_argument("--device", default="auto", help="auto | cuda | cuda:N | cpu")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    ap.add_argument(
+        "--limit",
+        action="append",
+        default=[],
+        metavar="ENGINE:KEY=N",
+        help="spare a slow engine: max-prompt / max-gen (skip larger cells), gen-cap (time "
+        "fewer tokens), repeats; default reference:gen-cap=64 and reference:repeats=1",
+    )
+    ap.add_argument(
+        "--hf-cache",
+        choices=["static", "dynamic"],
+        default="static",
+        help="hf engine's KV cache; static (generate compiles the decode step on CUDA) falls "
+        "back to dynamic if it fails",
+    )
+    ap.add_argument("--endpoint", metavar="URL", help="also time an OpenAI-compatible server")
+    ap.add_argument("--endpoint-model", metavar="NAME", help="default: the first of /v1/models")
+    ap.add_argument("--endpoint-api-key", metavar="KEY")
+    ap.add_argument(
+        "--endpoint-prompt", choices=["ids", "text"], default="ids", help="send token ids or text"
+    )
+    ap.add_argument(
+        "--time-budget", type=float, metavar="S", help="start no new cell after S seconds"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="weights and prompts")
     return ap
 
 
-def _load(args: argparse.Namespace, device: torch.device) -> tuple[ModelConfig, Weights, str]:
+def _device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def _load(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, need_weights: bool
+) -> tuple[ModelConfig, Weights | None, str]:
     if args.model:
         from monokernel.weights.loader import load_checkpoint
 
         ckpt = load_checkpoint(args.model)
-        weights = {k: v.to(device=device, dtype=torch.bfloat16) for k, v in ckpt.weights.items()}
+        weights = None
+        if need_weights:
+            weights = {k: v.to(device=device, dtype=dtype) for k, v in ckpt.weights.items()}
         return ckpt.config, weights, args.model
     cfg = SHAPES[args.shape]
-    return cfg, random_weights(cfg, device=device, seed=0), f"{args.shape} (random bf16)"
+    weights = (
+        random_weights(cfg, device=device, dtype=dtype, seed=args.seed) if need_weights else None
+    )
+    return cfg, weights, f"{args.shape} (random {str(dtype).removeprefix('torch.')})"
 
 
-def _bench_engine(
-    name: str, cfg: ModelConfig, weights: Weights, args: argparse.Namespace
-) -> dict[str, Any]:
-    import importlib
-
-    module, cls = ENGINE_CLASSES[name]
-    device = torch.device("cuda")
-    max_len = args.prompt_tokens + args.gen_tokens + 1
-    backend = getattr(importlib.import_module(module), cls)(cfg, weights, max_len, device)
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
-    gen_tokens = args.gen_tokens
-    repeats = args.repeats
-    if name == "reference":  # eager, one op at a time: a short run tells its speed
-        gen_tokens, repeats = min(gen_tokens, 64), 1
-    time_request(backend, prompt, min(gen_tokens, 32))  # warm-up: build, compile, capture
-    runs = [time_request(backend, prompt, gen_tokens) for _ in range(repeats)]
-    profile = None
-    if args.profile and hasattr(backend, "profile_step"):
-        profile = backend.profile_step(prompt, gen_tokens, gen_tokens // 2)
-    backend.close()
-    del backend
-    gc.collect()
-    torch.cuda.empty_cache()
-    per_tok = statistics.median(r.decode_s_per_token for r in runs)
-    return {
-        "us_per_token": per_tok * 1e6,
-        "tok_per_s": 1.0 / per_tok,
-        "ttft_ms": statistics.median(r.ttft_s for r in runs) * 1e3,
-        "tokens": runs[0].tokens,
-        "runs_us_per_token": [r.decode_s_per_token * 1e6 for r in runs],
-        **({"stage_profile_us": profile} if profile else {}),
-    }
+def _engines(args: argparse.Namespace) -> list[str]:
+    names = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if args.endpoint and "endpoint" not in names:
+        names.append("endpoint")
+    return list(dict.fromkeys(names))
 
 
-def _table(res: dict[str, Any]) -> str:
-    lines = [
-        f"device: {res['device']} | model: {res['model']} | prompt {res['prompt_tokens']} "
-        f"gen {res['gen_tokens']} | copy bw {res['copy_bw_GBps']:.0f} GB/s | "
-        f"{res['bytes_per_token'] / 1e9:.3f} GB/token (floor {res['floor_us']:.0f} µs)",
-        f"{'engine':<11} {'µs/token':>9} {'tok/s':>8} {'TTFT ms':>8} {'MBU':>6} {'vs torch':>9}",
+def _profile_lines(doc: dict[str, Any]) -> list[str]:
+    return [
+        f"{c['engine']} stage profile at prompt {c['prompt_tokens']} gen {c['gen_tokens']} "
+        "(µs in one step, summed over layers): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in c["stage_profile_us"].items())
+        for c in doc["cells"]
+        if "stage_profile_us" in c
     ]
-    for name, e in res["engines"].items():
-        if "error" in e:
-            lines.append(f"{name:<11} error: {e['error']}")
-            continue
-        ratio = f"{e['speedup_vs_torch']:.2f}x" if e.get("speedup_vs_torch") else "-"
-        lines.append(
-            f"{name:<11} {e['us_per_token']:>9.1f} {e['tok_per_s']:>8.1f} {e['ttft_ms']:>8.2f} "
-            f"{e['mbu'] * 100:>5.1f}% {ratio:>9}"
-        )
-    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    if not torch.cuda.is_available():
-        print("monokernel bench needs an NVIDIA GPU", file=sys.stderr)
+    names = _engines(args)
+    unknown = [n for n in names if n not in ENGINES]
+    if unknown:
+        print(f"unknown engine {unknown[0]!r}; choose from {', '.join(ENGINES)}", file=sys.stderr)
         return 2
-    device = torch.device("cuda")
-    cfg, weights, label = _load(args, device)
-    bw = copy_bandwidth(device)
-    bpt = bytes_per_token(cfg, args.prompt_tokens + args.gen_tokens / 2)
-    res: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device),
-        "torch": torch.__version__,
-        "host": platform.node(),
-        "model": label,
-        "prompt_tokens": args.prompt_tokens,
-        "gen_tokens": args.gen_tokens,
-        "copy_bw_GBps": bw / 1e9,
-        "bytes_per_token": bpt,
-        "floor_us": bpt / bw * 1e6,
-        "engines": {},
-    }
-    for name in [e.strip() for e in args.engines.split(",") if e.strip()]:
-        if name not in ENGINE_CLASSES:
-            print(
-                f"unknown engine {name!r}; choose from {', '.join(ENGINE_CLASSES)}", file=sys.stderr
-            )
-            return 2
+    if "endpoint" in names and not args.endpoint:
+        print("engine 'endpoint' needs --endpoint URL", file=sys.stderr)
+        return 2
+    device = _device(args.device)
+    gpu_only = [n for n in names if n in GPU_ONLY]
+    if device.type != "cuda" and gpu_only:
+        print(
+            f"monokernel bench needs an NVIDIA GPU for engine(s) {', '.join(gpu_only)} "
+            "(on the CPU: --engines reference,torch,hf,endpoint)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        limits = parse_limits(args.limit)
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(
+            args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+        )
+        sweep = SweepConfig(
+            engines=tuple(names),
+            prompt_tokens=args.prompt_tokens,
+            gen_tokens=args.gen_tokens,
+            repeats=args.repeats,
+            seed=args.seed,
+            profile=args.profile,
+            limits=limits,
+            time_budget_s=args.time_budget,
+            options=EngineOptions(
+                hf_cache=args.hf_cache,
+                endpoint_url=args.endpoint,
+                endpoint_model=args.endpoint_model,
+                endpoint_api_key=args.endpoint_api_key,
+                endpoint_prompt=args.endpoint_prompt,
+            ),
+        )
+    except ValueError as e:
+        print(f"monokernel bench: {e}", file=sys.stderr)
+        return 2
+    need_weights = any(n in BACKENDS or n == "hf" for n in names)
+    cfg, weights, label = _load(args, device, dtype, need_weights)
+    recorded = {k: v for k, v in vars(args).items() if k != "endpoint_api_key"}  # no secrets
+    doc = run_benchmark(
+        cfg, weights, label, sweep, device, recorded, dtype, json_path=args.json_file
+    )
+    print(format_table(doc))
+    for line in _profile_lines(doc):
+        print(line)
+    if args.plot:
+        from monokernel.bench.plot import draw
+
         try:
-            e = _bench_engine(name, cfg, weights, args)
-        except Exception as exc:  # one engine failing must not hide the others' numbers
-            res["engines"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-            continue
-        e["mbu"] = bpt / (e["us_per_token"] * 1e-6) / bw
-        res["engines"][name] = e
-    torch_us = res["engines"].get("torch", {}).get("us_per_token")
-    for e in res["engines"].values():
-        if torch_us and "us_per_token" in e:
-            e["speedup_vs_torch"] = torch_us / e["us_per_token"]
-    print(_table(res))
-    for name, e in res["engines"].items():
-        if "stage_profile_us" in e:
-            prof = e["stage_profile_us"]
-            print(
-                f"{name} stage profile (µs in one step, summed over layers): "
-                + ", ".join(f"{k} {v:.1f}" for k, v in prof.items())
-            )
-    if args.json_file:
-        with open(args.json_file, "w") as f:
-            json.dump(res, f, indent=2)
-    return 0 if all("error" not in e for e in res["engines"].values()) else 1
+            for path in draw(doc, args.plot):
+                print(f"figure: {path}")
+        except ImportError:
+            print("--plot needs matplotlib: pip install 'monokernel[bench]'", file=sys.stderr)
+            return 1
+    return 0 if all(c["status"] == "ok" for c in doc["cells"]) else 1

@@ -1,0 +1,131 @@
+"""The engines the bench can time, behind one small interface.
+
+``monokernel``, ``torch`` and ``reference`` are our decode backends; ``hf`` is transformers'
+``model.generate`` on the same weights; ``endpoint`` is any OpenAI-compatible server. Each is
+opened per (prompt, gen) cell, sized for that cell's context, and closed after it, so an
+engine whose cost depends on the allocated context (a static KV cache read whole) is timed at
+the context the cell needs and not at the sweep's largest.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from monokernel.bench.measure import RunTiming, time_request
+from monokernel.models.config import ModelConfig
+from monokernel.weights.names import Weights
+
+BACKENDS: dict[str, tuple[str, str]] = {
+    "monokernel": ("monokernel.runtime.backends.monokernel", "MonokernelBackend"),
+    "torch": ("monokernel.runtime.backends.torch_compiled", "TorchBackend"),
+    "reference": ("monokernel.runtime.backends.reference", "ReferenceBackend"),
+}
+ENGINES: tuple[str, ...] = (*BACKENDS, "hf", "endpoint")
+GPU_ONLY: frozenset[str] = frozenset({"monokernel"})
+
+
+class Runner(Protocol):
+    name: str
+
+    def run(self, prompt: list[int], gen_tokens: int) -> RunTiming:
+        """One timed greedy request of exactly ``gen_tokens`` tokens (EOS ignored)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """Settings of the engines that are not our backends."""
+
+    hf_cache: str = "static"  # "static" (HF compiles the decode step on CUDA) | "dynamic"
+    endpoint_url: str | None = None
+    endpoint_model: str | None = None
+    endpoint_api_key: str | None = None
+    endpoint_prompt: str = "ids"  # "ids" | "text"
+    endpoint_transport: str = "auto"  # "auto" (httpx if installed) | "httpx" | "urllib"
+
+
+class BackendRunner:
+    """One of our backends; timings come from ``measure.time_request``."""
+
+    def __init__(
+        self, name: str, cfg: ModelConfig, weights: Weights, max_len: int, device: torch.device
+    ) -> None:
+        module, cls = BACKENDS[name]
+        self.name = name
+        self.backend: Any = getattr(importlib.import_module(module), cls)(
+            cfg, weights, max_len, device
+        )
+
+    def run(self, prompt: list[int], gen_tokens: int) -> RunTiming:
+        return time_request(self.backend, prompt, gen_tokens)
+
+    def profile(self, prompt: list[int], gen_tokens: int) -> dict[str, float] | None:
+        """The monokernel's per-stage times of one step halfway through; None elsewhere."""
+        if not hasattr(self.backend, "profile_step"):
+            return None
+        return dict(self.backend.profile_step(prompt, gen_tokens, gen_tokens // 2))
+
+    def close(self) -> None:
+        self.backend.close()
+        del self.backend
+
+
+def open_runner(
+    name: str,
+    cfg: ModelConfig,
+    weights: Weights | None,
+    max_len: int,
+    device: torch.device,
+    options: EngineOptions,
+) -> Runner:
+    if name == "endpoint":
+        from monokernel.bench.endpoint import EndpointRunner
+
+        if not options.endpoint_url:
+            raise ValueError("engine 'endpoint' needs --endpoint URL")
+        return EndpointRunner(
+            options.endpoint_url,
+            model=options.endpoint_model,
+            api_key=options.endpoint_api_key,
+            prompt_mode=options.endpoint_prompt,
+            transport=options.endpoint_transport,
+        )
+    if weights is None:
+        raise ValueError(f"engine {name!r} needs the model's weights")
+    if name in ("torch", "hf") and device.type == "cuda":
+        fresh_compile_state()
+    if name == "hf":
+        from monokernel.bench.hf import HFRunner
+
+        return HFRunner(cfg, weights, max_len, device, cache=options.hf_cache)
+    if name in BACKENDS:
+        return BackendRunner(name, cfg, weights, max_len, device)
+    raise ValueError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
+
+
+def fresh_compile_state() -> None:
+    """Forget every torch.compile result before a compiled engine opens for a new cell.
+
+    Each cell sizes its static KV cache anew, so the engine recompiles anyway; from a clean
+    slate it compiles with static shapes like a single-run engine (not a dynamic-shape graph
+    that dynamo would switch to on a recompile), and never reaches dynamo's recompile limit,
+    past which it would silently run eagerly and report eager numbers as torch.compile's."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+
+def release(runner: Runner | None, device: torch.device) -> None:
+    """Close ``runner`` and hand its memory back before the next engine allocates."""
+    if runner is not None:
+        runner.close()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

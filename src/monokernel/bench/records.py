@@ -1,0 +1,161 @@
+"""The result document of ``monokernel bench``: one record per (engine, prompt, gen) cell.
+
+Schema (``SCHEMA_VERSION`` 2; version 1 was the single-cell format before sweeps, which had
+no ``schema_version`` field)::
+
+    {schema_version, kind: "monokernel-bench",
+     environment: {device, gpu: {name, driver, sm_clock_mhz, ...} | null, python, os, torch,
+                   cuda, transformers, monokernel},
+     model: {label, family, parameters, max_context, dtype, weight_bytes_per_token},
+     runs: [{args, started_utc, copy_bw_GBps | null, gpu_clocks}],   # one per bench process
+     cells: [{run, engine, prompt_tokens, gen_tokens, status: "ok" | "error", ...}],
+     skipped: [{run, engine | null, prompt_tokens, gen_tokens, reason}]}
+
+An ``ok`` cell holds ``gen_tokens_run`` (fewer than ``gen_tokens`` when the engine is capped),
+``repeats``, ``runs_raw`` (every timed request), ``us_per_token``/``tok_per_s``/``ttft_ms`` as
+``{median, p10, p90}``, ``mean_context``, ``bytes_per_token``, and when the run measured a
+copy bandwidth ``copy_bw_GBps``, ``floor_us``, ``roofline_tok_s`` and ``mbu``; ``vs_torch`` and
+``ttft_vs_torch`` compare with the torch engine's cell of the same run (None without one).
+Every cell has ``cell_wall_s`` (the whole cell: open, warm-up, timed requests, close), and
+engines add their own fields (``hf_cache``, ``endpoint_model``, ``stage_profile_us``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from monokernel.bench.measure import RunTiming, bytes_per_token
+from monokernel.bench.stats import summarize
+from monokernel.models.config import ModelConfig
+
+SCHEMA_VERSION = 2
+KIND = "monokernel-bench"
+
+
+def model_info(cfg: ModelConfig, label: str, dtype: str, weight_bytes: int) -> dict[str, Any]:
+    return {
+        "label": label,
+        "family": cfg.family,
+        "parameters": cfg.num_parameters(),
+        "max_context": cfg.max_position_embeddings,
+        "dtype": dtype,
+        "weight_bytes_per_token": bytes_per_token(cfg, 0, weight_bytes),
+    }
+
+
+def new_document(environment: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": KIND,
+        "environment": environment,
+        "model": model,
+        "runs": [],
+        "cells": [],
+        "skipped": [],
+    }
+
+
+def ok_record(
+    engine: str,
+    prompt_tokens: int,
+    gen_tokens: int,
+    timings: Sequence[RunTiming],
+    cfg: ModelConfig,
+    bandwidth: float | None,
+    weight_bytes: int,
+) -> dict[str, Any]:
+    """Statistics of the timed requests of one cell, and where they sit against the roofline.
+
+    MBU = bytes a decode step must read at the mean context of the timed tokens / measured
+    time per token / the copy bandwidth measured in the same run."""
+    gen_run = timings[0].tokens
+    us = [t.decode_s_per_token * 1e6 for t in timings]
+    median_us = summarize(us)["median"]
+    context = prompt_tokens + gen_run / 2
+    bpt = bytes_per_token(cfg, context, weight_bytes)
+    rec: dict[str, Any] = {
+        "engine": engine,
+        "prompt_tokens": prompt_tokens,
+        "gen_tokens": gen_tokens,
+        "status": "ok",
+        "gen_tokens_run": gen_run,
+        "repeats": len(timings),
+        "runs_raw": [
+            {
+                "ttft_ms": t.ttft_s * 1e3,
+                "us_per_token": t.decode_s_per_token * 1e6,
+                "tokens": t.tokens,
+            }
+            for t in timings
+        ],
+        "us_per_token": summarize(us),
+        "tok_per_s": summarize([1e6 / u for u in us]) if min(us) > 0 else None,
+        "ttft_ms": summarize([t.ttft_s * 1e3 for t in timings]),
+        "mean_context": context,
+        "bytes_per_token": bpt,
+        "copy_bw_GBps": None,
+        "floor_us": None,
+        "roofline_tok_s": None,
+        "mbu": None,
+    }
+    if bandwidth:
+        rec |= {
+            "copy_bw_GBps": bandwidth / 1e9,
+            "floor_us": bpt / bandwidth * 1e6,
+            "roofline_tok_s": bandwidth / bpt,
+            "mbu": bpt / (median_us * 1e-6) / bandwidth if median_us > 0 else None,
+        }
+    return rec
+
+
+def error_record(engine: str, prompt_tokens: int, gen_tokens: int, exc: BaseException) -> dict:
+    return {
+        "engine": engine,
+        "prompt_tokens": prompt_tokens,
+        "gen_tokens": gen_tokens,
+        "status": "error",
+        "error": f"{type(exc).__name__}: {exc}"[:2000],
+    }
+
+
+def add_torch_ratios(cells: list[dict[str, Any]]) -> None:
+    """``vs_torch`` = torch's µs/token / this engine's (> 1: faster than torch), and the same
+    for TTFT, against the torch cell of the same run, prompt and gen."""
+    torch_cells = {
+        (c["run"], c["prompt_tokens"], c["gen_tokens"]): c
+        for c in cells
+        if c["engine"] == "torch" and c["status"] == "ok"
+    }
+    for c in cells:
+        if c["status"] != "ok":
+            continue
+        ref = torch_cells.get((c["run"], c["prompt_tokens"], c["gen_tokens"]))
+        us, ttft = c["us_per_token"]["median"], c["ttft_ms"]["median"]
+        c["vs_torch"] = ref["us_per_token"]["median"] / us if ref and us > 0 else None
+        c["ttft_vs_torch"] = ref["ttft_ms"]["median"] / ttft if ref and ttft > 0 else None
+
+
+_CELL_KEYS = ("run", "engine", "prompt_tokens", "gen_tokens", "status")
+_OK_KEYS = ("gen_tokens_run", "repeats", "runs_raw", "us_per_token", "tok_per_s", "ttft_ms")
+_OK_KEYS += ("mean_context", "bytes_per_token", "mbu", "roofline_tok_s", "vs_torch")
+
+
+def validate(doc: Any) -> dict[str, Any]:
+    """``doc`` if it is a bench result this code can read; ValueError naming what is off."""
+    if not isinstance(doc, dict) or doc.get("kind") != KIND:
+        raise ValueError("not a monokernel bench result (no kind: monokernel-bench)")
+    version = doc.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ValueError(f"schema_version {version!r}; this code reads {SCHEMA_VERSION}")
+    for key in ("environment", "model", "runs", "cells", "skipped"):
+        if key not in doc:
+            raise ValueError(f"result has no {key!r}")
+    for i, c in enumerate(doc["cells"]):
+        need = _CELL_KEYS + (_OK_KEYS if c.get("status") == "ok" else ("error",))
+        missing = [k for k in need if k not in c]
+        if missing:
+            raise ValueError(f"cell {i} ({c.get('engine')}) lacks {', '.join(missing)}")
+        if not 0 <= c["run"] < len(doc["runs"]):
+            raise ValueError(f"cell {i} names run {c['run']}, which the result does not hold")
+    return doc

@@ -1,0 +1,57 @@
+"""``monokernel bench`` end to end on the CPU (reference and hf engines, a tiny checkpoint)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from monokernel.bench.cli import main, parse_limits
+from monokernel.bench.records import validate
+from monokernel.bench.sweep import EngineLimits
+
+
+def test_cpu_sweep_writes_json_table_and_figures(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    out, figs = tmp_path / "bench.json", tmp_path / "figs"
+    argv = ["--model", str(tiny_dir), "--device", "cpu", "--engines", "reference,hf"]
+    argv += ["--prompt-tokens", "8,16,4096", "--gen-tokens", "4", "--repeats", "2"]
+    argv += ["--limit", "reference:gen-cap=0", "--hf-cache", "dynamic"]
+    assert main([*argv, "--json", str(out), "--plot", str(figs)]) == 0
+    doc = validate(json.loads(out.read_text()))
+    assert doc["runs"][0]["args"]["prompt_tokens"] == [8, 16, 4096]
+    assert {(c["engine"], c["prompt_tokens"]) for c in doc["cells"]} == {
+        ("reference", 8), ("reference", 16), ("hf", 8), ("hf", 16),
+    }  # fmt: skip
+    # The repeats default limit of the reference engine (1) still holds; its gen cap is lifted.
+    ref = [c for c in doc["cells"] if c["engine"] == "reference"]
+    assert all(c["repeats"] == 1 and c["gen_tokens_run"] == 4 for c in ref)
+    assert all(c["hf_cache"] == "dynamic" for c in doc["cells"] if c["engine"] == "hf")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("device: cpu") and lines[1].startswith("engine")
+    assert sum(line.startswith(("reference", "hf")) for line in lines) == 4
+    assert any("over the model's max context" in line for line in lines)  # 4096 > 256
+    assert (figs / "decode_vs_prompt.png").exists()
+
+
+def test_refusals(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--device", "cpu", "--engines", "monokernel"]) == 2
+    assert "needs an NVIDIA GPU" in capsys.readouterr().err
+    assert main(["--device", "cpu", "--engines", "nope"]) == 2
+    assert "unknown engine 'nope'" in capsys.readouterr().err
+    assert main(["--device", "cpu", "--engines", "endpoint"]) == 2
+    assert "--endpoint URL" in capsys.readouterr().err
+    assert main(["--device", "cpu", "--engines", "reference", "--limit", "ref:x=1"]) == 2
+    assert "ENGINE:KEY=N" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--prompt-tokens", "12,abc"])
+
+
+def test_limits_parse_over_the_defaults() -> None:
+    limits = parse_limits(["hf:max-gen=512", "reference:max-prompt=2048", "reference:gen-cap=0"])
+    assert limits["hf"] == EngineLimits(max_gen=512)
+    assert limits["reference"] == EngineLimits(max_prompt=2048, gen_cap=None, repeats=1)
+    assert parse_limits([])["reference"] == EngineLimits(gen_cap=64, repeats=1)
