@@ -1,0 +1,157 @@
+"""GPU prefill (cuBLAS + flash attention) against the fp32 reference, and decode after a long
+prefill: logits at 1 and >4,000 prompt tokens, the backend's reuse path, teacher-forced
+decode at a 16k context, the cache-sizing refusal.
+
+Shapes: real head dims and widths, 2 layers (the odd shape: all its 3), so the fp32
+reference stays quick at long context. Marker ``gpu``; the backend tests need Hopper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from monokernel.bench.shapes import SHAPES, random_weights
+from monokernel.errors import InvalidRequestError
+from monokernel.models.config import ModelConfig
+from monokernel.models.transformer import KVCache, Transformer
+from monokernel.runtime.prefill import PRECISIONS, Prefiller
+from monokernel.weights.names import Weights
+from monokernel.weights.repack import repack
+
+LONG = 4100  # > 2 chunks of 2048: the bottom-right causal path runs too
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)")
+
+
+def _cfg(shape: str, full: bool = False) -> ModelConfig:
+    cfg = SHAPES[shape]
+    return cfg if full or shape == "odd" else dataclasses.replace(cfg, num_layers=2)
+
+
+@functools.lru_cache(maxsize=1)
+def _weights(shape: str, full: bool = False) -> Weights:
+    return random_weights(_cfg(shape, full), device="cuda", seed=11)
+
+
+def _tokens(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _reference(cfg: ModelConfig, weights: Weights, tokens: list[int], chunk: int = 1024):
+    """fp32 reference over ``tokens`` in chunks (each attends to the cached prefix, which is
+    the same function as one pass); returns the model and its cache for more tokens."""
+    ref = Transformer(cfg, {k: v.float() for k, v in weights.items()}, len(tokens) + 64)
+    cache = ref.new_cache(len(tokens) + 64)
+    ids = torch.tensor(tokens, device="cuda")
+    last = None
+    for a in range(0, len(tokens), chunk):
+        last = ref.forward(ids[a : a + chunk], a, cache, last_only=True)[0]
+    return ref, cache, last
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, LONG])
+@pytest.mark.parametrize("shape", ["llama-3.2-1b", "qwen2.5-coder-1.5b", "odd"])
+def test_prefill_logits_match_reference(shape: str, n: int) -> None:
+    cfg, weights = _cfg(shape), _weights(shape)
+    tokens = _tokens(n, cfg.vocab_size, seed=1)
+    _, _, want = _reference(cfg, weights, tokens)
+    packed = repack(cfg, weights, n, fold=False)
+    for precision in PRECISIONS if n == LONG and shape == "llama-3.2-1b" else ("split-qkv",):
+        cache = KVCache.allocate(cfg, n, torch.bfloat16, "cuda")
+        got = Prefiller(cfg, packed, cache.k, cache.v, precision=precision).run(
+            tokens, 0, logits=True
+        )
+        assert got is not None and torch.isfinite(got).all()
+        rel = _rel(got, want)
+        print(f"{shape} n={n} {precision}: prefill logits rel L2 {rel:.2e}")
+        assert rel <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_backend_prefill_logits_with_reuse() -> None:
+    """The backend's prefill_logits: from scratch, then extending the cached prompt (only
+    the new tokens are prefilled), then with reuse off: all close to the reference."""
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+
+    shape = "odd"  # every optional feature; its kernel is small to build
+    cfg, weights = _cfg(shape), _weights(shape)
+    mk = MonokernelBackend(cfg, weights, 4096, torch.device("cuda"))
+    tokens = _tokens(3000, cfg.vocab_size, seed=2)
+    try:
+        first = mk.prefill_logits(tokens[:2500])
+        starts: list[int] = []
+        run = mk.prefill.run
+
+        def spy(ids, start, logits=False):  # type: ignore[no-untyped-def]
+            starts.append(start)
+            return run(ids, start, logits=logits)
+
+        mk.prefill.run = spy  # type: ignore[method-assign]
+        reused = mk.prefill_logits(tokens)
+        assert starts == [2500], "the cached 2,500 tokens should not be prefilled again"
+        mk.set_prefix_reuse(False)
+        fresh = mk.prefill_logits(tokens)
+        assert starts == [2500, 0]
+    finally:
+        mk.close()
+    _, _, want_first = _reference(cfg, weights, tokens[:2500])
+    _, _, want = _reference(cfg, weights, tokens)
+    print(
+        f"backend prefill logits rel L2: {_rel(first, want_first):.2e} (2,500), "
+        f"{_rel(reused, want):.2e} (reused), {_rel(fresh, want):.2e} (fresh); "
+        f"reused vs fresh {_rel(reused, fresh):.2e}"
+    )
+    assert max(_rel(first, want_first), _rel(reused, want), _rel(fresh, want)) <= 1e-2
+    assert _rel(reused, fresh) <= 2e-3  # chunking changes only rounding
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_decode_logits_at_16k_context() -> None:
+    """A 16k prompt through the chunked prefill (8 chunks), then teacher-forced kernel steps
+    at full depth: logits within 1e-2 of the fp32 reference that ran the whole sequence."""
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+
+    shape, prompt_len, steps = "llama-3.2-1b", 16380, 4
+    cfg, weights = _cfg(shape, full=True), _weights(shape, full=True)
+    seq = _tokens(prompt_len + steps, cfg.vocab_size, seed=3)
+    mk = MonokernelBackend(cfg, weights, prompt_len + steps, torch.device("cuda"))
+    try:
+        got = mk.teacher_forced_logits(seq[:prompt_len], seq[prompt_len:])  # [steps, V]
+    finally:
+        mk.close()
+    ref, cache, _ = _reference(cfg, weights, seq[: prompt_len - 1])
+    tail = torch.tensor(seq[prompt_len - 1 : -1], device="cuda")
+    want = ref.forward(tail, prompt_len - 1, cache)  # [steps, V]
+    assert torch.isfinite(got).all(), "unwritten or non-finite logits"
+    rel = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    print(f"16k context decode: rel L2 per step {[f'{r:.2e}' for r in rel.tolist()]}")
+    assert float(rel.max()) <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_context_that_cannot_fit_is_refused_with_numbers() -> None:
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+
+    cfg = SHAPES["odd"]
+    weights = random_weights(cfg, device="cuda", seed=1)
+    free = torch.cuda.mem_get_info()[0]
+    too_long = free // 1000 * 10  # the odd shape's cache takes ~1.2 KB a token
+    with pytest.raises(InvalidRequestError, match=r"bytes are free.*--max-model-len"):
+        MonokernelBackend(cfg, weights, too_long, torch.device("cuda"))

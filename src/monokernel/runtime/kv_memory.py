@@ -1,0 +1,104 @@
+"""Sizing the monokernel's KV cache against the GPU's free memory.
+
+The cache is allocated whole at load time (the kernel indexes it by absolute position), so
+a context that cannot fit must be refused then, with numbers, rather than fail on the first
+long prompt. Prefill needs transient memory on top (``prefill.workspace_bytes``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from monokernel.errors import InvalidRequestError
+from monokernel.models.config import ModelConfig
+from monokernel.runtime.prefill import workspace_bytes
+
+# Left free for what is allocated later and not counted here: cuBLAS and attention
+# workspaces, the kernel's module and buffers, allocator fragmentation.
+RESERVE_BYTES = 512 * 1024 * 1024
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
+    """K and V of one position over every layer."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+
+
+def repack_bytes(cfg: ModelConfig, max_len: int, fold: bool, convert: bool) -> int:
+    """What ``weights.repack.repack`` allocates beyond the weights it is given (bf16): the
+    fused QKV and gate/up copies, a folded LM head, the RoPE tables (and their angles);
+    plus a bf16 copy of everything when the weights arrive in another dtype."""
+    h = cfg.hidden_size
+    per_layer = (cfg.q_size + 2 * cfg.kv_size) * h + 2 * cfg.intermediate_size * h
+    total = 2 * cfg.num_layers * per_layer + 3 * max_len * (cfg.head_dim // 2) * 4
+    if fold:
+        total += 2 * cfg.vocab_size * h
+    if convert:
+        total += 2 * cfg.num_parameters()
+    return total
+
+
+def needed_bytes(
+    cfg: ModelConfig, max_len: int, chunk_tokens: int, precision: str, extra: int = 0
+) -> int:
+    """The cache for ``max_len`` positions, the prefill workspace, the reserve, and
+    ``extra`` (other allocations still to come, e.g. ``repack_bytes``)."""
+    return (
+        kv_bytes_per_token(cfg) * max_len
+        + workspace_bytes(cfg, min(chunk_tokens, max_len), max_len, precision)
+        + RESERVE_BYTES
+        + extra
+    )
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """What torch can still allocate on ``device``: the driver's free memory plus blocks
+    torch's caching allocator holds but does not use."""
+    free, _total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free) + int(cached)
+
+
+def max_len_that_fits(
+    cfg: ModelConfig, free: int, chunk_tokens: int, precision: str, extra: int = 0
+) -> int:
+    """The longest context whose cache and prefill fit in ``free`` bytes (0 if none)."""
+
+    def fits(n: int) -> bool:
+        return needed_bytes(cfg, n, chunk_tokens, precision, extra) <= free
+
+    lo, hi = 0, 1
+    while fits(hi) and hi < 1 << 40:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # needed_bytes grows with max_len: bisect
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def check_fits(
+    cfg: ModelConfig,
+    max_len: int,
+    free: int,
+    chunk_tokens: int,
+    precision: str,
+    where: str,
+    extra: int = 0,
+) -> int:
+    """Raise InvalidRequestError naming the bytes needed and free when a ``max_len`` cache
+    cannot fit; returns the bytes needed otherwise. ``extra``: as in ``needed_bytes``."""
+    need = needed_bytes(cfg, max_len, chunk_tokens, precision, extra)
+    if need <= free:
+        return need
+    cache = kv_bytes_per_token(cfg) * max_len
+    work = need - cache - RESERVE_BYTES - extra
+    fits = max_len_that_fits(cfg, free, chunk_tokens, precision, extra)
+    raise InvalidRequestError(
+        f"a context of {max_len} tokens needs {need:,} bytes on {where} (KV cache "
+        f"{cache:,} + prefill workspace {work:,} + weight repacking {extra:,} + reserve "
+        f"{RESERVE_BYTES:,}) but only {free:,} bytes are free; "
+        + (
+            f"at most {fits} tokens fit: lower --max-model-len"
+            if fits
+            else "no context fits: free GPU memory or use a smaller model"
+        )
+    )

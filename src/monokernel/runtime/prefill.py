@@ -1,0 +1,263 @@
+"""Prefill for the monokernel: the prompt through every layer in chunks, K/V straight into the
+kernel's bf16 cache [layers, kv_heads, max_len, head_dim].
+
+It runs on the repacked tensors the kernel streams (``weights/repack.py``): one QKV GEMM, the
+interleaved gate/up matrix as two strided GEMMs, the norm gains as fp32 vectors or folded
+into the matrices, exactly as the kernel applies them. So prefill and decode read the same
+weights and the original checkpoint tensors need not stay on the GPU.
+
+Precision (``precision``): activations are fp32 throughout (residual stream, norms, RoPE,
+q/k-norm, biases, SiLU, GEMM outputs); what differs is what the GEMMs see.
+
+* ``"split-qkv"`` (default): every GEMM takes bf16 operands with fp32 accumulation and fp32
+  output (cuBLAS via torch.mm ``out_dtype``), except that the QKV projection's input is
+  split into two bf16 terms (hi + lo, ~16 mantissa bits) and multiplied twice: its output
+  is the K/V every later decode step reads, and this keeps most of the fp32 accuracy for
+  ~10% more GEMM work. Attention: bf16 flash attention on the bf16 cache.
+* ``"bf16"``: the same without the split; the fastest.
+* ``"fp32"``: fp32 GEMMs on a transient fp32 copy of one weight matrix at a time and fp32
+  attention: the old reference-on-fp32-weights path, many times slower (no tensor cores
+  unless TF32 is switched on globally), for accuracy comparisons.
+
+Measured on the CPU with the schedule interpreter as the decode kernel (Llama-3.2-1B shape,
+random bf16 weights, 64-token prompt, first decode steps, rel L2 vs the fp32 reference):
+bf16 7.0e-3, split-qkv 5.3e-3, fp32 4.5e-3; a pure bf16 forward (bf16 residual stream) put
+~9e-3 on the decode logits (docs/perf-notes.md).
+
+Chunking: a prompt of T tokens runs as ceil(T / chunk_tokens) passes; each chunk writes its
+K/V and attends to the cache prefix [0, chunk end) with a bottom-right causal mask, so
+activations stay O(chunk) and any start position works (prefix reuse prefills only the
+suffix after the reused positions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from monokernel.models.config import ModelConfig
+from monokernel.weights.repack import LayerPack, Repacked
+
+PRECISIONS: tuple[str, ...] = ("split-qkv", "bf16", "fp32")
+DEFAULT_PRECISION = "split-qkv"
+DEFAULT_CHUNK_TOKENS = 2048
+
+Gemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+_OUT_DTYPE_OK: dict[int, bool] = {}  # CUDA device index -> torch.mm(out_dtype=fp32) works
+
+
+def _cuda_out_dtype_ok(device: torch.device) -> bool:
+    """Whether this torch has the bf16 x bf16 -> fp32 cuBLAS GEMM (torch.mm ``out_dtype``,
+    torch >= 2.8). Probed once per device: without it the output is rounded to bf16 once
+    more, which costs accuracy, not correctness."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _OUT_DTYPE_OK:
+        a = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
+        try:
+            ok = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (TypeError, RuntimeError, NotImplementedError):
+            ok = False
+        _OUT_DTYPE_OK[index] = ok
+    return _OUT_DTYPE_OK[index]
+
+
+def gemm_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, k] @ w [n, k]^T -> [T, n] fp32: operands rounded to bf16, fp32 accumulate."""
+    xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+    wb = w if w.dtype == torch.bfloat16 else w.to(torch.bfloat16)
+    if x.is_cuda:
+        if _cuda_out_dtype_ok(x.device):
+            return torch.mm(xb, wb.t(), out_dtype=torch.float32)
+        return torch.mm(xb, wb.t()).float()
+    # The CPU has no bf16 -> fp32 GEMM; bf16 values are exact in fp32, so this is the same
+    # product with fp32 accumulation (how the CPU tests see the GPU's arithmetic).
+    return xb.float() @ wb.float().t()
+
+
+def gemm_split(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, k] fp32 @ w [n, k]^T -> [T, n] fp32 with x as hi + lo, two bf16 terms: two
+    bf16 GEMMs give the product of a ~16-bit-mantissa x with the bf16 weights."""
+    hi = x.to(torch.bfloat16)
+    lo = (x - hi).to(torch.bfloat16)  # x - hi is exact in fp32
+    out = gemm_bf16(hi, w)
+    out += gemm_bf16(lo, w)
+    return out
+
+
+def gemm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, k] fp32 @ w [n, k]^T in fp32 on a transient fp32 copy of w."""
+    return x.float() @ w.float().t()
+
+
+def rope_factors(
+    cos: torch.Tensor, sin: torch.Tensor, start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, 1, d] factors so that rope(x) = x * c + swap_halves(x) * s, built once per chunk
+    and shared by every layer (the reference's x1*c - x2*s, x2*c + x1*s, same fp32 roundings)."""
+    c, s = cos[start:end], sin[start:end]  # [T, d/2]
+    return torch.cat((c, c), dim=-1)[:, None], torch.cat((-s, s), dim=-1)[:, None]
+
+
+def apply_rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d] fp32 -> rotated, HF's non-interleaved halves."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * c, swapped, s)
+
+
+def causal_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
+) -> torch.Tensor:
+    """q [T, heads, d] at positions start..start+T-1; keys/values [kv_heads, start+T, d] ->
+    [T, heads * d]. Query i sees keys 0..start+i (bottom-right causal)."""
+    t, heads, d = q.shape
+    kv_heads, s_len = keys.shape[0], keys.shape[1]
+    group = heads // kv_heads
+    if group > 1:
+        # Each query head reads kv head h // group. Expanded copies rather than SDPA's
+        # enable_gqa, which not every backend (nor the bottom-right causal path) takes;
+        # the copy is O(context) per layer, small next to the GEMMs.
+        keys = keys[:, None].expand(kv_heads, group, s_len, d).reshape(heads, s_len, d)
+        values = values[:, None].expand(kv_heads, group, s_len, d).reshape(heads, s_len, d)
+    qh = q.transpose(0, 1)[None]  # [1, heads, T, d]
+    if start == 0:  # square: top-left and bottom-right causal coincide
+        out = F.scaled_dot_product_attention(qh, keys[None], values[None], is_causal=True)
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(t, s_len)
+        out = F.scaled_dot_product_attention(qh, keys[None], values[None], attn_mask=mask)
+    return out[0].transpose(0, 1).reshape(t, heads * d)
+
+
+class Prefiller:
+    """Runs prompt chunks through the repacked model, writing K/V into ``k_cache``/``v_cache``
+    ([layers, kv_heads, max_len, head_dim], any float dtype; the kernel's is bf16)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        packed: Repacked,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        precision: str = DEFAULT_PRECISION,
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"prefill precision {precision!r}; choose from {PRECISIONS}")
+        if chunk_tokens < 1:
+            raise ValueError(f"prefill chunk_tokens must be >= 1; got {chunk_tokens}")
+        want = (cfg.num_layers, cfg.num_kv_heads, k_cache.shape[2], cfg.head_dim)
+        if tuple(k_cache.shape) != want or tuple(v_cache.shape) != want:
+            raise ValueError(f"KV cache shape {tuple(k_cache.shape)}; expected {want}")
+        self.cfg, self.p = cfg, packed
+        self.k, self.v = k_cache, v_cache
+        self.max_len = k_cache.shape[2]
+        self.chunk_tokens = chunk_tokens
+        self.precision = precision
+        self._mm: Gemm = gemm_fp32 if precision == "fp32" else gemm_bf16
+        self._mm_qkv: Gemm = gemm_split if precision == "split-qkv" else self._mm
+        # Attention operands: the cache's dtype for flash attention, fp32 for "fp32".
+        self._attn_dtype = torch.float32 if precision == "fp32" else k_cache.dtype
+
+    @torch.no_grad()
+    def run(
+        self, tokens: Sequence[int] | torch.Tensor, start: int, logits: bool = False
+    ) -> torch.Tensor | None:
+        """Prefill ``tokens`` at positions [start, start + T): writes their K/V into the cache
+        (positions [0, start) must already hold the prefix) and returns the last token's
+        logits [V] float32 when ``logits`` is set. Asynchronous on the current stream."""
+        device = self.k.device
+        if not isinstance(tokens, torch.Tensor):
+            tokens = torch.tensor(list(tokens), dtype=torch.long)
+        tokens = tokens.to(device=device, dtype=torch.long)
+        t = tokens.shape[0]
+        if t == 0:
+            raise ValueError("prefill needs at least one token")
+        if start < 0 or start + t > self.max_len:
+            raise ValueError(
+                f"prefill of positions [{start}, {start + t}) exceeds the cache ({self.max_len})"
+            )
+        x = None
+        for a in range(0, t, self.chunk_tokens):
+            x = self._chunk(tokens[a : a + self.chunk_tokens], start + a)
+        if not logits:
+            return None
+        assert x is not None
+        return self._logits(x[-1:])[0]
+
+    def _chunk(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """One chunk through every layer; returns its residual stream [T, hidden] fp32."""
+        end = start + tokens.shape[0]
+        c, s = rope_factors(self.p.rope_cos, self.p.rope_sin, start, end)
+        x = self.p.embed[tokens].float()  # [T, H]
+        for n, lp in enumerate(self.p.layers):
+            self._attention_block(x, n, lp, start, c, s)
+            self._mlp_block(x, lp)
+        return x
+
+    def _attention_block(
+        self, x: torch.Tensor, n: int, lp: LayerPack, start: int, c: torch.Tensor, s: torch.Tensor
+    ) -> None:
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        t, d = x.shape[0], cfg.head_dim
+        end = start + t
+        h = F.rms_norm(x, (cfg.hidden_size,), lp.attn_gain, eps)  # gain None when folded
+        qkv = self._mm_qkv(h, lp.wqkv)  # [T, Q + 2KV] fp32
+        if lp.bqkv is not None:
+            qkv += lp.bqkv
+        q = qkv[:, : cfg.q_size].view(t, cfg.num_heads, d)
+        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, d)
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, d)
+        if lp.q_norm is not None and lp.k_norm is not None:
+            q = F.rms_norm(q, (d,), lp.q_norm, eps)
+            k = F.rms_norm(k, (d,), lp.k_norm, eps)
+        q, k = apply_rope(q, c, s), apply_rope(k, c, s)
+        self.k[n, :, start:end] = k.transpose(0, 1)  # rounded to the cache's dtype
+        self.v[n, :, start:end] = v.transpose(0, 1)
+        dt = self._attn_dtype
+        attn = causal_attention(
+            q.to(dt), self.k[n, :, :end].to(dt), self.v[n, :, :end].to(dt), start
+        )  # [T, Q]
+        o = self._mm(attn, lp.wo)  # [T, H]
+        if lp.bo is not None:
+            o += lp.bo
+        x += o
+
+    def _mlp_block(self, x: torch.Tensor, lp: LayerPack) -> None:
+        h = F.rms_norm(x, (self.cfg.hidden_size,), lp.ffn_gain, self.cfg.rms_norm_eps)
+        h = h if self.precision == "fp32" else h.to(torch.bfloat16)  # rounded once, used twice
+        # wgu's rows interleave gate and up; strided views hand them to cuBLAS as two
+        # matrices with a doubled leading dimension, so both outputs come out contiguous.
+        act = F.silu(self._mm(h, lp.wgu[0::2]), inplace=True)  # [T, I] fp32
+        act *= self._mm(h, lp.wgu[1::2])
+        x += self._mm(act, lp.wdown)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.rms_norm(x, (self.cfg.hidden_size,), self.p.norm_gain, self.cfg.rms_norm_eps)
+        return self._mm(h, self.p.lm_head)  # [1, V] fp32
+
+
+def workspace_bytes(cfg: ModelConfig, chunk_tokens: int, max_len: int, precision: str) -> int:
+    """Peak transient device memory of one prefill chunk (an upper bound, bytes): the chunk's
+    fp32 activations and their GEMM-input copies, the GQA-expanded keys and values of the
+    longest prefix, the logits; in "fp32" mode also the fp32 copies of the cache prefix and
+    of the largest weight matrix."""
+    t, f32 = chunk_tokens, 4
+    h, i, qkv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size + 2 * cfg.kv_size
+    # x, norm out (+ GEMM copies: hi, lo, x - hi), qkv, q/k after norm and RoPE (2 copies),
+    # attention out (+ copy), o-proj out; the MLP: gate/up, act (+ copy), down out.
+    attn_side = t * f32 * (3 * h + 2 * h + qkv + 2 * qkv + 2 * cfg.q_size + h)
+    mlp_side = t * f32 * (2 * h + h + 2 * i + 2 * i + h)
+    attn_bytes = f32 if precision == "fp32" else 2
+    heads = cfg.num_heads if cfg.num_heads != cfg.num_kv_heads else 0  # expanded copies
+    kv = 2 * (heads + (cfg.num_kv_heads if precision == "fp32" else 0))
+    prefix = kv * max_len * cfg.head_dim * attn_bytes
+    weight = 0
+    if precision == "fp32":
+        head_rows = max(cfg.vocab_size, 2 * i, qkv)
+        weight = head_rows * max(h, i) * f32
+    return max(attn_side, mlp_side) + prefix + weight + f32 * cfg.vocab_size

@@ -1,0 +1,62 @@
+"""KV cache sizing: the arithmetic and the refusal, with made-up free-memory figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from monokernel.bench.shapes import SHAPES
+from monokernel.errors import InvalidRequestError
+from monokernel.runtime import kv_memory
+
+LLAMA = SHAPES["llama-3.2-1b"]
+GIB = 1 << 30
+
+
+def test_bytes_per_token() -> None:
+    # 16 layers x (K and V) x 8 kv heads x 64 dims x 2 bytes
+    assert kv_memory.kv_bytes_per_token(LLAMA) == 16 * 2 * 8 * 64 * 2 == 32768
+    need = kv_memory.needed_bytes(LLAMA, 8192, 2048, "split-qkv")
+    assert need > 8192 * 32768 + kv_memory.RESERVE_BYTES
+
+
+def test_fits_returns_the_need() -> None:
+    need = kv_memory.check_fits(LLAMA, 8192, 80 * GIB, 2048, "split-qkv", "cuda:0")
+    assert need == kv_memory.needed_bytes(LLAMA, 8192, 2048, "split-qkv")
+
+
+def test_too_long_a_context_is_refused_with_the_numbers() -> None:
+    free = 3 * GIB
+    with pytest.raises(InvalidRequestError) as e:
+        kv_memory.check_fits(LLAMA, 131072, free, 2048, "split-qkv", "cuda:0")
+    msg = str(e.value)
+    need = kv_memory.needed_bytes(LLAMA, 131072, 2048, "split-qkv")
+    fits = kv_memory.max_len_that_fits(LLAMA, free, 2048, "split-qkv")
+    assert f"{need:,} bytes" in msg and f"{free:,} bytes are free" in msg
+    assert "131072 tokens" in msg and "cuda:0" in msg
+    assert f"at most {fits} tokens fit" in msg and "--max-model-len" in msg
+    assert 0 < fits < 131072
+
+
+def test_max_len_that_fits_is_exact() -> None:
+    for free in (GIB, 5 * GIB, 40 * GIB):
+        fits = kv_memory.max_len_that_fits(LLAMA, free, 2048, "split-qkv")
+        assert kv_memory.needed_bytes(LLAMA, fits, 2048, "split-qkv") <= free
+        assert kv_memory.needed_bytes(LLAMA, fits + 1, 2048, "split-qkv") > free
+
+
+def test_nothing_fits() -> None:
+    assert kv_memory.max_len_that_fits(LLAMA, 1000, 2048, "split-qkv") == 0
+    with pytest.raises(InvalidRequestError, match="no context fits"):
+        kv_memory.check_fits(LLAMA, 16, 1000, 2048, "split-qkv", "cuda:0")
+
+
+def test_repacking_counts_toward_the_need() -> None:
+    base = kv_memory.repack_bytes(LLAMA, 8192, fold=False, convert=False)
+    # the fused QKV and gate/up copies of 16 layers, in bf16: ~1.2 GiB for the 1B shape
+    assert 1.1 * GIB < base < 1.3 * GIB
+    assert kv_memory.repack_bytes(LLAMA, 8192, fold=True, convert=False) > base
+    assert kv_memory.repack_bytes(LLAMA, 8192, fold=False, convert=True) > base + 2 * GIB
+    plain = kv_memory.needed_bytes(LLAMA, 8192, 2048, "split-qkv")
+    assert kv_memory.needed_bytes(LLAMA, 8192, 2048, "split-qkv", extra=base) == plain + base
+    with pytest.raises(InvalidRequestError, match=f"weight repacking {base:,}"):
+        kv_memory.check_fits(LLAMA, 8192, plain, 2048, "split-qkv", "cuda:0", extra=base)
