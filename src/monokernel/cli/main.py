@@ -33,6 +33,12 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="auto", choices=["auto", "reference", "torch", "monokernel"])
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel GPUs for one request (monokernel engine, N Hopper GPUs)",
+    )
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None, help="context size to allocate")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -64,6 +70,7 @@ def cmd_run(argv: Sequence[str]) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         progress=not args.json,
+        tp=args.tp,
     )
     engine = Engine(args.model, config)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt

@@ -53,6 +53,9 @@ class KernelDims:
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool
+    # Tensor-parallel ranks (MK_TP); the other dims are then one rank's. 1 adds no define,
+    # so the single-GPU build (and its cache key) is exactly what it was.
+    tp: int = 1
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> KernelDims:
@@ -97,6 +100,8 @@ class KernelDims:
             "MK_SPLIT_E": self.down_split(),
             "MK_ATTN_CHUNK": self.attn_chunk(),
         }
+        if self.tp > 1:
+            vals["MK_TP"] = self.tp
         return [f"-D{k}={v}" for k, v in vals.items()]
 
     def down_split(self) -> int:
@@ -118,12 +123,12 @@ class KernelDims:
         """Positions of one attention range held in shared memory (K and V, bf16): as many as
         the CTA's shared memory leaves room for, a multiple of 32, at most 512."""
         tail = 256 * 8 + 256 * 4 + 16 * 4 + 16  # sampling scratch, alignment
-        free = (MAX_SMEM_BYTES - tail) // 4 - self._fixed_smem_floats() - self.head_dim
+        free = (MAX_SMEM_BYTES - tail) // 4 - self._fixed_smem_floats() - self.head_dim - 4
         return max(0, min(512, free // self.head_dim // 32 * 32))
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA; mirrors the layout comment in decode.cu."""
-        window = self.attn_chunk() * self.head_dim + self.head_dim
+        window = self.attn_chunk() * self.head_dim + self.head_dim + 4  # + mbarrier, counts
         floats_a = (self._fixed_smem_floats() + window + 3) & ~3
         return floats_a * 4 + 256 * 8 + 256 * 4 + 16 * 4
 

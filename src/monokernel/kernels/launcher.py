@@ -139,6 +139,22 @@ class KernelParams(ctypes.Structure):
     ]
 
 
+TP_MAX_RANKS = 8  # MK_TP_MAX in common.cuh
+
+
+class KernelParamsTP(KernelParams):
+    """``struct Params`` of a ``-DMK_TP=N`` build: the base fields, then the TP tail."""
+
+    _fields_ = [
+        ("tp_recv", ctypes.c_uint64 * TP_MAX_RANKS),
+        ("tp_mine", ctypes.c_uint64),
+        ("tp_rank", ctypes.c_int32),
+        ("vocab_start", ctypes.c_int32),
+        ("tp_tag", ctypes.c_uint32),
+        ("tp_pad_", ctypes.c_int32),
+    ]
+
+
 class KernelModule:
     """One loaded cubin and its persistent decode function."""
 

@@ -43,7 +43,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool = False  # Qwen2; Llama with attention_bias
-    o_bias: bool = False  # Llama with attention_bias
+    o_bias: bool = False  # Llama, Qwen3 with attention_bias
     qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
@@ -165,7 +165,7 @@ def config_from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2" or attention_bias,
-        o_bias=model_type in ("llama", "mistral") and attention_bias,
+        o_bias=model_type in ("llama", "mistral", "qwen3") and attention_bias,  # HF: o_proj too
         qk_norm=model_type == "qwen3",
         rope_scaling=scaling,
         bos_token_id=cfg.get("bos_token_id"),

@@ -39,6 +39,10 @@ class EngineConfig:
     dtype: str = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
     max_model_len: int | None = None  # default: min(model's maximum, 8192)
     progress: bool = True  # download progress bars on stderr
+    tp: int = 1  # tensor-parallel GPUs (monokernel only): cuda:0..tp-1, or from --device cuda:N
+    # Reuse the KV cache of earlier requests' common prefix (backends that can: monokernel).
+    # None: the backend's default (on; MONOKERNEL_PREFIX_REUSE=0 turns it off).
+    prefix_reuse: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +125,11 @@ class Engine:
         self.max_model_len = min(self.config.max_model_len or DEFAULT_MAX_MODEL_LEN, limit)
         weights = cast_weights(dict(ckpt.weights), self.dtype, self.device)
         self.backend: Backend = create_backend(
-            self.engine_name, ckpt.config, weights, self.max_model_len, self.device
+            self.engine_name, ckpt.config, weights, self.max_model_len, self.device, self.config.tp
         )
+        set_reuse = getattr(self.backend, "set_prefix_reuse", None)
+        if self.config.prefix_reuse is not None and callable(set_reuse):
+            set_reuse(self.config.prefix_reuse)
         self._busy = threading.Lock()
 
     # -- requests ------------------------------------------------------------------------------

@@ -26,6 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="auto", choices=["auto", "reference", "torch", "monokernel"])
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel GPUs for one request (monokernel engine, N Hopper GPUs)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
@@ -80,7 +86,11 @@ def main(argv: Sequence[str]) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
     config = EngineConfig(
-        engine=args.engine, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len
+        engine=args.engine,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        tp=args.tp,
     )
     settings = ServerSettings(
         served_model_name=served_name(args.model, args.served_model_name),

@@ -3,6 +3,7 @@
 // positions are swept in chunks of MK_THREADS with an online softmax, so any cache length
 // fits.
 #pragma once
+#include "gemv.cuh"
 #include "params.cuh"
 
 // P·V sweep: thread (g, c) owns 16-byte chunk c of the value rows of positions g, g+GV, ...
@@ -19,10 +20,10 @@
 #ifndef MK_ATTN_CHUNK
 #define MK_ATTN_CHUNK ((152 * 1024 / (4 * MK_D)) / 32 * 32 < 512 ? (152 * 1024 / (4 * MK_D)) / 32 * 32 : 512)
 #endif
-// Window: K [CHUNK, D] bf16 with each row's 16-byte chunks rotated by the position (so the
-// score loop, one position per thread, reads without bank conflicts) | V [CHUNK, D] bf16 |
-// RoPE cos, sin of the new position [D/2 + D/2] fp32. In floats:
-#define MK_KVWIN_FLOATS (MK_ATTN_CHUNK * MK_D + MK_D)
+// Window: K [CHUNK, D] bf16 | V [CHUNK, D] bf16 | RoPE cos, sin of the new position
+// [D/2 + D/2] fp32 | the mbarrier the copies complete on (8 bytes) | fills waited for (its
+// parity is the phase to wait on) | fills issued. In floats:
+#define MK_KVWIN_FLOATS (MK_ATTN_CHUNK * MK_D + MK_D + 4)
 
 // Ranges per head for a query at `pos`: ceil((pos + 1) / CHUNK), at most max_splits.
 __device__ __forceinline__ int attn_ranges(int pos, int max_splits) {
@@ -30,9 +31,34 @@ __device__ __forceinline__ int attn_ranges(int pos, int max_splits) {
   return n < max_splits ? n : max_splits;
 }
 
-__device__ __forceinline__ void cp_async16(void* smem_dst, const void* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ unsigned long long* window_mbar(float* win) {
+  return reinterpret_cast<unsigned long long*>(win + MK_ATTN_CHUNK * MK_D + MK_D);
+}
+
+// Once per launch, before the first attention_prefetch.
+__device__ __forceinline__ void attention_window_init(float* win) {
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(window_mbar(win)))
+                 : "memory");
+    reinterpret_cast<unsigned*>(window_mbar(win) + 1)[0] = 0u;  // fills waited for
+    reinterpret_cast<unsigned*>(window_mbar(win) + 1)[1] = 0u;  // fills issued
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+
+// One 1-D bulk copy (the copy engine, no per-thread instructions) completing on `mbar`.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes,
+                                          unsigned long long* mbar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(mbar))
+      : "memory");
 }
 
 // The unit this CTA runs first in stage B: its range of cached positions that lies in the
@@ -54,34 +80,59 @@ __device__ __forceinline__ AttnUnit attn_unit(int u, int ns, int pos) {
 
 // Start copying this CTA's first unit's cached keys and values and the RoPE row of `pos` into
 // the window. Nothing here depends on the step's QKV projection, so decode.cu issues it a
-// stage ahead (during the previous layer's down projection). attention_head waits for it.
+// stage ahead (during the previous layer's down projection). A range's positions are
+// contiguous in the cache, so four bulk copies issued by one thread do it all: per-thread
+// 16-byte copies cost the SM ~1.5 µs of issue a layer (docs/perf-notes.md, step 11).
+// attention_head waits on the mbarrier.
 __device__ __forceinline__ void attention_prefetch(const Params& p, int layer, int ns, int pos,
                                                    float* win) {
-  constexpr int CH = MK_D / 8, GROUP = MK_NH / MK_NKV;
-  if ((int)blockIdx.x >= MK_NH * ns) return;
+  constexpr int GROUP = MK_NH / MK_NKV;
+  if ((int)blockIdx.x >= MK_NH * ns || threadIdx.x != 0) return;
   const AttnUnit a = attn_unit(blockIdx.x, ns, pos);
   const size_t head_base = ((size_t)layer * MK_NKV + a.hq / GROUP) * p.max_len * MK_D;
-  const uint4* kc = reinterpret_cast<const uint4*>(p.k_cache + head_base) + (size_t)a.lo * CH;
-  const uint4* vc = reinterpret_cast<const uint4*>(p.v_cache + head_base) + (size_t)a.lo * CH;
-  uint4* ks = reinterpret_cast<uint4*>(win);
-  uint4* vs = ks + MK_ATTN_CHUNK * CH;
-  for (int q = threadIdx.x; q < a.n * CH; q += MK_THREADS) {
-    const int j = q / CH, k = q - j * CH;
-    int kk = k + j % CH;
-    kk -= kk >= CH ? CH : 0;
-    cp_async16(ks + j * CH + kk, kc + q);
-    cp_async16(vs + q, vc + q);
-  }
-  // cos and sin rows: D/2 floats each, D/8 chunks of 16 bytes each.
+  const size_t first = head_base + (size_t)a.lo * MK_D;
+  const unsigned kv_bytes = (unsigned)a.n * MK_D * 2, rope_bytes = MK_D * 2;  // D/2 floats
+  unsigned long long* mbar = window_mbar(win);
   float* rope = win + MK_ATTN_CHUNK * MK_D;
-  const int t = threadIdx.x;
-  if (t < MK_D / 8) {
-    cp_async16(rope + 4 * t, p.rope_cos + (size_t)pos * (MK_D / 2) + 4 * t);
-  } else if (t < MK_D / 4) {
-    const int c = t - MK_D / 8;
-    cp_async16(rope + MK_D / 2 + 4 * c, p.rope_sin + (size_t)pos * (MK_D / 2) + 4 * c);
+  // The window was last read through ordinary loads; order those before the copy engine's
+  // writes.
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(mbar)),
+               "r"(2 * kv_bytes + 2 * rope_bytes)
+               : "memory");
+  if (kv_bytes) {
+    bulk_copy(win, p.k_cache + first, kv_bytes, mbar);
+    bulk_copy(win + MK_ATTN_CHUNK * MK_D / 2, p.v_cache + first, kv_bytes, mbar);
   }
-  asm volatile("cp.async.commit_group;" ::: "memory");
+  bulk_copy(rope, p.rope_cos + (size_t)pos * (MK_D / 2), rope_bytes, mbar);
+  bulk_copy(rope + MK_D / 2, p.rope_sin + (size_t)pos * (MK_D / 2), rope_bytes, mbar);
+  reinterpret_cast<unsigned*>(mbar + 1)[1] += 1u;
+}
+
+// Every thread waits for this CTA's window fill (issued by attention_prefetch).
+__device__ __forceinline__ void attention_window_wait(float* win) {
+  unsigned long long* mbar = window_mbar(win);
+  unsigned* fills = reinterpret_cast<unsigned*>(mbar + 1);
+  const unsigned parity = *fills & 1u;
+  unsigned ok = 0;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+        "selp.u32 %0, 1, 0, p; }"
+        : "=r"(ok)
+        : "r"(smem_addr(mbar)), "r"(parity)
+        : "memory");
+  } while (!ok);
+  __syncthreads();  // every thread has read `fills` before it moves on
+  if (threadIdx.x == 0) *fills += 1u;
+}
+
+// Before the CTA exits: a fill issued for a step that never ran (the request stopped early)
+// must land first.
+__device__ __forceinline__ void attention_window_drain(float* win) {
+  const unsigned* words = reinterpret_cast<const unsigned*>(window_mbar(win) + 1);
+  __syncthreads();
+  if (words[0] != words[1]) attention_window_wait(win);
 }
 
 __device__ __forceinline__ void head_rms(float* v, const float* gain, float eps, int warp_id,
@@ -127,8 +178,11 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     kn[t] = ld_act(p.qkv + MK_Q + kvh * MK_D + t);
     vn[t] = ld_act(p.qkv + MK_Q + MK_KV + kvh * MK_D + t);
   }
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncthreads();
+  if (unit == (int)blockIdx.x) {
+    attention_window_wait(win);  // includes the __syncthreads the q/k/v loads need
+  } else {
+    __syncthreads();
+  }
 #if MK_QK_NORM
   const int lane = t & 31, warp = t >> 5;
   if (warp == 0) head_rms(qs, lw.q_norm, p.eps, warp, lane);
@@ -166,25 +220,27 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   float m = -INFINITY, l = 0.f;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   const int c = t % CH, g = t / CH;
+  // Keys in the window: a group of CHP lanes reads one key row (contiguous 16-byte chunks, so
+  // no bank conflicts) and shuffle-reduces the dot product; positions past the window, the
+  // new position and the padding are one thread per position below.
+  constexpr int CHP = CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
+  constexpr int PPP = MK_THREADS / CHP;  // window positions per pass
   for (int c0 = lo; c0 < hi; c0 += MK_THREADS) {
     const int pp = c0 + t;
-    float s = -INFINITY;
-    if (pp >= hi) {
-    } else if (pp - lo < nwin) {
-      const int j = pp - lo, r0 = j % CH;
-      const uint4* kr = ks + j * CH;
+    const int wcnt = max(0, min(min(MK_THREADS, hi - c0), lo + nwin - c0));
+    for (int pass = 0; pass < (wcnt + PPP - 1) / PPP; ++pass) {  // same trip count CTA-wide
+      const int jj = pass * PPP + t / CHP, k = t % CHP;
       float d = 0.f;
-#pragma unroll 8
-      for (int k = 0; k < CH; ++k) {
-        const int kk = k + r0 < CH ? k + r0 : k + r0 - CH;
-        const uint4 u = kr[kk];
-        const float* q8 = qs + 8 * k;
-        d = fmaf(bf_lo(u.x), q8[0], d); d = fmaf(bf_hi(u.x), q8[1], d);
-        d = fmaf(bf_lo(u.y), q8[2], d); d = fmaf(bf_hi(u.y), q8[3], d);
-        d = fmaf(bf_lo(u.z), q8[4], d); d = fmaf(bf_hi(u.z), q8[5], d);
-        d = fmaf(bf_lo(u.w), q8[6], d); d = fmaf(bf_hi(u.w), q8[7], d);
-      }
-      s = d;
+      if (jj < wcnt && k < CH) d = dot8(ks[(c0 - lo + jj) * CH + k], qs, k);
+#pragma unroll
+      for (int o = CHP / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+      if (k == 0 && jj < wcnt) sc[jj] = d;
+    }
+    __syncthreads();
+    float s = -INFINITY;
+    if (t < wcnt) {
+      s = sc[t];
+    } else if (pp >= hi) {
     } else if (pp < pos) {
       const uint4* kr = reinterpret_cast<const uint4*>(kc + (size_t)pp * MK_D);
       float d = 0.f;

@@ -26,6 +26,16 @@
 #define MK_SPLIT_E 8
 #endif
 
+// Tensor-parallel ranks (docs/tensor-parallel.md). 1: the single-GPU kernel, and every TP
+// addition below compiles away, so that kernel stays exactly as tuned.
+#ifndef MK_TP
+#define MK_TP 1
+#endif
+#define MK_TP_MAX 8  // peer pointers in Params (the all-reduce benchmark's limit too)
+#if MK_TP < 1 || MK_TP > MK_TP_MAX
+#error "MK_TP must be in [1, 8]"
+#endif
+
 #define MK_THREADS 512
 #define MK_WARPS (MK_THREADS / 32)
 

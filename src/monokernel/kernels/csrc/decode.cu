@@ -10,6 +10,7 @@
 #include "gemv.cuh"
 #include "params.cuh"
 #include "sampling.cuh"
+#include "tp.cuh"
 
 #define MK_QKV (MK_Q + 2 * MK_KV)
 // Warps sharing one row (split-K) per stage; see gemv_split.
@@ -83,7 +84,13 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   const int gw = blockIdx.x * MK_WARPS + warp;  // this warp's rank in the grid (gate/up)
   const int tw = gridDim.x * MK_WARPS;          // warps in the grid
   const bool greedy = p.temperature == 0.f;
+  // top-k / top-p need the whole vocabulary; under TP it is split over ranks, so the host
+  // refuses those requests and the kernel never takes the slow path.
+#if MK_TP > 1
+  const bool filtered = false;
+#else
   const bool filtered = !greedy && ((p.top_k > 0 && p.top_k < MK_V) || p.top_p < 1.f);
+#endif
   unsigned bar = 0;
   unsigned attn_done = 0;  // ranges finished per head so far (attention_head's counter)
   int token = p.first_token;
@@ -98,6 +105,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   issue_first<SA::KP, MK_BATCH>(preA, split_first<MK_H, MK_SPLIT_A>(p.layers[0].wqkv, MK_QKV, warp),
                                 lane);
 
+  attention_window_init(kvwin);
   attention_prefetch(p, 0, attn_ranges(p.start_pos, p.attn_splits), p.start_pos, kvwin);
 
   for (int step = 0; step < p.n_steps; ++step) {
@@ -113,6 +121,10 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     mark(p, step, mk++);
     for (int layer = 0; layer < MK_L; ++layer) {
       const LayerWeights& lw = p.layers[layer];  // re-read at each use: 20 fewer live registers
+#if MK_TP > 1
+      // Generations of this layer's two all-reduces (after O-proj, after down).
+      const unsigned tag_c = p.tp_tag + 2u * (unsigned)(step * MK_L + layer);
+#endif
       // ---- A: RMSNorm + QKV projection -> qkv [QKV]
       if (layer == 0) {
         const bf16* row = p.embed + (size_t)in_tok * MK_H;
@@ -128,7 +140,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
           xs[i] *= lw.attn_gain ? r * lw.attn_gain[i] : r;
         __syncthreads();
       } else {
+#if MK_TP > 1
+        tp_load_residual(p, xs, xres, tag_c - 1u, p.eps, red, lw.attn_gain);  // previous E's
+#else
         load_vec<MK_H>(xs, p.x, true, p.eps, red, lw.attn_gain);
+#endif
       }
       gemv_split<MK_H, MK_SPLIT_A>(lw.wqkv, MK_QKV, xs, part, warp, lane, preA,
                                    [&](int r, float d) {
@@ -156,10 +172,14 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       // ---- C: O projection -> delta [H]
       load_vec<MK_Q>(xs, p.attn_out, false, p.eps, red);
       gemv_split<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, xs, part, warp, lane, preC, [&](int r, float d) {
+#if MK_TP > 1
+        tp_send(p, tag_c, r, d);  // partial, bias-free: o-bias is added once after the sum (D)
+#else
 #if MK_O_BIAS
         d += lw.bo[r];
 #endif
         p.delta[r] = d;
+#endif
       });
       grid_arrive(p.barrier, bar);
       issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * clamp_row(gw, MK_I) * MK_H, lane);
@@ -172,7 +192,15 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       {
         float s2 = 0.f;
         for (int i = t; i < MK_H; i += MK_THREADS) {
+#if MK_TP > 1
+          float dl = tp_sum(p, tag_c, i);
+#if MK_O_BIAS
+          dl += lw.bo[i];
+#endif
+          const float v = ld_act(p.x + i) + dl;
+#else
           const float v = ld_act(p.x + i) + ld_act(p.delta + i);
+#endif
           xres[i] = v;
           s2 += v * v;
         }
@@ -201,7 +229,13 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       // ---- E: down projection + residual -> x [H]
       load_vec<MK_I>(xs, p.act, false, p.eps, red);
       gemv_split<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, xs, part, warp, lane, preE,
-                                   [&](int r, float d) { p.x[r] = xres[r] + d; });
+                                   [&](int r, float d) {
+#if MK_TP > 1
+                                     tp_send(p, tag_c + 1u, r, d);  // summed at the next A / F
+#else
+                                     p.x[r] = xres[r] + d;
+#endif
+                                   });
       const bf16* next_first =
           layer + 1 < MK_L
               ? split_first<MK_H, MK_SPLIT_A>(p.layers[layer + 1].wqkv, MK_QKV, warp)
@@ -214,7 +248,12 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     }
 
     // ---- F: final RMSNorm + LM head + this CTA's best draw
+#if MK_TP > 1
+    tp_load_residual(p, xs, xres, p.tp_tag + 2u * (unsigned)((step + 1) * MK_L) - 1u, p.eps, red,
+                     p.norm_gain);  // the last layer's down all-reduce
+#else
     load_vec<MK_H>(xs, p.x, true, p.eps, red, p.norm_gain);
+#endif
     const uint32_t key = draw_key(p.seed_lo, p.seed_hi, pos + 1);  // position of the new token
     float best = -INFINITY;
     int best_id = 0x7fffffff;
@@ -222,8 +261,14 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
                                  [&](int r, float logit) {
       p.logits[r] = logit;
       if (p.debug_logits) p.debug_logits[(size_t)step * MK_V + r] = logit;
+#if MK_TP > 1
+      const int gid = p.vocab_start + r;  // noise and tie-break keyed by the global id
+      const float sc = greedy ? logit : logit / p.temperature + gumbel(key, gid);
+      if (better(sc, gid, best, best_id)) { best = sc; best_id = gid; }
+#else
       const float sc = greedy ? logit : logit / p.temperature + gumbel(key, r);
       if (better(sc, r, best, best_id)) { best = sc; best_id = r; }
+#endif
     });
     warp_argmax(best, best_id);
     if (lane == 0) {
@@ -250,6 +295,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     // ---- sampling: every CTA reduces the partials itself (no extra barrier), unless
     // top-k/top-p needs the whole distribution: then CTA 0 draws and publishes the token.
     int next;
+#if MK_TP > 1
+    bool cancelled = false;
+#endif
     if (filtered) {
       if (blockIdx.x == 0) {
         next = sample_filtered(p, key, ss);
@@ -275,15 +323,30 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       if (t == 0) {
         for (int w = 1; w < MK_WARPS; ++w)
           if (better(red[w], (int)ss.h32[w], b, bi)) { b = red[w]; bi = (int)ss.h32[w]; }
+#if MK_TP > 1
+        ss.misc[1] = tp_pick_token(p, step, b, bi);  // bi: the winner over all ranks
+#endif
         ss.misc[0] = bi;
       }
       __syncthreads();
       next = ss.misc[0];
+#if MK_TP > 1
+      cancelled = ss.misc[1] != 0;
+#endif
       __syncthreads();
     }
+#if MK_TP > 1
+    // Rank 0's cancel word, as exchanged with the token: every rank stops at the same step.
+    bool done = step + 1 == p.n_steps || cancelled;
+#else
     bool done = step + 1 == p.n_steps || __ldcg(p.flags) != 0;
+#endif
     for (int i = 0; i < p.n_stop; ++i) done |= p.stop_ids[i] == next;
+#if MK_TP > 1
+    if (blockIdx.x == 0 && t == 0 && p.tp_rank == 0) {  // one rank speaks to the host
+#else
     if (blockIdx.x == 0 && t == 0) {
+#endif
       p.host_out[2 + step] = next;
       __threadfence_system();  // the token lands before the count that publishes it
       p.host_out[0] = step + 1;
@@ -301,5 +364,5 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     token = next;
     if (done) break;
   }
-  asm volatile("cp.async.wait_all;" ::: "memory");  // no copy outlives the kernel
+  attention_window_drain(kvwin);
 }

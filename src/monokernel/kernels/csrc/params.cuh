@@ -57,4 +57,15 @@ struct Params {
   int timing_step;                  // the step whose stages `timing` records
   int attn_splits;                  // position ranges per head (flash-decoding), >= 1
   int pad_;
+#if MK_TP > 1
+  // Tensor parallelism (tp.cuh). Receive buffer of each rank: [2 parities][MK_TP sources][H]
+  // {value, tag} pairs for the two residual reductions per layer, then [2 parities][MK_TP]
+  // 16-byte {score, tag, id*2 + cancel, tag} units for the token exchange.
+  unsigned* tp_recv[MK_TP_MAX];     // rank k's receive buffer as seen from this GPU (peer ptrs)
+  unsigned* tp_mine;                // this rank's own buffer (== tp_recv[tp_rank]; no dynamic index)
+  int tp_rank;
+  int vocab_start;                  // global id of this rank's first LM-head row
+  unsigned tp_tag;                  // first generation of this launch; the host never reuses one
+  int tp_pad_;
+#endif
 };

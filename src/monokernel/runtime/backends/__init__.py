@@ -67,8 +67,22 @@ def resolve_engine(name: str, device: torch.device) -> str:
 
 
 def create_backend(
-    name: str, cfg: ModelConfig, weights: Weights, max_seq_len: int, device: torch.device
+    name: str,
+    cfg: ModelConfig,
+    weights: Weights,
+    max_seq_len: int,
+    device: torch.device,
+    tp: int = 1,
 ) -> Backend:
+    if tp > 1:
+        # Only the monokernel splits a request over GPUs (docs/tensor-parallel.md).
+        if resolve_engine(name, device) != "monokernel":
+            raise BackendUnavailableError(
+                f"--tp {tp} needs engine 'monokernel' (Hopper GPUs with nvcc); got {name!r}"
+            )
+        from monokernel.runtime.backends.monokernel_tp import MonokernelTPBackend
+
+        return MonokernelTPBackend(cfg, weights, max_seq_len, device, tp)
     module, cls = _CLASSES[resolve_engine(name, device)]
     backend_cls = getattr(importlib.import_module(module), cls)
     return backend_cls(cfg, weights, max_seq_len, device)

@@ -1,17 +1,24 @@
 """The monokernel backend: one persistent CUDA kernel per request runs every decode step.
 
-Prefill runs on the reference model (on the GPU) straight into the kernel's KV cache, which
-has the reference's layout [layers, kv_heads, max_len, head_dim]. The kernel then starts at
-the last prompt token and produces tokens by itself; each lands in pinned host-mapped memory
-where ``stream`` picks it up and yields it while the kernel goes on. A host-mapped cancel
-word (raised when the CancelToken is set or the iterator is closed) stops it within a token.
+Prefill (``runtime/prefill.py``: cuBLAS GEMMs and flash attention, in chunks) writes the
+prompt's K/V straight into the kernel's bf16 cache [layers, kv_heads, max_len, head_dim],
+sized at load time against the GPU's free memory (``runtime/kv_memory.py``). The kernel then
+starts at the last prompt token and produces tokens by itself; each lands in pinned
+host-mapped memory where ``stream`` picks it up and yields it while the kernel goes on. A
+host-mapped cancel word (raised when the CancelToken is set or the iterator is closed) stops
+it within a token.
+
+Prefix reuse (``runtime/prefix_cache.py``): the cache keeps what the last request left in it
+(its prompt and the generated tokens whose K/V the kernel wrote), and optionally snapshots
+of earlier conversations; a prompt sharing a prefix with either prefills only the rest.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -19,8 +26,17 @@ from monokernel.errors import BackendUnavailableError, InvalidRequestError
 from monokernel.kernels import build as kbuild
 from monokernel.kernels import launcher
 from monokernel.models.config import ModelConfig
-from monokernel.models.transformer import KVCache, Transformer
+from monokernel.models.transformer import KVCache
+from monokernel.runtime import kv_memory
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
+from monokernel.runtime.kv_filler import CacheFiller
+from monokernel.runtime.prefill import (
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_PRECISION,
+    Prefiller,
+    workspace_bytes,
+)
+from monokernel.runtime.prefix_cache import PrefixCache, fed_tokens
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.weights.names import Weights
 from monokernel.weights.repack import Repacked, repack
@@ -50,25 +66,9 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-class _Float32View(Mapping[str, torch.Tensor]):
-    """The weights, each upcast to float32 when read (transiently, one tensor at a time).
-
-    Prefill runs the reference forward on this view, so the prompt's KV cache comes from fp32
-    activations like the kernel's own steps: a bf16 prefill alone put ~9e-3 relative error on
-    the logits of every later step (measured, Llama-3.2-1B shape), against ~3.5e-3 this way.
-    """
-
-    def __init__(self, weights: Weights) -> None:
-        self._w = weights
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._w[name].float()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._w)
-
-    def __len__(self) -> int:
-        return len(self._w)
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
 
 
 class MonokernelBackend:
@@ -81,21 +81,56 @@ class MonokernelBackend:
         max_seq_len: int,
         device: torch.device,
         fold_norms: bool = False,
+        prefix_reuse: bool | None = None,
+        snapshot_bytes: int | None = None,
+        prefill_chunk: int | None = None,
+        prefill_precision: str | None = None,
     ) -> None:
+        """Knobs (docs/long-context.md):
+
+        ``prefix_reuse``: reuse the K/V of earlier requests' matching prefixes (default: on,
+        unless MONOKERNEL_PREFIX_REUSE=0). ``snapshot_bytes``: budget for snapshots of
+        earlier conversations (default: twice the cache, at most a quarter of the memory
+        left after loading; 0 keeps only the live cache). ``prefill_chunk`` /
+        ``prefill_precision``: see runtime/prefill.py (defaults: MONOKERNEL_PREFILL_CHUNK /
+        MONOKERNEL_PREFILL_PRECISION, else 2048 / split-qkv).
+        """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         ok, why = monokernel_supported(device)
         if not ok:
             raise BackendUnavailableError(f"engine 'monokernel' cannot run here: {why}")
+        if max_seq_len < 1:
+            raise InvalidRequestError(f"max_seq_len must be at least 1; got {max_seq_len}")
         self.cfg, self.device, self.max_seq_len = cfg, device, max_seq_len
         dims = kbuild.KernelDims.from_config(cfg)  # refuses unsupported shapes first
-        if weights["embed"].dtype != torch.bfloat16:
+        chunk = prefill_chunk or _env_int("MONOKERNEL_PREFILL_CHUNK") or DEFAULT_CHUNK_TOKENS
+        precision = (
+            prefill_precision or os.environ.get("MONOKERNEL_PREFILL_PRECISION") or DEFAULT_PRECISION
+        )
+        # Refuse a context that cannot fit before allocating anything for it.
+        convert = weights["embed"].dtype != torch.bfloat16
+        free = kv_memory.free_device_bytes(device)
+        extra = kv_memory.repack_bytes(cfg, max_seq_len, fold_norms, convert)
+        need = kv_memory.check_fits(cfg, max_seq_len, free, chunk, precision, str(device), extra)
+        if convert:
             weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
-        self.ref = Transformer(cfg, _Float32View(weights), max_seq_len)  # prefill only
+        # Prefill and decode both run on the repacked tensors, so nothing here keeps the
+        # checkpoint's own (fused-away) matrices alive.
+        self.packed: Repacked = repack(cfg, weights, max_seq_len, fold=fold_norms)
+        del weights
         # [L, kvh, max_len, d] x2, bf16: the reference's layout, which the kernel reads too
         self.cache = KVCache.allocate(cfg, max_seq_len, torch.bfloat16, device)
-        self.packed: Repacked = repack(cfg, weights, max_seq_len, fold=fold_norms)
+        self.prefill = Prefiller(cfg, self.packed, self.cache.k, self.cache.v, chunk, precision)
+        self._workspace = workspace_bytes(cfg, min(chunk, max_seq_len), max_seq_len, precision)
+        per_token = kv_memory.kv_bytes_per_token(cfg)
+        if snapshot_bytes is None:
+            snapshot_bytes = min(2 * per_token * max_seq_len, max(0, free - need) // 4)
+        if prefix_reuse is None:
+            prefix_reuse = os.environ.get("MONOKERNEL_PREFIX_REUSE", "1") != "0"
+        self.prefix = PrefixCache(per_token, snapshot_bytes, enabled=prefix_reuse)
+        self.filler = CacheFiller(self.prefill, self.prefix, self._snapshot_fits)
         cubin = kbuild.build(dims)
         launcher.set_current_context(device.index)
         self.module = launcher.KernelModule(
@@ -213,7 +248,10 @@ class MonokernelBackend:
         debug_logits: torch.Tensor | None = None,
         timing: torch.Tensor | None = None,
         timing_step: int = -1,
+        forced_ids: Sequence[int] | None = None,
     ) -> Iterator[int]:
+        """``forced_ids``: the host copy of ``forced``, so the prefix bookkeeping knows which
+        tokens the kernel's steps wrote into the cache."""
         n = len(prompt_ids)
         if n == 0:
             raise InvalidRequestError("the prompt must hold at least one token")
@@ -229,14 +267,8 @@ class MonokernelBackend:
         n_steps = min(max_new_tokens, self.max_seq_len - n + 1)
         launcher.set_current_context(self.device.index)
         with torch.cuda.device(self.device):
-            if n > 1:
-                prompt = torch.tensor(prompt_ids[:-1], dtype=torch.long, device=self.device)
-                # fp32 prefill into a small fp32 cache, then into the kernel's bf16 cache
-                tmp = KVCache.allocate(self.cfg, n - 1, torch.float32, self.device)
-                self.ref.forward(prompt, 0, tmp, last_only=True)
-                self.cache.k[:, :, : n - 1].copy_(tmp.k)
-                self.cache.v[:, :, : n - 1].copy_(tmp.v)
-                del tmp
+            # Positions [0, n-1); the kernel's first step computes position n-1 itself.
+            self.filler.fill(prompt_ids, n - 1)
             if stop_ids:
                 self.stop_ids[: len(stop_ids)].copy_(
                     torch.tensor(sorted(stop_ids), dtype=torch.int32)
@@ -260,7 +292,7 @@ class MonokernelBackend:
         ctypes.memset(ctypes.addressof(out), 0, 4 * 2)
         cancel_word[0] = 0
         self.module.launch(self.grid, params, self.stream_.cuda_stream)
-        finished = False
+        finished = failed = False
         try:
             got, last_progress, idle = 0, time.monotonic(), 0
             while True:
@@ -286,12 +318,53 @@ class MonokernelBackend:
                             f"the monokernel made no progress for {_STALL_SECONDS} s"
                         )
                     time.sleep(0)  # let other Python threads run
+        except GeneratorExit:  # the consumer closed the stream: a normal early end
+            raise
+        except BaseException:
+            failed = True
+            raise
         finally:
             if not finished:
                 cancel_word[0] = 1  # the kernel reads it once per token
             launcher.set_current_context(self.device.index)
             while not launcher.stream_done(self.stream_.cuda_stream):
                 time.sleep(1e-4)
+            if failed:
+                self.prefix.invalidate()
+            else:
+                # The kernel has stopped: out[0] counts its completed steps, each of which
+                # wrote the K/V of the token it was fed (more than were yielded, if the
+                # consumer stopped early).
+                steps = int(out[0])
+                generated = out[2 : 2 + max(0, steps - 1)]
+                self.prefix.finish(prompt_ids, fed_tokens(prompt_ids, generated, steps, forced_ids))
+
+    # ---- prefill and prefix reuse -------------------------------------------------------
+
+    def _snapshot_fits(self, nbytes: int) -> bool:
+        need = nbytes + self._workspace + kv_memory.RESERVE_BYTES
+        return kv_memory.free_device_bytes(self.device) >= need
+
+    def set_prefix_reuse(self, enabled: bool) -> None:
+        """Turn prefix reuse on or off (off: every request prefills its whole prompt). Either
+        way the snapshots are freed and the live cache's contents forgotten, so what a
+        request reuses next was computed under the new setting."""
+        self.prefix.enabled = enabled
+        self.prefix.clear()
+
+    def prefill_logits(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        """Prefill ``prompt_ids`` (reusing a cached prefix like a request would) and return
+        the last token's logits [V] float32, from the prefill path alone (no kernel)."""
+        n = len(prompt_ids)
+        if not 0 < n <= self.max_seq_len:
+            raise InvalidRequestError(f"prompt length {n} must be in [1, {self.max_seq_len}]")
+        if any(not 0 <= t < self.cfg.vocab_size for t in prompt_ids):
+            raise InvalidRequestError("a prompt token id is outside the vocabulary")
+        with torch.cuda.device(self.device):
+            logits = self.filler.fill(prompt_ids, n, logits=True)
+            torch.cuda.synchronize(self.device)
+        assert logits is not None
+        return logits
 
     # ---- the Backend contract -------------------------------------------------------------
 
@@ -316,7 +389,8 @@ class MonokernelBackend:
             (steps, self.cfg.vocab_size), float("nan"), dtype=torch.float32, device=self.device
         )  # [steps, V]
         greedy = SamplingParams(temperature=0.0, max_tokens=max(steps, 1))
-        produced = sum(1 for _ in self._run(prompt_ids, steps, greedy, (), None, forced, logits))
+        run = self._run(prompt_ids, steps, greedy, (), None, forced, logits, forced_ids=forced_list)
+        produced = sum(1 for _ in run)
         if produced != steps:
             raise RuntimeError(f"the kernel ran {produced} of {steps} forced steps")
         torch.cuda.synchronize(self.device)
@@ -358,4 +432,10 @@ class MonokernelBackend:
         self.module.unload()
         self.host_out.free()
         self.host_cancel.free()
-        del self.packed, self.cache, self.ref
+        # Subclasses built without prefill (the tensor-parallel ranks) lack some of these.
+        prefix = getattr(self, "prefix", None)
+        if prefix is not None:
+            prefix.clear()  # frees the snapshots
+        for name in ("filler", "prefill", "packed", "cache", "ref"):
+            if hasattr(self, name):
+                delattr(self, name)

@@ -1,0 +1,360 @@
+"""Tensor-parallel monokernel: one request split over N GPUs of one node, one process.
+
+Each rank runs its own persistent kernel (a ``-DMK_TP=N`` build with the rank's dims: heads/N,
+kv_heads/N, intermediate/N, its vocabulary rows) on its own GPU. The two residual reductions
+per layer and the token choice happen inside the kernels, by storing tagged partials straight
+into the peers' receive buffers over NVLink (``kernels/csrc/tp.cuh``): no NCCL, no host step
+per token. docs/tensor-parallel.md has the design.
+
+Composition, not a copy: each rank is a ``MonokernelBackend`` without its prefill model (its
+buffers, KV cache, repack and params come from there); this class adds the sharding, the
+receive buffers, the unsharded prefill and the N-way launch. Prefill runs the reference model
+once on rank 0's GPU and each rank gets its KV heads' slice of the cache, which is exact.
+
+Limits: greedy and plain temperature sampling only (top-k / top-p need the whole vocabulary
+and are refused); NVLink multicast is never used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from monokernel.errors import BackendUnavailableError, InvalidRequestError
+from monokernel.kernels import build as kbuild
+from monokernel.kernels import launcher
+from monokernel.models.config import ModelConfig
+from monokernel.models.transformer import KVCache, Transformer
+from monokernel.parallel.peer import DeviceBuffer, enable_peer_access, multicast_off
+from monokernel.runtime.backends.base import CancelToken, DecodeRequest
+from monokernel.runtime.backends.monokernel import (
+    _MAX_STOP_IDS,
+    _STALL_SECONDS,
+    MonokernelBackend,
+    monokernel_supported,
+)
+from monokernel.runtime.sampling import SamplingParams
+from monokernel.weights.names import Weights
+from monokernel.weights.repack import repack
+from monokernel.weights.shard import ShardConfig, check_tp, shard_config, shard_weights
+
+_TAG_LIMIT = 2**32 - 1  # tags are u32 and never 0 (the zeroed buffers' value)
+
+
+class _Float32View(Mapping[str, torch.Tensor]):
+    """The weights, each upcast to fp32 when read (one tensor at a time): the unsharded
+    prefill then fills the KV cache from fp32 activations, like the kernel's own steps."""
+
+    def __init__(self, weights: Weights) -> None:
+        self._w = weights
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._w[name].float()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._w)
+
+    def __len__(self) -> int:
+        return len(self._w)
+
+
+def rank_config(sc: ShardConfig) -> ModelConfig:
+    """The ModelConfig one rank's kernel is built and repacked for: the rank's heads, KV
+    heads, intermediate rows and vocabulary rows. The o-bias stays on (the kernel adds it once
+    after the reduction), and the LM head is the shard's own slice (never tied)."""
+    return dataclasses.replace(
+        sc.base,
+        num_heads=sc.heads,
+        num_kv_heads=sc.kv_heads,
+        intermediate_size=sc.intermediate,
+        vocab_size=sc.vocab_local,
+        tie_word_embeddings=False,
+    )
+
+
+def recv_buffer_bytes(tp: int, hidden: int) -> int:
+    """One rank's receive buffer (tp.cuh): [2][tp][hidden] 8-byte {value, tag} pairs, then
+    [2][tp] 16-byte token units."""
+    return 2 * tp * hidden * 8 + 2 * tp * 16
+
+
+def refuse_filtered(sampling: SamplingParams, tp: int) -> None:
+    """top-k / top-p need global thresholds over the split vocabulary: not implemented."""
+    if tp > 1 and not sampling.greedy and (sampling.top_k > 0 or sampling.top_p < 1.0):
+        raise InvalidRequestError(
+            f"top-k / top-p sampling is not supported with tensor parallelism (--tp {tp}) yet; "
+            "use greedy or plain temperature sampling, or --tp 1"
+        )
+
+
+class _Rank(MonokernelBackend):
+    """One rank's kernel, buffers and KV cache: the single-GPU backend's pieces, built for the
+    rank's dims, without its prefill model (prefill is unsharded, on rank 0)."""
+
+    def __init__(
+        self, sc: ShardConfig, weights: Weights, max_seq_len: int, device: torch.device
+    ) -> None:
+        cfg = rank_config(sc)
+        self.sc, self.cfg, self.device, self.max_seq_len = sc, cfg, device, max_seq_len
+        self.ref = None  # close() deletes it
+        dims = dataclasses.replace(kbuild.KernelDims.from_config(cfg), tp=sc.tp)
+        with torch.cuda.device(device):
+            self.cache = KVCache.allocate(cfg, max_seq_len, torch.bfloat16, device)
+            self.packed = repack(cfg, weights, max_seq_len, fold=False)
+            cubin = kbuild.build(dims)
+            launcher.set_current_context(device.index)
+            self.module = launcher.KernelModule(
+                cubin, kbuild.KERNEL_NAME, dims.smem_bytes(), kbuild.THREADS
+            )
+            self.grid = torch.cuda.get_device_properties(device).multi_processor_count
+            self._alloc_buffers()
+            self.stream_ = torch.cuda.Stream(device)
+        self.recv = DeviceBuffer(device.index, recv_buffer_bytes(sc.tp, cfg.hidden_size))
+
+    def close(self) -> None:
+        self.recv.free()
+        super().close()
+
+
+class MonokernelTPBackend:
+    name = "monokernel"
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        max_seq_len: int,
+        device: torch.device,
+        tp: int,
+    ) -> None:
+        multicast_off()  # nothing here uses NVLS; keep any library we load off it too
+        check_tp(cfg, tp)  # TensorParallelError naming the numbers and the valid sizes
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise BackendUnavailableError(f"--tp {tp} needs {tp} NVIDIA GPUs")
+        first = device.index if device.index is not None else torch.cuda.current_device()
+        count = torch.cuda.device_count()
+        if first + tp > count:
+            raise BackendUnavailableError(
+                f"--tp {tp} needs {tp} GPUs from cuda:{first} on; {count} visible"
+            )
+        self.devices = [torch.device("cuda", first + r) for r in range(tp)]
+        for d in self.devices:
+            ok, why = monokernel_supported(d)
+            if not ok:
+                raise BackendUnavailableError(f"engine 'monokernel' cannot run on {d}: {why}")
+        enable_peer_access([d.index for d in self.devices])
+        self.cfg, self.tp, self.max_seq_len = cfg, tp, max_seq_len
+        self.device = self.devices[0]
+        if weights["embed"].dtype != torch.bfloat16:
+            weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+        weights = {k: v.to(self.device) for k, v in weights.items()}
+        # Unsharded fp32 prefill on rank 0 (as the single-GPU backend does).
+        self.ref = Transformer(cfg, _Float32View(weights), max_seq_len)
+        self.ranks: list[_Rank] = []
+        for r, dev in enumerate(self.devices):
+            shard = {k: v.to(dev) for k, v in shard_weights(cfg, weights, r, tp).items()}
+            self.ranks.append(_Rank(shard_config(cfg, r, tp), shard, max_seq_len, dev))
+            del shard
+        self._tag = 1  # next generation; carried across requests so buffers are never reset
+
+    # ---- one request --------------------------------------------------------------------
+
+    def _reset_tags(self) -> None:
+        """Zero every receive buffer and restart the tags (before u32 tags would wrap)."""
+        for rk in self.ranks:
+            launcher.set_current_context(rk.device.index)
+            lib = launcher.driver()
+            launcher.check(
+                lib.cuMemsetD8_v2(ctypes.c_uint64(rk.recv.ptr), 0, ctypes.c_size_t(rk.recv.nbytes)),
+                "cuMemsetD8",
+            )
+            launcher.check(lib.cuCtxSynchronize(), "cuCtxSynchronize")
+        self._tag = 1
+
+    def _params(
+        self,
+        rk: _Rank,
+        tag: int,
+        first_token: int,
+        start_pos: int,
+        n_steps: int,
+        sampling: SamplingParams,
+        n_stop: int,
+        forced: torch.Tensor | None,
+        debug_logits: torch.Tensor | None,
+    ) -> launcher.KernelParamsTP:
+        base = rk._params(first_token, start_pos, n_steps, sampling, n_stop, forced, debug_logits)
+        p = launcher.KernelParamsTP()
+        ctypes.memmove(ctypes.addressof(p), ctypes.addressof(base), ctypes.sizeof(base))
+        for k, other in enumerate(self.ranks):
+            p.tp_recv[k] = other.recv.ptr  # unified addressing: valid on every peer GPU
+        p.tp_mine = rk.recv.ptr
+        p.tp_rank = rk.sc.rank
+        p.vocab_start = rk.sc.vocab_start
+        p.tp_tag = tag
+        p.tp_pad_ = 0
+        return p
+
+    def _prefill(self, prompt_ids: Sequence[int]) -> None:
+        n = len(prompt_ids)
+        if n <= 1:
+            return
+        cfg = self.cfg
+        with torch.cuda.device(self.device):
+            prompt = torch.tensor(prompt_ids[:-1], dtype=torch.long, device=self.device)
+            tmp = KVCache.allocate(cfg, n - 1, torch.float32, self.device)
+            self.ref.forward(prompt, 0, tmp, last_only=True)
+            for rk in self.ranks:
+                h0, h1 = rk.sc.rank * rk.sc.kv_heads, (rk.sc.rank + 1) * rk.sc.kv_heads
+                rk.cache.k[:, :, : n - 1].copy_(tmp.k[:, h0:h1].to(rk.device))
+                rk.cache.v[:, :, : n - 1].copy_(tmp.v[:, h0:h1].to(rk.device))
+            torch.cuda.synchronize(self.device)
+            del tmp
+
+    def _run(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: Sequence[int],
+        cancel: CancelToken | None,
+        forced: Sequence[torch.Tensor] | None = None,
+        debug_logits: Sequence[torch.Tensor] | None = None,
+    ) -> Iterator[int]:
+        n = len(prompt_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt must hold at least one token")
+        if n > self.max_seq_len:
+            raise InvalidRequestError(
+                f"the prompt ({n} tokens) exceeds max_seq_len={self.max_seq_len}"
+            )
+        if any(not 0 <= t < self.cfg.vocab_size for t in prompt_ids):
+            raise InvalidRequestError("a prompt token id is outside the vocabulary")
+        if len(stop_ids) > _MAX_STOP_IDS:
+            raise InvalidRequestError(f"at most {_MAX_STOP_IDS} stop token ids are supported")
+        refuse_filtered(sampling, self.tp)
+        n_steps = min(max_new_tokens, self.max_seq_len - n + 1)
+        span = 2 * self.cfg.num_layers * max(n_steps, 1)  # tags this launch may use
+        if self._tag + span >= _TAG_LIMIT:
+            self._reset_tags()
+        tag = self._tag
+        self._tag += span  # advanced up front: an aborted launch never has its tags reused
+        self._prefill(prompt_ids)
+        params = []
+        for r, rk in enumerate(self.ranks):
+            launcher.set_current_context(rk.device.index)
+            with torch.cuda.device(rk.device):
+                if stop_ids:
+                    rk.stop_ids[: len(stop_ids)].copy_(
+                        torch.tensor(sorted(stop_ids), dtype=torch.int32)
+                    )
+                rk.barrier.zero_()
+                rk.attn_count.zero_()
+                rk.flags.zero_()
+                rk.stream_.wait_stream(torch.cuda.current_stream(rk.device))
+            params.append(
+                self._params(
+                    rk,
+                    tag,
+                    prompt_ids[-1],
+                    n - 1,
+                    n_steps,
+                    sampling,
+                    len(stop_ids),
+                    None if forced is None else forced[r],
+                    None if debug_logits is None else debug_logits[r],
+                )
+            )
+        lead = self.ranks[0]  # rank 0 writes the tokens and reads the cancel word
+        out, cancel_word = lead.host_out.words, lead.host_cancel.words
+        ctypes.memset(ctypes.addressof(out), 0, 4 * 2)
+        cancel_word[0] = 0
+        # All N kernels spin on each other, so all must be resident together: launch each on
+        # its own stream and device, back to back, never waiting in between.
+        for rk, p in zip(self.ranks, params, strict=True):
+            launcher.set_current_context(rk.device.index)
+            rk.module.launch(rk.grid, p, rk.stream_.cuda_stream)
+        finished = False
+        try:
+            got, last_progress, idle = 0, time.monotonic(), 0
+            while True:
+                count = out[0]
+                while got < count:
+                    if cancel is not None and cancel.is_set():
+                        return
+                    token = out[2 + got]
+                    got += 1
+                    yield token
+                    last_progress = time.monotonic()
+                if out[1] and got >= out[0]:
+                    finished = True
+                    return
+                if cancel is not None and cancel.is_set():
+                    return
+                idle += 1
+                if idle % 64 == 0:
+                    for rk in self.ranks[1:]:  # raises on a fault of any rank
+                        launcher.set_current_context(rk.device.index)
+                        launcher.stream_done(rk.stream_.cuda_stream)
+                    launcher.set_current_context(lead.device.index)
+                    if launcher.stream_done(lead.stream_.cuda_stream) and not out[1]:
+                        raise RuntimeError("the monokernel (rank 0) exited without finishing")
+                    if time.monotonic() - last_progress > _STALL_SECONDS:
+                        raise RuntimeError(
+                            f"the TP monokernels made no progress for {_STALL_SECONDS} s"
+                        )
+                    time.sleep(0)
+        finally:
+            if not finished:
+                cancel_word[0] = 1  # rank 0 reads it once per token and tells the others
+            for rk in self.ranks:
+                launcher.set_current_context(rk.device.index)
+                while not launcher.stream_done(rk.stream_.cuda_stream):
+                    time.sleep(1e-4)
+
+    # ---- the Backend contract -------------------------------------------------------------
+
+    def stream(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[int]:
+        yield from self._run(
+            request.prompt_ids,
+            request.max_new_tokens,
+            request.sampling,
+            sorted(request.stop_token_ids),
+            cancel,
+        )
+
+    def teacher_forced_logits(
+        self, prompt_ids: Sequence[int], next_ids: Sequence[int]
+    ) -> torch.Tensor:
+        """Debug mode: logits [len(next_ids), V] float32 on rank 0's GPU, the ranks' vocabulary
+        shards side by side; step s feeds the given token instead of the kernel's sample."""
+        steps = len(next_ids)
+        forced_list = [prompt_ids[-1], *next_ids[:-1]]
+        forced = [
+            torch.tensor(forced_list, dtype=torch.int32, device=rk.device) for rk in self.ranks
+        ]  # [steps] per rank
+        shards = [
+            torch.full(
+                (steps, rk.cfg.vocab_size), float("nan"), dtype=torch.float32, device=rk.device
+            )
+            for rk in self.ranks
+        ]  # [steps, V_rank] per rank
+        greedy = SamplingParams(temperature=0.0, max_tokens=max(steps, 1))
+        produced = sum(1 for _ in self._run(prompt_ids, steps, greedy, (), None, forced, shards))
+        if produced != steps:
+            raise RuntimeError(f"the kernels ran {produced} of {steps} forced steps")
+        for rk in self.ranks:
+            torch.cuda.synchronize(rk.device)
+        return torch.cat([s.to(self.device) for s in shards], dim=1)
+
+    def close(self) -> None:
+        for rk in self.ranks:
+            launcher.set_current_context(rk.device.index)
+            rk.close()
+        self.ranks = []
+        del self.ref
