@@ -6,7 +6,9 @@ stage's own copy for the current position, the cache holding the weights' dtype)
 on the CPU, so the repack and the kernel's plan are tested without a GPU; on the GPU it is
 the readable statement of what ``csrc/decode.cu`` computes. Two reassociations of the
 kernel are not mirrored: attention split over position ranges and merged (flash-decoding),
-and split-K row slices summed in shared memory; both compute the same sums.
+and split-K row slices summed in shared memory; both compute the same sums. The rounding of
+the vectors stages hand to each other (``handoff_round``: their low mantissa byte carries a
+tag, ``csrc/flow.cuh``) is mirrored.
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ from monokernel.weights.repack import Repacked
 def _rms(v: torch.Tensor, eps: float, gain: torch.Tensor | None = None) -> torch.Tensor:
     out = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
     return out if gain is None else out * gain  # gain: only when repacked with fold=False
+
+
+def handoff_round(v: torch.Tensor) -> torch.Tensor:
+    """fp32 rounded to nearest on 16 significant bits, as ``st_flow`` stores a hand-off vector
+    (flow.cuh); the freed low byte is the tag, which readers clear."""
+    bits = v.float().contiguous().view(torch.int32)
+    return ((bits + 0x80) & -256).view(torch.float32)
 
 
 class ScheduleInterpreter:
@@ -64,14 +73,15 @@ class ScheduleInterpreter:
         """One decode step (stages A-F); returns the logits [V] float32."""
         eps = self.cfg.rms_norm_eps
         x = self.p.embed[token].float()  # residual stream [h]
+        r = handoff_round  # what one stage stores for the next
         for n, lp in enumerate(self.p.layers):
             qkv = lp.wqkv.float() @ _rms(x, eps, lp.attn_gain)  # A  [q + 2kv]
             if lp.bqkv is not None:
                 qkv = qkv + lp.bqkv
-            attn = self._attention(n, qkv, pos)  # B  [q]
+            attn = r(self._attention(n, r(qkv), pos))  # B  [q]
             o = lp.wo.float() @ attn  # C
-            x = x + (o + lp.bo if lp.bo is not None else o)
+            x = x + r(o + lp.bo if lp.bo is not None else o)
             gu = lp.wgu.float() @ _rms(x, eps, lp.ffn_gain)  # D  [2i] interleaved
-            act = torch.nn.functional.silu(gu[0::2]) * gu[1::2]  # [i]
-            x = x + lp.wdown.float() @ act  # E
+            act = r(torch.nn.functional.silu(gu[0::2]) * gu[1::2])  # [i]
+            x = r(x + lp.wdown.float() @ act)  # E
         return self.p.lm_head.float() @ _rms(x, eps, self.p.norm_gain)  # F  [V]

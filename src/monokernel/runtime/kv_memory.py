@@ -23,13 +23,19 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
 
 
-def repack_bytes(cfg: ModelConfig, max_len: int, fold: bool, convert: bool) -> int:
-    """What ``weights.repack.repack`` allocates beyond the weights it is given (bf16): the
-    fused QKV and gate/up copies, a folded LM head, the RoPE tables (and their angles);
-    plus a bf16 copy of everything when the weights arrive in another dtype."""
+def rope_bytes_per_token(cfg: ModelConfig) -> int:
+    """The RoPE tables ``weights.repack`` builds for every position: cos, sin and angles, fp32.
+    Per position like the cache, so the longest context that fits counts them too."""
+    return 3 * (cfg.head_dim // 2) * 4
+
+
+def repack_bytes(cfg: ModelConfig, fold: bool, convert: bool) -> int:
+    """What ``weights.repack.repack`` allocates beyond the weights it is given (bf16) and the
+    RoPE tables: the fused QKV and gate/up copies, a folded LM head; plus a bf16 copy of
+    everything when the weights arrive in another dtype."""
     h = cfg.hidden_size
     per_layer = (cfg.q_size + 2 * cfg.kv_size) * h + 2 * cfg.intermediate_size * h
-    total = 2 * cfg.num_layers * per_layer + 3 * max_len * (cfg.head_dim // 2) * 4
+    total = 2 * cfg.num_layers * per_layer
     if fold:
         total += 2 * cfg.vocab_size * h
     if convert:
@@ -40,10 +46,11 @@ def repack_bytes(cfg: ModelConfig, max_len: int, fold: bool, convert: bool) -> i
 def needed_bytes(
     cfg: ModelConfig, max_len: int, chunk_tokens: int, precision: str, extra: int = 0
 ) -> int:
-    """The cache for ``max_len`` positions, the prefill workspace, the reserve, and
-    ``extra`` (other allocations still to come, e.g. ``repack_bytes``)."""
+    """The cache and RoPE tables for ``max_len`` positions, the prefill workspace, the
+    reserve, and ``extra`` (other allocations still to come that do not grow with the
+    context, e.g. ``repack_bytes``)."""
     return (
-        kv_bytes_per_token(cfg) * max_len
+        (kv_bytes_per_token(cfg) + rope_bytes_per_token(cfg)) * max_len
         + workspace_bytes(cfg, min(chunk_tokens, max_len), max_len, precision)
         + RESERVE_BYTES
         + extra
@@ -90,12 +97,13 @@ def check_fits(
     if need <= free:
         return need
     cache = kv_bytes_per_token(cfg) * max_len
-    work = need - cache - RESERVE_BYTES - extra
+    rope = rope_bytes_per_token(cfg) * max_len
+    work = need - cache - rope - RESERVE_BYTES - extra
     fits = max_len_that_fits(cfg, free, chunk_tokens, precision, extra)
     raise InvalidRequestError(
         f"a context of {max_len} tokens needs {need:,} bytes on {where} (KV cache "
-        f"{cache:,} + prefill workspace {work:,} + weight repacking {extra:,} + reserve "
-        f"{RESERVE_BYTES:,}) but only {free:,} bytes are free; "
+        f"{cache:,} + prefill workspace {work:,} + weight repacking {extra:,} + RoPE tables "
+        f"{rope:,} + reserve {RESERVE_BYTES:,}) but only {free:,} bytes are free; "
         + (
             f"at most {fits} tokens fit: lower --max-model-len"
             if fits

@@ -51,12 +51,23 @@ def test_nothing_fits() -> None:
 
 
 def test_repacking_counts_toward_the_need() -> None:
-    base = kv_memory.repack_bytes(LLAMA, 8192, fold=False, convert=False)
+    base = kv_memory.repack_bytes(LLAMA, fold=False, convert=False)
     # the fused QKV and gate/up copies of 16 layers, in bf16: ~1.2 GiB for the 1B shape
     assert 1.1 * GIB < base < 1.3 * GIB
-    assert kv_memory.repack_bytes(LLAMA, 8192, fold=True, convert=False) > base
-    assert kv_memory.repack_bytes(LLAMA, 8192, fold=False, convert=True) > base + 2 * GIB
+    assert kv_memory.repack_bytes(LLAMA, fold=True, convert=False) > base
+    assert kv_memory.repack_bytes(LLAMA, fold=False, convert=True) > base + 2 * GIB
     plain = kv_memory.needed_bytes(LLAMA, 8192, 2048, "split-qkv")
     assert kv_memory.needed_bytes(LLAMA, 8192, 2048, "split-qkv", extra=base) == plain + base
     with pytest.raises(InvalidRequestError, match=f"weight repacking {base:,}"):
         kv_memory.check_fits(LLAMA, 8192, plain, 2048, "split-qkv", "cuda:0", extra=base)
+
+
+def test_a_huge_context_names_the_longest_that_fits() -> None:
+    # Everything that grows with the context (cache, RoPE tables, prefill attention) is
+    # inside the bisection, so an absurd --max-model-len still gets a usable suggestion.
+    extra = kv_memory.repack_bytes(LLAMA, fold=True, convert=False)
+    with pytest.raises(InvalidRequestError, match=r"at most \d+ tokens fit: lower --max-model-len"):
+        kv_memory.check_fits(LLAMA, 10**9, 80 * GIB, 2048, "split-qkv", "cuda:0", extra=extra)
+    fits = kv_memory.max_len_that_fits(LLAMA, 80 * GIB, 2048, "split-qkv", extra=extra)
+    per_token = kv_memory.kv_bytes_per_token(LLAMA) + kv_memory.rope_bytes_per_token(LLAMA)
+    assert 0 < fits < 80 * GIB // per_token

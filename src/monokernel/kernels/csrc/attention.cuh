@@ -3,6 +3,7 @@
 // positions are swept in chunks of MK_THREADS with an online softmax, so any cache length
 // fits.
 #pragma once
+#include "flow.cuh"
 #include "gemv.cuh"
 #include "params.cuh"
 
@@ -153,7 +154,8 @@ __device__ __forceinline__ void head_rms(float* v, const float* gain, float eps,
 // reaches with this layer's ranges (every CTA tracks the same running total, so the counter
 // is never reset).
 __device__ void attention_head(const Params& p, const LayerWeights& lw, int layer, int unit, int ns,
-                               int pos, unsigned done, float* sm, float* red, float* win) {
+                               int pos, unsigned done, unsigned tag, float* sm, float* red,
+                               float* win) {
   const int t = threadIdx.x;
   constexpr int HALF = MK_D / 2;
   constexpr int GROUP = MK_NH / MK_NKV;
@@ -174,9 +176,9 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   float* part = sc + MK_THREADS;   // [GV, D] per-group partial outputs
 
   if (t < MK_D) {
-    qs[t] = ld_act(p.qkv + hq * MK_D + t);
-    kn[t] = ld_act(p.qkv + MK_Q + kvh * MK_D + t);
-    vn[t] = ld_act(p.qkv + MK_Q + MK_KV + kvh * MK_D + t);
+    qs[t] = ld_flow(p.qkv + hq * MK_D + t, tag);
+    kn[t] = ld_flow(p.qkv + MK_Q + kvh * MK_D + t, tag);
+    vn[t] = ld_flow(p.qkv + MK_Q + MK_KV + kvh * MK_D + t, tag);
   }
   if (unit == (int)blockIdx.x) {
     attention_window_wait(win);  // includes the __syncthreads the q/k/v loads need
@@ -300,7 +302,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     if (t < MK_D) {
       float o = 0.f;
       for (int gg = 0; gg < GV; ++gg) o += part[gg * MK_D + t];
-      p.attn_out[hq * MK_D + t] = o / l;
+      st_flow(p.attn_out + hq * MK_D + t, o / l, tag);
     }
     __syncthreads();
     return;
@@ -349,7 +351,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
       float acc2 = 0.f;
 #pragma unroll 4
       for (int s2 = 0; s2 < ns; ++s2) acc2 = fmaf(coef[s2], __ldcg(o + (size_t)s2 * MK_D), acc2);
-      p.attn_out[hq * MK_D + t] = acc2;
+      st_flow(p.attn_out + hq * MK_D + t, acc2, tag);
     }
   }
   __syncthreads();

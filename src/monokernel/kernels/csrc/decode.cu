@@ -3,10 +3,12 @@
 // Per token: embedding -> per layer [A: norm+QKV | B: qk-norm+RoPE+KV append+attention |
 // C: O-proj+residual | D: norm+gate/up+SiLU*mul | E: down+residual] -> F: final norm + LM
 // head + per-CTA best (score, id) -> sampling -> stop check -> token to host-mapped memory.
-// Stages are separated by a grid barrier. Between arriving at one and waiting at it, each warp
-// issues the first loads of its first row of the next stage (gemv.cuh), so HBM keeps
-// streaming meanwhile and the arrival's fence never waits for those loads.
+// Inside a step, stages hand their outputs over as tagged data (flow.cuh): the next stage's
+// readers spin on the values themselves, no grid barrier. One grid barrier per step remains,
+// after the LM head. Before waiting for its input, each warp issues the first loads of its
+// first row of the next stage (gemv.cuh), so HBM keeps streaming meanwhile.
 #include "attention.cuh"
+#include "flow.cuh"
 #include "gemv.cuh"
 #include "params.cuh"
 #include "sampling.cuh"
@@ -34,17 +36,13 @@
 // the same total.
 #define MK_SMEM_FLOATS_A (((MK_XS + MK_H + MK_ATTN_SMEM + 64 + MK_KVWIN_FLOATS) + 3) & ~3)
 
-// xs[0..K) <- src (fp32, written by other CTAs); optionally RMS-normalised in place.
-// gain (may be null): the norm's gain when it was not folded into the next matrix.
+// xs[0..K) <- src (fp32, written by other CTAs with `tag`, flow.cuh); optionally
+// RMS-normalised in place. gain (may be null): the norm's gain when it was not folded into
+// the next matrix.
 template <int K>
-__device__ __forceinline__ void load_vec(float* xs, const float* src, bool norm, float eps,
-                                         float* red, const float* gain = nullptr) {
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < K; i += MK_THREADS) {
-    const float v = ld_act(src + i);
-    xs[i] = v;
-    ss += v * v;
-  }
+__device__ __forceinline__ void load_vec(float* xs, const float* src, unsigned tag, bool norm,
+                                         float eps, float* red, const float* gain = nullptr) {
+  const float ss = load_flow<K>(xs, src, tag);
   if (norm) {
     const float r = rsqrtf(block_sum(ss, red) / K + eps);
     if (gain) {
@@ -84,6 +82,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   const int gw = blockIdx.x * MK_WARPS + warp;  // this warp's rank in the grid (gate/up)
   const int tw = gridDim.x * MK_WARPS;          // warps in the grid
   const bool greedy = p.temperature == 0.f;
+  const bool flow =
+      flow_possible<Split<MK_Q, MK_SPLIT_C>::GROUPS, Split<MK_I, MK_SPLIT_E>::GROUPS>();
   // top-k / top-p need the whole vocabulary; under TP it is split over ranks, so the host
   // refuses those requests and the kernel never takes the slow path.
 #if MK_TP > 1
@@ -121,6 +121,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     mark(p, step, mk++);
     for (int layer = 0; layer < MK_L; ++layer) {
       const LayerWeights& lw = p.layers[layer];  // re-read at each use: 20 fewer live registers
+      const unsigned tag = flow_tag(step, layer), tag_x = flow_tag(step, layer - 1);
 #if MK_TP > 1
       // Generations of this layer's two all-reduces (after O-proj, after down).
       const unsigned tag_c = p.tp_tag + 2u * (unsigned)(step * MK_L + layer);
@@ -133,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
           const float v = __bfloat162float(row[i]);
           xs[i] = v;
           s2 += v * v;
-          if (blockIdx.x == 0) p.x[i] = v;
+          if (blockIdx.x == 0) st_flow(p.x + i, v, tag_x);
         }
         const float r = rsqrtf(block_sum(s2, red) / MK_H + p.eps);
         for (int i = t; i < MK_H; i += MK_THREADS)
@@ -143,7 +144,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #if MK_TP > 1
         tp_load_residual(p, xs, xres, tag_c - 1u, p.eps, red, lw.attn_gain);  // previous E's
 #else
-        load_vec<MK_H>(xs, p.x, true, p.eps, red, lw.attn_gain);
+        load_vec<MK_H>(xs, p.x, tag_x, true, p.eps, red, lw.attn_gain);
 #endif
       }
       gemv_split<MK_H, MK_SPLIT_A>(lw.wqkv, MK_QKV, xs, part, warp, lane, preA,
@@ -151,26 +152,26 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #if MK_QKV_BIAS
                                      d += lw.bqkv[r];
 #endif
-                                     p.qkv[r] = d;
+                                     st_flow(p.qkv + r, d, tag);
                                    });
       mark(p, step, mk++);
-      grid_arrive(p.barrier, bar);
+      handoff_arrive(flow, p.barrier, bar);
       prefetch_pairs_l2<MK_H>(lw.wgu, MK_I, gw, tw, lane);  // off unless MK_PF_PAIRS > 0
-      grid_wait(p.barrier, bar);
+      handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
 
       // ---- B: attention, one CTA per (query head, position range) -> attn_out
       if (ns > 1) attn_done += (unsigned)ns;
       for (int u = blockIdx.x; u < MK_NH * ns; u += gridDim.x)
-        attention_head(p, lw, layer, u, ns, pos, attn_done, att, red, kvwin);
-      grid_arrive(p.barrier, bar);
+        attention_head(p, lw, layer, u, ns, pos, attn_done, tag, att, red, kvwin);
+      handoff_arrive(flow, p.barrier, bar);
       issue_first<SC::KP, MK_BATCH>(preC, split_first<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, warp), lane);
       mark(p, step, mk++);
-      grid_wait(p.barrier, bar);
+      handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
 
       // ---- C: O projection -> delta [H]
-      load_vec<MK_Q>(xs, p.attn_out, false, p.eps, red);
+      load_vec<MK_Q>(xs, p.attn_out, tag, false, p.eps, red);
       gemv_split<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, xs, part, warp, lane, preC, [&](int r, float d) {
 #if MK_TP > 1
         tp_send(p, tag_c, r, d);  // partial, bias-free: o-bias is added once after the sum (D)
@@ -178,72 +179,77 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #if MK_O_BIAS
         d += lw.bo[r];
 #endif
-        p.delta[r] = d;
+        st_flow(p.delta + r, d, tag);
 #endif
       });
-      grid_arrive(p.barrier, bar);
+      handoff_arrive(flow, p.barrier, bar);
       issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * clamp_row(gw, MK_I) * MK_H, lane);
       issue_first<MK_H, MK_BATCH2>(preU, lw.wgu + (2 * clamp_row(gw, MK_I) + 1) * MK_H, lane);
       mark(p, step, mk++);
-      grid_wait(p.barrier, bar);
+      handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
 
       // ---- D: residual (x + delta, kept in xres for E) + RMSNorm + gate/up + SiLU*mul -> act
       {
         float s2 = 0.f;
-        for (int i = t; i < MK_H; i += MK_THREADS) {
 #if MK_TP > 1
+        for (int i = t; i < MK_H; i += MK_THREADS) {
           float dl = tp_sum(p, tag_c, i);
 #if MK_O_BIAS
           dl += lw.bo[i];
 #endif
           const float v = ld_act(p.x + i) + dl;
-#else
-          const float v = ld_act(p.x + i) + ld_act(p.delta + i);
-#endif
           xres[i] = v;
           s2 += v * v;
         }
+#else
+        // x and delta land in xres and xs; each thread sums the elements it loaded itself.
+        load_flow<MK_H>(xres, p.x, tag_x);
+        load_flow<MK_H>(xs, p.delta, tag);
+        for (int i = t; i < MK_H; i += MK_THREADS) {
+          const float v = xres[i] + xs[i];
+          xres[i] = v;
+          s2 += v * v;
+        }
+#endif
         const float r = rsqrtf(block_sum(s2, red) / MK_H + p.eps);
         for (int i = t; i < MK_H; i += MK_THREADS)
           xs[i] = xres[i] * (lw.ffn_gain ? r * lw.ffn_gain[i] : r);
         __syncthreads();
       }
       gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xs, lane, preG, preU, [&](int r, float g, float u) {
-        if (lane == 0) p.act[r] = g / (1.f + expf(-g)) * u;
+        if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
       });
-      grid_arrive(p.barrier, bar);
+      handoff_arrive(flow, p.barrier, bar);
       issue_first<SE::KP, MK_BATCH>(preE, split_first<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, warp),
                                     lane);
-      // The next attention stage's cached keys and values are final once this layer's B is
-      // over: copy them into the window now, inside a long bandwidth-bound stage, so the
-      // copies' issue and flight stay off the latency-bound A -> B path.
-      if (layer + 1 < MK_L)
-        attention_prefetch(p, layer + 1, ns, pos, kvwin);
-      else if (step + 1 < p.n_steps)
-        attention_prefetch(p, 0, attn_ranges(pos + 1, p.attn_splits), pos + 1, kvwin);
+      // The next layer's cached keys and values (positions before pos, appended in earlier
+      // steps, so ordered by the barrier that ends every step) are copied into the window now,
+      // inside a long bandwidth-bound stage, so the copies' issue and flight stay off the
+      // latency-bound A -> B path. Layer 0's copy waits for that barrier (after F).
+      if (layer + 1 < MK_L) attention_prefetch(p, layer + 1, ns, pos, kvwin);
       mark(p, step, mk++);
-      grid_wait(p.barrier, bar);
+      handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
 
       // ---- E: down projection + residual -> x [H]
-      load_vec<MK_I>(xs, p.act, false, p.eps, red);
+      load_vec<MK_I>(xs, p.act, tag, false, p.eps, red);
       gemv_split<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, xs, part, warp, lane, preE,
                                    [&](int r, float d) {
 #if MK_TP > 1
                                      tp_send(p, tag_c + 1u, r, d);  // summed at the next A / F
 #else
-                                     p.x[r] = xres[r] + d;
+                                     st_flow(p.x + r, xres[r] + d, tag);
 #endif
                                    });
       const bf16* next_first =
           layer + 1 < MK_L
               ? split_first<MK_H, MK_SPLIT_A>(p.layers[layer + 1].wqkv, MK_QKV, warp)
               : split_first<MK_H, MK_SPLIT_F>(p.lm_head, MK_V, warp);
-      grid_arrive(p.barrier, bar);
+      handoff_arrive(flow, p.barrier, bar);
       issue_first<SA::KP, MK_BATCH>(preA, next_first, lane);
       mark(p, step, mk++);
-      grid_wait(p.barrier, bar);
+      handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
     }
 
@@ -252,7 +258,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     tp_load_residual(p, xs, xres, p.tp_tag + 2u * (unsigned)((step + 1) * MK_L) - 1u, p.eps, red,
                      p.norm_gain);  // the last layer's down all-reduce
 #else
-    load_vec<MK_H>(xs, p.x, true, p.eps, red, p.norm_gain);
+    load_vec<MK_H>(xs, p.x, flow_tag(step, MK_L - 1), true, p.eps, red, p.norm_gain);
 #endif
     const uint32_t key = draw_key(p.seed_lo, p.seed_hi, pos + 1);  // position of the new token
     float best = -INFINITY;
@@ -290,6 +296,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         preA, split_first<MK_H, MK_SPLIT_A>(p.layers[0].wqkv, MK_QKV, warp), lane);
     mark(p, step, mk++);
     grid_wait(p.barrier, bar);
+    if (step + 1 < p.n_steps)  // every KV append of this step is visible now
+      attention_prefetch(p, 0, attn_ranges(pos + 1, p.attn_splits), pos + 1, kvwin);
     mark(p, step, mk++);
 
     // ---- sampling: every CTA reduces the partials itself (no extra barrier), unless

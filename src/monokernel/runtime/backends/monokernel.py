@@ -112,7 +112,7 @@ class MonokernelBackend:
         # Refuse a context that cannot fit before allocating anything for it.
         convert = weights["embed"].dtype != torch.bfloat16
         free = kv_memory.free_device_bytes(device)
-        extra = kv_memory.repack_bytes(cfg, max_seq_len, fold_norms, convert)
+        extra = kv_memory.repack_bytes(cfg, fold_norms, convert)
         need = kv_memory.check_fits(cfg, max_seq_len, free, chunk, precision, str(device), extra)
         if convert:
             weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
@@ -151,8 +151,13 @@ class MonokernelBackend:
         ]  # fmt: skip
         self.layer_table = torch.tensor(table, dtype=torch.int64, device=dev)  # [L, 10]
         qkv = cfg.q_size + 2 * cfg.kv_size
-        self.x = torch.empty(cfg.hidden_size, dtype=f32, device=dev)  # [H]
-        self.qkv = torch.empty(qkv, dtype=f32, device=dev)  # [Q + 2KV]
+        # The vectors stages hand to each other carry tags (kernels/csrc/flow.cuh) and are
+        # zeroed before every launch: one tensor, so that is one memset.
+        sizes = (cfg.hidden_size, qkv, cfg.hidden_size, cfg.q_size)
+        self.handoff = torch.empty(sum(sizes) + cfg.intermediate_size, dtype=f32, device=dev)
+        self.x, self.qkv, self.delta, self.attn_out, self.act = torch.split(
+            self.handoff, [*sizes, cfg.intermediate_size]
+        )  # [H], [Q + 2KV], [H], [Q], [I]
         # Flash-decoding: each head's positions split over grid // heads CTAs.
         self.attn_splits = max(1, self.grid // cfg.num_heads)
         self.attn = torch.empty(
@@ -161,10 +166,7 @@ class MonokernelBackend:
         self.attn_ml = torch.empty(
             cfg.num_heads * self.attn_splits * 2, dtype=f32, device=dev
         )  # [NH, splits, 2]
-        self.delta = torch.empty(cfg.hidden_size, dtype=f32, device=dev)  # [H]
-        self.attn_out = torch.empty(cfg.q_size, dtype=f32, device=dev)  # [Q]
         self.attn_count = torch.zeros(cfg.num_heads, dtype=torch.int32, device=dev)  # [NH]
-        self.act = torch.empty(cfg.intermediate_size, dtype=f32, device=dev)  # [I]
         self.logits = torch.empty(cfg.vocab_size, dtype=f32, device=dev)  # [V]
         self.part_score = torch.empty(self.grid, dtype=f32, device=dev)  # [grid]
         self.part_id = torch.empty(self.grid, dtype=torch.int32, device=dev)  # [grid]
@@ -175,6 +177,13 @@ class MonokernelBackend:
         self.host_cancel = launcher.HostMapped(1)
 
     # ---- one launch ---------------------------------------------------------------------
+
+    def _reset_launch_state(self) -> None:
+        """Zero what the kernel counts on from zero (on the current stream): the barrier and
+        per-head counters, the flags, and the tags of the hand-off vectors (kernels/csrc/
+        flow.cuh: a stale tag must never match one the launch waits for)."""
+        for buf in (self.barrier, self.attn_count, self.flags, self.handoff):
+            buf.zero_()
 
     def _params(
         self,
@@ -273,9 +282,7 @@ class MonokernelBackend:
                 self.stop_ids[: len(stop_ids)].copy_(
                     torch.tensor(sorted(stop_ids), dtype=torch.int32)
                 )
-            self.barrier.zero_()
-            self.attn_count.zero_()
-            self.flags.zero_()
+            self._reset_launch_state()
             self.stream_.wait_stream(torch.cuda.current_stream(self.device))
         params = self._params(
             prompt_ids[-1],

@@ -253,9 +253,7 @@ class MonokernelTPBackend:
                     rk.stop_ids[: len(stop_ids)].copy_(
                         torch.tensor(sorted(stop_ids), dtype=torch.int32)
                     )
-                rk.barrier.zero_()
-                rk.attn_count.zero_()
-                rk.flags.zero_()
+                rk._reset_launch_state()
                 rk.stream_.wait_stream(torch.cuda.current_stream(rk.device))
             params.append(
                 self._params(

@@ -117,7 +117,10 @@ def test_backend_prefill_logits_with_reuse() -> None:
         f"reused vs fresh {_rel(reused, fresh):.2e}"
     )
     assert max(_rel(first, want_first), _rel(reused, want), _rel(fresh, want)) <= 1e-2
-    assert _rel(reused, fresh) <= 2e-3  # chunking changes only rounding
+    # Different chunk boundaries round different GEMM inputs and K/V entries to bf16, so
+    # the two are independent samples of the same bf16 noise (~3e-3 each from the
+    # reference on H100), not bit-equal; a wrong reused prefix (positions, RoPE) gives O(1).
+    assert _rel(reused, fresh) <= 1e-2
 
 
 @pytest.mark.gpu
