@@ -142,7 +142,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         __syncthreads();
       } else {
 #if MK_TP > 1
-        tp_load_residual(p, xs, xres, tag_c - 1u, p.eps, red, lw.attn_gain);  // previous E's
+        tp_load_residual(p, xs, xres, tag_c - 1u, tag_x, p.eps, red, lw.attn_gain);  // prev. E
 #else
         load_vec<MK_H>(xs, p.x, tag_x, true, p.eps, red, lw.attn_gain);
 #endif
@@ -198,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #if MK_O_BIAS
           dl += lw.bo[i];
 #endif
-          const float v = ld_act(p.x + i) + dl;
+          const float v = ld_flow(p.x + i, tag_x) + dl;
           xres[i] = v;
           s2 += v * v;
         }
@@ -255,7 +255,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 
     // ---- F: final RMSNorm + LM head + this CTA's best draw
 #if MK_TP > 1
-    tp_load_residual(p, xs, xres, p.tp_tag + 2u * (unsigned)((step + 1) * MK_L) - 1u, p.eps, red,
+    tp_load_residual(p, xs, xres, p.tp_tag + 2u * (unsigned)((step + 1) * MK_L) - 1u,
+                     flow_tag(step, MK_L - 1), p.eps, red,
                      p.norm_gain);  // the last layer's down all-reduce
 #else
     load_vec<MK_H>(xs, p.x, flow_tag(step, MK_L - 1), true, p.eps, red, p.norm_gain);

@@ -21,6 +21,10 @@
 // owns at least one row of those three; for a grid too large for the model it is false and
 // the kernel keeps a grid barrier at every hand-off (the tags are then always ready).
 //
+// Tensor parallelism (tp.cuh): the two all-reduces per layer are tagged peer data already;
+// they replace the hand-offs C -> D and E -> A, and the same chain argument covers their
+// receive slots across ranks (every CTA of every rank sends rows of both).
+//
 // Ordering that does need a fence stays on the grid barrier that ends each step (after the
 // LM head): KV-cache rows appended in stage B are read by other CTAs' window copies only after
 // it (decode.cu issues the copies for layer 0 after that barrier).
@@ -40,11 +44,6 @@ __device__ __forceinline__ unsigned flow_tag(int step, int layer) {
   return (unsigned)(1 + step * (MK_L + 1) + layer + 1) & MK_TAG_BITS;
 }
 
-#if MK_TP > 1
-// Tensor parallelism keeps its grid barriers (tp.cuh's exchanges rely on them): plain values.
-__device__ __forceinline__ void st_flow(float* p, float v, unsigned) { *p = v; }
-__device__ __forceinline__ float ld_flow(const float* p, unsigned) { return ld_act(p); }
-#else
 __device__ __forceinline__ void st_flow(float* p, float v, unsigned tag) {
   // Round to nearest on the magnitude (sign-magnitude: symmetric), then tag.
   const unsigned u = ((__float_as_uint(v) + 0x80u) & ~MK_TAG_BITS) | tag;
@@ -72,7 +71,6 @@ __device__ __forceinline__ unsigned flow_wait_word(const float* p, unsigned u, u
 __device__ __forceinline__ float ld_flow(const float* p, unsigned tag) {
   return __uint_as_float(flow_wait_word(p, ld_flow_word(p), tag) & ~MK_TAG_BITS);
 }
-#endif
 
 // xs[i] <- src[i] for this thread's elements i = threadIdx.x + j * THREADS of K, waiting for
 // `tag`; returns the thread's sum of squares. Issues G loads before checking any, so a vector
@@ -80,14 +78,6 @@ __device__ __forceinline__ float ld_flow(const float* p, unsigned tag) {
 template <int K>
 __device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned tag) {
   float ss = 0.f;
-#if MK_TP > 1
-  for (int i = threadIdx.x; i < K; i += MK_THREADS) {
-    const float v = ld_act(src + i);
-    xs[i] = v;
-    ss += v * v;
-  }
-  (void)tag;
-#else
   constexpr int N = (K + MK_THREADS - 1) / MK_THREADS;
   constexpr int G = N < MK_FLOW_G ? N : MK_FLOW_G;
   // Batches not unrolled: unrolled, the spin loops of every batch held registers across the
@@ -110,7 +100,6 @@ __device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned
       }
     }
   }
-#endif
   return ss;
 }
 
@@ -120,7 +109,7 @@ __device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned
 template <int GROUPS_C, int GROUPS_E>
 __device__ __forceinline__ bool flow_possible() {
   const int last = (int)gridDim.x - 1;
-  return MK_FLOW && MK_TP == 1 && last * GROUPS_C < MK_H && last * MK_WARPS < MK_I &&
+  return MK_FLOW && last * GROUPS_C < MK_H && last * MK_WARPS < MK_I &&
          last * GROUPS_E < MK_H;
 }
 

@@ -10,13 +10,15 @@
 // launches and never uses 0, the zeroed buffers' value), so nothing is ever reset.
 //
 // Two parities (tag & 1): a rank writes generation g+2 into a slot only after it has read
-// generation g+1 from every rank; each rank sends g+1 after a grid barrier that all its
-// CTAs pass only once they finished reading g, so no slot is overwritten before it is read.
+// generation g+1 from every rank; each rank sends g+1 only after every one of its CTAs
+// finished reading g (each CTA reads g before it writes its rows of the next stage, and g+1
+// needs those rows: flow.cuh), so no slot is overwritten before it is read.
 //
 // The token exchange works the same way with one 16-byte unit {score, tag, id*2 + cancel,
 // tag} per rank and step: every rank picks the same winner (larger score, ties to the lower
 // global id), and rank 0's cancel bit stops every rank at the same step.
 #pragma once
+#include "flow.cuh"
 #include "params.cuh"
 
 #if MK_TP > 1
@@ -89,16 +91,16 @@ __device__ __forceinline__ float tp_sum(const Params& p, unsigned tag, int i) {
 
 // xs <- xres + all-reduce(generation tag), the residual after a down projection, then
 // RMS-normalised (times `gain` when not folded). CTA 0 also keeps the unnormalised residual
-// in p.x, where stage D reads it (as stage A of layer 0 does with the embedding).
+// in p.x, tagged `x_tag` (flow.cuh), where stage D reads it (as with the embedding at layer 0).
 __device__ __forceinline__ void tp_load_residual(const Params& p, float* xs, const float* xres,
-                                                 unsigned tag, float eps, float* red,
-                                                 const float* gain) {
+                                                 unsigned tag, unsigned x_tag, float eps,
+                                                 float* red, const float* gain) {
   float ss = 0.f;
   for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) {
     const float v = xres[i] + tp_sum(p, tag, i);
     xs[i] = v;
     ss += v * v;
-    if (blockIdx.x == 0) p.x[i] = v;
+    if (blockIdx.x == 0) st_flow(p.x + i, v, x_tag);
   }
   const float r = rsqrtf(block_sum(ss, red) / MK_H + eps);
   if (gain) {
