@@ -2,8 +2,10 @@
 
 Random bf16 weights in a named real shape unless ``--model`` names a checkpoint. Every engine
 runs the same prompts in the same process; ``--prompt-tokens`` and ``--gen-tokens`` take comma
-lists and sweep every combination. MBU uses the copy bandwidth measured in this run. Prints a
-table; ``--json`` writes every number, ``--plot`` draws the figures (docs/benchmarks.md).
+lists and sweep every combination; ``--turn-tokens N`` times an agent's next turn instead (the
+warm-up's prompt plus N new tokens, prefix reuse). MBU uses the copy bandwidth measured in
+this run. Prints a table; ``--json`` writes every number, ``--plot`` draws the figures
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 
 from monokernel.bench.engines import BACKENDS, ENGINES, GPU_ONLY, EngineOptions
+from monokernel.bench.records import prompt_label
 from monokernel.bench.shapes import SHAPES, random_weights
 from monokernel.bench.sweep import EngineLimits, SweepConfig, run_benchmark
 from monokernel.bench.table import format_table
@@ -38,6 +41,12 @@ def int_list(text: str) -> tuple[int, ...]:
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer")
     return values
+
+
+def nonnegative_int(text: str) -> int:
+    if not text.strip().isdecimal():  # refuses "-1" as well as "abc"
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
 
 
 def parse_limits(specs: list[str]) -> dict[str, EngineLimits]:
@@ -71,6 +80,15 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-tokens", type=int_list, default=(64,), help="e.g. 128,512,2048")
     ap.add_argument("--gen-tokens", type=int_list, default=(512,), help="e.g. 512,2048,8192")
     ap.add_argument("--repeats", type=int, default=3, help="timed requests per engine and cell")
+    ap.add_argument(
+        "--turn-tokens",
+        type=nonnegative_int,
+        default=0,
+        metavar="N",
+        help="time an agent's next turn: every timed request is the warm-up's prompt plus N "
+        "new tokens, so a prefix cache (monokernel) prefills only those (default 0: a fresh "
+        "prompt per request)",
+    )
     ap.add_argument("--json", dest="json_file", help="write the results here (after every cell)")
     ap.add_argument("--plot", metavar="DIR", help="write PNG figures here (needs matplotlib)")
     ap.add_argument(
@@ -139,7 +157,8 @@ def _engines(args: argparse.Namespace) -> list[str]:
 
 def _profile_lines(doc: dict[str, Any]) -> list[str]:
     return [
-        f"{c['engine']} stage profile at prompt {c['prompt_tokens']} gen {c['gen_tokens']} "
+        f"{c['engine']} stage profile at prompt "
+        f"{prompt_label(c['prompt_tokens'], c['turn_tokens'])} gen {c['gen_tokens']} "
         "(µs in one step, summed over layers): "
         + ", ".join(f"{k} {v:.1f}" for k, v in c["stage_profile_us"].items())
         for c in doc["cells"]
@@ -176,6 +195,7 @@ def main(argv: list[str]) -> int:
             prompt_tokens=args.prompt_tokens,
             gen_tokens=args.gen_tokens,
             repeats=args.repeats,
+            turn_tokens=args.turn_tokens,
             seed=args.seed,
             profile=args.profile,
             limits=limits,

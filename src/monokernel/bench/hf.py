@@ -160,12 +160,15 @@ class HFRunner:
         _sync(self.device)
         return time.perf_counter() - t0, produced
 
-    def warmup(self, prompt: list[int], gen_tokens: int) -> None:
+    def warmup(self, prompt: list[int], gen_tokens: int, longer_by: int = 0) -> None:
         """Static cache: generate the full length once, so the cache is sized and the decode
         step compiled for the timed calls (a shorter warm-up would leave a recompile in
-        the first timed request)."""
+        the first timed request). ``longer_by``: the timed prompts are that many tokens
+        longer than ``prompt`` (a turn cell); generating that many more sizes the cache for
+        them while the warm-up still runs the base prompt."""
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        self._timed(ids, gen_tokens if self.cache == "static" else min(gen_tokens, 32))
+        static = gen_tokens + longer_by
+        self._timed(ids, static if self.cache == "static" else min(gen_tokens, 32))
 
     def run(self, prompt: list[int], gen_tokens: int) -> RunTiming:
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)

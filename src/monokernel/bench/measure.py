@@ -46,10 +46,23 @@ class RunTiming:
     ttft_s: float  # request start -> first token on the host
     decode_s_per_token: float  # first token -> last token, per token after the first
     tokens: int
+    reused_tokens: int | None = None  # prompt tokens a prefix cache supplied; None: unknown
+
+
+def planned_reuse(backend: Backend, prompt: list[int]) -> int | None:
+    """Prompt tokens the backend's prefix cache will supply instead of prefilling them (the
+    monokernel backend's ``PrefixCache``); None for a backend without one.
+
+    The backend reports nothing after a request, but ``PrefixCache.plan`` is pure and is the
+    very plan the request's cache fill then follows, so asking it just before the request
+    (outside the timed span) gives the number the request uses."""
+    plan = getattr(getattr(backend, "prefix", None), "plan", None)
+    return None if plan is None else int(plan(prompt).reuse)
 
 
 def time_request(backend: Backend, prompt: list[int], gen_tokens: int) -> RunTiming:
     req = DecodeRequest(tuple(prompt), SamplingParams(temperature=0.0), gen_tokens, frozenset())
+    reused = planned_reuse(backend, prompt)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -61,4 +74,4 @@ def time_request(backend: Backend, prompt: list[int], gen_tokens: int) -> RunTim
             first = last
         n += 1
     per_token = (last - first) / max(n - 1, 1)
-    return RunTiming(first - t0, per_token, n)
+    return RunTiming(first - t0, per_token, n, reused)

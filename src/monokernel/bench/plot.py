@@ -3,7 +3,8 @@
 - ``decode_vs_prompt.png``: decode tokens/s against prompt length per engine (median, p10-p90
   bars), with the bandwidth-bound ceiling at each context from the same run's copy bandwidth;
 - ``ttft_vs_prompt.png``: time to first token against prompt length (log-log);
-- ``ratio_vs_torch.png``: each engine's decode speed over the torch engine's, per cell;
+- ``ratio_vs_torch.png``: each engine's decode speed over the torch engine's, per cell (turn
+  cells of ``--turn-tokens`` too, labelled ``p16384+500``; they stay out of the sweeps);
 - ``decode_vs_gen.png``: decode tokens/s against tokens generated (sustained decode), when
   the result holds a gen sweep.
 
@@ -20,7 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from monokernel.bench.records import validate
+from monokernel.bench.records import prompt_label, validate
 
 # One colour per engine in every figure, so a figure without torch does not recolour the rest.
 COLORS = {"monokernel": "C0", "torch": "C1", "hf": "C2", "reference": "C3", "endpoint": "C4"}
@@ -134,27 +135,27 @@ def _ttft_figure(plt: Any, doc: dict[str, Any], cells: list[dict[str, Any]]) -> 
     return fig
 
 
+def _cell_key(c: dict[str, Any]) -> tuple[int, int, int]:
+    return c["prompt_tokens"], c.get("turn_tokens", 0), c["gen_tokens"]
+
+
 def _ratio_figure(plt: Any, doc: dict[str, Any], cells: list[dict[str, Any]]) -> Any | None:
     rated = [c for c in cells if c.get("vs_torch") and c["engine"] != "torch"]
     if not rated:
         return None
-    keys = sorted({(c["prompt_tokens"], c["gen_tokens"]) for c in rated})
+    keys = sorted({_cell_key(c) for c in rated})
     engines = _engines(rated)
     width = 0.8 / len(engines)
     fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(keys)), 5))
     for i, engine in enumerate(engines):
-        vals = {
-            (c["prompt_tokens"], c["gen_tokens"]): c["vs_torch"]
-            for c in rated
-            if c["engine"] == engine
-        }
+        vals = {_cell_key(c): c["vs_torch"] for c in rated if c["engine"] == engine}
         xs = [k for k in range(len(keys)) if keys[k] in vals]
         bars = ax.bar([k + (i - (len(engines) - 1) / 2) * width for k in xs],
                       [vals[keys[k]] for k in xs], width, label=engine,
                       color=COLORS.get(engine))  # fmt: skip
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.axhline(1.0, color="k", linestyle="--", linewidth=1, label="torch = 1")
-    ax.set_xticks(range(len(keys)), [f"p{p}\ng{g}" for p, g in keys])
+    ax.set_xticks(range(len(keys)), [f"p{prompt_label(p, t)}\ng{g}" for p, t, g in keys])
     ax.set_xlabel("cell (prompt tokens, generated tokens)")
     ax.set_ylabel("decode speed / torch engine's (same run)")
     ax.legend()
@@ -174,18 +175,20 @@ def draw(doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cells = _ok(doc)
+    # A turn cell's TTFT is a prefix-reuse TTFT at another context: no point of the sweeps.
+    fresh = [c for c in cells if not c.get("turn_tokens")]
     figures: dict[str, Any] = {}
-    gen = _sweep_axis(cells, "prompt_tokens", "gen_tokens")
+    gen = _sweep_axis(fresh, "prompt_tokens", "gen_tokens")
     if gen is not None:
-        at_gen = [c for c in cells if c["gen_tokens"] == gen]
+        at_gen = [c for c in fresh if c["gen_tokens"] == gen]
         figures["decode_vs_prompt.png"] = _speed_figure(
             plt, doc, at_gen, "prompt_tokens", "prompt tokens",
             f"Decode speed vs prompt length ({gen} tokens generated)",
         )  # fmt: skip
         figures["ttft_vs_prompt.png"] = _ttft_figure(plt, doc, at_gen)
-    prompt = _sweep_axis(cells, "gen_tokens", "prompt_tokens")
+    prompt = _sweep_axis(fresh, "gen_tokens", "prompt_tokens")
     if prompt is not None:
-        at_prompt = [c for c in cells if c["prompt_tokens"] == prompt]
+        at_prompt = [c for c in fresh if c["prompt_tokens"] == prompt]
         figures["decode_vs_gen.png"] = _speed_figure(
             plt, doc, at_prompt, "gen_tokens", "tokens generated",
             f"Sustained decode speed vs tokens generated (prompt {prompt})",

@@ -8,16 +8,28 @@ no ``schema_version`` field)::
                    cuda, transformers, monokernel},
      model: {label, family, parameters, max_context, dtype, weight_bytes_per_token},
      runs: [{args, started_utc, copy_bw_GBps | null, gpu_clocks}],   # one per bench process
-     cells: [{run, engine, prompt_tokens, gen_tokens, status: "ok" | "error", ...}],
-     skipped: [{run, engine | null, prompt_tokens, gen_tokens, reason}]}
+     cells: [{run, engine, prompt_tokens, turn_tokens, gen_tokens, status: "ok" | "error",
+              ...}],
+     skipped: [{run, engine | null, prompt_tokens, turn_tokens, gen_tokens, reason}]}
 
-An ``ok`` cell holds ``gen_tokens_run`` (fewer than ``gen_tokens`` when the engine is capped),
-``repeats``, ``runs_raw`` (every timed request), ``us_per_token``/``tok_per_s``/``ttft_ms`` as
-``{median, p10, p90}``, ``mean_context``, ``bytes_per_token``, and when the run measured a
-copy bandwidth ``copy_bw_GBps``, ``floor_us``, ``roofline_tok_s`` and ``mbu``; ``vs_torch`` and
-``ttft_vs_torch`` compare with the torch engine's cell of the same run (None without one).
-Every cell has ``cell_wall_s`` (the whole cell: open, warm-up, timed requests, close), and
-engines add their own fields (``hf_cache``, ``endpoint_model``, ``stage_profile_us``).
+``turn_tokens`` (``--turn-tokens``): 0 when every timed request is a fresh random prompt of
+``prompt_tokens``; N > 0 when the cell measures an agent's next turn, every timed request
+being the warm-up's ``prompt_tokens``-token prompt plus N new tokens (``bench/sweep.py``).
+It and ``request_prompt_tokens`` were added within version 2: results written before them
+lack both, so read a missing ``turn_tokens`` as 0.
+
+An ``ok`` cell holds ``request_prompt_tokens`` (the length of each timed request's prompt,
+``prompt_tokens + turn_tokens``), ``gen_tokens_run`` (fewer than ``gen_tokens`` when the
+engine is capped), ``repeats``, ``runs_raw`` (every timed request: ``ttft_ms``,
+``us_per_token``, ``tokens``, and ``reused_tokens`` where the engine has a prefix cache that
+tells, i.e. monokernel: prompt tokens taken from its cache instead of prefilled),
+``us_per_token``/``tok_per_s``/``ttft_ms`` as ``{median, p10, p90}``, ``mean_context``
+(``request_prompt_tokens + gen_tokens_run / 2``), ``bytes_per_token`` at that context, and
+when the run measured a copy bandwidth ``copy_bw_GBps``, ``floor_us``, ``roofline_tok_s`` and
+``mbu``; ``vs_torch`` and ``ttft_vs_torch`` compare with the torch engine's cell of the same
+run, prompt, turn and gen (None without one). Every cell has ``cell_wall_s`` (the whole cell:
+open, warm-up, timed requests, close), and engines add their own fields (``hf_cache``,
+``endpoint_model``, ``stage_profile_us``).
 """
 
 from __future__ import annotations
@@ -56,6 +68,22 @@ def new_document(environment: dict[str, Any], model: dict[str, Any]) -> dict[str
     }
 
 
+def prompt_label(prompt_tokens: int, turn_tokens: int = 0) -> str:
+    """``16384+500`` for a turn cell (base prompt + new tokens), else ``16384``."""
+    return f"{prompt_tokens}+{turn_tokens}" if turn_tokens else str(prompt_tokens)
+
+
+def _raw(t: RunTiming) -> dict[str, Any]:
+    raw: dict[str, Any] = {
+        "ttft_ms": t.ttft_s * 1e3,
+        "us_per_token": t.decode_s_per_token * 1e6,
+        "tokens": t.tokens,
+    }
+    if t.reused_tokens is not None:
+        raw["reused_tokens"] = t.reused_tokens
+    return raw
+
+
 def ok_record(
     engine: str,
     prompt_tokens: int,
@@ -64,31 +92,29 @@ def ok_record(
     cfg: ModelConfig,
     bandwidth: float | None,
     weight_bytes: int,
+    turn_tokens: int = 0,
 ) -> dict[str, Any]:
     """Statistics of the timed requests of one cell, and where they sit against the roofline.
 
     MBU = bytes a decode step must read at the mean context of the timed tokens / measured
-    time per token / the copy bandwidth measured in the same run."""
+    time per token / the copy bandwidth measured in the same run. The context is the
+    request's whole prompt (base + turn): decode attends to all of it, reused or not."""
     gen_run = timings[0].tokens
     us = [t.decode_s_per_token * 1e6 for t in timings]
     median_us = summarize(us)["median"]
-    context = prompt_tokens + gen_run / 2
+    request_prompt = prompt_tokens + turn_tokens
+    context = request_prompt + gen_run / 2
     bpt = bytes_per_token(cfg, context, weight_bytes)
     rec: dict[str, Any] = {
         "engine": engine,
         "prompt_tokens": prompt_tokens,
+        "turn_tokens": turn_tokens,
+        "request_prompt_tokens": request_prompt,
         "gen_tokens": gen_tokens,
         "status": "ok",
         "gen_tokens_run": gen_run,
         "repeats": len(timings),
-        "runs_raw": [
-            {
-                "ttft_ms": t.ttft_s * 1e3,
-                "us_per_token": t.decode_s_per_token * 1e6,
-                "tokens": t.tokens,
-            }
-            for t in timings
-        ],
+        "runs_raw": [_raw(t) for t in timings],
         "us_per_token": summarize(us),
         "tok_per_s": summarize([1e6 / u for u in us]) if min(us) > 0 else None,
         "ttft_ms": summarize([t.ttft_s * 1e3 for t in timings]),
@@ -109,28 +135,31 @@ def ok_record(
     return rec
 
 
-def error_record(engine: str, prompt_tokens: int, gen_tokens: int, exc: BaseException) -> dict:
+def error_record(
+    engine: str, prompt_tokens: int, gen_tokens: int, exc: BaseException, turn_tokens: int = 0
+) -> dict:
     return {
         "engine": engine,
         "prompt_tokens": prompt_tokens,
+        "turn_tokens": turn_tokens,
         "gen_tokens": gen_tokens,
         "status": "error",
         "error": f"{type(exc).__name__}: {exc}"[:2000],
     }
 
 
+def _cell_key(c: dict[str, Any]) -> tuple[int, int, int, int]:
+    return c["run"], c["prompt_tokens"], c.get("turn_tokens", 0), c["gen_tokens"]
+
+
 def add_torch_ratios(cells: list[dict[str, Any]]) -> None:
     """``vs_torch`` = torch's µs/token / this engine's (> 1: faster than torch), and the same
-    for TTFT, against the torch cell of the same run, prompt and gen."""
-    torch_cells = {
-        (c["run"], c["prompt_tokens"], c["gen_tokens"]): c
-        for c in cells
-        if c["engine"] == "torch" and c["status"] == "ok"
-    }
+    for TTFT, against the torch cell of the same run, prompt, turn and gen."""
+    torch_cells = {_cell_key(c): c for c in cells if c["engine"] == "torch" and c["status"] == "ok"}
     for c in cells:
         if c["status"] != "ok":
             continue
-        ref = torch_cells.get((c["run"], c["prompt_tokens"], c["gen_tokens"]))
+        ref = torch_cells.get(_cell_key(c))
         us, ttft = c["us_per_token"]["median"], c["ttft_ms"]["median"]
         c["vs_torch"] = ref["us_per_token"]["median"] / us if ref and us > 0 else None
         c["ttft_vs_torch"] = ref["ttft_ms"]["median"] / ttft if ref and ttft > 0 else None

@@ -5,11 +5,17 @@ part of a long sweep finishes (a time budget, a kill) already holds side-by-side
 Each engine is opened for the cell, warmed up once (build, compile, graph capture: never
 timed), timed ``repeats`` times on fresh random prompts of the cell's length, and closed.
 Fresh prompts per request keep a server's prefix cache from answering a repeat.
+
+With ``turn_tokens`` N > 0 a cell measures an agent's next turn instead: the warm-up runs a
+base prompt of the cell's length and every timed request is that base plus N fresh tokens,
+so an engine with a prefix cache (monokernel) prefills only the N new tokens while the
+others recompute the whole prompt (``_time_cell`` says how every repeat sees the same cache).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import os
 import sys
@@ -24,7 +30,7 @@ import torch
 from monokernel.bench import records
 from monokernel.bench.engines import EngineOptions, Runner, open_runner, release
 from monokernel.bench.environment import environment, gpu_info
-from monokernel.bench.measure import copy_bandwidth
+from monokernel.bench.measure import RunTiming, copy_bandwidth
 from monokernel.models.config import ModelConfig
 from monokernel.weights.names import Weights
 
@@ -57,6 +63,7 @@ class SweepConfig:
     limits: Mapping[str, EngineLimits] = field(default_factory=dict)
     time_budget_s: float | None = None  # start no engine/cell after this many seconds
     options: EngineOptions = field(default_factory=EngineOptions)
+    turn_tokens: int = 0  # > 0: each timed request is the warm-up's prompt + this many tokens
 
     def __post_init__(self) -> None:
         if not self.engines or not self.prompt_tokens or not self.gen_tokens:
@@ -67,23 +74,29 @@ class SweepConfig:
             raise ValueError("gen lengths must be >= 2 (a decode rate needs two tokens)")
         if self.repeats < 1:
             raise ValueError("repeats must be >= 1")
+        if self.turn_tokens < 0:
+            raise ValueError("turn tokens must be >= 0 (0: a fresh prompt per request)")
 
 
 def plan_cells(
     sweep: SweepConfig, max_context: int
 ) -> tuple[list[tuple[int, int]], list[dict[str, Any]]]:
-    """The (prompt, gen) cells that fit the model's context, and a note for each that does not."""
+    """The (prompt, gen) cells that fit the model's context (prompt, turn and gen together),
+    and a note for each that does not."""
     cells, skipped = [], []
     for p in sorted(set(sweep.prompt_tokens)):
         for g in sorted(set(sweep.gen_tokens)):
-            if p + g > max_context:
+            if p + sweep.turn_tokens + g > max_context:
                 reason = f"over the model's max context ({max_context})"
-                skipped.append(
-                    {"engine": None, "prompt_tokens": p, "gen_tokens": g, "reason": reason}
-                )
+                skipped.append(_note(None, p, sweep.turn_tokens, g) | {"reason": reason})
             else:
                 cells.append((p, g))
     return cells, skipped
+
+
+def _note(engine: str | None, prompt: int, turn: int, gen: int) -> dict[str, Any]:
+    """The identifying fields of a skip note (records.py)."""
+    return {"engine": engine, "prompt_tokens": prompt, "turn_tokens": turn, "gen_tokens": gen}
 
 
 def make_prompt(vocab_size: int, length: int, seed: int) -> list[int]:
@@ -99,19 +112,62 @@ def _limit_reason(limits: EngineLimits, prompt: int, gen: int) -> str | None:
     return None
 
 
-def _time_cell(
-    runner: Runner, sweep: SweepConfig, vocab: int, prompt_len: int, gen_run: int, repeats: int
-) -> list[Any]:
-    base = sweep.seed * 1_000_003 + prompt_len * 7919 + gen_run
-    warm = make_prompt(vocab, prompt_len, base)
+def cell_prompts(
+    sweep: SweepConfig, vocab: int, prompt_len: int, gen_run: int, repeats: int
+) -> tuple[list[int], list[list[int]]]:
+    """The warm-up (base) prompt of a cell and its timed prompts, the same for every engine:
+    fresh random prompts of ``prompt_len`` tokens, or with ``turn_tokens`` N the base plus N
+    fresh tokens (an agent's next turn)."""
+    seed = sweep.seed * 1_000_003 + prompt_len * 7919 + gen_run
+    base = make_prompt(vocab, prompt_len, seed)
+    turn = sweep.turn_tokens
+    if turn:
+        return base, [base + make_prompt(vocab, turn, seed + 1 + i) for i in range(repeats)]
+    return base, [make_prompt(vocab, prompt_len, seed + 1 + i) for i in range(repeats)]
+
+
+def _warm_up(runner: Runner, sweep: SweepConfig, base: list[int], gen_run: int) -> None:
     warmup = getattr(runner, "warmup", None)
     if warmup is not None:
-        warmup(warm, gen_run)
+        # A runner's own warm-up sizes static buffers for what it runs (HF's static cache);
+        # the timed prompts are turn_tokens longer than the base.
+        warmup(base, gen_run, sweep.turn_tokens)
     else:
-        runner.run(warm, min(gen_run, sweep.warmup_tokens))
-    return [
-        runner.run(make_prompt(vocab, prompt_len, base + 1 + i), gen_run) for i in range(repeats)
-    ]
+        runner.run(base, min(gen_run, sweep.warmup_tokens))
+
+
+def _time_cell(
+    runner: Runner, sweep: SweepConfig, vocab: int, prompt_len: int, gen_run: int, repeats: int
+) -> list[RunTiming]:
+    base, prompts = cell_prompts(sweep, vocab, prompt_len, gen_run, repeats)
+    _warm_up(runner, sweep, base, gen_run)
+    timings: list[RunTiming] = []
+    for i, prompt in enumerate(prompts):
+        if sweep.turn_tokens and i > 0:
+            # Every turn must find the cache as the first one did. A turn leaves base + its
+            # own tokens in the monokernel's live cache; the next turn shares only the base
+            # with it, so before prefilling it would copy that conversation aside as a
+            # snapshot (runtime/prefix_cache.py: when a request overwrites >= 128 tracked
+            # tokens) inside its TTFT, which the first turn never paid. The base itself is
+            # never lost (every turn keeps cache positions [0, P)). Re-running the base,
+            # untimed, takes that copy outside the timing and leaves the base plus fewer
+            # than warmup_tokens generated tokens (too few for a snapshot), exactly as the
+            # warm-up did: each turn reuses the P base tokens and prefills only its own.
+            # Engines without a prefix cache just run one more untimed request.
+            runner.run(base, min(gen_run, sweep.warmup_tokens))
+        timings.append(runner.run(prompt, gen_run))
+    return timings
+
+
+def _check_reuse(rec: dict[str, Any], log: Log) -> None:
+    """Say so when a turn cell's engine reports reusing less than the base prompt: then its
+    TTFT is not the prefix-reuse TTFT the cell stands for."""
+    reused = [r["reused_tokens"] for r in rec["runs_raw"] if "reused_tokens" in r]
+    if rec["turn_tokens"] and reused and min(reused) < rec["prompt_tokens"]:
+        log(
+            f"    note: {rec['engine']} reused only {min(reused)} of the {rec['prompt_tokens']} "
+            "base tokens in a timed request"
+        )
 
 
 def _measure_cell(
@@ -127,22 +183,28 @@ def _measure_cell(
 ) -> dict[str, Any]:
     """Open ``name`` for one cell, time it, close it: its record, ok or error."""
     prompt_len, gen, gen_run, repeats = cell
+    turn = sweep.turn_tokens
     runner: Runner | None = None
     start = time.perf_counter()
     try:
-        runner = open_runner(name, cfg, weights, prompt_len + gen + 1, device, sweep.options)
+        max_len = prompt_len + turn + gen + 1
+        runner = open_runner(name, cfg, weights, max_len, device, sweep.options)
         timings = _time_cell(runner, sweep, cfg.vocab_size, prompt_len, gen_run, repeats)
-        rec = records.ok_record(name, prompt_len, gen, timings, cfg, bandwidth, weight_bytes)
+        rec = records.ok_record(
+            name, prompt_len, gen, timings, cfg, bandwidth, weight_bytes, turn_tokens=turn
+        )
         rec |= getattr(runner, "info", None) or {}
         profile = getattr(runner, "profile", None)
         if sweep.profile and profile is not None:
-            stages = profile(make_prompt(cfg.vocab_size, prompt_len, sweep.seed), gen_run)
+            # At the timed requests' prompt length, so the profile's context is the record's.
+            stages = profile(make_prompt(cfg.vocab_size, prompt_len + turn, sweep.seed), gen_run)
             if stages:
                 rec["stage_profile_us"] = stages
         us, ttft = rec["us_per_token"]["median"], rec["ttft_ms"]["median"]
         log(f"    {us:.1f} µs/token, TTFT {ttft:.2f} ms ({time.perf_counter() - start:.1f} s)")
+        _check_reuse(rec, log)
     except Exception as exc:  # one engine failing must not hide the others' numbers
-        rec = records.error_record(name, prompt_len, gen, exc)
+        rec = records.error_record(name, prompt_len, gen, exc, turn_tokens=turn)
         log(f"    error: {rec['error']}")
     finally:
         try:
@@ -178,8 +240,11 @@ def run_sweep(
         if on_skip is not None:
             on_skip(note)
 
+    label = functools.partial(records.prompt_label, turn_tokens=sweep.turn_tokens)
     for s in planned:
-        log(f"note: skipped prompt {s['prompt_tokens']} gen {s['gen_tokens']}: {s['reason']}")
+        log(
+            f"note: skipped prompt {label(s['prompt_tokens'])} gen {s['gen_tokens']}: {s['reason']}"
+        )
         skip(s)
     out: list[dict[str, Any]] = []
     start = time.perf_counter()
@@ -194,13 +259,12 @@ def run_sweep(
             if reason is None and sweep.time_budget_s is not None and elapsed > sweep.time_budget_s:
                 reason = f"time budget ({sweep.time_budget_s:.0f} s) spent"
             if reason is not None:
-                note = {"engine": name, "prompt_tokens": prompt_len, "gen_tokens": gen}
-                skip(note | {"reason": reason})
-                log(f"note: skipped {name} at prompt {prompt_len} gen {gen}: {reason}")
+                skip(_note(name, prompt_len, sweep.turn_tokens, gen) | {"reason": reason})
+                log(f"note: skipped {name} at prompt {label(prompt_len)} gen {gen}: {reason}")
                 continue
             gen_run = min(gen, limits.gen_cap) if limits.gen_cap else gen
             repeats = min(sweep.repeats, limits.repeats) if limits.repeats else sweep.repeats
-            log(f"[{done}/{total}] {name} prompt {prompt_len} gen {gen_run} x{repeats} ...")
+            log(f"[{done}/{total}] {name} prompt {label(prompt_len)} gen {gen_run} x{repeats} ...")
             rec = _measure_cell(
                 name, cfg, weights, sweep, device, bandwidth, weight_bytes,
                 (prompt_len, gen, gen_run, repeats), log,

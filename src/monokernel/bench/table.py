@@ -1,7 +1,8 @@
 """The text table of a bench result; ``python -m monokernel.bench.table RESULTS.json``.
 
 The first line starts with ``device:``, the header with ``engine`` and every row with the
-engine's name: scripts/gpu_check.sh greps for exactly those line starts.
+engine's name: scripts/gpu_check.sh greps for exactly those line starts. A turn cell
+(``--turn-tokens``) shows its prompt as ``base+new``, e.g. ``16384+500``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import statistics
 import sys
 from typing import Any
 
-from monokernel.bench.records import validate
+from monokernel.bench.records import prompt_label, validate
 
 
 def _engine_order(cells: list[dict[str, Any]]) -> dict[str, int]:
@@ -44,8 +45,17 @@ def _capped(c: dict[str, Any]) -> bool:
     return c.get("gen_tokens_run", c["gen_tokens"]) < c["gen_tokens"]
 
 
+def _prompt(c: dict[str, Any]) -> str:
+    """The prompt column: ``16384+500`` for a turn cell (base + new tokens, prefix reuse)."""
+    return prompt_label(c["prompt_tokens"], c.get("turn_tokens", 0))
+
+
+def _cell_order(c: dict[str, Any]) -> tuple[int, int, int]:
+    return c["prompt_tokens"], c.get("turn_tokens", 0), c["gen_tokens"]
+
+
 def _row(c: dict[str, Any]) -> str:
-    head = f"{c['engine']:<11} {c['prompt_tokens']:>7} "
+    head = f"{c['engine']:<11} {_prompt(c):>9} "
     gen = f"{c['gen_tokens']}*" if _capped(c) else str(c["gen_tokens"])
     head += f"{gen:>6}"
     if c["status"] != "ok":
@@ -65,12 +75,10 @@ def _row(c: dict[str, Any]) -> str:
 def format_table(doc: dict[str, Any]) -> str:
     cells = doc["cells"]
     order = _engine_order(cells)
-    rows = sorted(
-        cells, key=lambda c: (c["prompt_tokens"], c["gen_tokens"], order[c["engine"]], c["run"])
-    )
+    rows = sorted(cells, key=lambda c: (*_cell_order(c), order[c["engine"]], c["run"]))
     lines = [
         _device_line(doc),
-        f"{'engine':<11} {'prompt':>7} {'gen':>6} {'µs/token':>9} {'p10-p90':>15} "
+        f"{'engine':<11} {'prompt':>9} {'gen':>6} {'µs/token':>9} {'p10-p90':>15} "
         f"{'tok/s':>8} {'TTFT ms':>9} {'MBU':>6} {'ceiling':>8} {'vs torch':>9}",
         *(_row(c) for c in rows),
     ]
@@ -79,9 +87,7 @@ def format_table(doc: dict[str, Any]) -> str:
         lines.append(f"(* timed over fewer tokens than the cell's gen: {', '.join(caps)})")
     for s in doc["skipped"]:
         who = f"{s['engine']} " if s.get("engine") else ""
-        lines.append(
-            f"note: skipped {who}prompt {s['prompt_tokens']} gen {s['gen_tokens']}: {s['reason']}"
-        )
+        lines.append(f"note: skipped {who}prompt {_prompt(s)} gen {s['gen_tokens']}: {s['reason']}")
     return "\n".join(lines)
 
 

@@ -55,3 +55,29 @@ def test_limits_parse_over_the_defaults() -> None:
     assert limits["hf"] == EngineLimits(max_gen=512)
     assert limits["reference"] == EngineLimits(max_prompt=2048, gen_cap=None, repeats=1)
     assert parse_limits([])["reference"] == EngineLimits(gen_cap=64, repeats=1)
+
+
+def test_turn_tokens_must_not_be_negative(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("-1", "x"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--device", "cpu", "--engines", "reference", "--turn-tokens", bad])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument --turn-tokens: expected an integer >= 0, got '{bad}'" in err
+
+
+def test_turn_cell_end_to_end(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "turn.json"
+    argv = ["--model", str(tiny_dir), "--device", "cpu", "--engines", "reference"]
+    argv += ["--prompt-tokens", "8", "--gen-tokens", "4", "--turn-tokens", "6"]
+    assert main([*argv, "--json", str(out)]) == 0
+    doc = validate(json.loads(out.read_text()))
+    (cell,) = doc["cells"]
+    assert doc["runs"][0]["args"]["turn_tokens"] == 6
+    assert (cell["prompt_tokens"], cell["turn_tokens"], cell["request_prompt_tokens"]) == (8, 6, 14)
+    # The reference engine has no prefix cache, so the record claims no reuse.
+    assert all("reused_tokens" not in r for r in cell["runs_raw"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["reference", "8+6", "4"] in [r[:3] for r in rows]

@@ -127,3 +127,24 @@ def test_endpoint_in_a_sweep_needs_no_weights(server: str) -> None:
     # One warm-up and two timed requests per cell, each with a fresh prompt.
     prompts = [tuple(b["prompt"]) for b in _FakeOpenAI.bodies]
     assert len(prompts) == 6 and len(set(prompts)) == 6
+
+
+def test_endpoint_turns_send_the_base_then_base_plus_new_ids(server: str) -> None:
+    import torch
+
+    from monokernel.bench.engines import EngineOptions
+    from monokernel.bench.shapes import SHAPES
+    from monokernel.bench.sweep import SweepConfig, run_benchmark
+
+    options = EngineOptions(endpoint_url=server, endpoint_transport="urllib")
+    config = SweepConfig(("endpoint",), (6,), (3,), repeats=2, options=options, turn_tokens=4)
+    doc = run_benchmark(
+        SHAPES["smollm2-135m"], None, "fake", config, torch.device("cpu"), {}, log=lambda _: None
+    )
+    (cell,) = doc["cells"]
+    assert cell["status"] == "ok" and cell["request_prompt_tokens"] == 10
+    base, turn1, again, turn2 = (b["prompt"] for b in _FakeOpenAI.bodies)
+    assert len(base) == 6 and again == base  # the warm-up, and the base re-run between turns
+    assert turn1[:6] == base == turn2[:6] and len(turn1) == len(turn2) == 10
+    assert turn1[6:] != turn2[6:]
+    assert cell["endpoint_prompt_tokens"] == 10  # the server's usage, from the last turn

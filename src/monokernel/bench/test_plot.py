@@ -59,3 +59,20 @@ def test_single_cell_without_torch_draws_nothing(tmp_path: Path) -> None:
     doc["cells"] = [c for c in doc["cells"] if c["engine"] == "hf" and c["prompt_tokens"] == 128]
     records.add_torch_ratios(doc["cells"])
     assert plot.draw(doc, tmp_path) == []
+
+
+def test_turn_cells_stay_out_of_the_sweeps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = _result()
+    cfg = SHAPES["llama-3.2-1b"]
+    for engine, s in SPEED.items():  # a prefix-reuse turn at gen 128, the prompt sweep's gen
+        timings = [RunTiming(5e-3, s, 128)]
+        rec = records.ok_record(engine, 512, 128, timings, cfg, 3e12, 2, turn_tokens=500)
+        doc["cells"].append({"run": 0} | rec)
+    records.add_torch_ratios(doc["cells"])
+    seen: list[dict[str, Any]] = []
+    real = plot._ttft_figure
+    monkeypatch.setattr(
+        plot, "_ttft_figure", lambda plt, d, cells: seen.extend(cells) or real(plt, d, cells)
+    )
+    assert len(plot.draw(doc, tmp_path)) == 4
+    assert seen and not any(c.get("turn_tokens") for c in seen)

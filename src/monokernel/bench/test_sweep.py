@@ -118,6 +118,7 @@ def test_ratios_errors_and_bandwidth(tiny: Checkpoint, monkeypatch: pytest.Monke
         "run": 0,
         "engine": "broken",
         "prompt_tokens": 8,
+        "turn_tokens": 0,
         "gen_tokens": 4,
         "status": "error",
         "error": "RuntimeError: no such luck",
