@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from monokernel.models.config import ModelConfig
+from monokernel.runtime.prefill_graphs import PrefillGraphs, graphs_enabled
 from monokernel.weights.repack import LayerPack, Repacked
 
 PRECISIONS: tuple[str, ...] = ("split-qkv", "bf16", "fp32")
@@ -145,7 +146,10 @@ class Prefiller:
         v_cache: torch.Tensor,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         precision: str = DEFAULT_PRECISION,
+        graphs: bool | None = None,
     ) -> None:
+        """``graphs``: replay CUDA graphs for prompts prefilled from position 0 in one chunk
+        (prefill_graphs.py); default: on CUDA unless MONOKERNEL_PREFILL_GRAPHS=0."""
         if precision not in PRECISIONS:
             raise ValueError(f"prefill precision {precision!r}; choose from {PRECISIONS}")
         if chunk_tokens < 1:
@@ -162,6 +166,12 @@ class Prefiller:
         self._mm_qkv: Gemm = gemm_split if precision == "split-qkv" else self._mm
         # Attention operands: the cache's dtype for flash attention, fp32 for "fp32".
         self._attn_dtype = torch.float32 if precision == "fp32" else k_cache.dtype
+        if graphs is None:
+            graphs = graphs_enabled(k_cache.device)
+        self.graphs: PrefillGraphs | None = None
+        if graphs:
+            largest = min(chunk_tokens, self.max_len)
+            self.graphs = PrefillGraphs(lambda tk: self._chunk(tk, 0), largest)
 
     @torch.no_grad()
     def run(
@@ -182,8 +192,11 @@ class Prefiller:
                 f"prefill of positions [{start}, {start + t}) exceeds the cache ({self.max_len})"
             )
         x = None
-        for a in range(0, t, self.chunk_tokens):
-            x = self._chunk(tokens[a : a + self.chunk_tokens], start + a)
+        if start == 0 and self.graphs is not None:
+            x = self.graphs.run(tokens)  # None: no bucket holds t
+        if x is None:
+            for a in range(0, t, self.chunk_tokens):
+                x = self._chunk(tokens[a : a + self.chunk_tokens], start + a)
         if not logits:
             return None
         assert x is not None

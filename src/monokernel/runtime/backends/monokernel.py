@@ -36,6 +36,7 @@ from monokernel.runtime.prefill import (
     Prefiller,
     workspace_bytes,
 )
+from monokernel.runtime.prefill_graphs import graphs_enabled
 from monokernel.runtime.prefix_cache import PrefixCache, fed_tokens
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.weights.names import Weights
@@ -113,6 +114,9 @@ class MonokernelBackend:
         convert = weights["embed"].dtype != torch.bfloat16
         free = kv_memory.free_device_bytes(device)
         extra = kv_memory.repack_bytes(cfg, fold_norms, convert)
+        if graphs_enabled(device):  # the prefill graphs' pool, beside eager prefill's memory
+            largest = min(chunk, max_seq_len)
+            extra += workspace_bytes(cfg, largest, largest, precision)
         need = kv_memory.check_fits(cfg, max_seq_len, free, chunk, precision, str(device), extra)
         if convert:
             weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
@@ -443,6 +447,9 @@ class MonokernelBackend:
         prefix = getattr(self, "prefix", None)
         if prefix is not None:
             prefix.clear()  # frees the snapshots
+        prefill = getattr(self, "prefill", None)
+        if prefill is not None and prefill.graphs is not None:
+            prefill.graphs.clear()  # frees the graphs' memory pool
         for name in ("filler", "prefill", "packed", "cache", "ref"):
             if hasattr(self, name):
                 delattr(self, name)
