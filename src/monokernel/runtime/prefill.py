@@ -43,7 +43,7 @@ from monokernel.weights.repack import LayerPack, Repacked
 
 PRECISIONS: tuple[str, ...] = ("split-qkv", "bf16", "fp32")
 DEFAULT_PRECISION = "split-qkv"
-DEFAULT_CHUNK_TOKENS = 2048
+DEFAULT_CHUNK_TOKENS = 8192  # one graphed chunk up to 8k tokens (prefill_graphs.py)
 
 Gemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -72,9 +72,9 @@ def test_prefill_logits_match_reference(shape: str, n: int) -> None:
     packed = repack(cfg, weights, n, fold=False)
     for precision in PRECISIONS if n == LONG and shape == "llama-3.2-1b" else ("split-qkv",):
         cache = KVCache.allocate(cfg, n, torch.bfloat16, "cuda")
-        got = Prefiller(cfg, packed, cache.k, cache.v, precision=precision).run(
-            tokens, 0, logits=True
-        )
+        got = Prefiller(  # chunks of 2048, so LONG also runs the bottom-right causal path
+            cfg, packed, cache.k, cache.v, chunk_tokens=2048, precision=precision
+        ).run(tokens, 0, logits=True)
         assert got is not None and torch.isfinite(got).all()
         rel = _rel(got, want)
         print(f"{shape} n={n} {precision}: prefill logits rel L2 {rel:.2e}")
