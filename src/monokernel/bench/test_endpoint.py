@@ -143,8 +143,9 @@ def test_endpoint_turns_send_the_base_then_base_plus_new_ids(server: str) -> Non
     )
     (cell,) = doc["cells"]
     assert cell["status"] == "ok" and cell["request_prompt_tokens"] == 10
-    base, turn1, again, turn2 = (b["prompt"] for b in _FakeOpenAI.bodies)
-    assert len(base) == 6 and again == base  # the warm-up, and the base re-run between turns
+    base, warm_turn, again0, turn1, again, turn2 = (b["prompt"] for b in _FakeOpenAI.bodies)
+    # the warm-up, one untimed turn, and the base re-run before every later turn
+    assert len(base) == 6 and again0 == again == base and len(warm_turn) == 10
     assert turn1[:6] == base == turn2[:6] and len(turn1) == len(turn2) == 10
     assert turn1[6:] != turn2[6:]
     assert cell["endpoint_prompt_tokens"] == 10  # the server's usage, from the last turn

@@ -70,13 +70,16 @@ def test_turn_requests_extend_the_warm_up_prompt(
     assert runner.max_len == 40 + 5 + 8 + 1  # the cache holds base, turn and generation
     base, warm_gen = runner.calls[0]
     assert len(base) == 40 and warm_gen == 8  # the warm-up: the base prompt, untimed
-    timed = [p for p, _ in runner.calls if len(p) == 45]
-    assert len(timed) == 3
+    # then one untimed turn (with a prompt of its own) and the base again, then the timed turns
+    assert [len(p) for p, _ in runner.calls[:3]] == [40, 45, 40]
+    warm_turn, timed_calls = runner.calls[1][0], runner.calls[3:]
+    timed = [p for p, _ in timed_calls if len(p) == 45]
+    assert len(timed) == 3 and warm_turn not in timed
     assert all(p[:40] == base for p in timed)  # each turn extends the warm-up's prompt
     new_parts = {tuple(p[40:]) for p in timed}
     assert len(new_parts) == 3  # with new tokens of its own
     # Between two turns the base runs again, untimed, so each turn finds the same cache.
-    assert [len(p) for p, _ in runner.calls] == [40, 45, 40, 45, 40, 45]
+    assert [len(p) for p, _ in runner.calls] == [40, 45, 40, 45, 40, 45, 40, 45]
     assert all(p == base for p, _ in runner.calls[2::2])
     # Only the turns are timed: the recorder's TTFT is the prompt length in ms.
     assert [r["ttft_ms"] for r in cell["runs_raw"]] == pytest.approx([45, 45, 45])
@@ -156,8 +159,8 @@ def test_every_turn_reuses_the_base_and_copies_nothing(
     config = SweepConfig(("standin",), (base,), (gen,), repeats=3, turn_tokens=turn)
     (cell,), _ = sweep.run_sweep(cfg, tiny.weights, config, CPU, None, log=_quiet)
     assert cell["status"] == "ok", cell.get("error")
-    timed = [r for r in _KernelStandIn.requests if r["prompt"] == base + turn]
-    assert len(timed) == 3
+    timed = [r for r in _KernelStandIn.requests if r["prompt"] == base + turn][1:]
+    assert len(timed) == 3  # after the untimed first turn
     for r in timed:
         assert r["prefilled"] == turn - 1  # the kernel's first step computes the last one
         assert r["snapshots"] == 0

@@ -12,6 +12,7 @@ import torch
 from monokernel.errors import InvalidRequestError
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.prefill import workspace_bytes
+from monokernel.runtime.prefill_graphs import MAX_SUFFIX_BUCKET
 
 # Left free for what is allocated later and not counted here: cuBLAS and attention
 # workspaces, the kernel's module and buffers, allocator fragmentation.
@@ -43,8 +44,25 @@ def repack_bytes(cfg: ModelConfig, fold: bool, convert: bool) -> int:
     return total
 
 
+def graph_bytes(cfg: ModelConfig, max_len: int, chunk_tokens: int, precision: str) -> int:
+    """The prefill graphs' memory pool (runtime/prefill_graphs.py), beside eager prefill's:
+    a fresh prompt's largest chunk, and a turn's graph (its activations, the key rows it
+    reads, its mask as bool and as the attention's float copy)."""
+    largest, turn = min(chunk_tokens, max_len), min(MAX_SUFFIX_BUCKET, max_len)
+    return (
+        workspace_bytes(cfg, largest, largest, precision)
+        + workspace_bytes(cfg, turn, max_len, precision)
+        + 5 * turn * max_len
+    )
+
+
 def needed_bytes(
-    cfg: ModelConfig, max_len: int, chunk_tokens: int, precision: str, extra: int = 0
+    cfg: ModelConfig,
+    max_len: int,
+    chunk_tokens: int,
+    precision: str,
+    extra: int = 0,
+    graphs: bool = False,
 ) -> int:
     """The cache and RoPE tables for ``max_len`` positions, the prefill workspace, the
     reserve, and ``extra`` (other allocations still to come that do not grow with the
@@ -54,6 +72,7 @@ def needed_bytes(
         + workspace_bytes(cfg, min(chunk_tokens, max_len), max_len, precision)
         + RESERVE_BYTES
         + extra
+        + (graph_bytes(cfg, max_len, chunk_tokens, precision) if graphs else 0)
     )
 
 
@@ -66,12 +85,17 @@ def free_device_bytes(device: torch.device) -> int:
 
 
 def max_len_that_fits(
-    cfg: ModelConfig, free: int, chunk_tokens: int, precision: str, extra: int = 0
+    cfg: ModelConfig,
+    free: int,
+    chunk_tokens: int,
+    precision: str,
+    extra: int = 0,
+    graphs: bool = False,
 ) -> int:
     """The longest context whose cache and prefill fit in ``free`` bytes (0 if none)."""
 
     def fits(n: int) -> bool:
-        return needed_bytes(cfg, n, chunk_tokens, precision, extra) <= free
+        return needed_bytes(cfg, n, chunk_tokens, precision, extra, graphs) <= free
 
     lo, hi = 0, 1
     while fits(hi) and hi < 1 << 40:
@@ -90,16 +114,17 @@ def check_fits(
     precision: str,
     where: str,
     extra: int = 0,
+    graphs: bool = False,
 ) -> int:
     """Raise InvalidRequestError naming the bytes needed and free when a ``max_len`` cache
     cannot fit; returns the bytes needed otherwise. ``extra``: as in ``needed_bytes``."""
-    need = needed_bytes(cfg, max_len, chunk_tokens, precision, extra)
+    need = needed_bytes(cfg, max_len, chunk_tokens, precision, extra, graphs)
     if need <= free:
         return need
     cache = kv_bytes_per_token(cfg) * max_len
     rope = rope_bytes_per_token(cfg) * max_len
     work = need - cache - rope - RESERVE_BYTES - extra
-    fits = max_len_that_fits(cfg, free, chunk_tokens, precision, extra)
+    fits = max_len_that_fits(cfg, free, chunk_tokens, precision, extra, graphs)
     raise InvalidRequestError(
         f"a context of {max_len} tokens needs {need:,} bytes on {where} (KV cache "
         f"{cache:,} + prefill workspace {work:,} + weight repacking {extra:,} + RoPE tables "

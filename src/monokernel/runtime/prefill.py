@@ -33,6 +33,7 @@ suffix after the reused positions).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +103,14 @@ def rope_factors(
     return torch.cat((c, c), dim=-1)[:, None], torch.cat((-s, s), dim=-1)[:, None]
 
 
+def rope_factors_at(
+    cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_factors for the positions in the device tensor ``pos`` [T] (graph-friendly)."""
+    c, s = cos.index_select(0, pos), sin.index_select(0, pos)
+    return torch.cat((c, c), dim=-1)[:, None], torch.cat((-s, s), dim=-1)[:, None]
+
+
 def apply_rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """x [T, heads, d] fp32 -> rotated, HF's non-interleaved halves."""
     half = x.shape[-1] // 2
@@ -132,6 +141,34 @@ def causal_attention(
         mask = causal_lower_right(t, s_len)
         out = F.scaled_dot_product_attention(qh, keys[None], values[None], attn_mask=mask)
     return out[0].transpose(0, 1).reshape(t, heads * d)
+
+
+def masked_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
+) -> torch.Tensor:
+    """causal_attention with the causal structure given as a mask: visible [T, S] bool, True
+    where query i may read key j. For graphs whose start is a device value."""
+    t, heads, d = q.shape
+    kv_heads, s_len = keys.shape[0], keys.shape[1]
+    group = heads // kv_heads
+    if group > 1:
+        keys = keys[:, None].expand(kv_heads, group, s_len, d).reshape(heads, s_len, d)
+        values = values[:, None].expand(kv_heads, group, s_len, d).reshape(heads, s_len, d)
+    qh = q.transpose(0, 1)[None]
+    out = F.scaled_dot_product_attention(
+        qh, keys[None], values[None], attn_mask=visible[None, None]
+    )
+    return out[0].transpose(0, 1).reshape(t, heads * d)
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Where a graphed chunk sits: pos [T] int64 positions on the device, the cache rows
+    [0, keys) attention reads, visible [T, keys] its causal mask."""
+
+    pos: torch.Tensor
+    keys: int
+    visible: torch.Tensor
 
 
 class Prefiller:
@@ -171,7 +208,9 @@ class Prefiller:
         self.graphs: PrefillGraphs | None = None
         if graphs:
             largest = min(chunk_tokens, self.max_len)
-            self.graphs = PrefillGraphs(lambda tk: self._chunk(tk, 0), largest)
+            self.graphs = PrefillGraphs(
+                lambda tk: self._chunk(tk, 0), self._chunk_at, largest, self.max_len
+            )
 
     @torch.no_grad()
     def run(
@@ -192,8 +231,8 @@ class Prefiller:
                 f"prefill of positions [{start}, {start + t}) exceeds the cache ({self.max_len})"
             )
         x = None
-        if start == 0 and self.graphs is not None:
-            x = self.graphs.run(tokens)  # None: no bucket holds t
+        if self.graphs is not None:
+            x = self.graphs.run(tokens, start)  # None: no graph for this size or start
         if x is None:
             for a in range(0, t, self.chunk_tokens):
                 x = self._chunk(tokens[a : a + self.chunk_tokens], start + a)
@@ -212,8 +251,27 @@ class Prefiller:
             self._mlp_block(x, lp)
         return x
 
+    def _chunk_at(self, tokens: torch.Tensor, pos: torch.Tensor, keys: int) -> torch.Tensor:
+        """_chunk with the positions as a device tensor and a fixed key count, so one CUDA
+        graph serves any start (prefill_graphs.py)."""
+        c, s = rope_factors_at(self.p.rope_cos, self.p.rope_sin, pos)
+        visible = torch.arange(keys, device=pos.device)[None, :] <= pos[:, None]  # [T, keys]
+        at = Placed(pos, keys, visible)
+        x = self.p.embed[tokens].float()  # [T, H]
+        for n, lp in enumerate(self.p.layers):
+            self._attention_block(x, n, lp, 0, c, s, at)
+            self._mlp_block(x, lp)
+        return x
+
     def _attention_block(
-        self, x: torch.Tensor, n: int, lp: LayerPack, start: int, c: torch.Tensor, s: torch.Tensor
+        self,
+        x: torch.Tensor,
+        n: int,
+        lp: LayerPack,
+        start: int,
+        c: torch.Tensor,
+        s: torch.Tensor,
+        at: Placed | None = None,
     ) -> None:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         t, d = x.shape[0], cfg.head_dim
@@ -229,12 +287,18 @@ class Prefiller:
             q = F.rms_norm(q, (d,), lp.q_norm, eps)
             k = F.rms_norm(k, (d,), lp.k_norm, eps)
         q, k = apply_rope(q, c, s), apply_rope(k, c, s)
-        self.k[n, :, start:end] = k.transpose(0, 1)  # rounded to the cache's dtype
-        self.v[n, :, start:end] = v.transpose(0, 1)
         dt = self._attn_dtype
-        attn = causal_attention(
-            q.to(dt), self.k[n, :, :end].to(dt), self.v[n, :, :end].to(dt), start
-        )  # [T, Q]
+        if at is None:
+            self.k[n, :, start:end] = k.transpose(0, 1)  # rounded to the cache's dtype
+            self.v[n, :, start:end] = v.transpose(0, 1)
+            attn = causal_attention(
+                q.to(dt), self.k[n, :, :end].to(dt), self.v[n, :, :end].to(dt), start
+            )  # [T, Q]
+        else:
+            self.k[n].index_copy_(1, at.pos, k.transpose(0, 1).to(self.k.dtype))
+            self.v[n].index_copy_(1, at.pos, v.transpose(0, 1).to(self.v.dtype))
+            keys, values = self.k[n, :, : at.keys], self.v[n, :, : at.keys]
+            attn = masked_attention(q.to(dt), keys.to(dt), values.to(dt), at.visible)
         o = self._mm(attn, lp.wo)  # [T, H]
         if lp.bo is not None:
             o += lp.bo

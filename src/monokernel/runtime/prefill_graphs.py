@@ -10,8 +10,11 @@ of every real token's result; its K/V land in cache positions the request never 
 before the decode kernel overwrites them (the kernel writes position n-1+s before step s
 attends), and the prefix cache never counts them as held.
 
-Prefills that start past 0 (prefix reuse, later chunks of a long prompt) stay eager: their
-attention length depends on the start.
+A suffix prefilled after a reused prefix (an agent's next turn, at most MAX_SUFFIX_BUCKET
+tokens) replays a second kind of graph: positions are a device tensor (RoPE rows and cache
+rows by index), and attention reads a fixed power-of-two number of cache rows under a mask
+built from the positions, so one graph serves every start up to that many rows. Later
+chunks of a prompt longer than the chunk stay eager (GPU-bound at that size anyway).
 
 Graphs are captured lazily, one per bucket the first time it is needed (a capture costs
 about two eager prefills of that size), and share one memory pool: they never run at once.
@@ -43,53 +46,87 @@ def bucket_for(tokens: int, largest: int) -> int | None:
     return b if b <= largest else None
 
 
+# A suffix prefilled after a reused prefix (an agent's next turn) gets graphs too, up to this
+# many tokens: its attention reads a fixed number of cache rows under a mask built from the
+# positions on the device. Larger suffixes are GPU-bound anyway, and their mask would be big.
+MAX_SUFFIX_BUCKET = 1024
+
+
+def keys_bucket(end: int, max_len: int) -> int:
+    """Cache rows a graph at a later start reads: the power of two >= end, capped at the
+    cache length, so an agent's growing conversation needs a new graph only now and then."""
+    b = MIN_BUCKET
+    while b < end:
+        b *= 2
+    return min(b, max_len)
+
+
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph
     tokens: torch.Tensor  # [bucket] int64, the replay's input
+    pos: torch.Tensor | None  # [bucket] int64 positions (graphs at a later start)
     x: torch.Tensor  # [bucket, hidden] fp32, its residual stream out
 
 
 class PrefillGraphs:
     """``chunk(tokens) -> x``: the eager forward of one chunk at position 0 (writes K/V);
-    ``largest``: the largest bucket (the chunk size, capped by the cache length)."""
+    ``chunk_at(tokens, pos, keys) -> x``: the same at device positions ``pos`` reading cache
+    rows [0, keys); ``largest``: the largest bucket (the chunk size, capped by the cache)."""
 
-    def __init__(self, chunk: Callable[[torch.Tensor], torch.Tensor], largest: int) -> None:
-        self._chunk = chunk
-        self.largest = largest
-        self._graphs: dict[int, _Graph] = {}
+    def __init__(
+        self,
+        chunk: Callable[[torch.Tensor], torch.Tensor],
+        chunk_at: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+        largest: int,
+        max_len: int,
+    ) -> None:
+        self._chunk, self._chunk_at = chunk, chunk_at
+        self.largest, self.max_len = largest, max_len
+        self._graphs: dict[tuple[int, int], _Graph] = {}  # (bucket, keys or 0) -> graph
         self._pool: tuple[int, int] | None = None
 
-    def run(self, tokens: torch.Tensor) -> torch.Tensor | None:
+    def run(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor | None:
         """The residual stream [T, hidden] of ``tokens`` (int64 on the device) prefilled at
-        position 0, or None when no bucket holds T (the caller runs it eagerly). The result is
-        a view of the graph's static output: valid until the next replay."""
+        positions [start, start + T), or None when no graph fits (the caller runs it
+        eagerly). The result is a view of the graph's static output: valid until the next
+        replay."""
         t = tokens.shape[0]
-        b = bucket_for(t, self.largest)
-        if b is None:
+        b = bucket_for(t, self.largest if start == 0 else min(self.largest, MAX_SUFFIX_BUCKET))
+        if b is None or start + b > self.max_len:  # padding must stay inside the cache
             return None
-        g = self._graphs.get(b) or self._capture(b)
+        key = (b, 0 if start == 0 else keys_bucket(start + b, self.max_len))
+        g = self._graphs.get(key) or self._capture(*key)
         g.tokens[:t].copy_(tokens)
         g.tokens[t:].zero_()
+        if g.pos is not None:
+            torch.arange(start, start + b, device=g.pos.device, out=g.pos)
         g.graph.replay()
         return g.x[:t]
 
-    def _capture(self, bucket: int) -> _Graph:
+    def _capture(self, bucket: int, keys: int) -> _Graph:
         device = torch.device("cuda", torch.cuda.current_device())
         tokens = torch.zeros(bucket, dtype=torch.long, device=device)
+        pos = None
+        if keys:  # positions [keys - bucket, keys) while capturing: inside the cache
+            pos = torch.arange(keys - bucket, keys, dtype=torch.long, device=device)
+
+        def forward() -> torch.Tensor:
+            return self._chunk(tokens) if pos is None else self._chunk_at(tokens, pos, keys)
+
         # Warm up on a side stream (cuBLAS handles and workspaces, attention kernel choice,
         # lazily built state) so that nothing is first-time during capture.
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            self._chunk(tokens)
+            forward()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            x = self._chunk(tokens)
+            x = forward()
         self._pool = graph.pool()
-        entry = _Graph(graph, tokens, x)
-        self._graphs[bucket] = entry
+        entry = _Graph(graph, tokens, pos, x)
+        self._graphs[(bucket, keys)] = entry
         return entry
 
     def clear(self) -> None:

@@ -66,8 +66,14 @@ def test_a_huge_context_names_the_longest_that_fits() -> None:
     # Everything that grows with the context (cache, RoPE tables, prefill attention) is
     # inside the bisection, so an absurd --max-model-len still gets a usable suggestion.
     extra = kv_memory.repack_bytes(LLAMA, fold=True, convert=False)
-    with pytest.raises(InvalidRequestError, match=r"at most \d+ tokens fit: lower --max-model-len"):
-        kv_memory.check_fits(LLAMA, 10**9, 80 * GIB, 2048, "split-qkv", "cuda:0", extra=extra)
+    for graphs in (False, True):  # the prefill graphs' pool grows with the context too
+        with pytest.raises(InvalidRequestError, match=r"at most \d+ tokens fit: lower --max-"):
+            kv_memory.check_fits(
+                LLAMA, 10**9, 80 * GIB, 2048, "split-qkv", "cuda:0", extra=extra, graphs=graphs
+            )
+    plain = kv_memory.needed_bytes(LLAMA, 32768, 8192, "split-qkv")
+    graphed = kv_memory.needed_bytes(LLAMA, 32768, 8192, "split-qkv", graphs=True)
+    assert graphed - plain == kv_memory.graph_bytes(LLAMA, 32768, 8192, "split-qkv") > 0
     fits = kv_memory.max_len_that_fits(LLAMA, 80 * GIB, 2048, "split-qkv", extra=extra)
     per_token = kv_memory.kv_bytes_per_token(LLAMA) + kv_memory.rope_bytes_per_token(LLAMA)
     assert 0 < fits < 80 * GIB // per_token

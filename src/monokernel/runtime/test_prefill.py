@@ -175,3 +175,25 @@ def test_workspace_grows_with_chunk_and_context() -> None:
     assert workspace_bytes(cfg, 512, 8192, "fp32") > small
     # A 2048-token chunk of the 1B model stays in the hundreds of MB.
     assert workspace_bytes(cfg, 2048, 8192, "split-qkv") < 1 << 30
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mha", "llama-tied-bias"])
+def test_chunk_at_device_positions_matches_the_sliced_chunk(name: str) -> None:
+    """The graph-friendly form (positions as a tensor, a fixed number of cache rows under a
+    mask, padding rows after the real ones) computes what the sliced form computes for the
+    real rows: the suffix of a turn after a prefix already in the cache."""
+    cfg = CONFIGS[name]
+    weights = random_weights(cfg, dtype=torch.float32, seed=3)
+    tokens = _tokens(40, cfg.vocab_size, seed=4)
+    start, t, bucket, keys = 25, 15, 16, 64  # one padding row; rows [41, 64) unread
+    sliced = _prefiller(cfg, weights, 128, torch.float32, precision="fp32")
+    placed = _prefiller(cfg, weights, 128, torch.float32, precision="fp32")
+    for p in (sliced, placed):
+        p.run(tokens[:start], 0)
+    want = sliced._chunk(tokens[start:], start)
+    padded = torch.cat((tokens[start:], torch.zeros(bucket - t, dtype=torch.long)))
+    pos = torch.arange(start, start + bucket)
+    got = placed._chunk_at(padded, pos, keys)[:t]
+    assert _rel(got, want) < 1e-5
+    assert _rel(placed.k[:, :, : start + t], sliced.k[:, :, : start + t]) < 1e-5
+    assert _rel(placed.v[:, :, : start + t], sliced.v[:, :, : start + t]) < 1e-5

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from monokernel.runtime.prefill_graphs import MIN_BUCKET, bucket_for, graphs_enabled
+from monokernel.runtime.prefill_graphs import MIN_BUCKET, bucket_for, graphs_enabled, keys_bucket
 
 
 @pytest.mark.parametrize(
@@ -20,3 +20,10 @@ def test_graphs_only_on_cuda_and_can_be_switched_off(monkeypatch: pytest.MonkeyP
     assert not graphs_enabled(torch.device("cuda", 0))
     monkeypatch.setenv("MONOKERNEL_PREFILL_GRAPHS", "1")
     assert graphs_enabled(torch.device("cuda", 0))
+
+
+def test_keys_bucket_covers_the_end_and_stays_in_the_cache() -> None:
+    assert keys_bucket(1, 4096) == MIN_BUCKET
+    assert keys_bucket(2012, 4096) == 2048
+    assert keys_bucket(2049, 4096) == 4096
+    assert keys_bucket(16884, 16949) == 16949  # capped: the cache's own length

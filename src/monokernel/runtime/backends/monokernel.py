@@ -114,10 +114,9 @@ class MonokernelBackend:
         convert = weights["embed"].dtype != torch.bfloat16
         free = kv_memory.free_device_bytes(device)
         extra = kv_memory.repack_bytes(cfg, fold_norms, convert)
-        if graphs_enabled(device):  # the prefill graphs' pool, beside eager prefill's memory
-            largest = min(chunk, max_seq_len)
-            extra += workspace_bytes(cfg, largest, largest, precision)
-        need = kv_memory.check_fits(cfg, max_seq_len, free, chunk, precision, str(device), extra)
+        need = kv_memory.check_fits(
+            cfg, max_seq_len, free, chunk, precision, str(device), extra, graphs_enabled(device)
+        )
         if convert:
             weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
         # Prefill and decode both run on the repacked tensors, so nothing here keeps the
