@@ -118,20 +118,24 @@ def apply_rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tenso
     return torch.addcmul(x * c, swapped, s)
 
 
+def _expand_gqa(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """[kv_heads, S, d] -> [heads, S, d]: query head h reads kv head h // group. Expanded
+    copies rather than SDPA's enable_gqa, which not every backend (nor the bottom-right
+    causal path) takes; the copy is O(context) per layer, small next to the GEMMs."""
+    kv_heads, s_len, d = kv.shape
+    if heads == kv_heads:
+        return kv
+    return kv[:, None].expand(kv_heads, heads // kv_heads, s_len, d).reshape(heads, s_len, d)
+
+
 def causal_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
 ) -> torch.Tensor:
     """q [T, heads, d] at positions start..start+T-1; keys/values [kv_heads, start+T, d] ->
     [T, heads * d]. Query i sees keys 0..start+i (bottom-right causal)."""
     t, heads, d = q.shape
-    kv_heads, s_len = keys.shape[0], keys.shape[1]
-    group = heads // kv_heads
-    if group > 1:
-        # Each query head reads kv head h // group. Expanded copies rather than SDPA's
-        # enable_gqa, which not every backend (nor the bottom-right causal path) takes;
-        # the copy is O(context) per layer, small next to the GEMMs.
-        keys = keys[:, None].expand(kv_heads, group, s_len, d).reshape(heads, s_len, d)
-        values = values[:, None].expand(kv_heads, group, s_len, d).reshape(heads, s_len, d)
+    keys, values = _expand_gqa(keys, heads), _expand_gqa(values, heads)
+    s_len = keys.shape[1]
     qh = q.transpose(0, 1)[None]  # [1, heads, T, d]
     if start == 0:  # square: top-left and bottom-right causal coincide
         out = F.scaled_dot_product_attention(qh, keys[None], values[None], is_causal=True)
@@ -149,11 +153,7 @@ def masked_attention(
     """causal_attention with the causal structure given as a mask: visible [T, S] bool, True
     where query i may read key j. For graphs whose start is a device value."""
     t, heads, d = q.shape
-    kv_heads, s_len = keys.shape[0], keys.shape[1]
-    group = heads // kv_heads
-    if group > 1:
-        keys = keys[:, None].expand(kv_heads, group, s_len, d).reshape(heads, s_len, d)
-        values = values[:, None].expand(kv_heads, group, s_len, d).reshape(heads, s_len, d)
+    keys, values = _expand_gqa(keys, heads), _expand_gqa(values, heads)
     qh = q.transpose(0, 1)[None]
     out = F.scaled_dot_product_attention(
         qh, keys[None], values[None], attn_mask=visible[None, None]
