@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from monokernel.bench.measure import RunTiming
-from monokernel.models.config import ModelConfig
+from monokernel.models.config import ModelConfig, hf_core_fields
 from monokernel.weights.names import Weights, ours_to_hf
 
 _HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -38,32 +38,7 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         raise ValueError(f"{fam} in transformers biases q, k, v and o together or not at all")
     if cfg.qk_norm != (fam == "qwen3"):
         raise ValueError("q/k RMSNorm exists exactly for qwen3 in transformers")
-    d: dict[str, Any] = {
-        "model_type": fam,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "rope_theta": cfg.rope_theta,
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": list(cfg.eos_token_ids) or None,
-    }
-    if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
-        d["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        }
+    d = hf_core_fields(cfg) | {"eos_token_id": list(cfg.eos_token_ids) or None}
     if fam in ("llama", "qwen3"):
         d["attention_bias"] = cfg.qkv_bias
     if fam in ("mistral", "qwen2", "qwen3"):

@@ -178,3 +178,34 @@ def load_hf_config(model_dir: str | Path) -> ModelConfig:
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {model_dir}")
     return config_from_hf_dict(json.loads(path.read_text()))
+
+
+def hf_core_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The sizes, norm, RoPE and token fields of an HF ``config.json`` for ``cfg``, as
+    ``config_from_hf_dict`` reads them back; callers add their family's extras."""
+    d: dict[str, Any] = {
+        "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "rope_theta": cfg.rope_theta,
+        "bos_token_id": cfg.bos_token_id,
+    }
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        d["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    return d

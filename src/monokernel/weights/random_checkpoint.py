@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from monokernel.bench.shapes import SHAPES, random_weights
-from monokernel.models.config import ModelConfig, config_from_hf_dict
+from monokernel.models.config import ModelConfig, config_from_hf_dict, hf_core_fields
 from monokernel.weights.names import Weights, ours_to_hf
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -116,40 +116,17 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
 def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     """The config.json a real HF checkpoint of ``cfg``'s family and sizes would have;
     refuses a config our parser would read back differently."""
-    d: dict[str, Any] = {
-        "architectures": [_ARCHITECTURES[cfg.family]],
-        "model_type": cfg.family,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
+    d: dict[str, Any] = {"architectures": [_ARCHITECTURES[cfg.family]]} | hf_core_fields(cfg)
+    d.setdefault("rope_scaling", None)
+    d |= {
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
         "torch_dtype": "bfloat16",
-        "bos_token_id": cfg.bos_token_id,
         "eos_token_id": (
             cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)
         ),
     }
-    if cfg.rope_scaling is not None:
-        s = cfg.rope_scaling
-        d["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        }
     if cfg.family in ("llama", "mistral", "qwen3"):
         d["attention_bias"] = cfg.qkv_bias
     if cfg.family == "llama":

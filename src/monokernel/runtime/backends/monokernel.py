@@ -29,6 +29,7 @@ from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import KVCache
 from monokernel.runtime import kv_memory
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
+from monokernel.runtime.backends.token_reader import read_tokens
 from monokernel.runtime.kv_filler import CacheFiller
 from monokernel.runtime.prefill import (
     DEFAULT_CHUNK_TOKENS,
@@ -303,31 +304,15 @@ class MonokernelBackend:
         cancel_word[0] = 0
         self.module.launch(self.grid, params, self.stream_.cuda_stream)
         finished = failed = False
+
+        def check(stalled_s: float) -> None:
+            if launcher.stream_done(self.stream_.cuda_stream) and not out[1]:
+                raise RuntimeError("the monokernel exited without finishing")
+            if stalled_s > _STALL_SECONDS:
+                raise RuntimeError(f"the monokernel made no progress for {_STALL_SECONDS} s")
+
         try:
-            got, last_progress, idle = 0, time.monotonic(), 0
-            while True:
-                count = out[0]
-                while got < count:
-                    if cancel is not None and cancel.is_set():
-                        return
-                    token = out[2 + got]
-                    got += 1
-                    yield token
-                    last_progress = time.monotonic()
-                if out[1] and got >= out[0]:
-                    finished = True
-                    return
-                if cancel is not None and cancel.is_set():
-                    return
-                idle += 1
-                if idle % 64 == 0:
-                    if launcher.stream_done(self.stream_.cuda_stream) and not out[1]:
-                        raise RuntimeError("the monokernel exited without finishing")
-                    if time.monotonic() - last_progress > _STALL_SECONDS:
-                        raise RuntimeError(
-                            f"the monokernel made no progress for {_STALL_SECONDS} s"
-                        )
-                    time.sleep(0)  # let other Python threads run
+            finished = yield from read_tokens(out, cancel, check)
         except GeneratorExit:  # the consumer closed the stream: a normal early end
             raise
         except BaseException:

@@ -37,6 +37,7 @@ from monokernel.runtime.backends.monokernel import (
     MonokernelBackend,
     monokernel_supported,
 )
+from monokernel.runtime.backends.token_reader import read_tokens
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.weights.names import Weights
 from monokernel.weights.repack import repack
@@ -278,35 +279,19 @@ class MonokernelTPBackend:
             launcher.set_current_context(rk.device.index)
             rk.module.launch(rk.grid, p, rk.stream_.cuda_stream)
         finished = False
+
+        def check(stalled_s: float) -> None:
+            for rk in self.ranks[1:]:  # raises on a fault of any rank
+                launcher.set_current_context(rk.device.index)
+                launcher.stream_done(rk.stream_.cuda_stream)
+            launcher.set_current_context(lead.device.index)
+            if launcher.stream_done(lead.stream_.cuda_stream) and not out[1]:
+                raise RuntimeError("the monokernel (rank 0) exited without finishing")
+            if stalled_s > _STALL_SECONDS:
+                raise RuntimeError(f"the TP monokernels made no progress for {_STALL_SECONDS} s")
+
         try:
-            got, last_progress, idle = 0, time.monotonic(), 0
-            while True:
-                count = out[0]
-                while got < count:
-                    if cancel is not None and cancel.is_set():
-                        return
-                    token = out[2 + got]
-                    got += 1
-                    yield token
-                    last_progress = time.monotonic()
-                if out[1] and got >= out[0]:
-                    finished = True
-                    return
-                if cancel is not None and cancel.is_set():
-                    return
-                idle += 1
-                if idle % 64 == 0:
-                    for rk in self.ranks[1:]:  # raises on a fault of any rank
-                        launcher.set_current_context(rk.device.index)
-                        launcher.stream_done(rk.stream_.cuda_stream)
-                    launcher.set_current_context(lead.device.index)
-                    if launcher.stream_done(lead.stream_.cuda_stream) and not out[1]:
-                        raise RuntimeError("the monokernel (rank 0) exited without finishing")
-                    if time.monotonic() - last_progress > _STALL_SECONDS:
-                        raise RuntimeError(
-                            f"the TP monokernels made no progress for {_STALL_SECONDS} s"
-                        )
-                    time.sleep(0)
+            finished = yield from read_tokens(out, cancel, check)
         finally:
             if not finished:
                 cancel_word[0] = 1  # rank 0 reads it once per token and tells the others
