@@ -73,6 +73,27 @@ def _env_int(name: str) -> int | None:
     return int(value) if value else None
 
 
+def checked_steps(
+    prompt_ids: Sequence[int],
+    stop_ids: Sequence[int],
+    max_new_tokens: int,
+    max_seq_len: int,
+    vocab_size: int,
+) -> int:
+    """Refuse a request one launch cannot take (InvalidRequestError); else the decode steps
+    it runs: the input of step s sits at position len(prompt)-1+s, inside the cache."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise InvalidRequestError("the prompt must hold at least one token")
+    if n > max_seq_len:
+        raise InvalidRequestError(f"the prompt ({n} tokens) exceeds max_seq_len={max_seq_len}")
+    if any(not 0 <= t < vocab_size for t in prompt_ids):
+        raise InvalidRequestError("a prompt token id is outside the vocabulary")
+    if len(stop_ids) > _MAX_STOP_IDS:
+        raise InvalidRequestError(f"at most {_MAX_STOP_IDS} stop token ids are supported")
+    return min(max_new_tokens, max_seq_len - n + 1)
+
+
 class MonokernelBackend:
     name = "monokernel"
 
@@ -266,18 +287,9 @@ class MonokernelBackend:
         """``forced_ids``: the host copy of ``forced``, so the prefix bookkeeping knows which
         tokens the kernel's steps wrote into the cache."""
         n = len(prompt_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt must hold at least one token")
-        if n > self.max_seq_len:
-            raise InvalidRequestError(
-                f"the prompt ({n} tokens) exceeds max_seq_len={self.max_seq_len}"
-            )
-        if any(not 0 <= t < self.cfg.vocab_size for t in prompt_ids):
-            raise InvalidRequestError("a prompt token id is outside the vocabulary")
-        if len(stop_ids) > _MAX_STOP_IDS:
-            raise InvalidRequestError(f"at most {_MAX_STOP_IDS} stop token ids are supported")
-        # The input of step s sits at position n-1+s, which must lie inside the cache.
-        n_steps = min(max_new_tokens, self.max_seq_len - n + 1)
+        n_steps = checked_steps(
+            prompt_ids, stop_ids, max_new_tokens, self.max_seq_len, self.cfg.vocab_size
+        )
         launcher.set_current_context(self.device.index)
         with torch.cuda.device(self.device):
             # Positions [0, n-1); the kernel's first step computes position n-1 itself.

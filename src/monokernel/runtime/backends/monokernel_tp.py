@@ -32,9 +32,9 @@ from monokernel.models.transformer import KVCache, Transformer
 from monokernel.parallel.peer import DeviceBuffer, enable_peer_access, multicast_off
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.backends.monokernel import (
-    _MAX_STOP_IDS,
     _STALL_SECONDS,
     MonokernelBackend,
+    checked_steps,
     monokernel_supported,
 )
 from monokernel.runtime.backends.token_reader import read_tokens
@@ -228,18 +228,10 @@ class MonokernelTPBackend:
         debug_logits: Sequence[torch.Tensor] | None = None,
     ) -> Iterator[int]:
         n = len(prompt_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt must hold at least one token")
-        if n > self.max_seq_len:
-            raise InvalidRequestError(
-                f"the prompt ({n} tokens) exceeds max_seq_len={self.max_seq_len}"
-            )
-        if any(not 0 <= t < self.cfg.vocab_size for t in prompt_ids):
-            raise InvalidRequestError("a prompt token id is outside the vocabulary")
-        if len(stop_ids) > _MAX_STOP_IDS:
-            raise InvalidRequestError(f"at most {_MAX_STOP_IDS} stop token ids are supported")
+        n_steps = checked_steps(
+            prompt_ids, stop_ids, max_new_tokens, self.max_seq_len, self.cfg.vocab_size
+        )
         refuse_filtered(sampling, self.tp)
-        n_steps = min(max_new_tokens, self.max_seq_len - n + 1)
         span = 2 * self.cfg.num_layers * max(n_steps, 1)  # tags this launch may use
         if self._tag + span >= _TAG_LIMIT:
             self._reset_tags()

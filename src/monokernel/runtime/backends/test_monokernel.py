@@ -252,3 +252,19 @@ def test_stop_ids_cancel_and_next_request() -> None:
     next(it)
     it.close()
     assert list(mk.stream(_request(prompt, 40, greedy), CancelToken())) == want
+
+
+def test_checked_steps_refuses_what_a_launch_cannot_take() -> None:
+    from monokernel.errors import InvalidRequestError
+    from monokernel.runtime.backends.monokernel import _MAX_STOP_IDS, checked_steps
+
+    assert checked_steps([1, 2, 3], [], 100, 10, 50) == 8  # positions 2..9
+    assert checked_steps([1], [7], 4, 10, 50) == 4
+    with pytest.raises(InvalidRequestError, match="at least one token"):
+        checked_steps([], [], 4, 10, 50)
+    with pytest.raises(InvalidRequestError, match="exceeds max_seq_len=10"):
+        checked_steps(list(range(11)), [], 4, 10, 50)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        checked_steps([50], [], 4, 10, 50)
+    with pytest.raises(InvalidRequestError, match="stop token ids"):
+        checked_steps([1], list(range(_MAX_STOP_IDS + 1)), 4, 10, 50)
