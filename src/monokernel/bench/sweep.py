@@ -139,14 +139,14 @@ def _warm_up(runner: Runner, sweep: SweepConfig, base: list[int], gen_run: int) 
 def _time_cell(
     runner: Runner, sweep: SweepConfig, vocab: int, prompt_len: int, gen_run: int, repeats: int
 ) -> list[RunTiming]:
-    base, prompts = cell_prompts(sweep, vocab, prompt_len, gen_run, repeats + 1)
+    turns = bool(sweep.turn_tokens)
+    base, prompts = cell_prompts(sweep, vocab, prompt_len, gen_run, repeats + turns)
     _warm_up(runner, sweep, base, gen_run)
-    if sweep.turn_tokens:
+    if turns:
         # One turn untimed first: whatever a turn builds on first use (the monokernel's
         # prefill graph for a suffix at a later start) is built here, not in a timed turn.
         runner.run(prompts.pop(), min(gen_run, sweep.warmup_tokens))
         runner.run(base, min(gen_run, sweep.warmup_tokens))
-    prompts = prompts[:repeats]
     timings: list[RunTiming] = []
     for i, prompt in enumerate(prompts):
         if sweep.turn_tokens and i > 0:

@@ -16,8 +16,8 @@
 // Positions per range before the head is split further (flash-decoding), and the size of the
 // shared-memory window that holds a range's cached keys and values. Ranges are sized to fit
 // the window whenever the grid allows, so at short and medium context every cached key and
-// value is read from shared memory, copied there before the A->B barrier (attention_prefetch)
-// while CTAs wait for the QKV projection. build.py passes the value it sized smem for.
+// value is read from shared memory, copied there a stage ahead (attention_prefetch). build.py
+// passes the value it sized smem for.
 #ifndef MK_ATTN_CHUNK
 #define MK_ATTN_CHUNK ((152 * 1024 / (4 * MK_D)) / 32 * 32 < 512 ? (152 * 1024 / (4 * MK_D)) / 32 * 32 : 512)
 #endif
@@ -81,7 +81,8 @@ __device__ __forceinline__ AttnUnit attn_unit(int u, int ns, int pos) {
 
 // Start copying this CTA's first unit's cached keys and values and the RoPE row of `pos` into
 // the window. Nothing here depends on the step's QKV projection, so decode.cu issues it a
-// stage ahead (during the previous layer's down projection). A range's positions are
+// stage ahead (during the previous layer's down projection; for layer 0, after the barrier
+// that ends the previous step, which orders that step's KV appends). A range's positions are
 // contiguous in the cache, so four bulk copies issued by one thread do it all: per-thread
 // 16-byte copies cost the SM ~1.5 µs of issue a layer (docs/perf-notes.md, step 11).
 // attention_head waits on the mbarrier.

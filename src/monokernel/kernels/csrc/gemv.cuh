@@ -3,8 +3,8 @@
 //
 // A warp's rows form a software pipeline: the first batch of loads of row r+step is issued
 // before row r is reduced, and the first batch of a stage's first row is issued *before* the
-// grid barrier that precedes the stage (see decode.cu), so HBM keeps streaming while CTAs
-// wait and while the stage's input vector is being loaded.
+// stage waits for its input vector (flow.cuh, decode.cu), so HBM keeps streaming while CTAs
+// wait and while that vector is being loaded.
 #pragma once
 #include "common.cuh"
 
@@ -80,7 +80,7 @@ __device__ __forceinline__ float row_partial(const uint4 (&first)[RowShape<K, BA
 }
 
 // One stage's rows for this warp: rows r0, r0+step, ... < rows of W [rows, K]. `pre` holds
-// the first batch of row r0 (issued by the caller, possibly before a grid barrier).
+// the first batch of row r0 (issued by the caller, possibly before the stage's hand-off).
 // out(r, value) is called on every lane with the full dot product.
 template <int K, class Out>
 __device__ __forceinline__ void gemv_rows(const bf16* __restrict__ W, int rows, int r0, int step,
