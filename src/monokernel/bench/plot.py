@@ -80,12 +80,10 @@ def _log2_x(ax: Any, cells: list[dict[str, Any]], x: str) -> None:
     ax.minorticks_off()
 
 
-def _speed_figure(
-    plt: Any, doc: dict[str, Any], cells: list[dict[str, Any]], x: str, label: str, what: str
-) -> Any:
-    fig, ax = plt.subplots(figsize=(8, 5))
+def _engine_lines(ax: Any, cells: list[dict[str, Any]], x: str, metric: str) -> None:
+    """One line per engine: the median of ``metric`` against ``x``, p10-p90 as error bars."""
     for engine in _engines(cells):
-        xs, med, lo, hi = _series(cells, engine, x, "tok_per_s")
+        xs, med, lo, hi = _series(cells, engine, x, metric)
         if xs:
             ax.errorbar(
                 xs,
@@ -96,6 +94,13 @@ def _speed_figure(
                 label=engine,
                 color=COLORS.get(engine),
             )
+
+
+def _speed_figure(
+    plt: Any, doc: dict[str, Any], cells: list[dict[str, Any]], x: str, label: str, what: str
+) -> Any:
+    fig, ax = plt.subplots(figsize=(8, 5))
+    _engine_lines(ax, cells, x, "tok_per_s")
     cx, cy = _ceiling(cells, x)
     if cx:
         ax.plot(cx, cy, "k--", label="bandwidth bound (measured copy bw)")
@@ -112,18 +117,7 @@ def _speed_figure(
 
 def _ttft_figure(plt: Any, doc: dict[str, Any], cells: list[dict[str, Any]]) -> Any:
     fig, ax = plt.subplots(figsize=(8, 5))
-    for engine in _engines(cells):
-        xs, med, lo, hi = _series(cells, engine, "prompt_tokens", "ttft_ms")
-        if xs:
-            ax.errorbar(
-                xs,
-                med,
-                yerr=[lo, hi],
-                marker="o",
-                capsize=3,
-                label=engine,
-                color=COLORS.get(engine),
-            )
+    _engine_lines(ax, cells, "prompt_tokens", "ttft_ms")
     _log2_x(ax, cells, "prompt_tokens")
     ax.set_yscale("log")  # TTFT spans milliseconds to seconds over the sweep
     ax.set_xlabel("prompt tokens")
