@@ -4,8 +4,9 @@
         --variant base="-DMK_PF_PAIRS=0" --variant pf2="-DMK_PF_PAIRS=2" --json out.json
 
 Each variant is a set of -D tuning defines (MONOKERNEL_NVCC_FLAGS, part of the build's cache
-key); all variants of a shape run on the same random weights and prompt, interleaved over
-rounds so drift in clocks or temperature hits every variant alike. Reports the median
+key) and/or MONOKERNEL_* environment settings the backend reads when it is built (e.g.
+``group=MONOKERNEL_ATTN_GROUP_FROM=1``); all variants of a shape run on the same random
+weights and prompt, interleaved over rounds so drift in clocks or temperature hits every variant alike. Reports the median
 µs/token, MBU against the copy bandwidth measured in this run, the stage profile, and how
 many greedy tokens agree with the first variant (a different reduction order may flip a
 near-tie, so this is a sanity figure, not a test).
@@ -64,10 +65,17 @@ def main(argv: list[str]) -> int:
         bpt = bytes_per_token(cfg, args.prompt_tokens + args.gen_tokens / 2)
         backends: dict[str, MonokernelBackend] = {}
         for name, flags in variants:
-            os.environ["MONOKERNEL_NVCC_FLAGS"] = flags
+            env = dict(f.split("=", 1) for f in flags.split() if f.startswith("MONOKERNEL_"))
+            nvcc = " ".join(f for f in flags.split() if not f.startswith("MONOKERNEL_"))
+            saved = {k: os.environ.get(k) for k in [*env, "MONOKERNEL_NVCC_FLAGS"]}
+            os.environ.update(env, MONOKERNEL_NVCC_FLAGS=nvcc)
             backends[name] = MonokernelBackend(cfg, weights, max_len, device)
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
             time_request(backends[name], prompt, 32)  # warm-up
-        os.environ.pop("MONOKERNEL_NVCC_FLAGS", None)
         times: dict[str, list[float]] = {name: [] for name, _ in variants}
         for _ in range(args.rounds):
             for name, _ in variants:

@@ -35,6 +35,8 @@ THREADS = 512  # MK_THREADS in common.cuh
 BATCH = 6  # MK_BATCH in gemv.cuh
 MAX_HEAD_DIM = 256
 MAX_SMEM_BYTES = 227 * 1024  # dynamic shared memory one CTA may have on sm_90
+ATTN_STAGES = 4  # MK_ATTN_STAGES in attention_window.cuh: ring stages of the K/V window
+ATTN_PMAX = 128  # MK_ATTN_PMAX: positions per ring stage at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,20 +117,27 @@ class KernelDims:
 
     def _fixed_smem_floats(self) -> int:
         xs = max(self.hidden, self.q_size, self.intermediate)
-        groups = THREADS // (self.head_dim // 8)
-        attn = 3 * self.head_dim + THREADS + groups * self.head_dim
-        return xs + self.hidden + attn + 64
+        d, group = self.head_dim, self.heads // self.kv_heads
+        # MK_ATTN_SMEM: the larger scratch of stage B's two unit kinds
+        head_units = 3 * d + THREADS + THREADS // (d // 8) * d
+        group_units = 4 * group + 2 * d + max(group * (d + ATTN_PMAX), 8 * THREADS)
+        return xs + self.hidden + max(head_units, group_units) + 64
 
     def attn_chunk(self) -> int:
         """Positions of one attention range held in shared memory (K and V, bf16): as many as
         the CTA's shared memory leaves room for, a multiple of 32, at most 512."""
         tail = 256 * 8 + 256 * 4 + 16 * 4 + 16  # sampling scratch, alignment
-        free = (MAX_SMEM_BYTES - tail) // 4 - self._fixed_smem_floats() - self.head_dim - 4
+        free = (MAX_SMEM_BYTES - tail) // 4 - self._fixed_smem_floats() - self.window_tail_floats()
         return max(0, min(512, free // self.head_dim // 32 * 32))
+
+    def window_tail_floats(self) -> int:
+        """After the window's K and V rows: the RoPE row, one mbarrier (2 floats) and two
+        counters per ring stage."""
+        return self.head_dim + 4 * ATTN_STAGES
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA; mirrors the layout comment in decode.cu."""
-        window = self.attn_chunk() * self.head_dim + self.head_dim + 4  # + mbarrier, counts
+        window = self.attn_chunk() * self.head_dim + self.window_tail_floats()
         floats_a = (self._fixed_smem_floats() + window + 3) & ~3
         return floats_a * 4 + 256 * 8 + 256 * 4 + 16 * 4
 
@@ -146,6 +155,13 @@ def check_supported(cfg: ModelConfig) -> None:
         raise UnsupportedModelError(
             f"the monokernel needs head_dim to be a multiple of 8 and at most {MAX_HEAD_DIM}; "
             f"got {d}"
+        )
+    group = cfg.num_heads // cfg.num_kv_heads
+    if d // 8 * group > THREADS:
+        raise UnsupportedModelError(
+            "the monokernel's long-context attention gives one thread to each 16-byte chunk of "
+            f"a query group's outputs, so head_dim / 8 x (heads / kv_heads) must be at most "
+            f"{THREADS}; got {d // 8} x {group}"
         )
     for name, size in (
         ("hidden_size", cfg.hidden_size),

@@ -135,6 +135,8 @@ class KernelParams(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("timing_step", ctypes.c_int32),
         ("attn_splits", ctypes.c_int32),
+        ("attn_group_splits", ctypes.c_int32),
+        ("attn_group_from", ctypes.c_int32),
         ("pad_", ctypes.c_int32),
     ]
 

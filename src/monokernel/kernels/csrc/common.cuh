@@ -36,6 +36,7 @@
 #error "MK_TP must be in [1, 8]"
 #endif
 
+#define MK_MAX2(a, b) ((a) > (b) ? (a) : (b))
 #define MK_THREADS 512
 #define MK_WARPS (MK_THREADS / 32)
 

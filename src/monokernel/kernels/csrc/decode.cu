@@ -28,7 +28,6 @@
 // The LM head shares stage A's split (and register buffer): a buffer issued on one path
 // only would stay live through every layer and spill.
 #define MK_SPLIT_F MK_SPLIT_A
-#define MK_MAX2(a, b) ((a) > (b) ? (a) : (b))
 #define MK_XS MK_MAX2(MK_MAX2(MK_H, MK_Q), MK_I)
 
 // Shared memory, in floats: xs [MK_XS] | xres [MK_H] | attention [MK_ATTN_SMEM] | red [64] |
@@ -92,7 +91,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   const bool filtered = !greedy && ((p.top_k > 0 && p.top_k < MK_V) || p.top_p < 1.f);
 #endif
   unsigned bar = 0;
-  unsigned attn_done = 0;  // ranges finished per head so far (attention_head's counter)
+  // Ranges finished so far per head (head units) and per KV head (group units): the values
+  // stage B's completion counters reach, tracked alike by every CTA (attention_window.cuh).
+  unsigned attn_done = 0, attn_done_g = 0;
   int token = p.first_token;
 
   // First batches held in registers across barriers, one buffer per stage shape.
@@ -106,12 +107,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
                                 lane);
 
   attention_window_init(kvwin);
-  attention_prefetch(p, 0, attn_ranges(p.start_pos, p.attn_splits), p.start_pos, kvwin);
+  attention_prefetch(p, 0, p.start_pos, kvwin);
 
   for (int step = 0; step < p.n_steps; ++step) {
     const int pos = p.start_pos + step;
     const int in_tok = p.forced ? p.forced[step] : token;
-    const int ns = attn_ranges(pos, p.attn_splits);  // position ranges per head this step
     int mk = 0;  // timing slot
     if (p.timing && step == p.timing_step && blockIdx.x == 0 && t == 0) {
       unsigned long long g;
@@ -160,10 +160,12 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
 
-      // ---- B: attention, one CTA per (query head, position range) -> attn_out
-      if (ns > 1) attn_done += (unsigned)ns;
-      for (int u = blockIdx.x; u < MK_NH * ns; u += gridDim.x)
-        attention_head(p, lw, layer, u, ns, pos, attn_done, tag, att, red, kvwin);
+      // ---- B: attention, one CTA per unit of this step's plan -> attn_out
+      {
+        const AttnPlan plan = attn_plan(p, pos);
+        if (plan.ns > 1) (plan.group ? attn_done_g : attn_done) += (unsigned)plan.ns;
+      }
+      attention_stage(p, lw, layer, pos, attn_done, attn_done_g, tag, att, red, kvwin);
       handoff_arrive(flow, p.barrier, bar);
       issue_first<SC::KP, MK_BATCH>(preC, split_first<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, warp), lane);
       mark(p, step, mk++);
@@ -227,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       // steps, so ordered by the barrier that ends every step) are copied into the window now,
       // inside a long bandwidth-bound stage, so the copies' issue and flight stay off the
       // latency-bound A -> B path. Layer 0's copy waits for that barrier (after F).
-      if (layer + 1 < MK_L) attention_prefetch(p, layer + 1, ns, pos, kvwin);
+      if (layer + 1 < MK_L) attention_prefetch(p, layer + 1, pos, kvwin);
       mark(p, step, mk++);
       handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
@@ -298,7 +300,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     mark(p, step, mk++);
     grid_wait(p.barrier, bar);
     if (step + 1 < p.n_steps)  // every KV append of this step is visible now
-      attention_prefetch(p, 0, attn_ranges(pos + 1, p.attn_splits), pos + 1, kvwin);
+      attention_prefetch(p, 0, pos + 1, kvwin);
     mark(p, step, mk++);
 
     // ---- sampling: every CTA reduces the partials itself (no extra barrier), unless

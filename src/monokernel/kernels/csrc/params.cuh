@@ -27,11 +27,13 @@ struct Params {
   bf16* v_cache;                    // [L, NKV, max_len, D]
   float* x;                         // [H]          residual stream
   float* qkv;                       // [Q + 2*KV]   projections before norm/RoPE
-  float* attn;                      // [NH, splits, D] unnormalised partial attention outputs
-  float* attn_ml;                   // [NH, splits, 2] their running max and exp-sum
+  float* attn;                      // [NH * max(attn_splits, attn_group_splits), D]
+                                    //   unnormalised partial attention outputs of ranges
+  float* attn_ml;                   // [same, 2] their running max and exp-sum
   float* delta;                     // [H]          O-projection output (residual added in D)
   float* attn_out;                  // [Q]          merged attention output
-  unsigned* attn_count;             // [NH] ranges finished per head, monotonic, zeroed per launch
+  unsigned* attn_count;             // [NH + NKV] ranges finished per head, then per KV head
+                                    // (group units); monotonic, zeroed per launch
   float* act;                       // [I]          silu(gate) * up
   float* logits;                    // [V]          this step's logits
   float* part_score;                // [grid]       best (score, id) of each CTA
@@ -55,7 +57,9 @@ struct Params {
   unsigned seed_lo, seed_hi;
   float eps;
   int timing_step;                  // the step whose stages `timing` records
-  int attn_splits;                  // position ranges per head (flash-decoding), >= 1
+  int attn_splits;                  // head units: ranges per head at most (grid / NH; 0: none)
+  int attn_group_splits;            // group units: ranges per KV head at most (grid / NKV)
+  int attn_group_from;              // context length from which group units are used anyway
   int pad_;
 #if MK_TP > 1
   // Tensor parallelism (tp.cuh). Receive buffer of each rank: [2 parities][MK_TP sources][H]

@@ -183,15 +183,25 @@ class MonokernelBackend:
         self.x, self.qkv, self.delta, self.attn_out, self.act = torch.split(
             self.handoff, [*sizes, cfg.intermediate_size]
         )  # [H], [Q + 2KV], [H], [Q], [I]
-        # Flash-decoding: each head's positions split over grid // heads CTAs.
-        self.attn_splits = max(1, self.grid // cfg.num_heads)
-        self.attn = torch.empty(
-            cfg.num_heads * self.attn_splits * cfg.head_dim, dtype=f32, device=dev
-        )  # [NH, splits, D]
-        self.attn_ml = torch.empty(
-            cfg.num_heads * self.attn_splits * 2, dtype=f32, device=dev
-        )  # [NH, splits, 2]
-        self.attn_count = torch.zeros(cfg.num_heads, dtype=torch.int32, device=dev)  # [NH]
+        # Flash-decoding (kernels/csrc/attention_window.cuh): head units split a query head's
+        # positions over at most grid // heads CTAs, group units a KV head's over at most
+        # grid // kv_heads.
+        if cfg.num_kv_heads > self.grid:
+            raise BackendUnavailableError(
+                f"the monokernel needs at least one SM per KV head: {cfg.num_kv_heads} KV heads, "
+                f"{self.grid} SMs"
+            )
+        self.attn_splits = self.grid // cfg.num_heads
+        self.attn_group_splits = self.grid // cfg.num_kv_heads
+        # Context length from which group units are used even where head units would fit
+        # (tests and tuning); by default only the plan's own rule decides.
+        self.attn_group_from = _env_int("MONOKERNEL_ATTN_GROUP_FROM") or 1 << 30
+        slots = cfg.num_heads * max(self.attn_splits, self.attn_group_splits)
+        self.attn = torch.empty(slots * cfg.head_dim, dtype=f32, device=dev)  # [slots, D]
+        self.attn_ml = torch.empty(slots * 2, dtype=f32, device=dev)  # [slots, 2]
+        self.attn_count = torch.zeros(
+            cfg.num_heads + cfg.num_kv_heads, dtype=torch.int32, device=dev
+        )  # [NH + NKV]
         self.logits = torch.empty(cfg.vocab_size, dtype=f32, device=dev)  # [V]
         self.part_score = torch.empty(self.grid, dtype=f32, device=dev)  # [grid]
         self.part_id = torch.empty(self.grid, dtype=torch.int32, device=dev)  # [grid]
@@ -268,6 +278,8 @@ class MonokernelBackend:
             eps=float(self.cfg.rms_norm_eps),
             timing_step=timing_step,
             attn_splits=self.attn_splits,
+            attn_group_splits=self.attn_group_splits,
+            attn_group_from=self.attn_group_from,
             pad_=0,
         )
 

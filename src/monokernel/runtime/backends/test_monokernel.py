@@ -74,27 +74,56 @@ def test_teacher_forced_logits(shape: str) -> None:
     assert float(rel.max()) <= 1e-2, f"step {int(rel.argmax())}: rel L2 {float(rel.max()):.3e}"
 
 
-@pytest.mark.gpu
-@needs_hopper
-def test_teacher_forced_logits_split_window(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Many position ranges per head, each longer than its shared-memory window: a 32-position
-    window forces the merge and the global-memory tail of every range at ~900 positions."""
-    monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_ATTN_CHUNK=32")
+def _teacher_forced_error(
+    shape: str, prompt_len: int, steps: int, seed: int, max_len: int | None = None
+) -> torch.Tensor:
+    """Relative L2 error per step of the kernel's teacher-forced logits against the fp32
+    reference on the same bf16 weights, with a backend built now (so the environment's build
+    flags and knobs apply)."""
     from monokernel.runtime.backends.monokernel import MonokernelBackend
 
-    cfg, prompt_len, steps = SHAPES["odd"], 900, 48
+    cfg = SHAPES[shape]
     dev = torch.device("cuda")
-    weights = random_weights(cfg, device=dev, seed=5)
-    mk = MonokernelBackend(cfg, weights, prompt_len + steps, dev)
-    seq = _tokens(prompt_len + steps, cfg.vocab_size, seed=3)
+    weights = random_weights(cfg, device=dev, seed=seed)
+    mk = MonokernelBackend(cfg, weights, max_len or prompt_len + steps, dev)
+    seq = _tokens(prompt_len + steps, cfg.vocab_size, seed=seed + 1)
     got = mk.teacher_forced_logits(seq[:prompt_len], seq[prompt_len:])  # [steps, V]
     mk.close()
     ref = Transformer(cfg, {k: v.float() for k, v in weights.items()}, prompt_len + steps)
     tokens = torch.tensor(seq, device="cuda")
     want = ref.forward(tokens, 0, ref.new_cache(prompt_len + steps))[prompt_len - 1 : -1]
     assert torch.isfinite(got).all(), "unwritten or non-finite logits"
-    rel = (got - want).norm(dim=-1) / want.norm(dim=-1)  # [steps]
-    print(f"odd, 32-position windows: rel L2 max {rel.max():.2e} mean {rel.mean():.2e}")
+    return (got - want).norm(dim=-1) / want.norm(dim=-1)  # [steps]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(
+    ("chunk", "units"),
+    [(128, "head units, 8 ranges a head, merged"), (32, "group units, 8-position ring stages")],
+)
+def test_teacher_forced_logits_split_window(
+    chunk: int, units: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many position ranges, merged (flash-decoding), at ~900 positions with a small
+    shared-memory window. 128 positions: every range fits, so head units split each query
+    head 8 ways. 32: ranges cannot fit the grid as head units, so group units take over, each
+    range streaming through ring stages of 8 positions (every stage refilled twice)."""
+    monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", f"-DMK_ATTN_CHUNK={chunk}")
+    rel = _teacher_forced_error("odd", 900, 48, seed=5)
+    print(f"odd, {units}: rel L2 max {rel.max():.2e} mean {rel.mean():.2e}")
+    assert float(rel.max()) <= 1e-2, f"step {int(rel.argmax())}: rel L2 {float(rel.max()):.3e}"
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("shape", ["llama-3.2-1b", "qwen2.5-coder-1.5b", "odd"])
+def test_teacher_forced_logits_group_units(shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Group units (one KV head's query group a CTA) at short context, where the plan would
+    pick head units: one range at first (normalised in place), then several, merged."""
+    monkeypatch.setenv("MONOKERNEL_ATTN_GROUP_FROM", "1")
+    rel = _teacher_forced_error(shape, PROMPT, 96, seed=7)
+    print(f"{shape}, group units: rel L2 max {rel.max():.2e} mean {rel.mean():.2e}")
     assert float(rel.max()) <= 1e-2, f"step {int(rel.argmax())}: rel L2 {float(rel.max()):.3e}"
 
 

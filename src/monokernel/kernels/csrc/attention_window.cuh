@@ -1,0 +1,279 @@
+// Stage B's plan and its shared-memory window: which CTA attends over which cached positions
+// this step, and the ring the copy engine fills with those positions' keys and values.
+//
+// Two kinds of attention unit (docs/perf-notes.md, step 17):
+// - head units (attention.cuh): one query head over one position range that fits the window.
+//   Most parallel at short context (heads x ranges CTAs, no GQA sharing needed: the group's
+//   re-reads of a short range hit L2), and a range that fits is filled a whole stage ahead.
+// - group units (attention_group.cuh): one KV head's whole query group over one range of any
+//   length, streamed through the window in ring stages. Each cached key and value is read
+//   from HBM once per step, not once per query head, and kv_heads x ranges can cover every
+//   SM: what long context needs.
+// The plan is a pure function of the position and the launch's parameters, so every CTA
+// derives the same one, and the prefetch a stage ahead fills exactly what the unit will read.
+#pragma once
+#include "flow.cuh"
+#include "gemv.cuh"
+#include "params.cuh"
+
+#define MK_GROUP (MK_NH / MK_NKV)                 // query heads per KV head
+#define MK_ATTN_CH (MK_D / 8)                     // 16-byte chunks in one key or value row
+#define MK_ATTN_GV (MK_THREADS / MK_ATTN_CH)      // head units' P·V position groups
+#define MK_ATTN_STAGES 4                          // ring stages of the window
+#define MK_ATTN_PMAX 128                          // positions per stage at most (CHUNK <= 512)
+#define MK_ATTN_MIN_RANGE 64                      // group units: fewest positions per range
+#if MK_NH % MK_NKV
+#error "query heads must be a multiple of KV heads"
+#endif
+
+// Scratch of stage B in floats (decode.cu's `att` region): the larger of the two unit kinds.
+// head:  q, k, v [3D] | probabilities [THREADS] | per-group partial outputs [GV, D]
+// group: m, l, alpha, spare [4G] | k, v [2D] | q [G, D] + probabilities [G, PMAX], the
+//        latter two reused as the per-group partial outputs [NG, G, D] (<= 8 * THREADS)
+#define MK_ATTN_SMEM_HEAD (3 * MK_D + MK_THREADS + MK_ATTN_GV * MK_D)
+#define MK_ATTN_SMEM_GROUP \
+  (4 * MK_GROUP + 2 * MK_D + MK_MAX2(MK_GROUP * (MK_D + MK_ATTN_PMAX), 8 * MK_THREADS))
+#define MK_ATTN_SMEM MK_MAX2(MK_ATTN_SMEM_HEAD, MK_ATTN_SMEM_GROUP)
+
+// Positions the window holds (K and V rows, bf16). build.py passes the value it sized shared
+// memory for; this default serves a bare compile only.
+#ifndef MK_ATTN_CHUNK
+#define MK_ATTN_CHUNK \
+  ((152 * 1024 / (4 * MK_D)) / 32 * 32 < 512 ? (152 * 1024 / (4 * MK_D)) / 32 * 32 : 512)
+#endif
+#define MK_ATTN_P (MK_ATTN_CHUNK / MK_ATTN_STAGES)  // positions per ring stage
+#if MK_ATTN_CHUNK % 32 || MK_ATTN_CHUNK > 512 || MK_ATTN_P > MK_ATTN_PMAX
+#error "MK_ATTN_CHUNK must be a multiple of 32, at most 512"
+#endif
+// Window: K [CHUNK, D] bf16 | V [CHUNK, D] bf16 | RoPE cos, sin of the new position [D/2 +
+// D/2] fp32 | STAGES mbarriers (u64) | fills waited for per stage (u32; parity = the phase to
+// wait on) | fills issued per stage (u32). Ring stage s is rows [s*P, (s+1)*P) of K and V.
+#define MK_KVWIN_FLOATS (MK_ATTN_CHUNK * MK_D + MK_D + 4 * MK_ATTN_STAGES)
+
+struct AttnPlan {
+  bool group;  // group units (else head units)
+  int ns;      // position ranges per head (head units) or per KV head (group units)
+  int units;   // CTAs with a unit: blockIdx.x < units; never more than the grid
+};
+
+// Head units while every range fits the window and heads x ranges fit the grid
+// (p.attn_splits = grid / heads, 0 when heads outnumber CTAs); else group units, ranges of at
+// least MIN_RANGE positions over at most grid / kv_heads CTAs per KV head. p.attn_group_from:
+// the context length from which group units are used anyway (a knob for tests and tuning).
+__device__ __forceinline__ AttnPlan attn_plan(const Params& p, int pos) {
+  const int n = pos + 1;
+  const int fit = (n + MK_ATTN_CHUNK - 1) / MK_ATTN_CHUNK;
+  AttnPlan a;
+  a.group = p.attn_splits == 0 || fit > p.attn_splits || n >= p.attn_group_from;
+  if (a.group) {
+    const int want = (n + MK_ATTN_MIN_RANGE - 1) / MK_ATTN_MIN_RANGE;
+    a.ns = want < p.attn_group_splits ? want : p.attn_group_splits;
+    a.units = MK_NKV * a.ns;
+  } else {
+    a.ns = fit;
+    a.units = MK_NH * fit;
+  }
+  return a;
+}
+
+// Range `split` of ns over positions [0, pos]: [lo, hi); its cached positions (all but pos)
+// are [lo, lo + nc). A range may be empty (lo == hi == pos + 1) when ns is large for n.
+struct AttnRange {
+  int lo, hi, nc;
+};
+
+__device__ __forceinline__ AttnRange attn_range(int split, int ns, int pos) {
+  const int len = (pos + ns) / ns;  // ceil((pos + 1) / ns)
+  AttnRange r;
+  r.lo = min(split * len, pos + 1);
+  r.hi = min(pos + 1, r.lo + len);
+  r.nc = max(0, min(r.hi, pos) - r.lo);
+  return r;
+}
+
+// The KV head whose cache this CTA's unit reads, and the unit's range index.
+__device__ __forceinline__ void attn_unit(const AttnPlan& a, int unit, int& kvh, int& split) {
+  split = unit % a.ns;
+  kvh = a.group ? unit / a.ns : (unit / a.ns) / MK_GROUP;
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ unsigned long long* window_mbar(float* win, int stage) {
+  return reinterpret_cast<unsigned long long*>(win + MK_ATTN_CHUNK * MK_D + MK_D) + stage;
+}
+
+__device__ __forceinline__ unsigned* window_waited(float* win) {
+  return reinterpret_cast<unsigned*>(window_mbar(win, MK_ATTN_STAGES));
+}
+
+__device__ __forceinline__ unsigned* window_issued(float* win) {
+  return window_waited(win) + MK_ATTN_STAGES;
+}
+
+// Once per launch, before the first fill.
+__device__ __forceinline__ void attention_window_init(float* win) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < MK_ATTN_STAGES; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(window_mbar(win, s)))
+                   : "memory");
+      window_waited(win)[s] = 0u;
+      window_issued(win)[s] = 0u;
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+
+// One 1-D bulk copy (the copy engine, no per-thread instructions) completing on `mbar`.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes,
+                                          unsigned long long* mbar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(mbar))
+      : "memory");
+}
+
+// One thread: copy the keys and values of `cnt` consecutive cached positions from `first`
+// into ring stage `stage` (a range's positions are contiguous in the cache), plus the RoPE
+// row of `rope_pos` when it is >= 0. The caller has ordered the stage's last ordinary reads
+// before this (a __syncthreads, then fence_window).
+__device__ __forceinline__ void window_fill(const Params& p, int layer, int kvh, int first,
+                                            int cnt, int stage, int rope_pos, float* win) {
+  const size_t row0 = (((size_t)layer * MK_NKV + kvh) * p.max_len + first) * MK_D;
+  const unsigned kv_bytes = (unsigned)cnt * MK_D * 2, rope_bytes = rope_pos >= 0 ? MK_D * 2 : 0;
+  unsigned long long* mbar = window_mbar(win, stage);
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(mbar)),
+               "r"(2 * kv_bytes + 2 * rope_bytes)
+               : "memory");
+  bf16* kw = reinterpret_cast<bf16*>(win) + (size_t)stage * MK_ATTN_P * MK_D;
+  if (kv_bytes) {
+    bulk_copy(kw, p.k_cache + row0, kv_bytes, mbar);
+    bulk_copy(kw + MK_ATTN_CHUNK * MK_D, p.v_cache + row0, kv_bytes, mbar);
+  }
+  if (rope_bytes) {
+    float* rope = win + MK_ATTN_CHUNK * MK_D;
+    bulk_copy(rope, p.rope_cos + (size_t)rope_pos * (MK_D / 2), rope_bytes, mbar);
+    bulk_copy(rope + MK_D / 2, p.rope_sin + (size_t)rope_pos * (MK_D / 2), rope_bytes, mbar);
+  }
+  window_issued(win)[stage] += 1u;
+}
+
+// The window was last read through ordinary loads; order those before the copy engine's writes.
+__device__ __forceinline__ void fence_window() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Start filling the window with the first stages of this CTA's unit in stage B of `layer` at
+// `pos`, and the RoPE row of `pos` (with stage 0). Nothing here depends on the step's QKV
+// projection, so decode.cu issues it a stage ahead (during the previous layer's down
+// projection; for layer 0, after the barrier that ends the previous step, which orders that
+// step's KV appends). Head units' ranges fit the window, so this fills all of them; group
+// units stream the rest of their range through the ring themselves.
+__device__ __forceinline__ void attention_prefetch(const Params& p, int layer, int pos,
+                                                   float* win) {
+  const AttnPlan a = attn_plan(p, pos);
+  if ((int)blockIdx.x >= a.units || threadIdx.x != 0) return;
+  int kvh, split;
+  attn_unit(a, blockIdx.x, kvh, split);
+  const AttnRange r = attn_range(split, a.ns, pos);
+  fence_window();
+  const int stages = max(1, min(MK_ATTN_STAGES, (r.nc + MK_ATTN_P - 1) / MK_ATTN_P));
+  for (int s = 0; s < stages; ++s) {
+    const int cnt = max(0, min(MK_ATTN_P, r.nc - s * MK_ATTN_P));
+    window_fill(p, layer, kvh, r.lo + s * MK_ATTN_P, cnt, s, s == 0 ? pos : -1, win);
+  }
+}
+
+// Every thread spins until ring stage `stage`'s current fill has landed. The caller bumps
+// the stage's waited count (window_done) after a __syncthreads that follows every thread's
+// spin, so no thread reads a parity that has already moved on.
+__device__ __forceinline__ void window_spin(float* win, int stage) {
+  const unsigned parity = window_waited(win)[stage] & 1u;
+  const unsigned mb = smem_addr(window_mbar(win, stage));
+  unsigned ok = 0;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+        "selp.u32 %0, 1, 0, p; }"
+        : "=r"(ok)
+        : "r"(mb), "r"(parity)
+        : "memory");
+  } while (!ok);
+}
+
+__device__ __forceinline__ void window_done(float* win, int stage) {
+  if (threadIdx.x == 0) window_waited(win)[stage] += 1u;
+}
+
+// Before the CTA exits: fills issued for a step that never ran (the request stopped early)
+// must land first.
+__device__ __forceinline__ void attention_window_drain(float* win) {
+  __syncthreads();
+  for (int s = 0; s < MK_ATTN_STAGES; ++s) {
+    if (window_waited(win)[s] != window_issued(win)[s]) window_spin(win, s);
+  }
+  __syncthreads();
+}
+
+// Partial results of ranges merged (flash-decoding) into attn_out, by the CTA that finished
+// a head's (or a KV head's group's) last range, in range order whoever it is: deterministic.
+// nh heads; the partial of head h, range s is slot base + s * ss + h * sh of p.attn [*, D] and
+// p.attn_ml [*, 2] (max, exp-sum); outputs go to heads out0 .. out0 + nh - 1. scratch: nh * ns
+// floats of shared memory nobody else uses now.
+__device__ __forceinline__ void attn_merge(const Params& p, int nh, int ns, int base, int ss,
+                                           int sh, int out0, unsigned tag, float* scratch) {
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  for (int h = warp; h < nh; h += MK_WARPS) {
+    float mx = -INFINITY;
+    for (int s = lane; s < ns; s += 32) mx = fmaxf(mx, __ldcg(p.attn_ml + 2 * (base + s * ss + h * sh)));
+    mx = warp_max(mx);
+    float den = 0.f;
+    for (int s = lane; s < ns; s += 32) {
+      const float* ml = p.attn_ml + 2 * (base + s * ss + h * sh);
+      const float m = __ldcg(ml);
+      const float w = m == -INFINITY ? 0.f : expf(m - mx);
+      scratch[h * ns + s] = w;
+      den = fmaf(w, __ldcg(ml + 1), den);
+    }
+    den = warp_sum(den);
+    for (int s = lane; s < ns; s += 32) scratch[h * ns + s] /= den;
+  }
+  __syncthreads();
+  for (int i = t; i < nh * MK_D; i += MK_THREADS) {
+    const int h = i / MK_D, d = i % MK_D;
+    float acc = 0.f;
+#pragma unroll 4
+    for (int s = 0; s < ns; ++s)
+      acc = fmaf(scratch[h * ns + s], __ldcg(p.attn + (size_t)(base + s * ss + h * sh) * MK_D + d), acc);
+    st_flow(p.attn_out + (size_t)(out0 + h) * MK_D + d, acc, tag);
+  }
+}
+
+// After a unit wrote its partials: count it on `counter` (monotonic; `done` is the value the
+// count reaches with this layer's last range) and, if it was the last, merge.
+__device__ __forceinline__ void attn_finish(const Params& p, unsigned* counter, unsigned done,
+                                            int nh, int ns, int base, int ss, int sh, int out0,
+                                            unsigned tag, float* red, float* scratch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned old = atomicAdd(counter, 1u);
+    red[32] = old + 1 == done ? 1.f : 0.f;
+    __threadfence();
+  }
+  __syncthreads();
+  if (red[32] != 0.f) attn_merge(p, nh, ns, base, ss, sh, out0, tag, scratch);
+}
+
+__device__ __forceinline__ void head_rms(float* v, const float* gain, float eps, int lane) {
+  // One warp normalises one head vector in place (fp32 throughout).
+  float ss = 0.f;
+  for (int j = lane; j < MK_D; j += 32) ss += v[j] * v[j];
+  ss = warp_sum(ss);
+  const float r = rsqrtf(ss / MK_D + eps);
+  for (int j = lane; j < MK_D; j += 32) v[j] = v[j] * r * gain[j];
+}
