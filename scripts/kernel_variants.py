@@ -7,9 +7,9 @@ Each variant is a set of -D tuning defines (MONOKERNEL_NVCC_FLAGS, part of the b
 key) and/or MONOKERNEL_* environment settings the backend reads when it is built (e.g.
 ``group=MONOKERNEL_ATTN_GROUP_FROM=1``); all variants of a shape run on the same random
 weights and prompt, interleaved over rounds so drift in clocks or temperature hits every
-variant alike. Reports the median µs/token, MBU against the copy bandwidth measured in this run, the stage profile, and how
-many greedy tokens agree with the first variant (a different reduction order may flip a
-near-tie, so this is a sanity figure, not a test).
+variant alike. Reports the median µs/token, MBU against the copy bandwidth measured in this
+run, the stage profile, and how many greedy tokens agree with the first variant (a different
+reduction order may flip a near-tie, so this is a sanity figure, not a test).
 """
 
 from __future__ import annotations
