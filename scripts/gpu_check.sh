@@ -2,6 +2,9 @@
 # One call on the GPU machine: build the kernel, run the `gpu` tests, run the benchmark.
 #   scripts/gpu_check.sh OUTDIR            (stages from $MK_STAGES, default "build test bench")
 #   MK_STAGES="build test" scripts/gpu_check.sh "$OUT"
+# Stages: build, test, bench (64-token prompt, MK_GEN_TOKENS generated, per MK_BENCH_SHAPES),
+# long (decode after an MK_LONG_PROMPT-token prompt, Llama-3.2-1B shape), variants
+# (scripts/kernel_variants.py with the MK_VARIANTS list, e.g. "a= b=MONOKERNEL_X=1").
 # Logs and JSON land in OUTDIR; a short table is printed last.
 set -u -o pipefail
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -40,5 +43,22 @@ if [[ $STAGES == *bench* ]]; then
       --json "$OUTDIR/bench-$shape.json" >>"$OUTDIR/bench.log" 2>&1 || status=1
   done
   grep -E "^(device:|engine|monokernel|torch|reference)|error" "$OUTDIR/bench.log" | grep -v Warning
+fi
+if [[ $STAGES == *long* ]]; then
+  echo "== long-context decode" >&2
+  timeout "${MK_LONG_TIMEOUT:-240}" python3 -m monokernel.bench --shape llama-3.2-1b \
+    --engines monokernel --prompt-tokens "${MK_LONG_PROMPT:-32768}" --gen-tokens 128 --repeats 2 \
+    --profile --json "$OUTDIR/long.json" >"$OUTDIR/long.log" 2>&1 || status=1
+  grep -E "^(device:|engine|monokernel)|stage profile|error" "$OUTDIR/long.log" | grep -v Warning
+fi
+
+if [[ $STAGES == *variants* ]]; then
+  echo "== variants" >&2
+  args=()
+  for v in ${MK_VARIANTS:-base=}; do args+=(--variant "$v"); done
+  timeout "${MK_VARIANTS_TIMEOUT:-300}" python3 scripts/kernel_variants.py \
+    --shapes "${MK_VARIANT_SHAPES:-llama-3.2-1b,qwen2.5-coder-1.5b}" "${args[@]}" \
+    --json "$OUTDIR/variants.json" >"$OUTDIR/variants.log" 2>&1 || status=1
+  tail -n 8 "$OUTDIR/variants.log"
 fi
 exit $status
