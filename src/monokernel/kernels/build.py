@@ -120,7 +120,8 @@ class KernelDims:
         d, group = self.head_dim, self.heads // self.kv_heads
         # MK_ATTN_SMEM: the larger scratch of stage B's two unit kinds
         head_units = 3 * d + THREADS + THREADS // (d // 8) * d
-        group_units = 4 * group + 2 * d + max(group * (d + ATTN_PMAX), 8 * THREADS)
+        lsum = (THREADS // (d // 8) + 3) // 4 * 4
+        group_units = 4 * group + 2 * d + lsum + max(group * (5 * d // 2 + ATTN_PMAX), 8 * THREADS)
         return xs + self.hidden + max(head_units, group_units) + 64
 
     def attn_chunk(self) -> int:

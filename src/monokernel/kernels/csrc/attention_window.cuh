@@ -28,11 +28,13 @@
 
 // Scratch of stage B in floats (decode.cu's `att` region): the larger of the two unit kinds.
 // head:  q, k, v [3D] | probabilities [THREADS] | per-group partial outputs [GV, D]
-// group: m, l, alpha, spare [4G] | k, v [2D] | q [G, D] + probabilities [G, PMAX], the
-//        latter two reused as the per-group partial outputs [NG, G, D] (<= 8 * THREADS)
+// group: running and stage max [4G] | k, v [2D] | exp-sums [THREADS / CH, rounded to 4] |
+//        q [G, D] + padded q [G, 3D/2] + probabilities [G, PMAX], all three reused as the
+//        per-group partial outputs [NG, G, D] (<= 8 * THREADS)
 #define MK_ATTN_SMEM_HEAD (3 * MK_D + MK_THREADS + MK_ATTN_GV * MK_D)
-#define MK_ATTN_SMEM_GROUP \
-  (4 * MK_GROUP + 2 * MK_D + MK_MAX2(MK_GROUP * (MK_D + MK_ATTN_PMAX), 8 * MK_THREADS))
+#define MK_ATTN_SMEM_GROUP                                                     \
+  (4 * MK_GROUP + 2 * MK_D + (MK_THREADS / MK_ATTN_CH + 3) / 4 * 4 +           \
+   MK_MAX2(MK_GROUP * (5 * MK_D / 2 + MK_ATTN_PMAX), 8 * MK_THREADS))
 #define MK_ATTN_SMEM MK_MAX2(MK_ATTN_SMEM_HEAD, MK_ATTN_SMEM_GROUP)
 
 // Positions the window holds (K and V rows, bf16). build.py passes the value it sized shared
@@ -267,6 +269,16 @@ __device__ __forceinline__ void attn_finish(const Params& p, unsigned* counter, 
   }
   __syncthreads();
   if (red[32] != 0.f) attn_merge(p, nh, ns, base, ss, sh, out0, tag, scratch);
+}
+
+// Floats as ints that order the same way (for shared-memory atomicMax), and back.
+__device__ __forceinline__ int ord_key(float f) {
+  const int i = __float_as_int(f);
+  return i >= 0 ? i : i ^ 0x7fffffff;
+}
+
+__device__ __forceinline__ float ord_float(int k) {
+  return __int_as_float(k >= 0 ? k : k ^ 0x7fffffff);
 }
 
 __device__ __forceinline__ void head_rms(float* v, const float* gain, float eps, int lane) {
