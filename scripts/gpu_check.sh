@@ -3,7 +3,8 @@
 #   scripts/gpu_check.sh OUTDIR            (stages from $MK_STAGES, default "build test bench")
 #   MK_STAGES="build test" scripts/gpu_check.sh "$OUT"
 # Stages: build, test, bench (64-token prompt, MK_GEN_TOKENS generated, per MK_BENCH_SHAPES),
-# long (decode after an MK_LONG_PROMPT-token prompt, Llama-3.2-1B shape), variants
+# long (decode after an MK_LONG_PROMPT-token prompt, Llama-3.2-1B shape), turn (an agent's
+# 500-token turn on a held 16k-token conversation: prefix-reuse TTFT), variants
 # (scripts/kernel_variants.py with the MK_VARIANTS list, e.g. "a= b=MONOKERNEL_X=1").
 # Logs and JSON land in OUTDIR; a short table is printed last.
 set -u -o pipefail
@@ -50,6 +51,14 @@ if [[ $STAGES == *long* ]]; then
     --engines monokernel --prompt-tokens "${MK_LONG_PROMPT:-32768}" --gen-tokens 128 --repeats 2 \
     --profile --json "$OUTDIR/long.json" >"$OUTDIR/long.log" 2>&1 || status=1
   grep -E "^(device:|engine|monokernel)|stage profile|error" "$OUTDIR/long.log" | grep -v Warning
+fi
+
+if [[ $STAGES == *turn* ]]; then
+  echo "== agent turn on a held conversation" >&2
+  timeout "${MK_TURN_TIMEOUT:-180}" python3 -m monokernel.bench --shape llama-3.2-1b \
+    --engines monokernel --prompt-tokens 16384 --turn-tokens 500 --gen-tokens 64 \
+    --json "$OUTDIR/turn.json" >"$OUTDIR/turn.log" 2>&1 || status=1
+  grep -E "^(device:|engine|monokernel)|error" "$OUTDIR/turn.log" | grep -v Warning
 fi
 
 if [[ $STAGES == *variants* ]]; then
