@@ -143,7 +143,7 @@ __device__ __forceinline__ void attention_stage(const Params& p, const LayerWeig
                                                 float* red, float* win) {
   const AttnPlan a = attn_plan(p, pos);
   if ((int)blockIdx.x >= a.units) return;
-  if (a.group) {
+  if (MK_ATTN_GROUP && a.group) {
     attention_group(p, lw, layer, a, pos, done_group, tag, sm, red, win);
   } else {
     attention_head(p, lw, layer, a, pos, done_head, tag, sm, red, win);
