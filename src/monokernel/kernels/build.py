@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,6 +59,8 @@ class KernelDims:
     # Tensor-parallel ranks (MK_TP); the other dims are then one rank's. 1 adds no define,
     # so the single-GPU build (and its cache key) is exactly what it was.
     tp: int = 1
+    # False: the build without group units (MK_ATTN_GROUP=0), for contexts head units cover.
+    group_units: bool = True
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> KernelDims:
@@ -104,6 +107,8 @@ class KernelDims:
         }
         if self.tp > 1:
             vals["MK_TP"] = self.tp
+        if not self.group_units:
+            vals["MK_ATTN_GROUP"] = 0
         return [f"-D{k}={v}" for k, v in vals.items()]
 
     def down_split(self) -> int:
@@ -135,6 +140,17 @@ class KernelDims:
         """After the window's K and V rows: the RoPE row, one mbarrier (2 floats) and two
         counters per ring stage."""
         return self.head_dim + 4 * ATTN_STAGES
+
+    def built_attn_chunk(self) -> int:
+        """The window the build really has: attn_chunk(), unless MONOKERNEL_NVCC_FLAGS
+        overrides MK_ATTN_CHUNK (tests do, to force small windows)."""
+        m = re.search(r"-DMK_ATTN_CHUNK=(\d+)", os.environ.get("MONOKERNEL_NVCC_FLAGS", ""))
+        return int(m.group(1)) if m else self.attn_chunk()
+
+    def head_units_cover(self, context: int, heads_splits: int) -> bool:
+        """Whether stage B's plan (attention_window.cuh) uses head units only, up to
+        ``context`` positions, given ``heads_splits`` = grid // heads."""
+        return heads_splits > 0 and -(-context // self.built_attn_chunk()) <= heads_splits
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA; mirrors the layout comment in decode.cu."""

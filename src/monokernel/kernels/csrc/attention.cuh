@@ -143,8 +143,12 @@ __device__ __forceinline__ void attention_stage(const Params& p, const LayerWeig
                                                 float* red, float* win) {
   const AttnPlan a = attn_plan(p, pos);
   if ((int)blockIdx.x >= a.units) return;
-  if (MK_ATTN_GROUP && a.group) {
+  if (a.group) {
+#if MK_ATTN_GROUP
     attention_group(p, lw, layer, a, pos, done_group, tag, sm, red, win);
+#else
+    __trap();  // the host launched the build without group units for too long a context
+#endif
   } else {
     attention_head(p, lw, layer, a, pos, done_head, tag, sm, red, win);
   }

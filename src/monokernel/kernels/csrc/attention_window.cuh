@@ -22,8 +22,10 @@
 #define MK_ATTN_STAGES 4                          // ring stages of the window
 #define MK_ATTN_PMAX 128                          // positions per stage at most (CHUNK <= 512)
 #define MK_ATTN_MIN_RANGE 64                      // group units: fewest positions per range
-// Timing only (scripts/kernel_variants.py): 0 builds the kernel without group units, to
-// measure what their code costs the short-context path. Wrong past the window: never ship it.
+// 0: a build without group units, for requests whose whole context head units cover (the
+// backend picks it for them, runtime/backends/monokernel.py): their code's registers then
+// weigh on nothing (measured: ~1% of a short-context step on one GPU, ~4% at TP=2). A plan
+// that needs group units traps in such a build.
 #ifndef MK_ATTN_GROUP
 #define MK_ATTN_GROUP 1
 #endif
@@ -71,8 +73,7 @@ __device__ __forceinline__ AttnPlan attn_plan(const Params& p, int pos) {
   const int n = pos + 1;
   const int fit = (n + MK_ATTN_CHUNK - 1) / MK_ATTN_CHUNK;
   AttnPlan a;
-  a.group = MK_ATTN_GROUP &&
-            (p.attn_splits == 0 || fit > p.attn_splits || n >= p.attn_group_from);
+  a.group = p.attn_splits == 0 || fit > p.attn_splits || n >= p.attn_group_from;
   if (a.group) {
     const int want = (n + MK_ATTN_MIN_RANGE - 1) / MK_ATTN_MIN_RANGE;
     a.ns = want < p.attn_group_splits ? want : p.attn_group_splits;

@@ -16,6 +16,7 @@ of earlier conversations; a prompt sharing a prefix with either prefills only th
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -156,14 +157,27 @@ class MonokernelBackend:
             prefix_reuse = os.environ.get("MONOKERNEL_PREFIX_REUSE", "1") != "0"
         self.prefix = PrefixCache(per_token, snapshot_bytes, enabled=prefix_reuse)
         self.filler = CacheFiller(self.prefill, self.prefix, self._snapshot_fits)
-        cubin = kbuild.build(dims)
-        launcher.set_current_context(device.index)
-        self.module = launcher.KernelModule(
-            cubin, kbuild.KERNEL_NAME, dims.smem_bytes(), kbuild.THREADS
-        )
+        self._load_kernels(dims)
         self.grid = torch.cuda.get_device_properties(device).multi_processor_count
         self._alloc_buffers()
         self.stream_ = torch.cuda.Stream(device)
+
+    def _load_kernels(self, dims: kbuild.KernelDims) -> None:
+        """Build (or find cached) and load the two specialisations of the kernel: with group
+        units (any context) and without (contexts head units cover: lighter on registers)."""
+        self.dims = dims
+        launcher.set_current_context(self.device.index)
+        self.module, self.module_short = (
+            launcher.KernelModule(
+                kbuild.build(d), kbuild.KERNEL_NAME, d.smem_bytes(), kbuild.THREADS
+            )
+            for d in (dims, dataclasses.replace(dims, group_units=False))
+        )
+
+    def module_for(self, context: int) -> launcher.KernelModule:
+        """The kernel for a launch whose positions stay below ``context``."""
+        covered = self.dims.head_units_cover(context, self.attn_splits)
+        return self.module_short if covered and context < self.attn_group_from else self.module
 
     def _alloc_buffers(self) -> None:
         cfg, dev, f32 = self.cfg, self.device, torch.float32
@@ -326,7 +340,7 @@ class MonokernelBackend:
         out, cancel_word = self.host_out.words, self.host_cancel.words
         ctypes.memset(ctypes.addressof(out), 0, 4 * 2)
         cancel_word[0] = 0
-        self.module.launch(self.grid, params, self.stream_.cuda_stream)
+        self.module_for(n - 1 + n_steps).launch(self.grid, params, self.stream_.cuda_stream)
         finished = failed = False
 
         def check(stalled_s: float) -> None:
@@ -449,6 +463,7 @@ class MonokernelBackend:
 
     def close(self) -> None:
         self.module.unload()
+        self.module_short.unload()
         self.host_out.free()
         self.host_cancel.free()
         # Subclasses built without prefill (the tensor-parallel ranks) lack some of these.

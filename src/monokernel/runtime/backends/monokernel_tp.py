@@ -106,11 +106,7 @@ class _Rank(MonokernelBackend):
         with torch.cuda.device(device):
             self.cache = KVCache.allocate(cfg, max_seq_len, torch.bfloat16, device)
             self.packed = repack(cfg, weights, max_seq_len, fold=False)
-            cubin = kbuild.build(dims)
-            launcher.set_current_context(device.index)
-            self.module = launcher.KernelModule(
-                cubin, kbuild.KERNEL_NAME, dims.smem_bytes(), kbuild.THREADS
-            )
+            self._load_kernels(dims)
             self.grid = torch.cuda.get_device_properties(device).multi_processor_count
             self._alloc_buffers()
             self.stream_ = torch.cuda.Stream(device)
@@ -269,7 +265,7 @@ class MonokernelTPBackend:
         # its own stream and device, back to back, never waiting in between.
         for rk, p in zip(self.ranks, params, strict=True):
             launcher.set_current_context(rk.device.index)
-            rk.module.launch(rk.grid, p, rk.stream_.cuda_stream)
+            rk.module_for(n - 1 + n_steps).launch(rk.grid, p, rk.stream_.cuda_stream)
         finished = False
 
         def check(stalled_s: float) -> None:

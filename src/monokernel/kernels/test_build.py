@@ -1,0 +1,51 @@
+"""The build's two specialisations (with and without group units) and the context rule that
+picks between them; the compile of the lighter one needs only nvcc."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from monokernel.bench.shapes import SHAPES
+from monokernel.kernels import build as kbuild
+
+
+def test_build_without_group_units_is_its_own_cubin() -> None:
+    dims = kbuild.KernelDims.from_config(SHAPES["llama-3.2-1b"])
+    short = dataclasses.replace(dims, group_units=False)
+    assert "-DMK_ATTN_GROUP=0" in short.defines()
+    assert not any(d.startswith("-DMK_ATTN_GROUP") for d in dims.defines())
+    assert kbuild.cubin_path(dims) != kbuild.cubin_path(short)
+
+
+def test_head_units_cover_contexts_whose_ranges_fit_the_grid(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MONOKERNEL_NVCC_FLAGS", raising=False)
+    dims = kbuild.KernelDims.from_config(SHAPES["llama-3.2-1b"])
+    assert dims.built_attn_chunk() == dims.attn_chunk() == 512
+    splits = 132 // 32  # H100 SMs // heads
+    assert dims.head_units_cover(1, splits)
+    assert dims.head_units_cover(512 * splits, splits)
+    assert not dims.head_units_cover(512 * splits + 1, splits)
+    assert not dims.head_units_cover(1, 0)  # more heads than SMs: group units only
+    monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_ATTN_CHUNK=32")  # as a test forces it
+    assert dims.built_attn_chunk() == 32
+    assert dims.head_units_cover(128, splits)
+    assert not dims.head_units_cover(129, splits)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("shape", ["qwen2.5-coder-1.5b", "odd"])
+def test_build_without_group_units_compiles(shape: str, tmp_path: Path) -> None:
+    dims = dataclasses.replace(kbuild.KernelDims.from_config(SHAPES[shape]), group_units=False)
+    cmd = [
+        kbuild.find_nvcc(), *kbuild.ARCH_FLAGS, "-c", *dims.defines(),
+        "-o", str(tmp_path / "decode.o"), str(kbuild.CSRC / kbuild.ENTRY),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
