@@ -245,6 +245,13 @@ def nvcc_command(dims: KernelDims, out: Path, debug: bool = False) -> list[str]:
     ]
 
 
+def compile_check(dims: KernelDims, out: Path) -> subprocess.CompletedProcess[str]:
+    """Compile the decode kernel for ``dims`` to an object file (no cache, no -Xptxas report):
+    what the CI tests run to keep every shape's build green without a GPU."""
+    cmd = [find_nvcc(), *ARCH_FLAGS, "-c", *dims.defines(), "-o", str(out), str(CSRC / ENTRY)]
+    return subprocess.run(cmd, capture_output=True, text=True, check=False)
+
+
 def cubin_path(dims: KernelDims, debug: bool | None = None) -> Path:
     if debug is None:
         debug = os.environ.get("MONOKERNEL_DEBUG_BUILD") == "1"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -43,9 +42,5 @@ def test_head_units_cover_contexts_whose_ranges_fit_the_grid(
 @pytest.mark.parametrize("shape", ["qwen2.5-coder-1.5b", "odd"])
 def test_build_without_group_units_compiles(shape: str, tmp_path: Path) -> None:
     dims = dataclasses.replace(kbuild.KernelDims.from_config(SHAPES[shape]), group_units=False)
-    cmd = [
-        kbuild.find_nvcc(), *kbuild.ARCH_FLAGS, "-c", *dims.defines(),
-        "-o", str(tmp_path / "decode.o"), str(kbuild.CSRC / kbuild.ENTRY),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = kbuild.compile_check(dims, tmp_path / "decode.o")
     assert proc.returncode == 0, proc.stderr

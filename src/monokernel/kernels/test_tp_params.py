@@ -76,9 +76,5 @@ def test_tp2_kernel_compiles(shape: str, tmp_path: Path) -> None:
     dims = dataclasses.replace(
         kbuild.KernelDims.from_config(rank_config(shard_config(cfg, 0, 2))), tp=2
     )
-    cmd = [
-        kbuild.find_nvcc(), *kbuild.ARCH_FLAGS, "-c", *dims.defines(),
-        "-o", str(tmp_path / "decode.o"), str(kbuild.CSRC / kbuild.ENTRY),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = kbuild.compile_check(dims, tmp_path / "decode.o")
     assert proc.returncode == 0, proc.stderr

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -25,11 +24,7 @@ PROMPT, STEPS = 64, 256
 @pytest.mark.parametrize("shape", ["llama-3.2-1b", "qwen2.5-coder-1.5b", "qwen3-0.6b", "odd"])
 def test_cuda_sources_compile(shape: str, tmp_path) -> None:
     dims = kbuild.KernelDims.from_config(SHAPES[shape])
-    cmd = [
-        "nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-c", *dims.defines(),
-        "-o", str(tmp_path / "decode.o"), str(kbuild.CSRC / kbuild.ENTRY),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = kbuild.compile_check(dims, tmp_path / "decode.o")
     assert proc.returncode == 0, proc.stderr
 
 
