@@ -58,11 +58,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   __syncthreads();
   // The first query head of each group appends the new key/value; the others use the
   // shared-memory copies for this position, so no CTA waits on another's write.
-  if (hq % MK_GROUP == 0 && split == 0 && t < MK_D) {
-    const size_t at = (((size_t)layer * MK_NKV + kvh) * p.max_len + pos) * MK_D + t;
-    p.k_cache[at] = __float2bfloat16(kn[t]);
-    p.v_cache[at] = __float2bfloat16(vn[t]);
-  }
+  if (hq % MK_GROUP == 0 && split == 0) append_kv(p, layer, kvh, pos, kn, vn);
 
   // Scores: a group of CHP lanes reads one key row of the window (contiguous 16-byte chunks,
   // so no bank conflicts) and shuffle-reduces the dot product; the new position is thread
@@ -136,12 +132,14 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
 }
 
 // Stage B for this CTA: its unit of this step's plan, if it has one. done_head / done_group:
-// the running totals of the two kinds' completion counters (decode.cu).
+// the running totals of the two kinds' completion counters, which every CTA (with a unit or
+// not) advances alike by the ranges this layer adds.
 __device__ __forceinline__ void attention_stage(const Params& p, const LayerWeights& lw,
-                                                int layer, int pos, unsigned done_head,
-                                                unsigned done_group, unsigned tag, float* sm,
+                                                int layer, int pos, unsigned& done_head,
+                                                unsigned& done_group, unsigned tag, float* sm,
                                                 float* red, float* win) {
   const AttnPlan a = attn_plan(p, pos);
+  if (a.ns > 1) (a.group ? done_group : done_head) += (unsigned)a.ns;
   if ((int)blockIdx.x >= a.units) return;
   if (a.group) {
 #if MK_ATTN_GROUP

@@ -93,11 +93,7 @@ __device__ void attention_group(const Params& p, const LayerWeights& lw, int lay
   }
   __syncthreads();
   const bool has_pos = r.lo <= pos && pos < r.hi;
-  if (has_pos && t < D) {  // the one unit whose range ends at pos appends its key/value
-    const size_t at = (((size_t)layer * MK_NKV + kvh) * p.max_len + pos) * D + t;
-    p.k_cache[at] = __float2bfloat16(kn[t]);
-    p.v_cache[at] = __float2bfloat16(vn[t]);
-  }
+  if (has_pos) append_kv(p, layer, kvh, pos, kn, vn);  // the unit whose range ends at pos
 
   // Score lanes: k = this lane's chunk of a key row; after the butterfly it holds head hk's
   // sum (SCATTER) and, if it is the first lane of its pair, writes it.

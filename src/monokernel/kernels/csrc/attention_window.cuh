@@ -146,13 +146,31 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
       : "memory");
 }
 
+// Element offset of position `pos`'s row of KV head `kvh` in `layer` of the cache
+// [L, NKV, max_len, D].
+__device__ __forceinline__ size_t kv_row(const Params& p, int layer, int kvh, int pos) {
+  return (((size_t)layer * MK_NKV + kvh) * p.max_len + pos) * MK_D;
+}
+
+// Threads t < D store the new position's rotated key and value (fp32 in shared memory) into
+// the cache as bf16.
+__device__ __forceinline__ void append_kv(const Params& p, int layer, int kvh, int pos,
+                                          const float* kn, const float* vn) {
+  const int t = threadIdx.x;
+  if (t < MK_D) {
+    const size_t at = kv_row(p, layer, kvh, pos) + t;
+    p.k_cache[at] = __float2bfloat16(kn[t]);
+    p.v_cache[at] = __float2bfloat16(vn[t]);
+  }
+}
+
 // One thread: copy the keys and values of `cnt` consecutive cached positions from `first`
 // into ring stage `stage` (a range's positions are contiguous in the cache), plus the RoPE
 // row of `rope_pos` when it is >= 0. The caller has ordered the stage's last ordinary reads
 // before this (a __syncthreads, then fence_window).
 __device__ __forceinline__ void window_fill(const Params& p, int layer, int kvh, int first,
                                             int cnt, int stage, int rope_pos, float* win) {
-  const size_t row0 = (((size_t)layer * MK_NKV + kvh) * p.max_len + first) * MK_D;
+  const size_t row0 = kv_row(p, layer, kvh, first);
   const unsigned kv_bytes = (unsigned)cnt * MK_D * 2, rope_bytes = rope_pos >= 0 ? MK_D * 2 : 0;
   unsigned long long* mbar = window_mbar(win, stage);
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(mbar)),

@@ -161,10 +161,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       mark(p, step, mk++);
 
       // ---- B: attention, one CTA per unit of this step's plan -> attn_out
-      {
-        const AttnPlan plan = attn_plan(p, pos);
-        if (plan.ns > 1) (plan.group ? attn_done_g : attn_done) += (unsigned)plan.ns;
-      }
       attention_stage(p, lw, layer, pos, attn_done, attn_done_g, tag, att, red, kvwin);
       handoff_arrive(flow, p.barrier, bar);
       issue_first<SC::KP, MK_BATCH>(preC, split_first<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, warp), lane);
