@@ -22,7 +22,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   const int cnt = r.hi - r.lo;  // <= CHUNK <= THREADS: one position per thread
   const uint4* ks = reinterpret_cast<const uint4*>(win);
   const uint4* vs = ks + MK_ATTN_CHUNK * CH;
-  const float* rope = win + MK_ATTN_CHUNK * MK_D;
+  const float* rope = window_rope(win);
   float* qs = sm;                  // [D] query, normed, rotated, pre-scaled
   float* kn = qs + MK_D;           // [D] the new key (position pos)
   float* vn = kn + MK_D;           // [D] the new value

@@ -8,6 +8,7 @@
 // after the LM head. Before waiting for its input, each warp issues the first loads of its
 // first row of the next stage (gemv.cuh), so HBM keeps streaming meanwhile.
 #include "attention.cuh"
+#include "ffn_preload.cuh"
 #include "flow.cuh"
 #include "gemv.cuh"
 #include "params.cuh"
@@ -28,6 +29,11 @@
 // The LM head shares stage A's split (and register buffer): a buffer issued on one path
 // only would stay live through every layer and spill.
 #define MK_SPLIT_F MK_SPLIT_A
+// Where the next layer's K/V window fill is issued: 0 after D (inside E's stream), 1 right
+// after this layer's attention (inside C's wait).
+#ifndef MK_WIN_AT
+#define MK_WIN_AT 0
+#endif
 #define MK_XS MK_MAX2(MK_MAX2(MK_H, MK_Q), MK_I)
 
 // Shared memory, in floats: xs [MK_XS] | xres [MK_H] | attention [MK_ATTN_SMEM] | red [64] |
@@ -59,9 +65,32 @@ __device__ __forceinline__ size_t clamp_row(int r, int rows) {
   return (size_t)(r < rows ? r : rows - 1);
 }
 
+// The CTA whose stage marks the profile records (-1: the last one, which has no attention
+// unit at short context).
+#ifndef MK_PROF_CTA
+#define MK_PROF_CTA 0
+#endif
+
+__device__ __forceinline__ bool profiling(const Params& p, int step) {
+  const int cta = MK_PROF_CTA < 0 ? (int)gridDim.x + MK_PROF_CTA : MK_PROF_CTA;
+  return p.timing && step == p.timing_step && (int)blockIdx.x == cta && threadIdx.x == 0;
+}
+
 __device__ __forceinline__ void mark(const Params& p, int step, int idx) {
-  if (p.timing && step == p.timing_step && blockIdx.x == 0 && threadIdx.x == 0)
-    p.timing[idx] = clock64();
+  if (profiling(p, step)) p.timing[idx] = clock64();
+}
+
+// Stage skew (scripts/stage_skew.py, built with -DMK_SKEW=1): every CTA records the global
+// time at 8 points of the middle layer of the profiled step, into timing[10L + 8 + 8 * cta + k]
+// (the host sizes the buffer for it). The marks above show one CTA; this shows who is late.
+__device__ __forceinline__ void skew(const Params& p, int step, int layer, int k) {
+#ifdef MK_SKEW
+  if (p.timing && step == p.timing_step && layer == MK_L / 2 && threadIdx.x == 0) {
+    unsigned long long g;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+    p.timing[10 * MK_L + 8 + 8 * blockIdx.x + k] = (long long)g;
+  }
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Params p) {
@@ -113,7 +142,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     const int pos = p.start_pos + step;
     const int in_tok = p.forced ? p.forced[step] : token;
     int mk = 0;  // timing slot
-    if (p.timing && step == p.timing_step && blockIdx.x == 0 && t == 0) {
+    if (profiling(p, step)) {
       unsigned long long g;
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
       p.timing[10 * MK_L + 5] = (long long)g;
@@ -155,15 +184,21 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
                                      st_flow(p.qkv + r, d, tag);
                                    });
       mark(p, step, mk++);
+      skew(p, step, layer, 0);
       handoff_arrive(flow, p.barrier, bar);
       prefetch_pairs_l2<MK_H>(lw.wgu, MK_I, gw, tw, lane);  // off unless MK_PF_PAIRS > 0
       handoff_wait(flow, p.barrier, bar);
+      ffn_preload(ffn_split(p, pos), lw.wgu, kvwin);  // CTAs without an attention unit
       mark(p, step, mk++);
 
       // ---- B: attention, one CTA per unit of this step's plan -> attn_out
       attention_stage(p, lw, layer, pos, attn_done, attn_done_g, tag, att, red, kvwin);
+      skew(p, step, layer, 1);
       handoff_arrive(flow, p.barrier, bar);
       issue_first<SC::KP, MK_BATCH>(preC, split_first<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, warp), lane);
+#if MK_WIN_AT == 1
+      if (layer + 1 < MK_L) attention_prefetch(p, layer + 1, pos, kvwin);
+#endif
       mark(p, step, mk++);
       handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
@@ -180,9 +215,13 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         st_flow(p.delta + r, d, tag);
 #endif
       });
+      skew(p, step, layer, 2);
       handoff_arrive(flow, p.barrier, bar);
-      issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * clamp_row(gw, MK_I) * MK_H, lane);
-      issue_first<MK_H, MK_BATCH2>(preU, lw.wgu + (2 * clamp_row(gw, MK_I) + 1) * MK_H, lane);
+      {
+        const size_t gp = clamp_row(ffn_split(p, pos).pre + gw, MK_I);  // first streamed pair
+        issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * gp * MK_H, lane);
+        issue_first<MK_H, MK_BATCH2>(preU, lw.wgu + (2 * gp + 1) * MK_H, lane);
+      }
       mark(p, step, mk++);
       handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
@@ -215,9 +254,21 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
           xs[i] = xres[i] * (lw.ffn_gain ? r * lw.ffn_gain[i] : r);
         __syncthreads();
       }
-      gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xs, lane, preG, preU, [&](int r, float g, float u) {
-        if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
-      });
+      {
+        const auto act = [&](int r, float g, float u) {
+          if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
+        };
+        const FfnSplit fs = ffn_split(p, pos);
+        skew(p, step, layer, 3);
+        gemv_pairs<MK_H>(lw.wgu, MK_I, fs.pre + gw, tw, xs, lane, preG, preU, act);
+        // After the streamed pairs: their register buffers are free by then (before them,
+        // the build spilled), and shared-memory rows cost the idle CTA well under a µs.
+        skew(p, step, layer, 4);
+        ffn_preload_wait(fs, kvwin);
+        skew(p, step, layer, 7);
+        ffn_preloaded(fs, xs, kvwin, warp, lane, act);
+        skew(p, step, layer, 5);
+      }
       handoff_arrive(flow, p.barrier, bar);
       issue_first<SE::KP, MK_BATCH>(preE, split_first<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, warp),
                                     lane);
@@ -225,7 +276,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       // steps, so ordered by the barrier that ends every step) are copied into the window now,
       // inside a long bandwidth-bound stage, so the copies' issue and flight stay off the
       // latency-bound A -> B path. Layer 0's copy waits for that barrier (after F).
+#if MK_WIN_AT == 0
       if (layer + 1 < MK_L) attention_prefetch(p, layer + 1, pos, kvwin);
+#endif
       mark(p, step, mk++);
       handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
@@ -240,6 +293,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
                                      st_flow(p.x + r, xres[r] + d, tag);
 #endif
                                    });
+      skew(p, step, layer, 6);
       const bf16* next_first =
           layer + 1 < MK_L
               ? split_first<MK_H, MK_SPLIT_A>(p.layers[layer + 1].wqkv, MK_QKV, warp)
@@ -363,7 +417,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       }
     }
     mark(p, step, mk++);
-    if (p.timing && step == p.timing_step && blockIdx.x == 0 && t == 0) {
+    if (profiling(p, step)) {
       unsigned long long g;
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
       p.timing[mk] = (long long)g;  // with slot 10L+5: ns for the clock64 marks' cycles

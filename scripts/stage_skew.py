@@ -1,0 +1,81 @@
+"""Who is late in a layer: every CTA's global time at the ends of the stages of one layer
+(GPU machine; a build with -DMK_SKEW=1, decode.cu's skew()).
+
+    PYTHONPATH=src python3 scripts/stage_skew.py --shape qwen2.5-coder-1.5b \
+        --variant base= --variant nopre=-DMK_PRE=0
+
+For the middle layer of one decode step, prints per point (A done, B done, C done, D input
+ready, D streamed pairs done, D done, E done) the spread over the CTAs with an attention unit
+and over the others, in µs from the earliest "A done".
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+from monokernel.bench.shapes import SHAPES, random_weights
+from monokernel.kernels import build as kbuild
+from monokernel.kernels.plan import attn_units
+from monokernel.runtime.backends.monokernel import MonokernelBackend
+from monokernel.runtime.sampling import SamplingParams
+
+POINTS = ("A done", "B done", "C done", "D input", "D streamed", "D done", "E done", "D preload")
+
+
+def _skew(backend: MonokernelBackend, prompt: list[int], steps: int, step: int) -> list[list[int]]:
+    L, grid = backend.cfg.num_layers, backend.grid
+    timing = torch.zeros(10 * L + 8 + 8 * grid, dtype=torch.int64, device=backend.device)
+    greedy = SamplingParams(temperature=0.0, max_tokens=steps)
+    for _ in backend._run(prompt, steps, greedy, (), None, timing=timing, timing_step=step):
+        pass
+    torch.cuda.synchronize(backend.device)
+    t = timing.tolist()[10 * L + 8 :]
+    return [t[8 * c : 8 * c + 8] for c in range(grid)]
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=NVCC_FLAGS")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--step", type=int, default=128)
+    args = ap.parse_args(argv)
+    cfg = SHAPES[args.shape]
+    device = torch.device("cuda")
+    weights = random_weights(cfg, device=device, seed=0)
+    prompt = list(range(1, args.prompt_tokens + 1))
+    chunk = kbuild.KernelDims.from_config(cfg).attn_chunk()
+    for v in args.variant or ["default="]:
+        name, flags = v.split("=", 1)
+        os.environ["MONOKERNEL_NVCC_FLAGS"] = f"-DMK_SKEW=1 {flags}".strip()
+        b = MonokernelBackend(cfg, weights, args.prompt_tokens + args.step + 2, device)
+        _skew(b, prompt, args.step + 1, args.step)  # warm-up
+        rows = _skew(b, prompt, args.step + 1, args.step)
+        pos = args.prompt_tokens + args.step
+        units = attn_units(pos, b.grid, cfg.num_heads, cfg.num_kv_heads, chunk)
+        t0 = min(r[0] for r in rows)
+        print(
+            f"\n{args.shape} {name} ({flags or 'no flags'}): layer {cfg.num_layers // 2}, "
+            f"position {pos}, {units} CTAs attend of {b.grid}; µs from the first 'A done'"
+        )
+        print(f"{'point':<11} {'attend min/med/max':>24} {'idle min/med/max':>24}")
+        for k, point in enumerate(POINTS):
+            cells = []
+            for group in (rows[:units], rows[units:]):
+                if not group:
+                    cells.append(f"{'-':>24}")
+                    continue
+                us = [(r[k] - t0) / 1e3 for r in group]
+                cells.append(f"{min(us):>7.2f} {statistics.median(us):>7.2f} {max(us):>7.2f}  ")
+            print(f"{point:<11} {cells[0]} {cells[1]}")
+        b.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
