@@ -2,11 +2,11 @@
 (GPU machine; a build with -DMK_SKEW=1, decode.cu's skew()).
 
     PYTHONPATH=src python3 scripts/stage_skew.py --shape qwen2.5-coder-1.5b \
-        --variant base= --variant nopre=-DMK_PRE=0
+        --variant base= --variant late=-DMK_FLOW=0
 
-For the middle layer of one decode step, prints per point (A done, B done, C done, D input
-ready, D streamed pairs done, D done, E done) the spread over the CTAs with an attention unit
-and over the others, in µs from the earliest "A done".
+For the middle layer of one decode step, prints per point (each stage's input loaded, each
+stage's output written) the spread over the CTAs with an attention unit and over the others,
+in µs from the earliest "A input".
 """
 
 from __future__ import annotations
@@ -24,18 +24,29 @@ from monokernel.kernels.plan import attn_units
 from monokernel.runtime.backends.monokernel import MonokernelBackend
 from monokernel.runtime.sampling import SamplingParams
 
-POINTS = ("A done", "B done", "C done", "D input", "D streamed", "D done", "E done", "D preload")
+POINTS = (
+    "A input",
+    "A done",
+    "B done",
+    "C input",
+    "C done",
+    "D input",
+    "D done",
+    "E input",
+    "E done",
+)
+SLOTS = 12  # MK_SKEW_POINTS in decode.cu
 
 
 def _skew(backend: MonokernelBackend, prompt: list[int], steps: int, step: int) -> list[list[int]]:
     L, grid = backend.cfg.num_layers, backend.grid
-    timing = torch.zeros(10 * L + 8 + 8 * grid, dtype=torch.int64, device=backend.device)
+    timing = torch.zeros(10 * L + 8 + SLOTS * grid, dtype=torch.int64, device=backend.device)
     greedy = SamplingParams(temperature=0.0, max_tokens=steps)
     for _ in backend._run(prompt, steps, greedy, (), None, timing=timing, timing_step=step):
         pass
     torch.cuda.synchronize(backend.device)
     t = timing.tolist()[10 * L + 8 :]
-    return [t[8 * c : 8 * c + 8] for c in range(grid)]
+    return [t[SLOTS * c : SLOTS * c + len(POINTS)] for c in range(grid)]
 
 
 def main(argv: list[str]) -> int:
@@ -61,7 +72,7 @@ def main(argv: list[str]) -> int:
         t0 = min(r[0] for r in rows)
         print(
             f"\n{args.shape} {name} ({flags or 'no flags'}): layer {cfg.num_layers // 2}, "
-            f"position {pos}, {units} CTAs attend of {b.grid}; µs from the first 'A done'"
+            f"position {pos}, {units} CTAs attend of {b.grid}; µs from the first 'A input'"
         )
         print(f"{'point':<11} {'attend min/med/max':>24} {'idle min/med/max':>24}")
         for k, point in enumerate(POINTS):

@@ -104,7 +104,6 @@ class KernelDims:
             "MK_QK_NORM": int(self.qk_norm),
             "MK_SPLIT_E": self.down_split(),
             "MK_ATTN_CHUNK": self.attn_chunk(),
-            "MK_PRE_PAIRS": self.pre_pairs(),
         }
         if self.tp > 1:
             vals["MK_TP"] = self.tp
@@ -130,27 +129,17 @@ class KernelDims:
         group_units = 4 * group + 2 * d + lsum + max(group * (5 * d // 2 + ATTN_PMAX), 8 * THREADS)
         return xs + self.hidden + max(head_units, group_units) + 64
 
-    def _window_free_floats(self) -> int:
-        """Floats of shared memory left for the window region (K/V rows or preloaded pairs)."""
-        tail = 256 * 8 + 256 * 4 + 16 * 4 + 16  # sampling scratch, alignment
-        return (
-            (MAX_SMEM_BYTES - tail) // 4 - self._fixed_smem_floats() - self.window_tail_floats()
-        )
-
     def attn_chunk(self) -> int:
         """Positions of one attention range held in shared memory (K and V, bf16): as many as
         the CTA's shared memory leaves room for, a multiple of 32, at most 512."""
-        return max(0, min(512, self._window_free_floats() // self.head_dim // 32 * 32))
-
-    def pre_pairs(self) -> int:
-        """Gate/up row pairs (2 rows of hidden bf16 = hidden floats) an idle CTA preloads into
-        the same region at most (MK_PRE_PAIRS, ffn_preload.cuh)."""
-        return max(0, self._window_free_floats() // self.hidden)
+        tail = 256 * 8 + 256 * 4 + 16 * 4 + 16  # sampling scratch, alignment
+        free = (MAX_SMEM_BYTES - tail) // 4 - self._fixed_smem_floats() - self.window_tail_floats()
+        return max(0, min(512, free // self.head_dim // 32 * 32))
 
     def window_tail_floats(self) -> int:
-        """After the window region: the RoPE row, an mbarrier (2 floats) and two counters per
-        ring stage and for the preload."""
-        return self.head_dim + 4 * (ATTN_STAGES + 1)
+        """After the window's K and V rows: the RoPE row, one mbarrier (2 floats) and two
+        counters per ring stage."""
+        return self.head_dim + 4 * ATTN_STAGES
 
     def built_attn_chunk(self) -> int:
         """The window the build really has: attn_chunk(), unless MONOKERNEL_NVCC_FLAGS
@@ -165,8 +154,7 @@ class KernelDims:
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA; mirrors the layout comment in decode.cu."""
-        area = max(self.attn_chunk() * self.head_dim, self.pre_pairs() * self.hidden)
-        window = area + self.window_tail_floats()
+        window = self.attn_chunk() * self.head_dim + self.window_tail_floats()
         floats_a = (self._fixed_smem_floats() + window + 3) & ~3
         return floats_a * 4 + 256 * 8 + 256 * 4 + 16 * 4
 

@@ -22,17 +22,21 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   const int cnt = r.hi - r.lo;  // <= CHUNK <= THREADS: one position per thread
   const uint4* ks = reinterpret_cast<const uint4*>(win);
   const uint4* vs = ks + MK_ATTN_CHUNK * CH;
-  const float* rope = window_rope(win);
+  const float* rope = win + MK_ATTN_CHUNK * MK_D;
   float* qs = sm;                  // [D] query, normed, rotated, pre-scaled
   float* kn = qs + MK_D;           // [D] the new key (position pos)
   float* vn = kn + MK_D;           // [D] the new value
   float* sc = vn + MK_D;           // [THREADS] probabilities
   float* part = sc + MK_THREADS;   // [GV, D] per-group partial outputs
 
-  if (t < MK_D) {
-    qs[t] = ld_flow(p.qkv + hq * MK_D + t, tag);
-    kn[t] = ld_flow(p.qkv + MK_Q + kvh * MK_D + t, tag);
-    vn[t] = ld_flow(p.qkv + MK_Q + MK_KV + kvh * MK_D + t, tag);
+  if (t < MK_D) {  // all three loads in flight before waiting for any: one round trip
+    const float* pq = p.qkv + hq * MK_D + t;
+    const float* pk = p.qkv + MK_Q + kvh * MK_D + t;
+    const float* pv = p.qkv + MK_Q + MK_KV + kvh * MK_D + t;
+    const unsigned uq = ld_flow_word(pq), uk = ld_flow_word(pk), uv = ld_flow_word(pv);
+    qs[t] = __uint_as_float(flow_wait_word(pq, uq, tag) & ~MK_TAG_BITS);
+    kn[t] = __uint_as_float(flow_wait_word(pk, uk, tag) & ~MK_TAG_BITS);
+    vn[t] = __uint_as_float(flow_wait_word(pv, uv, tag) & ~MK_TAG_BITS);
   }
   const int stages = max(1, (r.nc + MK_ATTN_P - 1) / MK_ATTN_P);  // filled by the prefetch
   for (int s = 0; s < stages; ++s) window_spin(win, s);

@@ -51,7 +51,7 @@ __device__ void attention_group(const Params& p, const LayerWeights& lw, int lay
   float* part = qs;                                    // [NG, G, D] at the end
   const uint4* ks = reinterpret_cast<const uint4*>(win);
   const uint4* vs = ks + MK_ATTN_CHUNK * CH;
-  const float* rope = window_rope(win);
+  const float* rope = win + MK_ATTN_CHUNK * D;
 
   for (int i = t; i < (G + 2) * D; i += MK_THREADS) {
     const int h = i / D, d = i % D;

@@ -54,19 +54,10 @@
 #if MK_ATTN_CHUNK % 32 || MK_ATTN_CHUNK > 512 || MK_ATTN_P > MK_ATTN_PMAX
 #error "MK_ATTN_CHUNK must be a multiple of 32, at most 512"
 #endif
-// Gate/up row pairs a CTA without an attention unit can hold in the same region while
-// stage B runs (ffn_preload.cuh); build.py passes as many as shared memory leaves room for.
-#ifndef MK_PRE_PAIRS
-#define MK_PRE_PAIRS ((MK_ATTN_CHUNK * MK_D) / MK_H)
-#endif
-// The region both use, in floats: a window's K and V rows or the preloaded pairs (a pair is
-// 2 rows of H bf16 = H floats), whichever is larger.
-#define MK_WIN_AREA MK_MAX2(MK_ATTN_CHUNK * MK_D, MK_PRE_PAIRS * MK_H)
-// Window: K [CHUNK, D] bf16 | V [CHUNK, D] bf16 | (area up to WIN_AREA) | RoPE cos, sin of
-// the new position [D/2 + D/2] fp32 | STAGES + 1 mbarriers (u64; the last one the preload's) |
-// fills waited for per stage, then the preload's (u32; parity = the phase to wait on) | fills
-// issued per stage (u32). Ring stage s is rows [s*P, (s+1)*P) of K and V.
-#define MK_KVWIN_FLOATS (MK_WIN_AREA + MK_D + 4 * MK_ATTN_STAGES + 4)
+// Window: K [CHUNK, D] bf16 | V [CHUNK, D] bf16 | RoPE cos, sin of the new position [D/2 +
+// D/2] fp32 | STAGES mbarriers (u64) | fills waited for per stage (u32; parity = the phase to
+// wait on) | fills issued per stage (u32). Ring stage s is rows [s*P, (s+1)*P) of K and V.
+#define MK_KVWIN_FLOATS (MK_ATTN_CHUNK * MK_D + MK_D + 4 * MK_ATTN_STAGES)
 
 struct AttnPlan {
   bool group;  // group units (else head units)
@@ -119,27 +110,22 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// The RoPE row (cos [D/2], sin [D/2]) of the step's position, fp32.
-__device__ __forceinline__ float* window_rope(float* win) { return win + MK_WIN_AREA; }
-
-// Stage s's mbarrier; s == STAGES: the preload's (ffn_preload.cuh).
 __device__ __forceinline__ unsigned long long* window_mbar(float* win, int stage) {
-  return reinterpret_cast<unsigned long long*>(window_rope(win) + MK_D) + stage;
+  return reinterpret_cast<unsigned long long*>(win + MK_ATTN_CHUNK * MK_D + MK_D) + stage;
 }
 
-// Phases waited for, per ring stage, then the preload's.
 __device__ __forceinline__ unsigned* window_waited(float* win) {
-  return reinterpret_cast<unsigned*>(window_mbar(win, MK_ATTN_STAGES + 1));
+  return reinterpret_cast<unsigned*>(window_mbar(win, MK_ATTN_STAGES));
 }
 
 __device__ __forceinline__ unsigned* window_issued(float* win) {
-  return window_waited(win) + MK_ATTN_STAGES + 1;
+  return window_waited(win) + MK_ATTN_STAGES;
 }
 
 // Once per launch, before the first fill.
 __device__ __forceinline__ void attention_window_init(float* win) {
   if (threadIdx.x == 0) {
-    for (int s = 0; s <= MK_ATTN_STAGES; ++s) {  // and the preload's
+    for (int s = 0; s < MK_ATTN_STAGES; ++s) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(window_mbar(win, s)))
                    : "memory");
       window_waited(win)[s] = 0u;
@@ -196,7 +182,7 @@ __device__ __forceinline__ void window_fill(const Params& p, int layer, int kvh,
     bulk_copy(kw + MK_ATTN_CHUNK * MK_D, p.v_cache + row0, kv_bytes, mbar);
   }
   if (rope_bytes) {
-    float* rope = window_rope(win);
+    float* rope = win + MK_ATTN_CHUNK * MK_D;
     bulk_copy(rope, p.rope_cos + (size_t)rope_pos * (MK_D / 2), rope_bytes, mbar);
     bulk_copy(rope + MK_D / 2, p.rope_sin + (size_t)rope_pos * (MK_D / 2), rope_bytes, mbar);
   }
@@ -254,7 +240,7 @@ __device__ __forceinline__ void window_done(float* win, int stage) {
 // must land first.
 __device__ __forceinline__ void attention_window_drain(float* win) {
   __syncthreads();
-  for (int s = 0; s <= MK_ATTN_STAGES; ++s) {  // and the preload's
+  for (int s = 0; s < MK_ATTN_STAGES; ++s) {
     if (window_waited(win)[s] != window_issued(win)[s]) window_spin(win, s);
   }
   __syncthreads();

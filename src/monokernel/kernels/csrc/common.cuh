@@ -56,25 +56,12 @@ typedef __nv_bfloat16 bf16;
 #define MK_ASSERT(c)
 #endif
 
-#ifndef MK_EVICT_FIRST
-#define MK_EVICT_FIRST 0  // 1: streamed weights marked evict-first in L2 (timing knob)
-#endif
-
 // Weights are read once per token and never reused by the same SM: keep them out of L1.
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   uint4 r;
-#if MK_EVICT_FIRST
-  // ...and first out of L2, so the vectors, the KV cache and the code stay there.
-  unsigned long long pol;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p), "l"(pol));
-#else
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                : "l"(p));
-#endif
   return r;
 }
 

@@ -8,7 +8,6 @@
 // after the LM head. Before waiting for its input, each warp issues the first loads of its
 // first row of the next stage (gemv.cuh), so HBM keeps streaming meanwhile.
 #include "attention.cuh"
-#include "ffn_preload.cuh"
 #include "flow.cuh"
 #include "gemv.cuh"
 #include "params.cuh"
@@ -29,11 +28,6 @@
 // The LM head shares stage A's split (and register buffer): a buffer issued on one path
 // only would stay live through every layer and spill.
 #define MK_SPLIT_F MK_SPLIT_A
-// Where the next layer's K/V window fill is issued: 0 after D (inside E's stream), 1 right
-// after this layer's attention (inside C's wait).
-#ifndef MK_WIN_AT
-#define MK_WIN_AT 0
-#endif
 #define MK_XS MK_MAX2(MK_MAX2(MK_H, MK_Q), MK_I)
 
 // Shared memory, in floats: xs [MK_XS] | xres [MK_H] | attention [MK_ATTN_SMEM] | red [64] |
@@ -81,14 +75,16 @@ __device__ __forceinline__ void mark(const Params& p, int step, int idx) {
 }
 
 // Stage skew (scripts/stage_skew.py, built with -DMK_SKEW=1): every CTA records the global
-// time at 8 points of the middle layer of the profiled step, into timing[10L + 8 + 8 * cta + k]
-// (the host sizes the buffer for it). The marks above show one CTA; this shows who is late.
+// time at the points k < MK_SKEW_POINTS of the middle layer of the profiled step, into
+// timing[10L + 8 + MK_SKEW_POINTS * cta + k] (the host sizes the buffer for it). The marks
+// above show one CTA; this shows who is late.
+#define MK_SKEW_POINTS 12
 __device__ __forceinline__ void skew(const Params& p, int step, int layer, int k) {
 #ifdef MK_SKEW
   if (p.timing && step == p.timing_step && layer == MK_L / 2 && threadIdx.x == 0) {
     unsigned long long g;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
-    p.timing[10 * MK_L + 8 + 8 * blockIdx.x + k] = (long long)g;
+    p.timing[10 * MK_L + 8 + MK_SKEW_POINTS * blockIdx.x + k] = (long long)g;
   }
 #endif
 }
@@ -176,6 +172,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         load_vec<MK_H>(xs, p.x, tag_x, true, p.eps, red, lw.attn_gain);
 #endif
       }
+      skew(p, step, layer, 0);
       gemv_split<MK_H, MK_SPLIT_A>(lw.wqkv, MK_QKV, xs, part, warp, lane, preA,
                                    [&](int r, float d) {
 #if MK_QKV_BIAS
@@ -184,27 +181,24 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
                                      st_flow(p.qkv + r, d, tag);
                                    });
       mark(p, step, mk++);
-      skew(p, step, layer, 0);
+      skew(p, step, layer, 1);
       handoff_arrive(flow, p.barrier, bar);
       prefetch_pairs_l2<MK_H>(lw.wgu, MK_I, gw, tw, lane);  // off unless MK_PF_PAIRS > 0
       handoff_wait(flow, p.barrier, bar);
-      ffn_preload(ffn_split(p, pos), lw.wgu, kvwin);  // CTAs without an attention unit
       mark(p, step, mk++);
 
       // ---- B: attention, one CTA per unit of this step's plan -> attn_out
       attention_stage(p, lw, layer, pos, attn_done, attn_done_g, tag, att, red, kvwin);
-      skew(p, step, layer, 1);
+      skew(p, step, layer, 2);
       handoff_arrive(flow, p.barrier, bar);
       issue_first<SC::KP, MK_BATCH>(preC, split_first<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, warp), lane);
-#if MK_WIN_AT == 1
-      if (layer + 1 < MK_L) attention_prefetch(p, layer + 1, pos, kvwin);
-#endif
       mark(p, step, mk++);
       handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
 
       // ---- C: O projection -> delta [H]
       load_vec<MK_Q>(xs, p.attn_out, tag, false, p.eps, red);
+      skew(p, step, layer, 3);
       gemv_split<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, xs, part, warp, lane, preC, [&](int r, float d) {
 #if MK_TP > 1
         tp_send(p, tag_c, r, d);  // partial, bias-free: o-bias is added once after the sum (D)
@@ -215,13 +209,10 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         st_flow(p.delta + r, d, tag);
 #endif
       });
-      skew(p, step, layer, 2);
+      skew(p, step, layer, 4);
       handoff_arrive(flow, p.barrier, bar);
-      {
-        const size_t gp = clamp_row(ffn_split(p, pos).pre + gw, MK_I);  // first streamed pair
-        issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * gp * MK_H, lane);
-        issue_first<MK_H, MK_BATCH2>(preU, lw.wgu + (2 * gp + 1) * MK_H, lane);
-      }
+      issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * clamp_row(gw, MK_I) * MK_H, lane);
+      issue_first<MK_H, MK_BATCH2>(preU, lw.wgu + (2 * clamp_row(gw, MK_I) + 1) * MK_H, lane);
       mark(p, step, mk++);
       handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
@@ -240,35 +231,19 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
           s2 += v * v;
         }
 #else
-        // x and delta land in xres and xs; each thread sums the elements it loaded itself.
-        load_flow<MK_H>(xres, p.x, tag_x);
-        load_flow<MK_H>(xs, p.delta, tag);
-        for (int i = t; i < MK_H; i += MK_THREADS) {
-          const float v = xres[i] + xs[i];
-          xres[i] = v;
-          s2 += v * v;
-        }
+        // x and delta in one round trip (xs is scratch for delta); xres <- x + delta.
+        s2 = load_flow_sum<MK_H>(xres, p.x, tag_x, xs, p.delta, tag);  // block_sum syncs
 #endif
         const float r = rsqrtf(block_sum(s2, red) / MK_H + p.eps);
         for (int i = t; i < MK_H; i += MK_THREADS)
           xs[i] = xres[i] * (lw.ffn_gain ? r * lw.ffn_gain[i] : r);
         __syncthreads();
       }
-      {
-        const auto act = [&](int r, float g, float u) {
-          if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
-        };
-        const FfnSplit fs = ffn_split(p, pos);
-        skew(p, step, layer, 3);
-        gemv_pairs<MK_H>(lw.wgu, MK_I, fs.pre + gw, tw, xs, lane, preG, preU, act);
-        // After the streamed pairs: their register buffers are free by then (before them,
-        // the build spilled), and shared-memory rows cost the idle CTA well under a µs.
-        skew(p, step, layer, 4);
-        ffn_preload_wait(fs, kvwin);
-        skew(p, step, layer, 7);
-        ffn_preloaded(fs, xs, kvwin, warp, lane, act);
-        skew(p, step, layer, 5);
-      }
+      skew(p, step, layer, 5);
+      gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xs, lane, preG, preU, [&](int r, float g, float u) {
+        if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
+      });
+      skew(p, step, layer, 6);
       handoff_arrive(flow, p.barrier, bar);
       issue_first<SE::KP, MK_BATCH>(preE, split_first<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, warp),
                                     lane);
@@ -276,15 +251,14 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       // steps, so ordered by the barrier that ends every step) are copied into the window now,
       // inside a long bandwidth-bound stage, so the copies' issue and flight stay off the
       // latency-bound A -> B path. Layer 0's copy waits for that barrier (after F).
-#if MK_WIN_AT == 0
       if (layer + 1 < MK_L) attention_prefetch(p, layer + 1, pos, kvwin);
-#endif
       mark(p, step, mk++);
       handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
 
       // ---- E: down projection + residual -> x [H]
       load_vec<MK_I>(xs, p.act, tag, false, p.eps, red);
+      skew(p, step, layer, 7);
       gemv_split<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, xs, part, warp, lane, preE,
                                    [&](int r, float d) {
 #if MK_TP > 1
@@ -293,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
                                      st_flow(p.x + r, xres[r] + d, tag);
 #endif
                                    });
-      skew(p, step, layer, 6);
+      skew(p, step, layer, 8);
       const bf16* next_first =
           layer + 1 < MK_L
               ? split_first<MK_H, MK_SPLIT_A>(p.layers[layer + 1].wqkv, MK_QKV, warp)

@@ -3,8 +3,8 @@
 // Every activation vector a stage hands to the next (qkv, attn_out, delta, act, x) is written
 // once per layer, each element with the layer's generation in its low 8 bits: the value is
 // rounded to 16 significant bits (relative error <= 2^-16, far below bf16 weights' 2^-9) and
-// the freed byte carries the tag. A reader spins on each element until its tag is the one it
-// wants, so the data itself is the signal: no fence, no counter, no second round trip to read
+// the freed byte carries the tag. A reader re-reads each element until its tag is the one it
+// wants (a whole vector per round trip: load_flow), so the data itself is the signal: no fence, no counter, no second round trip to read
 // the vector after the barrier says it is there. This is the trick of NCCL's LL protocol with
 // the flag folded into the value, so the vectors keep their size (a 16-byte {value, tag} pair
 // would double the L2 traffic of every CTA's input load).
@@ -36,9 +36,6 @@
 #endif
 
 #define MK_TAG_BITS 0xffu
-#ifndef MK_FLOW_G
-#define MK_FLOW_G 8  // loads in flight per thread in load_flow
-#endif
 
 __device__ __forceinline__ unsigned flow_tag(int step, int layer) {
   return (unsigned)(1 + step * (MK_L + 1) + layer + 1) & MK_TAG_BITS;
@@ -72,30 +69,127 @@ __device__ __forceinline__ float ld_flow(const float* p, unsigned tag) {
   return __uint_as_float(flow_wait_word(p, ld_flow_word(p), tag) & ~MK_TAG_BITS);
 }
 
-// xs[i] <- src[i] for this thread's elements i = threadIdx.x + j * THREADS of K, waiting for
-// `tag`; returns the thread's sum of squares. Issues G loads before checking any, so a vector
-// that is already there costs one round trip, not K / THREADS of them.
+// Vectors into shared memory in one round trip. Each thread copies its 16-byte chunks
+// i = threadIdx.x + j * THREADS with cp.async (L2 only, so what other SMs wrote; no registers
+// held while they fly, so every chunk of the vector is in flight at once), then checks the
+// tags of what landed and fetches again just the chunks some producer has not written yet.
+// A vector that is already there costs one round trip, whatever its length. (The per-element
+// loads this replaced went in batches of 8 a thread, one round trip each: 3 for an
+// 8,960-float vector.) Word-sized stores by the producers and a tag in every word make a
+// 16-byte copy that mixes old and new words harmless: those words just fail the check.
+template <int K>
+struct FlowChunks {
+  static_assert(K % 4 == 0, "flow vectors are fetched in 16-byte chunks");
+  static constexpr int C = K / 4;                                  // chunks
+  static constexpr int N = (C + MK_THREADS - 1) / MK_THREADS;      // chunks per thread
+  static_assert(N <= 32, "a pending mask holds one bit per chunk of a thread");
+  // Bit j: chunk threadIdx.x + j * THREADS exists.
+  __device__ static unsigned all() {
+    unsigned m = 0;
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if ((int)threadIdx.x + j * MK_THREADS < C) m |= 1u << j;
+    return m;
+  }
+};
+
+// Issue cp.async for this thread's chunks in `pending` (not yet committed).
+template <int K>
+__device__ __forceinline__ void flow_issue(float* dst, const float* src, unsigned pending) {
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+#pragma unroll
+  for (int j = 0; j < FlowChunks<K>::N; ++j) {
+    const int i = threadIdx.x + j * MK_THREADS;
+    if (pending >> j & 1u)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + 16u * i),
+                   "l"(src + 4 * i)
+                   : "memory");
+  }
+}
+
+__device__ __forceinline__ void flow_landed() {
+  asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
+}
+
+// The chunks of `pending` whose words do not all carry `tag` yet.
+template <int K>
+__device__ __forceinline__ unsigned flow_stale(const float* dst, unsigned tag, unsigned pending) {
+  unsigned stale = 0;
+#pragma unroll
+  for (int j = 0; j < FlowChunks<K>::N; ++j) {
+    const int i = threadIdx.x + j * MK_THREADS;
+    if (pending >> j & 1u) {
+      const uint4 u = reinterpret_cast<const uint4*>(dst)[i];
+      if (((u.x ^ tag) | (u.y ^ tag) | (u.z ^ tag) | (u.w ^ tag)) & MK_TAG_BITS) stale |= 1u << j;
+    }
+  }
+  return stale;
+}
+
+// A producer that never writes means a bug: trap after ~10 s rather than hang.
+__device__ __forceinline__ void flow_deadline(long long t0) {
+  if (clock64() - t0 > 20000000000LL) __trap();
+}
+
+// This thread's element k (0..3) of chunk j, tag cleared.
+template <int K>
+__device__ __forceinline__ float flow_value(const float* dst, int j, int k) {
+  const int i = 4 * (threadIdx.x + j * MK_THREADS) + k;
+  return __uint_as_float(__float_as_uint(dst[i]) & ~MK_TAG_BITS);
+}
+
+// xs[0..K) <- src (written by other CTAs with `tag`); returns this thread's sum of squares
+// over the elements it fetched. Callers __syncthreads before others read xs.
 template <int K>
 __device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned tag) {
+  using F = FlowChunks<K>;
+  const long long t0 = clock64();
+  for (unsigned pending = F::all(); pending;) {
+    flow_issue<K>(xs, src, pending);
+    flow_landed();
+    pending = flow_stale<K>(xs, tag, pending);
+    if (pending) flow_deadline(t0);
+  }
   float ss = 0.f;
-  constexpr int N = (K + MK_THREADS - 1) / MK_THREADS;
-  constexpr int G = N < MK_FLOW_G ? N : MK_FLOW_G;
-  // Batches not unrolled: unrolled, the spin loops of every batch held registers across the
-  // stage and spilled (ptxas, Llama shape: 202 bytes).
-#pragma unroll 1
-  for (int j0 = 0; j0 < N; j0 += G) {
-    unsigned u[G];
 #pragma unroll
-    for (int j = 0; j < G; ++j) {
-      const int i = threadIdx.x + (j0 + j) * MK_THREADS;
-      u[j] = (j0 + j < N && i < K) ? ld_flow_word(src + i) : tag;
+  for (int j = 0; j < F::N; ++j) {
+    if ((int)threadIdx.x + j * MK_THREADS < F::C) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float v = flow_value<K>(xs, j, k);
+        xs[4 * (threadIdx.x + j * MK_THREADS) + k] = v;
+        ss += v * v;
+      }
     }
+  }
+  return ss;
+}
+
+// Two vectors of K in one round trip: a <- src_a (tag_a), b <- src_b (tag_b). Then
+// a[i] += b[i] for this thread's elements; returns their sum of squares (stage D's
+// residual: x + the O-projection's output).
+template <int K>
+__device__ __forceinline__ float load_flow_sum(float* a, const float* src_a, unsigned tag_a,
+                                               float* b, const float* src_b, unsigned tag_b) {
+  using F = FlowChunks<K>;
+  const long long t0 = clock64();
+  unsigned pa = F::all(), pb = pa;
+  while (pa | pb) {
+    flow_issue<K>(a, src_a, pa);
+    flow_issue<K>(b, src_b, pb);
+    flow_landed();
+    pa = flow_stale<K>(a, tag_a, pa);
+    pb = flow_stale<K>(b, tag_b, pb);
+    if (pa | pb) flow_deadline(t0);
+  }
+  float ss = 0.f;
 #pragma unroll
-    for (int j = 0; j < G; ++j) {
-      const int i = threadIdx.x + (j0 + j) * MK_THREADS;
-      if (j0 + j < N && i < K) {
-        const float v = __uint_as_float(flow_wait_word(src + i, u[j], tag) & ~MK_TAG_BITS);
-        xs[i] = v;
+  for (int j = 0; j < F::N; ++j) {
+    if ((int)threadIdx.x + j * MK_THREADS < F::C) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float v = flow_value<K>(a, j, k) + flow_value<K>(b, j, k);
+        a[4 * (threadIdx.x + j * MK_THREADS) + k] = v;
         ss += v * v;
       }
     }
