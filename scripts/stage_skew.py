@@ -34,8 +34,11 @@ POINTS = (
     "D done",
     "E input",
     "E done",
+    "B qkv+win",  # head units only: q, k, v and the K/V window in shared memory
+    "B scores",
+    "B softmax",
 )
-SLOTS = 12  # MK_SKEW_POINTS in decode.cu
+SLOTS = 12  # MK_SKEW_POINTS in csrc/probes.cuh
 
 
 def _skew(backend: MonokernelBackend, prompt: list[int], steps: int, step: int) -> list[list[int]]:

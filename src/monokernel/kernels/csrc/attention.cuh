@@ -5,6 +5,7 @@
 #pragma once
 #include "attention_group.cuh"
 #include "attention_window.cuh"
+#include "probes.cuh"
 
 // Query head hq over range `split` of a.ns. One range: writes the normalised output to
 // attn_out. Several: writes the unnormalised output sum_i exp(s_i - m) v_i and (m, l =
@@ -41,6 +42,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   const int stages = max(1, (r.nc + MK_ATTN_P - 1) / MK_ATTN_P);  // filled by the prefetch
   for (int s = 0; s < stages; ++s) window_spin(win, s);
   __syncthreads();
+  skew(p, pos - p.start_pos, layer, 9);
   if (t == 0)
     for (int s = 0; s < stages; ++s) window_done(win, s);
 #if MK_QK_NORM
@@ -65,38 +67,71 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   if (hq % MK_GROUP == 0 && split == 0) append_kv(p, layer, kvh, pos, kn, vn);
 
   // Scores: a group of CHP lanes reads one key row of the window (contiguous 16-byte chunks,
-  // so no bank conflicts) and shuffle-reduces the dot product; the new position is thread
-  // nc's, from the fp32 key.
+  // so no bank conflicts) and shuffle-reduces the dot product, two positions at a time
+  // (independent chains: half the dependent passes); the new position (jj == nc, when the
+  // range ends at pos) is dotted the same way with the fp32 key. Lane k's chunk of the query
+  // is the same in every pass: held in registers (read per pass, its strided 32-byte rows
+  // made the passes shared-memory bound: 0.33 µs each, perf notes step 20).
   constexpr int CHP = CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
-  constexpr int PPP = MK_THREADS / CHP;  // window positions per pass
-  for (int pass = 0; pass < (r.nc + PPP - 1) / PPP; ++pass) {  // same trip count CTA-wide
-    const int jj = pass * PPP + t / CHP, k = t % CHP;
-    float d = 0.f;
-    if (jj < r.nc && k < CH) d = dot8(ks[jj * CH + k], qs, k);
+  constexpr int PPP = MK_THREADS / CHP;  // positions per pass and chain
+  constexpr int U = 2;                   // chains
+  {
+    const int k = t % CHP;
+    float4 q0 = make_float4(0.f, 0.f, 0.f, 0.f), q1 = q0;
+    if (k < CH) {
+      q0 = reinterpret_cast<const float4*>(qs)[2 * k];
+      q1 = reinterpret_cast<const float4*>(qs)[2 * k + 1];
+    }
+    for (int pass = 0; pass < (cnt + U * PPP - 1) / (U * PPP); ++pass) {  // same count CTA-wide
+      float d[U];
 #pragma unroll
-    for (int o = CHP / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-    if (k == 0 && jj < r.nc) sc[jj] = d;
+      for (int u = 0; u < U; ++u) {
+        const int jj = (pass * U + u) * PPP + t / CHP;
+        d[u] = 0.f;
+        if (k < CH) {
+          if (jj < r.nc) {
+            d[u] = dot8x(ks[jj * CH + k], q0, q1);
+          } else if (jj < cnt) {
+            const float4* kp = reinterpret_cast<const float4*>(kn) + 2 * k;
+            const float4 k0 = kp[0], k1 = kp[1];
+            d[u] = k0.x * q0.x + k0.y * q0.y + k0.z * q0.z + k0.w * q0.w + k1.x * q1.x +
+                   k1.y * q1.y + k1.z * q1.z + k1.w * q1.w;
+          }
+        }
+      }
+#pragma unroll
+      for (int o = CHP / 2; o > 0; o >>= 1) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) d[u] += __shfl_xor_sync(0xffffffffu, d[u], o);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int jj = (pass * U + u) * PPP + t / CHP;
+        if (k == 0 && jj < cnt) sc[jj] = d[u];
+      }
+    }
   }
   __syncthreads();
-  float s = -INFINITY;
-  if (t < r.nc) {
-    s = sc[t];
-  } else if (t < cnt) {  // t == nc: the new position (the range ends at pos)
-    float d = 0.f;
-    for (int k = 0; k < MK_D; ++k) d = fmaf(kn[k], qs[k], d);
-    s = d;
+  skew(p, pos - p.start_pos, layer, 10);
+  // Softmax statistics: every warp reduces all the scores itself (the same lanes in the same
+  // order, so every warp gets the same m and l), which needs no block-wide reduction and no
+  // barrier; P·V exponentiates the scores it uses.
+  float m = -INFINITY, l = 0.f;
+  {
+    const int lane = t & 31;
+    for (int i = lane; i < cnt; i += 32) m = fmaxf(m, sc[i]);
+    m = warp_max(m);
+    for (int i = lane; i < cnt; i += 32) l += expf(sc[i] - m);
+    l = warp_sum(l);
   }
-  const float m = block_max(s, red);
-  const float pr = (s == -INFINITY) ? 0.f : expf(s - m);
-  sc[t] = pr;
-  const float l = block_sum(pr, red);  // also orders sc[] writes before the reads below
+  skew(p, pos - p.start_pos, layer, 11);
 
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   const int c = t % CH, g = t / CH;
   if (g < GV) {
 #pragma unroll 4
     for (int i = g; i < cnt; i += GV) {
-      const float w = sc[i];
+      const float w = expf(sc[i] - m);
       if (i == r.nc) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] = fmaf(w, vn[8 * c + e], acc[e]);
@@ -108,8 +143,10 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
         acc[6] = fmaf(w, bf_lo(u.w), acc[6]); acc[7] = fmaf(w, bf_hi(u.w), acc[7]);
       }
     }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) part[g * MK_D + 8 * c + e] = acc[e];
+    // Two 16-byte stores (eight 4-byte ones at a 32-byte lane stride were 8-way bank conflicts).
+    float4* pp = reinterpret_cast<float4*>(part + g * MK_D + 8 * c);
+    pp[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    pp[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
   }
   __syncthreads();
   if (a.ns == 1) {

@@ -249,8 +249,9 @@ __device__ void attention_group(const Params& p, const LayerWeights& lw, int lay
     __syncthreads();
   }
   if (g < NG) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) part[(g * G + hg) * D + 8 * c + e] = acc[e];
+    float4* pp = reinterpret_cast<float4*>(part + (g * G + hg) * D + 8 * c);  // no conflicts
+    pp[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    pp[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
     if (c == 0) lpart[g * G + hg] = lsum;
   }
   __syncthreads();

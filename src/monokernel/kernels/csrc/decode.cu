@@ -11,6 +11,7 @@
 #include "flow.cuh"
 #include "gemv.cuh"
 #include "params.cuh"
+#include "probes.cuh"
 #include "sampling.cuh"
 #include "tp.cuh"
 
@@ -57,36 +58,6 @@ __device__ __forceinline__ void load_vec(float* xs, const float* src, unsigned t
 // register buffer is written on every path (no values carried around the loops, no spills).
 __device__ __forceinline__ size_t clamp_row(int r, int rows) {
   return (size_t)(r < rows ? r : rows - 1);
-}
-
-// The CTA whose stage marks the profile records (-1: the last one, which has no attention
-// unit at short context).
-#ifndef MK_PROF_CTA
-#define MK_PROF_CTA 0
-#endif
-
-__device__ __forceinline__ bool profiling(const Params& p, int step) {
-  const int cta = MK_PROF_CTA < 0 ? (int)gridDim.x + MK_PROF_CTA : MK_PROF_CTA;
-  return p.timing && step == p.timing_step && (int)blockIdx.x == cta && threadIdx.x == 0;
-}
-
-__device__ __forceinline__ void mark(const Params& p, int step, int idx) {
-  if (profiling(p, step)) p.timing[idx] = clock64();
-}
-
-// Stage skew (scripts/stage_skew.py, built with -DMK_SKEW=1): every CTA records the global
-// time at the points k < MK_SKEW_POINTS of the middle layer of the profiled step, into
-// timing[10L + 8 + MK_SKEW_POINTS * cta + k] (the host sizes the buffer for it). The marks
-// above show one CTA; this shows who is late.
-#define MK_SKEW_POINTS 12
-__device__ __forceinline__ void skew(const Params& p, int step, int layer, int k) {
-#ifdef MK_SKEW
-  if (p.timing && step == p.timing_step && layer == MK_L / 2 && threadIdx.x == 0) {
-    unsigned long long g;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
-    p.timing[10 * MK_L + 8 + MK_SKEW_POINTS * blockIdx.x + k] = (long long)g;
-  }
-#endif
 }
 
 extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Params p) {

@@ -35,9 +35,8 @@ __device__ __forceinline__ void issue_first(uint4 (&buf)[RowShape<K, BATCH>::B],
   }
 }
 
-__device__ __forceinline__ float dot8(const uint4 u, const float* __restrict__ xs, int c) {
-  const float4* xp = reinterpret_cast<const float4*>(xs);
-  const float4 a = xp[2 * c], b = xp[2 * c + 1];
+// Dot of 8 bf16 weights with the 8 floats (a, b).
+__device__ __forceinline__ float dot8x(const uint4 u, const float4 a, const float4 b) {
   float acc = bf_lo(u.x) * a.x;
   acc = fmaf(bf_hi(u.x), a.y, acc);
   acc = fmaf(bf_lo(u.y), a.z, acc);
@@ -47,6 +46,12 @@ __device__ __forceinline__ float dot8(const uint4 u, const float* __restrict__ x
   acc = fmaf(bf_lo(u.w), b.z, acc);
   acc = fmaf(bf_hi(u.w), b.w, acc);
   return acc;
+}
+
+// Dot of 16-byte chunk c of a bf16 row with the same 8 floats of xs.
+__device__ __forceinline__ float dot8(const uint4 u, const float* __restrict__ xs, int c) {
+  const float4* xp = reinterpret_cast<const float4*>(xs);
+  return dot8x(u, xp[2 * c], xp[2 * c + 1]);
 }
 
 // Lane-partial dot of row w with xs; the first batch was issued earlier into `first`.
