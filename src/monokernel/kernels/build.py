@@ -103,6 +103,7 @@ class KernelDims:
             "MK_O_BIAS": int(self.o_bias),
             "MK_QK_NORM": int(self.qk_norm),
             "MK_SPLIT_E": self.down_split(),
+            "MK_BATCH2": self.gate_up_batch(),
             "MK_ATTN_CHUNK": self.attn_chunk(),
         }
         if self.tp > 1:
@@ -119,6 +120,14 @@ class KernelDims:
             if chunks % split == 0 and -(-chunks // split // 32) <= BATCH:
                 return split
         return 16 if (self.intermediate // 8) % 16 == 0 else 1
+
+    def gate_up_batch(self) -> int:
+        """Loads per lane in flight per gate/up row (MK_BATCH2): 5 for hidden >= 2048 in the
+        build without group units, else 4. Measured on an H100 (docs/perf-notes.md, step 22):
+        Llama-3.2-1B 1,016 vs 1,032 and 1,021 vs 1,033 µs/token with 5; Qwen2.5-Coder-1.5B
+        (hidden 1536) 1,480 vs 1,456, its build spilling 52 bytes with 5. The build with group
+        units carries more registers already (Llama's spills 52 -> 68 bytes with 5): kept at 4."""
+        return 5 if self.hidden >= 2048 and not self.group_units else 4
 
     def _fixed_smem_floats(self) -> int:
         xs = max(self.hidden, self.q_size, self.intermediate)
