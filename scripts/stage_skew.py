@@ -63,7 +63,6 @@ def main(argv: list[str]) -> int:
     device = torch.device("cuda")
     weights = random_weights(cfg, device=device, seed=0)
     prompt = list(range(1, args.prompt_tokens + 1))
-    chunk = kbuild.KernelDims.from_config(cfg).attn_chunk()
     for v in args.variant or ["default="]:
         name, flags = v.split("=", 1)
         os.environ["MONOKERNEL_NVCC_FLAGS"] = f"-DMK_SKEW=1 {flags}".strip()
@@ -71,6 +70,7 @@ def main(argv: list[str]) -> int:
         _skew(b, prompt, args.step + 1, args.step)  # warm-up
         rows = _skew(b, prompt, args.step + 1, args.step)
         pos = args.prompt_tokens + args.step
+        chunk = kbuild.KernelDims.from_config(cfg).built_attn_chunk()  # flags may set it
         units = attn_units(pos, b.grid, cfg.num_heads, cfg.num_kv_heads, chunk)
         t0 = min(r[0] for r in rows)
         print(
@@ -81,10 +81,10 @@ def main(argv: list[str]) -> int:
         for k, point in enumerate(POINTS):
             cells = []
             for group in (rows[:units], rows[units:]):
-                if not group:
+                us = [(r[k] - t0) / 1e3 for r in group if r[k]]  # 0: the CTA never got there
+                if not us:
                     cells.append(f"{'-':>24}")
                     continue
-                us = [(r[k] - t0) / 1e3 for r in group]
                 cells.append(f"{min(us):>7.2f} {statistics.median(us):>7.2f} {max(us):>7.2f}  ")
             print(f"{point:<11} {cells[0]} {cells[1]}")
         b.close()
