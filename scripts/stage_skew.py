@@ -22,7 +22,6 @@ from monokernel.bench.shapes import SHAPES, random_weights
 from monokernel.kernels import build as kbuild
 from monokernel.kernels.plan import attn_units
 from monokernel.runtime.backends.monokernel import MonokernelBackend
-from monokernel.runtime.sampling import SamplingParams
 
 POINTS = (
     "A input",
@@ -43,12 +42,7 @@ SLOTS = 12  # MK_SKEW_POINTS in csrc/probes.cuh
 
 def _skew(backend: MonokernelBackend, prompt: list[int], steps: int, step: int) -> list[list[int]]:
     L, grid = backend.cfg.num_layers, backend.grid
-    timing = torch.zeros(10 * L + 8 + SLOTS * grid, dtype=torch.int64, device=backend.device)
-    greedy = SamplingParams(temperature=0.0, max_tokens=steps)
-    for _ in backend._run(prompt, steps, greedy, (), None, timing=timing, timing_step=step):
-        pass
-    torch.cuda.synchronize(backend.device)
-    t = timing.tolist()[10 * L + 8 :]
+    t = backend.timed_run(prompt, steps, step, extra=SLOTS * grid)[10 * L + 8 :]
     return [t[SLOTS * c : SLOTS * c + len(POINTS)] for c in range(grid)]
 
 

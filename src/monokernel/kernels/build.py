@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from monokernel.errors import BackendUnavailableError, UnsupportedModelError
+from monokernel.kernels.plan import head_units_fit
 from monokernel.models.config import ModelConfig
 
 CSRC = Path(__file__).parent / "csrc"
@@ -159,7 +160,7 @@ class KernelDims:
     def head_units_cover(self, context: int, heads_splits: int) -> bool:
         """Whether stage B's plan (attention_window.cuh) uses head units only, up to
         ``context`` positions, given ``heads_splits`` = grid // heads."""
-        return heads_splits > 0 and -(-context // self.built_attn_chunk()) <= heads_splits
+        return head_units_fit(context, self.built_attn_chunk(), heads_splits)
 
     def smem_bytes(self) -> int:
         """Dynamic shared memory of one CTA; mirrors the layout comment in decode.cu."""

@@ -71,7 +71,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   // (independent chains: half the dependent passes); the new position (jj == nc, when the
   // range ends at pos) is dotted the same way with the fp32 key. Lane k's chunk of the query
   // is the same in every pass: held in registers (read per pass, its strided 32-byte rows
-  // made the passes shared-memory bound: 0.33 µs each, perf notes step 20).
+  // made the passes shared-memory bound: 0.33 µs each, perf notes step 21).
   constexpr int CHP = CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
   constexpr int PPP = MK_THREADS / CHP;  // positions per pass and chain
   constexpr int U = 2;                   // chains

@@ -4,10 +4,11 @@
 // once per layer, each element with the layer's generation in its low 8 bits: the value is
 // rounded to 16 significant bits (relative error <= 2^-16, far below bf16 weights' 2^-9) and
 // the freed byte carries the tag. A reader re-reads each element until its tag is the one it
-// wants (a whole vector per round trip: load_flow), so the data itself is the signal: no fence, no counter, no second round trip to read
-// the vector after the barrier says it is there. This is the trick of NCCL's LL protocol with
-// the flag folded into the value, so the vectors keep their size (a 16-byte {value, tag} pair
-// would double the L2 traffic of every CTA's input load).
+// wants (a whole vector per round trip: load_flow), so the data itself is the signal: no
+// fence, no counter, no second round trip to read the vector after the barrier says it is
+// there. This is the trick of NCCL's LL protocol with the flag folded into the value, so the
+// vectors keep their size (a 16-byte {value, tag} pair would double the L2 traffic of every
+// CTA's input load).
 //
 // Tags. Generation g(step, layer) = 1 + step * (L + 1) + layer + 1, layer in [-1, L): -1 is
 // the embedding written into x at the start of a step. A buffer is written every layer, so

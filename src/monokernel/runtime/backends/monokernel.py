@@ -429,6 +429,20 @@ class MonokernelBackend:
         torch.cuda.synchronize(self.device)
         return logits
 
+    def timed_run(
+        self, prompt_ids: Sequence[int], n_steps: int, step: int, extra: int = 0
+    ) -> list[int]:
+        """A greedy run of ``n_steps`` whose step ``step`` fills the kernel's timing buffer
+        (csrc/probes.cuh): 10L + 8 slots of CTA 0's marks, then ``extra`` more (a -DMK_SKEW
+        build's per-CTA points, scripts/stage_skew.py). Returns the raw slots."""
+        size = 10 * self.cfg.num_layers + 8 + extra
+        timing = torch.zeros(size, dtype=torch.int64, device=self.device)
+        greedy = SamplingParams(temperature=0.0, max_tokens=n_steps)
+        for _ in self._run(prompt_ids, n_steps, greedy, (), None, timing=timing, timing_step=step):
+            pass
+        torch.cuda.synchronize(self.device)
+        return timing.tolist()
+
     def profile_step(self, prompt_ids: Sequence[int], n_steps: int, step: int) -> dict[str, float]:
         """Time the stages of one decode step (greedy run of ``n_steps``), as CTA 0 sees them.
 
@@ -437,12 +451,7 @@ class MonokernelBackend:
         layer, F the LM head, S sampling and the token hand-off.
         """
         L = self.cfg.num_layers
-        timing = torch.zeros(10 * L + 8, dtype=torch.int64, device=self.device)
-        greedy = SamplingParams(temperature=0.0, max_tokens=n_steps)
-        for _ in self._run(prompt_ids, n_steps, greedy, (), None, timing=timing, timing_step=step):
-            pass
-        torch.cuda.synchronize(self.device)
-        t = timing.tolist()
+        t = self.timed_run(prompt_ids, n_steps, step)
         ns_per_cycle = (t[10 * L + 4] - t[10 * L + 5]) / max(t[10 * L + 3] - t[0], 1)
         out: dict[str, float] = {"clock_GHz": 1.0 / ns_per_cycle if ns_per_cycle else 0.0}
 
