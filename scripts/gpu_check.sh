@@ -4,8 +4,10 @@
 #   MK_STAGES="build test" scripts/gpu_check.sh "$OUT"
 # Stages: build, test, bench (64-token prompt, MK_GEN_TOKENS generated, per MK_BENCH_SHAPES),
 # long (decode after an MK_LONG_PROMPT-token prompt, Llama-3.2-1B shape), turn (an agent's
-# 500-token turn on a held 16k-token conversation: prefix-reuse TTFT), variants
-# (scripts/kernel_variants.py with the MK_VARIANTS list, e.g. "a= b=MONOKERNEL_X=1").
+# 500-token turn on a held 16k-token conversation: prefix-reuse TTFT), prefill (where the
+# GPU time of an 8k prompt and of that turn goes: scripts/prefill_profile.py), variants
+# (scripts/kernel_variants.py with the MK_VARIANTS list, ';'-separated, e.g.
+# "a=;b=-DMK_X=1 -DMK_Y=2;c=MONOKERNEL_X=1").
 # Logs and JSON land in OUTDIR; a short table is printed last.
 set -u -o pipefail
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -64,10 +66,19 @@ fi
 if [[ $STAGES == *variants* ]]; then
   echo "== variants" >&2
   args=()
-  for v in ${MK_VARIANTS:-base=}; do args+=(--variant "$v"); done
+  IFS=';' read -ra vs <<<"${MK_VARIANTS:-base=}"
+  for v in "${vs[@]}"; do args+=(--variant "$v"); done
   timeout "${MK_VARIANTS_TIMEOUT:-300}" python3 scripts/kernel_variants.py \
     --shapes "${MK_VARIANT_SHAPES:-llama-3.2-1b,qwen2.5-coder-1.5b}" "${args[@]}" \
+    --rounds "${MK_VARIANT_ROUNDS:-3}" \
     --json "$OUTDIR/variants.json" >"$OUTDIR/variants.log" 2>&1 || status=1
-  tail -n 8 "$OUTDIR/variants.log"
+  grep -A40 "^device:" "$OUTDIR/variants.log" || tail -n 20 "$OUTDIR/variants.log"
+fi
+
+if [[ $STAGES == *prefill* ]]; then
+  echo "== prefill profile" >&2
+  timeout "${MK_PREFILL_TIMEOUT:-240}" python3 scripts/prefill_profile.py --shape llama-3.2-1b \
+    >"$OUTDIR/prefill.log" 2>&1 || status=1
+  grep -v Warning "$OUTDIR/prefill.log" | tail -n 40
 fi
 exit $status

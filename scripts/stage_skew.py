@@ -64,8 +64,16 @@ def main(argv: list[str]) -> int:
         _skew(b, prompt, args.step + 1, args.step)  # warm-up
         rows = _skew(b, prompt, args.step + 1, args.step)
         pos = args.prompt_tokens + args.step
-        chunk = kbuild.KernelDims.from_config(cfg).built_attn_chunk()  # flags may set it
-        units = attn_units(pos, b.grid, cfg.num_heads, cfg.num_kv_heads, chunk)
+        dims = kbuild.KernelDims.from_config(cfg)  # flags may set the window and range
+        units = attn_units(
+            pos,
+            b.grid,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            dims.built_attn_chunk(),
+            head_range=dims.built_attn_range(),
+            merge_ns=dims.merge_ranges(),
+        )
         t0 = min(r[0] for r in rows)
         print(
             f"\n{args.shape} {name} ({flags or 'no flags'}): layer {cfg.num_layers // 2}, "

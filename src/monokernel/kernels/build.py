@@ -106,6 +106,7 @@ class KernelDims:
             "MK_SPLIT_E": self.down_split(),
             "MK_BATCH2": self.gate_up_batch(),
             "MK_ATTN_CHUNK": self.attn_chunk(),
+            "MK_ATTN_RANGE": self.attn_range(),
         }
         if self.tp > 1:
             vals["MK_TP"] = self.tp
@@ -130,14 +131,17 @@ class KernelDims:
         units carries more registers already (Llama's spills 52 -> 68 bytes with 5): kept at 4."""
         return 5 if self.hidden >= 2048 and not self.group_units else 4
 
-    def _fixed_smem_floats(self) -> int:
-        xs = max(self.hidden, self.q_size, self.intermediate)
+    def _attn_scratch_floats(self) -> int:
+        """MK_ATTN_SMEM: the larger scratch of stage B's two unit kinds."""
         d, group = self.head_dim, self.heads // self.kv_heads
-        # MK_ATTN_SMEM: the larger scratch of stage B's two unit kinds
         head_units = 3 * d + THREADS + THREADS // (d // 8) * d
         lsum = (THREADS // (d // 8) + 3) // 4 * 4
         group_units = 4 * group + 2 * d + lsum + max(group * (5 * d // 2 + ATTN_PMAX), 8 * THREADS)
-        return xs + self.hidden + max(head_units, group_units) + 64
+        return max(head_units, group_units)
+
+    def _fixed_smem_floats(self) -> int:
+        xs = max(self.hidden, self.q_size, self.intermediate)
+        return xs + self.hidden + self._attn_scratch_floats() + 64
 
     def attn_chunk(self) -> int:
         """Positions of one attention range held in shared memory (K and V, bf16): as many as
@@ -156,6 +160,30 @@ class KernelDims:
         overrides MK_ATTN_CHUNK (tests do, to force small windows)."""
         m = re.search(r"-DMK_ATTN_CHUNK=(\d+)", os.environ.get("MONOKERNEL_NVCC_FLAGS", ""))
         return int(m.group(1)) if m else self.attn_chunk()
+
+    def attn_range(self) -> int:
+        """MK_ATTN_RANGE: positions per head-unit range at short context (attention_window.cuh):
+        two of the unit's score passes (each scores 2 x THREADS / CHP positions, CHP = the
+        16-byte chunks of a key row rounded up to a power of two), 256 at head_dim 64, 128 at
+        128. Measured on an H100 (docs/perf-notes.md, step 23): Qwen2.5-Coder-1.5B 1,418 /
+        1,449 µs/token with 128 against 1,469 / 1,473 with one range per window; Llama-3.2-1B
+        1,010 with 256 against 1,014 (neutral)."""
+        chp = 2
+        while chp < self.head_dim // 8:
+            chp *= 2
+        return 2 * (2 * THREADS // chp)
+
+    def built_attn_range(self) -> int:
+        """The range the build really has (MONOKERNEL_NVCC_FLAGS may override it)."""
+        m = re.search(r"-DMK_ATTN_RANGE=(\d+)", os.environ.get("MONOKERNEL_NVCC_FLAGS", ""))
+        return int(m.group(1)) if m else self.attn_range()
+
+    def merge_ranges(self) -> int:
+        """MK_MERGE_NS: head-unit ranges stage C's input load merges at most (partials
+        [ns, Q] in the input vector's shared memory, statistics [ns, heads, 4] in stage B's
+        scratch)."""
+        xs = max(self.hidden, self.q_size, self.intermediate)
+        return min(xs // self.q_size, self._attn_scratch_floats() // (4 * self.heads))
 
     def head_units_cover(self, context: int, heads_splits: int) -> bool:
         """Whether stage B's plan (attention_window.cuh) uses head units only, up to

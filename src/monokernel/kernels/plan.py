@@ -13,11 +13,25 @@ def head_units_fit(n: int, chunk: int, splits: int) -> bool:
 
 
 def attn_units(
-    pos: int, grid: int, heads: int, kv_heads: int, chunk: int, group_from: int = 1 << 30
+    pos: int,
+    grid: int,
+    heads: int,
+    kv_heads: int,
+    chunk: int,
+    group_from: int = 1 << 30,
+    head_range: int = 0,
+    merge_ns: int = 1,
 ) -> int:
     """CTAs with an attention unit at position ``pos`` (CTAs 0 .. units - 1): head units
-    (heads x ranges of ``chunk`` positions) while they fit the grid, else group units."""
+    (heads x ranges of ``chunk`` positions) while they fit the grid, else group units.
+    ``head_range`` > 0 (MK_ATTN_RANGE): head units split a head into ranges of about that
+    many positions even where one fits the window, up to ``merge_ns`` (MK_MERGE_NS) and
+    grid // heads ranges."""
     n = pos + 1
-    if not head_units_fit(n, chunk, grid // heads) or n >= group_from:
+    splits = grid // heads
+    if not head_units_fit(n, chunk, splits) or n >= group_from:
         return kv_heads * min(-(-n // ATTN_MIN_RANGE), grid // kv_heads)
-    return heads * -(-n // chunk)
+    ns = -(-n // chunk)
+    if head_range > 0:
+        ns = max(ns, min(-(-n // head_range), merge_ns, splits))
+    return heads * ns

@@ -44,3 +44,11 @@ def test_build_without_group_units_compiles(shape: str, tmp_path: Path) -> None:
     dims = dataclasses.replace(kbuild.KernelDims.from_config(SHAPES[shape]), group_units=False)
     proc = kbuild.compile_check(dims, tmp_path / "decode.o")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_merge_ranges_mirror_the_kernels_rule() -> None:
+    """MK_MERGE_NS: ranges whose partials [ns, Q] fit the input vector's shared memory and
+    whose statistics [ns, heads, 4] fit stage B's scratch."""
+    want = {"llama-3.2-1b": 4, "qwen2.5-coder-1.5b": 5, "odd": 2}
+    for shape, ns in want.items():
+        assert kbuild.KernelDims.from_config(SHAPES[shape]).merge_ranges() == ns

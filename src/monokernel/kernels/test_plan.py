@@ -16,3 +16,14 @@ def test_group_units_past_the_grid_or_when_forced() -> None:
     assert attn_units(4 * 512, 132, 32, 8, 512) == 8 * 16  # 5 ranges a head do not fit
     assert attn_units(100, 132, 32, 8, 512, group_from=50) == 8 * 2  # 101 positions: 2 ranges
     assert attn_units(5, 20, 32, 8, 512) == 8  # more heads than CTAs: group units only
+
+
+def test_short_head_ranges_up_to_what_the_reader_merges_and_the_grid_holds() -> None:
+    # Qwen2.5-Coder-1.5B on 132 SMs: 12 heads, window 320, C merges up to 5 ranges.
+    assert attn_units(63, 132, 12, 2, 320, head_range=64, merge_ns=5) == 12
+    assert attn_units(64, 132, 12, 2, 320, head_range=64, merge_ns=5) == 24
+    assert attn_units(1000, 132, 12, 2, 320, head_range=64, merge_ns=5) == 12 * 5
+    # Llama-3.2-1B: 32 heads, so 4 ranges a head fill the grid whatever the reader holds.
+    assert attn_units(300, 132, 32, 8, 512, head_range=64, merge_ns=8) == 128
+    # The window still decides where it needs more ranges than short ones would give.
+    assert attn_units(1000, 132, 12, 2, 128, head_range=512, merge_ns=5) == 12 * 8

@@ -9,9 +9,10 @@
 
 // Query head hq over range `split` of a.ns. One range: writes the normalised output to
 // attn_out. Several: writes the unnormalised output sum_i exp(s_i - m) v_i and (m, l =
-// sum_i exp(s_i - m)); the unit that finishes the head's last range merges them. done: the
-// value the head's completion counter reaches with this layer's ranges (every CTA tracks the
-// same running total, so the counter is never reset).
+// sum_i exp(s_i - m)), which stage C's input load merges (attn_reader_merges) or else the
+// unit that finishes the head's last range. done: the value the head's completion counter
+// reaches with this layer's ranges (every CTA tracks the same running total, so the counter
+// is never reset).
 __device__ void attention_head(const Params& p, const LayerWeights& lw, int layer,
                                const AttnPlan& a, int pos, unsigned done, unsigned tag,
                                float* sm, float* red, float* win) {
@@ -19,6 +20,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   constexpr int HALF = MK_D / 2;
   constexpr int CH = MK_ATTN_CH, GV = MK_ATTN_GV;
   const int hq = blockIdx.x / a.ns, split = blockIdx.x % a.ns, kvh = hq / MK_GROUP;
+  const bool reader = attn_reader_merges(a);
   const AttnRange r = attn_range(split, a.ns, pos);
   const int cnt = r.hi - r.lo;  // <= CHUNK <= THREADS: one position per thread
   const uint4* ks = reinterpret_cast<const uint4*>(win);
@@ -121,6 +123,8 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     const int lane = t & 31;
     for (int i = lane; i < cnt; i += 32) m = fmaxf(m, sc[i]);
     m = warp_max(m);
+    // A reader merge weighs this range by the max as stored (rounded): use that one here.
+    if (reader) m = flow_round(m);
     for (int i = lane; i < cnt; i += 32) l += expf(sc[i] - m);
     l = warp_sum(l);
   }
@@ -155,6 +159,17 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
       for (int gg = 0; gg < GV; ++gg) o += part[gg * MK_D + t];
       st_flow(p.attn_out + hq * MK_D + t, o / l, tag);
     }
+    __syncthreads();
+    return;
+  }
+  if (reader) {  // stage C merges (load_attn_merged)
+    const int slot = attn_part_slot(hq, split);
+    if (t < MK_D) {
+      float o = 0.f;
+      for (int gg = 0; gg < GV; ++gg) o += part[gg * MK_D + t];
+      st_flow(p.attn + (size_t)slot * MK_D + t, o, tag);
+    }
+    if (t < 4) st_flow(p.attn_ml + 4 * slot + t, t == 0 ? m : t == 1 ? l : 0.f, tag);
     __syncthreads();
     return;
   }

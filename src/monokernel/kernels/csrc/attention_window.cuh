@@ -59,6 +59,24 @@
 // wait on) | fills issued per stage (u32). Ring stage s is rows [s*P, (s+1)*P) of K and V.
 #define MK_KVWIN_FLOATS (MK_ATTN_CHUNK * MK_D + MK_D + 4 * MK_ATTN_STAGES)
 
+// Head units' ranges at short context. A head's positions go to several head units (ranges
+// of about MK_ATTN_RANGE positions, at most grid / heads of them) even where one would fit
+// the window: the unit's work shrinks with its range and it sits on the latency-bound chain
+// A -> B -> C. The units write partial outputs and stage C's input load merges them
+// (load_attn_merged), so the split costs no extra round trip. 0: one range per window.
+// build.py passes two score passes' worth (KernelDims.attn_range).
+#ifndef MK_ATTN_RANGE
+#define MK_ATTN_RANGE 0
+#endif
+// 1: stage C merges head units' ranges while they fit its scratch; 0: the unit that
+// finishes a head's last range merges them (one more dependent round trip; an A/B knob).
+#ifndef MK_ATTN_READER_MERGE
+#define MK_ATTN_READER_MERGE 1
+#endif
+// Ranges a reader merge holds: partials [ns, Q] in xs, statistics [ns, NH, 4] in stage B's
+// scratch.
+#define MK_MERGE_NS MK_MIN2(MK_XS / MK_Q, MK_ATTN_SMEM / (4 * MK_NH))
+
 struct AttnPlan {
   bool group;  // group units (else head units)
   int ns;      // position ranges per head (head units) or per KV head (group units)
@@ -80,9 +98,59 @@ __device__ __forceinline__ AttnPlan attn_plan(const Params& p, int pos) {
     a.units = MK_NKV * a.ns;
   } else {
     a.ns = fit;
-    a.units = MK_NH * fit;
+#if MK_ATTN_RANGE > 0 && MK_ATTN_READER_MERGE
+    const int want = MK_MIN2(MK_MIN2((n + MK_ATTN_RANGE - 1) / MK_ATTN_RANGE, MK_MERGE_NS),
+                             p.attn_splits);
+    a.ns = MK_MAX2(a.ns, want);
+#endif
+    a.units = MK_NH * a.ns;
   }
   return a;
+}
+
+// Whether stage C's input load merges this plan's ranges (else they arrive merged).
+__device__ __forceinline__ bool attn_reader_merges(const AttnPlan& a) {
+  return MK_ATTN_READER_MERGE && !a.group && a.ns > 1 && a.ns <= MK_MERGE_NS;
+}
+
+// Where head unit (hq, range s) leaves its partial for a reader merge: the unnormalised
+// output [D] at p.attn + slot * D and (max, exp-sum, 0, 0) at p.attn_ml + 4 * slot, all
+// tagged (flow.cuh); slot = s * NH + hq, so range s of every head is one contiguous vector.
+__device__ __forceinline__ int attn_part_slot(int hq, int split) { return split * MK_NH + hq; }
+
+// Stage C's input when head units left their ranges unmerged: xs[0..Q) <- the attention
+// output, merged from ns partials (xs[s * Q ..]) and their statistics (st[4 * slot ..]),
+// fetched in one round trip and combined in range order (deterministic). st: 4 * NH * ns
+// floats of scratch. Every thread combines the same elements i of each range it fetched
+// into xs[i], so the combine runs in place without a barrier inside it.
+__device__ __forceinline__ void load_attn_merged(const Params& p, int ns, unsigned tag,
+                                                 float* xs, float* st) {
+  constexpr int NA = FlowChunks<MK_MERGE_NS * MK_Q>::N;
+  constexpr int NB = FlowChunks<4 * MK_MERGE_NS * MK_NH>::N;
+  flow_fetch<NA, NB>(xs, p.attn, tag, ns * MK_Q / 4, st, p.attn_ml, tag, ns * MK_NH);
+  __syncthreads();
+  for (int h = threadIdx.x; h < MK_NH; h += MK_THREADS) {
+    float mx = -INFINITY;
+    for (int s = 0; s < ns; ++s) mx = fmaxf(mx, flow_untag(st[4 * attn_part_slot(h, s)]));
+    float den = 0.f;
+    for (int s = 0; s < ns; ++s) {
+      float* e = st + 4 * attn_part_slot(h, s);
+      const float m = flow_untag(e[0]);
+      const float w = m == -INFINITY ? 0.f : expf(m - mx);  // an empty range weighs nothing
+      e[2] = w;
+      den = fmaf(w, flow_untag(e[1]), den);
+    }
+    for (int s = 0; s < ns; ++s) st[4 * attn_part_slot(h, s) + 2] /= den;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < MK_Q; i += MK_THREADS) {
+    const int h = i / MK_D;
+    float o = 0.f;
+    for (int s = 0; s < ns; ++s)
+      o = fmaf(st[4 * attn_part_slot(h, s) + 2], flow_untag(xs[s * MK_Q + i]), o);
+    xs[i] = o;
+  }
+  __syncthreads();
 }
 
 // Range `split` of ns over positions [0, pos]: [lo, hi); its cached positions (all but pos)

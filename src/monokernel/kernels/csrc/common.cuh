@@ -37,6 +37,9 @@
 #endif
 
 #define MK_MAX2(a, b) ((a) > (b) ? (a) : (b))
+#define MK_MIN2(a, b) ((a) < (b) ? (a) : (b))
+// Floats of a stage's input vector in shared memory (decode.cu's xs): the longest of them.
+#define MK_XS MK_MAX2(MK_MAX2(MK_H, MK_Q), MK_I)
 #define MK_THREADS 512
 #define MK_WARPS (MK_THREADS / 32)
 

@@ -29,7 +29,6 @@
 // The LM head shares stage A's split (and register buffer): a buffer issued on one path
 // only would stay live through every layer and spill.
 #define MK_SPLIT_F MK_SPLIT_A
-#define MK_XS MK_MAX2(MK_MAX2(MK_H, MK_Q), MK_I)
 
 // Shared memory, in floats: xs [MK_XS] | xres [MK_H] | attention [MK_ATTN_SMEM] | red [64] |
 // K/V window [MK_KVWIN_FLOATS] | h64 [256 x u64] | h32 [256] | misc [16]. build.py computes
@@ -168,7 +167,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       mark(p, step, mk++);
 
       // ---- C: O projection -> delta [H]
-      load_vec<MK_Q>(xs, p.attn_out, tag, false, p.eps, red);
+      if (attn_reader_merges(attn_plan(p, pos))) {
+        load_attn_merged(p, attn_plan(p, pos).ns, tag, xs, att);
+      } else {
+        load_vec<MK_Q>(xs, p.attn_out, tag, false, p.eps, red);
+      }
       skew(p, step, layer, 3);
       gemv_split<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, xs, part, warp, lane, preC, [&](int r, float d) {
 #if MK_TP > 1

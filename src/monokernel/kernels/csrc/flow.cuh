@@ -78,28 +78,32 @@ __device__ __forceinline__ float ld_flow(const float* p, unsigned tag) {
 // loads this replaced went in batches of 8 a thread, one round trip each: 3 for an
 // 8,960-float vector.) Word-sized stores by the producers and a tag in every word make a
 // 16-byte copy that mixes old and new words harmless: those words just fail the check.
+//
+// N: chunks per thread at most (a compile-time bound, so the pending masks stay in
+// registers); the vector's real length may be smaller and known only at run time.
 template <int K>
 struct FlowChunks {
   static_assert(K % 4 == 0, "flow vectors are fetched in 16-byte chunks");
-  static constexpr int C = K / 4;                                  // chunks
-  static constexpr int N = (C + MK_THREADS - 1) / MK_THREADS;      // chunks per thread
+  static constexpr int N = (K / 4 + MK_THREADS - 1) / MK_THREADS;
   static_assert(N <= 32, "a pending mask holds one bit per chunk of a thread");
-  // Bit j: chunk threadIdx.x + j * THREADS exists.
-  __device__ static unsigned all() {
-    unsigned m = 0;
-#pragma unroll
-    for (int j = 0; j < N; ++j)
-      if ((int)threadIdx.x + j * MK_THREADS < C) m |= 1u << j;
-    return m;
-  }
 };
 
+// Bit j: chunk threadIdx.x + j * THREADS is among the first `chunks`.
+template <int N>
+__device__ __forceinline__ unsigned flow_mask(int chunks) {
+  unsigned m = 0;
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+    if ((int)threadIdx.x + j * MK_THREADS < chunks) m |= 1u << j;
+  return m;
+}
+
 // Issue cp.async for this thread's chunks in `pending` (not yet committed).
-template <int K>
+template <int N>
 __device__ __forceinline__ void flow_issue(float* dst, const float* src, unsigned pending) {
   const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(dst));
 #pragma unroll
-  for (int j = 0; j < FlowChunks<K>::N; ++j) {
+  for (int j = 0; j < N; ++j) {
     const int i = threadIdx.x + j * MK_THREADS;
     if (pending >> j & 1u)
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + 16u * i),
@@ -108,16 +112,12 @@ __device__ __forceinline__ void flow_issue(float* dst, const float* src, unsigne
   }
 }
 
-__device__ __forceinline__ void flow_landed() {
-  asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
-}
-
 // The chunks of `pending` whose words do not all carry `tag` yet.
-template <int K>
+template <int N>
 __device__ __forceinline__ unsigned flow_stale(const float* dst, unsigned tag, unsigned pending) {
   unsigned stale = 0;
 #pragma unroll
-  for (int j = 0; j < FlowChunks<K>::N; ++j) {
+  for (int j = 0; j < N; ++j) {
     const int i = threadIdx.x + j * MK_THREADS;
     if (pending >> j & 1u) {
       const uint4 u = reinterpret_cast<const uint4*>(dst)[i];
@@ -127,38 +127,50 @@ __device__ __forceinline__ unsigned flow_stale(const float* dst, unsigned tag, u
   return stale;
 }
 
-// A producer that never writes means a bug: trap after ~10 s rather than hang.
-__device__ __forceinline__ void flow_deadline(long long t0) {
-  if (clock64() - t0 > 20000000000LL) __trap();
+__device__ __forceinline__ float flow_untag(float v) {
+  return __uint_as_float(__float_as_uint(v) & ~MK_TAG_BITS);
 }
 
-// This thread's element k (0..3) of chunk j, tag cleared.
-template <int K>
-__device__ __forceinline__ float flow_value(const float* dst, int j, int k) {
-  const int i = 4 * (threadIdx.x + j * MK_THREADS) + k;
-  return __uint_as_float(__float_as_uint(dst[i]) & ~MK_TAG_BITS);
+// The value st_flow stores for v, tag aside: a producer that also uses a value itself (the
+// attention units' running max) rounds it first, so writer and reader agree exactly.
+__device__ __forceinline__ float flow_round(float v) {
+  return __uint_as_float((__float_as_uint(v) + 0x80u) & ~MK_TAG_BITS);
 }
 
-// xs[0..K) <- src (written by other CTAs with `tag`); returns this thread's sum of squares
-// over the elements it fetched. Callers __syncthreads before others read xs.
+// a[0 .. 4 ca) <- src_a (tag_a) and b[0 .. 4 cb) <- src_b (tag_b), in one round trip when
+// both are there; tags left in place. NA / NB bound the chunks per thread (0: no b). A
+// producer that never writes means a bug: trap after ~10 s rather than hang.
+template <int NA, int NB>
+__device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigned tag_a, int ca,
+                                           float* b = nullptr, const float* src_b = nullptr,
+                                           unsigned tag_b = 0u, int cb = 0) {
+  const long long t0 = clock64();
+  unsigned pa = flow_mask<NA>(ca), pb = flow_mask<NB>(cb);
+  while (pa | pb) {
+    flow_issue<NA>(a, src_a, pa);
+    flow_issue<NB>(b, src_b, pb);
+    asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
+    pa = flow_stale<NA>(a, tag_a, pa);
+    pb = flow_stale<NB>(b, tag_b, pb);
+    if ((pa | pb) && clock64() - t0 > 20000000000LL) __trap();
+  }
+}
+
+// xs[0..K) <- src (written by other CTAs with `tag`), tags cleared; returns this thread's sum
+// of squares over the elements it fetched. Callers __syncthreads before others read xs.
 template <int K>
 __device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned tag) {
-  using F = FlowChunks<K>;
-  const long long t0 = clock64();
-  for (unsigned pending = F::all(); pending;) {
-    flow_issue<K>(xs, src, pending);
-    flow_landed();
-    pending = flow_stale<K>(xs, tag, pending);
-    if (pending) flow_deadline(t0);
-  }
+  constexpr int N = FlowChunks<K>::N;
+  flow_fetch<N, 0>(xs, src, tag, K / 4);
   float ss = 0.f;
 #pragma unroll
-  for (int j = 0; j < F::N; ++j) {
-    if ((int)threadIdx.x + j * MK_THREADS < F::C) {
+  for (int j = 0; j < N; ++j) {
+    const int i = 4 * (threadIdx.x + j * MK_THREADS);
+    if (i < K) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const float v = flow_value<K>(xs, j, k);
-        xs[4 * (threadIdx.x + j * MK_THREADS) + k] = v;
+        const float v = flow_untag(xs[i + k]);
+        xs[i + k] = v;
         ss += v * v;
       }
     }
@@ -172,25 +184,17 @@ __device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned
 template <int K>
 __device__ __forceinline__ float load_flow_sum(float* a, const float* src_a, unsigned tag_a,
                                                float* b, const float* src_b, unsigned tag_b) {
-  using F = FlowChunks<K>;
-  const long long t0 = clock64();
-  unsigned pa = F::all(), pb = pa;
-  while (pa | pb) {
-    flow_issue<K>(a, src_a, pa);
-    flow_issue<K>(b, src_b, pb);
-    flow_landed();
-    pa = flow_stale<K>(a, tag_a, pa);
-    pb = flow_stale<K>(b, tag_b, pb);
-    if (pa | pb) flow_deadline(t0);
-  }
+  constexpr int N = FlowChunks<K>::N;
+  flow_fetch<N, N>(a, src_a, tag_a, K / 4, b, src_b, tag_b, K / 4);
   float ss = 0.f;
 #pragma unroll
-  for (int j = 0; j < F::N; ++j) {
-    if ((int)threadIdx.x + j * MK_THREADS < F::C) {
+  for (int j = 0; j < N; ++j) {
+    const int i = 4 * (threadIdx.x + j * MK_THREADS);
+    if (i < K) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const float v = flow_value<K>(a, j, k) + flow_value<K>(b, j, k);
-        a[4 * (threadIdx.x + j * MK_THREADS) + k] = v;
+        const float v = flow_untag(a[i + k]) + flow_untag(b[i + k]);
+        a[i + k] = v;
         ss += v * v;
       }
     }

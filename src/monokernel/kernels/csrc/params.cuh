@@ -27,9 +27,10 @@ struct Params {
   bf16* v_cache;                    // [L, NKV, max_len, D]
   float* x;                         // [H]          residual stream
   float* qkv;                       // [Q + 2*KV]   projections before norm/RoPE
-  float* attn;                      // [NH * max(attn_splits, attn_group_splits), D]
+  float* attn;                      // [slots = NH * max(attn_splits, attn_group_splits), D]
                                     //   unnormalised partial attention outputs of ranges
-  float* attn_ml;                   // [same, 2] their running max and exp-sum
+  float* attn_ml;                   // [slots, 4] their running max and exp-sum: pairs for
+                                    //   a unit's merge, (m, l, -, -) for stage C's (tagged)
   float* delta;                     // [H]          O-projection output (residual added in D)
   float* attn_out;                  // [Q]          merged attention output
   unsigned* attn_count;             // [NH + NKV] ranges finished per head, then per KV head

@@ -192,11 +192,6 @@ class MonokernelBackend:
         qkv = cfg.q_size + 2 * cfg.kv_size
         # The vectors stages hand to each other carry tags (kernels/csrc/flow.cuh) and are
         # zeroed before every launch: one tensor, so that is one memset.
-        sizes = (cfg.hidden_size, qkv, cfg.hidden_size, cfg.q_size)
-        self.handoff = torch.empty(sum(sizes) + cfg.intermediate_size, dtype=f32, device=dev)
-        self.x, self.qkv, self.delta, self.attn_out, self.act = torch.split(
-            self.handoff, [*sizes, cfg.intermediate_size]
-        )  # [H], [Q + 2KV], [H], [Q], [I]
         # Flash-decoding (kernels/csrc/attention_window.cuh): head units split a query head's
         # positions over at most grid // heads CTAs, group units a KV head's over at most
         # grid // kv_heads.
@@ -211,8 +206,22 @@ class MonokernelBackend:
         # (tests and tuning); by default only the plan's own rule decides.
         self.attn_group_from = _env_int("MONOKERNEL_ATTN_GROUP_FROM") or 1 << 30
         slots = cfg.num_heads * max(self.attn_splits, self.attn_group_splits)
-        self.attn = torch.empty(slots * cfg.head_dim, dtype=f32, device=dev)  # [slots, D]
-        self.attn_ml = torch.empty(slots * 2, dtype=f32, device=dev)  # [slots, 2]
+        # Every tagged vector (kernels/csrc/flow.cuh) in one buffer, zeroed per launch: the
+        # stage hand-offs, and the ranges' partial attention outputs [slots, D] with their
+        # statistics [slots, 4] (max, exp-sum; tagged when stage C merges them).
+        sizes = (
+            cfg.hidden_size,
+            qkv,
+            cfg.hidden_size,
+            cfg.q_size,
+            cfg.intermediate_size,
+            slots * cfg.head_dim,
+            slots * 4,
+        )
+        self.handoff = torch.empty(sum(sizes), dtype=f32, device=dev)
+        self.x, self.qkv, self.delta, self.attn_out, self.act, self.attn, self.attn_ml = (
+            torch.split(self.handoff, list(sizes))
+        )  # [H], [Q + 2KV], [H], [Q], [I], [slots, D], [slots, 4]
         self.attn_count = torch.zeros(
             cfg.num_heads + cfg.num_kv_heads, dtype=torch.int32, device=dev
         )  # [NH + NKV]

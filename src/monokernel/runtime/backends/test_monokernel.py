@@ -113,6 +113,21 @@ def test_teacher_forced_logits_split_window(
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("shape", ["llama-3.2-1b", "qwen2.5-coder-1.5b", "odd"])
+def test_teacher_forced_logits_short_head_ranges(
+    shape: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Head units over ranges of ~32 positions (MK_ATTN_RANGE), left unmerged and merged by
+    stage C's input load: from 2 ranges a head at the prompt up to what C holds (4 for
+    Llama, 5 for Qwen, 2 for the odd shape) as the context grows."""
+    monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_ATTN_RANGE=32")
+    rel = _teacher_forced_error(shape, PROMPT, 96, seed=9)
+    print(f"{shape}, short head ranges: rel L2 max {rel.max():.2e} mean {rel.mean():.2e}")
+    assert float(rel.max()) <= 1e-2, f"step {int(rel.argmax())}: rel L2 {float(rel.max()):.3e}"
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("shape", ["llama-3.2-1b", "qwen2.5-coder-1.5b", "odd"])
 def test_teacher_forced_logits_group_units(shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Group units (one KV head's query group a CTA) at short context, where the plan would
     pick head units: one range at first (normalised in place), then several, merged."""

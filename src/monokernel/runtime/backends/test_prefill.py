@@ -18,7 +18,13 @@ from monokernel.bench.shapes import SHAPES, random_weights
 from monokernel.errors import InvalidRequestError
 from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import KVCache, Transformer
-from monokernel.runtime.prefill import PRECISIONS, Prefiller
+from monokernel.runtime.prefill import (
+    PRECISIONS,
+    Prefiller,
+    causal_attention,
+    flash_cache_attention,
+    flash_cache_attention_ok,
+)
 from monokernel.weights.names import Weights
 from monokernel.weights.repack import repack
 
@@ -60,6 +66,30 @@ def _reference(cfg: ModelConfig, weights: Weights, tokens: list[int], chunk: int
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(32, 8, 64), (12, 2, 128), (5, 1, 104)])
+@pytest.mark.parametrize(("start", "t"), [(0, 1), (0, 300), (1000, 37), (4093, 512)])
+def test_flash_on_the_cache_matches_sdpa(heads: int, kv_heads: int, d: int, start: int, t: int):
+    """FlashAttention-2 read straight from the cache layout [kv_heads, max_len, d] with the
+    key count on the device (what prefill and its graphs use on an H100) against SDPA's math
+    on sliced, GQA-expanded fp32 copies: same function, so only bf16 rounding apart."""
+    dev = torch.device("cuda")
+    assert flash_cache_attention_ok(dev), "prefill would fall back to the slower SDPA path"
+    g = torch.Generator(device="cpu").manual_seed(start + t)
+    max_len = 4800
+    k = torch.randn(kv_heads, max_len, d, generator=g).to(dev, torch.bfloat16)
+    v = torch.randn(kv_heads, max_len, d, generator=g).to(dev, torch.bfloat16)
+    q = torch.randn(t, heads, d, generator=g).to(dev, torch.bfloat16)
+    used = torch.full((1,), start + t, dtype=torch.int32, device=dev)
+    got = flash_cache_attention(q, k, v, used).float()
+    end = start + t
+    want = causal_attention(q.float(), k[:, :end].float(), v[:, :end].float(), start)
+    rel = _rel(got, want)
+    print(f"flash on the cache, {heads}/{kv_heads} heads, d {d}, [{start}, {end}): rel {rel:.1e}")
+    assert rel < 1e-2
 
 
 @pytest.mark.gpu

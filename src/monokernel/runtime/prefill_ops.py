@@ -1,0 +1,119 @@
+"""Fused element-wise steps of the GPU prefill, where the MLP's fp32 activations make the
+memory traffic of separate PyTorch ops cost as much as a third of an 8k-token prefill.
+
+* ``silu_mul_bf16(gate, up)``: silu(gate) * up rounded to bf16 in one pass (a Triton
+  kernel): the down projection's input. Separately (silu in place, a multiply, the bf16
+  copy for the GEMM) it read and wrote the [T, intermediate] fp32 tensors five times.
+* ``addmm_fp32_ok``: whether acc += x @ w^T runs as one cuBLAS GEMM with beta = 1 (bf16
+  operands, fp32 accumulate and output; prefill.gemm_bf16_acc), so residual adds and the
+  split QKV's second term need no pass of their own.
+
+Each has a plain PyTorch path (the CPU, a torch or GPU without the fused form, or
+``MONOKERNEL_PREFILL_FUSED=0``) computing the same values; the GPU forms are probed once per
+device against it before use.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+_SILU_OK: dict[int, bool] = {}  # CUDA device index -> the Triton kernel runs and agrees
+_ADDMM_OK: dict[int, bool] = {}  # CUDA device index -> addmm(out_dtype=fp32, out=acc) works
+
+
+def fused_enabled() -> bool:
+    return os.environ.get("MONOKERNEL_PREFILL_FUSED", "1") != "0"
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in fp32, rounded to bf16 (consumes gate's storage)."""
+    act = F.silu(gate, inplace=True)
+    act *= up
+    return act.to(torch.bfloat16)
+
+
+_kernel = None
+
+
+def _triton_kernel():  # the Triton import stays off the CPU path
+    global _kernel
+    if _kernel is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            live = offs < n
+            g = tl.load(g_ptr + offs, mask=live, other=0.0)
+            u = tl.load(u_ptr + offs, mask=live, other=0.0)
+            a = g / (1.0 + tl.exp(-g)) * u  # fp32 throughout, like F.silu then the multiply
+            tl.store(out_ptr + offs, a.to(tl.bfloat16), mask=live)
+
+        _kernel = silu_mul_kernel
+    return _kernel
+
+
+def _silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(gate.shape, dtype=torch.bfloat16, device=gate.device)
+    n, block = gate.numel(), 2048
+    _triton_kernel()[(-(-n // block),)](gate, up, out, n, BLOCK=block)
+    return out
+
+
+def silu_mul_bf16(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [T, I] fp32 contiguous -> silu(gate) * up as bf16 [T, I]. May overwrite
+    gate."""
+    dense = gate.is_contiguous() and up.is_contiguous()
+    if gate.is_cuda and dense and silu_mul_fused_ok(gate.device):
+        return _silu_mul_triton(gate, up)
+    return silu_mul_reference(gate, up)
+
+
+def silu_mul_fused_ok(device: torch.device) -> bool:
+    """Whether the Triton kernel runs on this device and agrees with PyTorch (once per
+    device; MONOKERNEL_PREFILL_FUSED=0: never)."""
+    if not fused_enabled():
+        return False
+    i = _index(device)
+    if i not in _SILU_OK:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        gate = (4 * torch.randn(37, 515, generator=g)).to(device)
+        up = torch.randn(37, 515, generator=g).to(device)
+        try:
+            got = _silu_mul_triton(gate, up).float()
+            want = silu_mul_reference(gate.clone(), up).float()
+            ok = bool(torch.allclose(got, want, rtol=8e-3, atol=1e-6))
+        except Exception:  # no Triton, no compiler, no driver: PyTorch does it
+            ok = False
+        _SILU_OK[i] = ok
+    return _SILU_OK[i]
+
+
+def addmm_fp32_ok(device: torch.device) -> bool:
+    """Whether torch.addmm(acc, x, w, out_dtype=float32, out=acc) accumulates in place on
+    this device (torch >= 2.8 and cuBLAS), checked once against a separate add."""
+    if not fused_enabled():
+        return False
+    i = _index(device)
+    if i not in _ADDMM_OK:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        acc = torch.randn(33, 48, generator=g).to(device)
+        x = torch.randn(33, 64, generator=g).to(device, torch.bfloat16)
+        w = torch.randn(48, 64, generator=g).to(device, torch.bfloat16)
+        try:
+            want = acc + torch.mm(x, w.t(), out_dtype=torch.float32)
+            got = acc.clone()
+            torch.addmm(got, x, w.t(), out_dtype=torch.float32, out=got)
+            ok = bool(torch.allclose(got, want, rtol=1e-5, atol=1e-4))
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _ADDMM_OK[i] = ok
+    return _ADDMM_OK[i]
