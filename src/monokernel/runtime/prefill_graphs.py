@@ -12,8 +12,10 @@ attends), and the prefix cache never counts them as held.
 
 A suffix prefilled after a reused prefix (an agent's next turn, at most MAX_SUFFIX_BUCKET
 tokens) replays a second kind of graph: positions are a device tensor (RoPE rows and cache
-rows by index), and attention reads a fixed power-of-two number of cache rows under a mask
-built from the positions, so one graph serves every start up to that many rows. Later
+rows by index), and attention takes its key count from them on the device (flash attention
+on the cache, prefill.flash_cache_attention; where that is missing, a fixed power-of-two
+number of cache rows under a mask built from the positions), so one graph serves every start
+up to that many rows. Later
 chunks of a prompt longer than the chunk stay eager (GPU-bound at that size anyway).
 
 Graphs are captured lazily, one per bucket the first time it is needed (a capture costs
