@@ -60,10 +60,9 @@ def main(argv: list[str]) -> int:
     backend = MonokernelBackend(cfg, weights, max_len, dev)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (max_len,), generator=g).tolist()
-    dev_ = backend.device
     print(
         f"{args.shape}: flash attention on the cache {backend.prefill._flash}, fused silu*mul "
-        f"{silu_mul_fused_ok(dev_)}, in-place addmm {addmm_fp32_ok(dev_)}"
+        f"{silu_mul_fused_ok(dev)}, in-place addmm {addmm_fp32_ok(dev)}"
     )
     backend.prefix.enabled = False  # a fresh prompt: nothing restored from a snapshot
     _report(f"fresh prompt of {args.prompt_tokens}", backend, ids[: args.prompt_tokens], None)

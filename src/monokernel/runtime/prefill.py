@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.prefill_graphs import PrefillGraphs, graphs_enabled
-from monokernel.runtime.prefill_ops import addmm_fp32_ok, silu_mul_bf16
+from monokernel.runtime.prefill_ops import addmm_fp32_ok, probed_once, silu_mul_bf16
 from monokernel.weights.repack import LayerPack, Repacked
 
 PRECISIONS: tuple[str, ...] = ("split-qkv", "bf16", "fp32")
@@ -57,21 +57,24 @@ def _cuda_out_dtype_ok(device: torch.device) -> bool:
     """Whether this torch has the bf16 x bf16 -> fp32 cuBLAS GEMM (torch.mm ``out_dtype``,
     torch >= 2.8). Probed once per device: without it the output is rounded to bf16 once
     more, which costs accuracy, not correctness."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _OUT_DTYPE_OK:
+
+    def probe() -> bool:
         a = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
         try:
-            ok = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+            return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
         except (TypeError, RuntimeError, NotImplementedError):
-            ok = False
-        _OUT_DTYPE_OK[index] = ok
-    return _OUT_DTYPE_OK[index]
+            return False
+
+    return probed_once(_OUT_DTYPE_OK, device, probe)
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.bfloat16 else t.to(torch.bfloat16)
 
 
 def gemm_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, k] @ w [n, k]^T -> [T, n] fp32: operands rounded to bf16, fp32 accumulate."""
-    xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-    wb = w if w.dtype == torch.bfloat16 else w.to(torch.bfloat16)
+    xb, wb = _bf16(x), _bf16(w)
     if x.is_cuda:
         if _cuda_out_dtype_ok(x.device):
             return torch.mm(xb, wb.t(), out_dtype=torch.float32)
@@ -85,9 +88,7 @@ def gemm_bf16_acc(acc: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     """acc [T, n] fp32 += gemm_bf16(x, w): one GEMM with beta = 1 where cuBLAS takes it
     (prefill_ops.addmm_fp32_ok), so the sum needs no element-wise pass of its own."""
     if acc.is_cuda and addmm_fp32_ok(acc.device):
-        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-        wb = w if w.dtype == torch.bfloat16 else w.to(torch.bfloat16)
-        torch.addmm(acc, xb, wb.t(), out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, _bf16(x), _bf16(w).t(), out_dtype=torch.float32, out=acc)
     else:
         acc += gemm_bf16(x, w)
 
@@ -203,8 +204,8 @@ def flash_cache_attention_ok(device: torch.device) -> bool:
     masked_attention."""
     if device.type != "cuda" or os.environ.get("MONOKERNEL_PREFILL_FLASH", "1") == "0":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _FLASH_OK:
+
+    def probe() -> bool:
         g = torch.Generator(device="cpu").manual_seed(0)
         kv_heads, heads, d, max_len, start, t = 2, 6, 64, 48, 19, 11
         k = torch.randn(kv_heads, max_len, d, generator=g).to(device, torch.bfloat16)
@@ -216,11 +217,11 @@ def flash_cache_attention_ok(device: torch.device) -> bool:
             want = causal_attention(
                 q.float(), k[:, : start + t].float(), v[:, : start + t].float(), start
             )
-            ok = bool(torch.allclose(got, want, atol=3e-2, rtol=3e-2))
+            return bool(torch.allclose(got, want, atol=3e-2, rtol=3e-2))
         except (RuntimeError, TypeError, NotImplementedError, AttributeError):
-            ok = False
-        _FLASH_OK[index] = ok
-    return _FLASH_OK[index]
+            return False
+
+    return probed_once(_FLASH_OK, device, probe)
 
 
 def masked_attention(

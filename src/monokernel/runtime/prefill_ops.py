@@ -16,6 +16,7 @@ device against it before use.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +29,13 @@ def fused_enabled() -> bool:
     return os.environ.get("MONOKERNEL_PREFILL_FUSED", "1") != "0"
 
 
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
+def probed_once(cache: dict[int, bool], device: torch.device, probe: Callable[[], bool]) -> bool:
+    """``probe()``'s answer for this CUDA device, run the first time it is asked (the
+    prefill's fast paths are each checked once per device against their PyTorch twin)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in cache:
+        cache[index] = probe()
+    return cache[index]
 
 
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -80,30 +86,26 @@ def silu_mul_bf16(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def silu_mul_fused_ok(device: torch.device) -> bool:
     """Whether the Triton kernel runs on this device and agrees with PyTorch (once per
     device; MONOKERNEL_PREFILL_FUSED=0: never)."""
-    if not fused_enabled():
-        return False
-    i = _index(device)
-    if i not in _SILU_OK:
+
+    def probe() -> bool:
         g = torch.Generator(device="cpu").manual_seed(0)
         gate = (4 * torch.randn(37, 515, generator=g)).to(device)
         up = torch.randn(37, 515, generator=g).to(device)
         try:
             got = _silu_mul_triton(gate, up).float()
             want = silu_mul_reference(gate.clone(), up).float()
-            ok = bool(torch.allclose(got, want, rtol=8e-3, atol=1e-6))
+            return bool(torch.allclose(got, want, rtol=8e-3, atol=1e-6))
         except Exception:  # no Triton, no compiler, no driver: PyTorch does it
-            ok = False
-        _SILU_OK[i] = ok
-    return _SILU_OK[i]
+            return False
+
+    return fused_enabled() and probed_once(_SILU_OK, device, probe)
 
 
 def addmm_fp32_ok(device: torch.device) -> bool:
     """Whether torch.addmm(acc, x, w, out_dtype=float32, out=acc) accumulates in place on
     this device (torch >= 2.8 and cuBLAS), checked once against a separate add."""
-    if not fused_enabled():
-        return False
-    i = _index(device)
-    if i not in _ADDMM_OK:
+
+    def probe() -> bool:
         g = torch.Generator(device="cpu").manual_seed(0)
         acc = torch.randn(33, 48, generator=g).to(device)
         x = torch.randn(33, 64, generator=g).to(device, torch.bfloat16)
@@ -112,8 +114,8 @@ def addmm_fp32_ok(device: torch.device) -> bool:
             want = acc + torch.mm(x, w.t(), out_dtype=torch.float32)
             got = acc.clone()
             torch.addmm(got, x, w.t(), out_dtype=torch.float32, out=got)
-            ok = bool(torch.allclose(got, want, rtol=1e-5, atol=1e-4))
+            return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-4))
         except (RuntimeError, TypeError, NotImplementedError):
-            ok = False
-        _ADDMM_OK[i] = ok
-    return _ADDMM_OK[i]
+            return False
+
+    return fused_enabled() and probed_once(_ADDMM_OK, device, probe)
