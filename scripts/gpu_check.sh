@@ -4,7 +4,11 @@
 #   MK_STAGES="build test" scripts/gpu_check.sh "$OUT"
 # Stages: build, test, bench (64-token prompt, MK_GEN_TOKENS generated, per MK_BENCH_SHAPES),
 # long (decode after an MK_LONG_PROMPT-token prompt, Llama-3.2-1B shape), turn (an agent's
-# 500-token turn on a held 16k-token conversation: prefix-reuse TTFT), prefill (where the
+# 500-token turn on a held 16k-token conversation: prefix-reuse TTFT; MK_TURN_RUNS picks the
+# shapes and settings), ttft (time to first token at 1,024 and 8,192 prompt
+# tokens, first token from the prefill and from the kernel), turnattn (the turn's attention
+# alone, split over 1..16 chunks of the cached keys: scripts/turn_attention.py; the first
+# token's LM-head GEMV: scripts/lm_head_gemv.py), prefill (where the
 # GPU time of an 8k prompt and of that turn goes: scripts/prefill_profile.py), variants
 # (scripts/kernel_variants.py with the MK_VARIANTS list, ';'-separated, e.g.
 # "a=;b=-DMK_X=1 -DMK_Y=2;c=MONOKERNEL_X=1").
@@ -55,12 +59,42 @@ if [[ $STAGES == *long* ]]; then
   grep -E "^(device:|engine|monokernel)|stage profile|error" "$OUTDIR/long.log" | grep -v Warning
 fi
 
-if [[ $STAGES == *turn* ]]; then
+if [[ " $STAGES " == *" turn "* ]]; then
   echo "== agent turn on a held conversation" >&2
-  timeout "${MK_TURN_TIMEOUT:-180}" python3 -m monokernel.bench --shape llama-3.2-1b \
-    --engines monokernel --prompt-tokens 16384 --turn-tokens 500 --gen-tokens 64 \
-    --json "$OUTDIR/turn.json" >"$OUTDIR/turn.log" 2>&1 || status=1
-  grep -E "^(device:|engine|monokernel)|error" "$OUTDIR/turn.log" | grep -v Warning
+  # MK_TURN_RUNS: ';'-separated SHAPE:ENV runs, e.g. "llama-3.2-1b:;llama-3.2-1b:
+  # MONOKERNEL_FIRST_TOKEN=kernel" (ENV: space-separated VAR=VALUE, may be empty).
+  IFS=';' read -ra runs <<<"${MK_TURN_RUNS:-llama-3.2-1b:}"
+  i=0
+  for r in "${runs[@]}"; do
+    shape=${r%%:*} vars=${r#*:} i=$((i + 1))
+    echo "$shape ${vars:-(defaults)}:"
+    env $vars timeout "${MK_TURN_TIMEOUT:-180}" python3 -m monokernel.bench --shape "$shape" \
+      --engines monokernel --prompt-tokens 16384 --turn-tokens 500 --gen-tokens 64 \
+      --repeats "${MK_TURN_REPEATS:-5}" --json "$OUTDIR/turn-$i.json" >"$OUTDIR/turn-$i.log" 2>&1 ||
+      status=1
+    grep -E "^(engine|monokernel)|error" "$OUTDIR/turn-$i.log" | grep -v Warning
+  done
+fi
+
+if [[ $STAGES == *ttft* ]]; then
+  echo "== time to first token" >&2
+  for src in prefill kernel; do
+    MONOKERNEL_FIRST_TOKEN=$src timeout "${MK_TTFT_TIMEOUT:-240}" python3 -m monokernel.bench \
+      --shape llama-3.2-1b --engines monokernel --prompt-tokens 64,1024,8192 --gen-tokens 32 \
+      --repeats "${MK_TTFT_REPEATS:-7}" \
+      --json "$OUTDIR/ttft-$src.json" >"$OUTDIR/ttft-$src.log" 2>&1 || status=1
+    echo "first token from the $src:"
+    grep -E "^(device:|engine|monokernel)|error" "$OUTDIR/ttft-$src.log" | grep -v Warning
+  done
+fi
+
+if [[ $STAGES == *turnattn* ]]; then
+  echo "== turn attention" >&2
+  timeout "${MK_TURNATTN_TIMEOUT:-120}" python3 scripts/turn_attention.py \
+    >"$OUTDIR/turnattn.log" 2>&1 || status=1
+  cat "$OUTDIR/turnattn.log"
+  timeout 120 python3 scripts/lm_head_gemv.py >"$OUTDIR/lmhead.log" 2>&1 || status=1
+  cat "$OUTDIR/lmhead.log"
 fi
 
 if [[ $STAGES == *variants* ]]; then

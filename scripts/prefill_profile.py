@@ -67,6 +67,9 @@ def main(argv: list[str]) -> int:
     backend.prefix.enabled = False  # a fresh prompt: nothing restored from a snapshot
     _report(f"fresh prompt of {args.prompt_tokens}", backend, ids[: args.prompt_tokens], None)
     backend.prefix.enabled = True
+    # Live cache only: with a snapshot budget, re-prefilling `held` after a turn saves that
+    # turn as a snapshot, and the next turn would restore it instead of prefilling 500 tokens.
+    backend.prefix.budget_bytes = 0
     held = ids[: args.context]
     turn = ids[: args.context + args.turn_tokens]
     _report(f"turn of {args.turn_tokens} on a held {args.context}", backend, turn, held)

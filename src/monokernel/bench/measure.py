@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,31 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 1
         times.append(start.elapsed_time(end) / 1e3)
     del src, dst
     return 2 * nbytes / statistics.median(times)
+
+
+def graph_ms(fn: Callable[[], object], repeats: int = 30) -> float:
+    """Median ms of ``fn``'s GPU work replayed from a CUDA graph (warmed up on a side stream
+    first), for micro-benchmarks of a few launches: timed eagerly, their host-side launch
+    gaps would be counted too."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def bytes_per_token(cfg: ModelConfig, context: float, weight_bytes: int = 2) -> float:

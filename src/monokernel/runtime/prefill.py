@@ -32,7 +32,6 @@ suffix after the reused positions).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +39,14 @@ import torch
 import torch.nn.functional as F
 
 from monokernel.models.config import ModelConfig
+from monokernel.runtime.prefill_attention import (
+    causal_attention,
+    flash_cache_attention,
+    flash_cache_attention_ok,
+    flash_split_ok,
+    masked_attention,
+    split_count,
+)
 from monokernel.runtime.prefill_graphs import PrefillGraphs, graphs_enabled
 from monokernel.runtime.prefill_ops import addmm_fp32_ok, probed_once, silu_mul_bf16
 from monokernel.weights.repack import LayerPack, Repacked
@@ -136,106 +143,12 @@ def apply_rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tenso
     return torch.addcmul(x * c, swapped, s)
 
 
-def _expand_gqa(kv: torch.Tensor, heads: int) -> torch.Tensor:
-    """[kv_heads, S, d] -> [heads, S, d]: query head h reads kv head h // group. Expanded
-    copies rather than SDPA's enable_gqa, which not every backend (nor the bottom-right
-    causal path) takes; the copy is O(context) per layer, small next to the GEMMs."""
-    kv_heads, s_len, d = kv.shape
-    if heads == kv_heads:
-        return kv
-    return kv[:, None].expand(kv_heads, heads // kv_heads, s_len, d).reshape(heads, s_len, d)
-
-
-def causal_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
-) -> torch.Tensor:
-    """q [T, heads, d] at positions start..start+T-1; keys/values [kv_heads, start+T, d] ->
-    [T, heads * d]. Query i sees keys 0..start+i (bottom-right causal)."""
-    t, heads, d = q.shape
-    keys, values = _expand_gqa(keys, heads), _expand_gqa(values, heads)
-    s_len = keys.shape[1]
-    qh = q.transpose(0, 1)[None]  # [1, heads, T, d]
-    if start == 0:  # square: top-left and bottom-right causal coincide
-        out = F.scaled_dot_product_attention(qh, keys[None], values[None], is_causal=True)
-    else:
-        from torch.nn.attention.bias import causal_lower_right
-
-        mask = causal_lower_right(t, s_len)
-        out = F.scaled_dot_product_attention(qh, keys[None], values[None], attn_mask=mask)
-    return out[0].transpose(0, 1).reshape(t, heads * d)
-
-
-_FLASH_OK: dict[int, bool] = {}  # CUDA device index -> flash_cache_attention works here
-
-
-def flash_cache_attention(
-    q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, used: torch.Tensor
-) -> torch.Tensor:
-    """Causal attention of the T queries q [T, heads, d] (bf16) sitting at positions
-    [used - T, used) over cache rows [0, used) of one layer's k/v [kv_heads, max_len, d]:
-    FlashAttention-2's variable-length kernel, reading the cache in place (no slice, no
-    GQA-expanded copies: it takes kv_heads < heads natively) with its causal mask aligned
-    bottom-right. ``used`` [1] int32 lives on the device, so one CUDA graph serves every
-    start. -> [T, heads * d]."""
-    t, heads, d = q.shape
-    max_len = k_layer.shape[1]
-    steps = torch.arange(2, dtype=torch.int32, device=q.device)
-    out = torch.ops.aten._flash_attention_forward(
-        q,
-        k_layer.transpose(0, 1),  # [max_len, kv_heads, d]: rows d apart, heads max_len * d
-        v_layer.transpose(0, 1),
-        steps * t,  # cu_seqlens_q: one sequence of T queries
-        steps * max_len,  # cu_seqlens_k: the whole cache, of which `used` rows count
-        t,
-        max_len,
-        0.0,
-        True,
-        False,
-        scale=d**-0.5,
-        seqused_k=used,
-    )[0]
-    return out.reshape(t, heads * d)
-
-
-def flash_cache_attention_ok(device: torch.device) -> bool:
-    """Whether flash_cache_attention runs on this device and torch and agrees with SDPA's
-    math on a small case (GQA, a start past 0, the cache's strided layout). Probed once per
-    device; False (or MONOKERNEL_PREFILL_FLASH=0) sends prefill to causal_attention /
-    masked_attention."""
-    if device.type != "cuda" or os.environ.get("MONOKERNEL_PREFILL_FLASH", "1") == "0":
-        return False
-
-    def probe() -> bool:
-        g = torch.Generator(device="cpu").manual_seed(0)
-        kv_heads, heads, d, max_len, start, t = 2, 6, 64, 48, 19, 11
-        k = torch.randn(kv_heads, max_len, d, generator=g).to(device, torch.bfloat16)
-        v = torch.randn(kv_heads, max_len, d, generator=g).to(device, torch.bfloat16)
-        q = torch.randn(t, heads, d, generator=g).to(device, torch.bfloat16)
-        used = torch.full((1,), start + t, dtype=torch.int32, device=device)
-        try:
-            got = flash_cache_attention(q, k, v, used).float()
-            want = causal_attention(
-                q.float(), k[:, : start + t].float(), v[:, : start + t].float(), start
-            )
-            return bool(torch.allclose(got, want, atol=3e-2, rtol=3e-2))
-        except (RuntimeError, TypeError, NotImplementedError, AttributeError):
-            return False
-
-    return probed_once(_FLASH_OK, device, probe)
-
-
-def masked_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
-) -> torch.Tensor:
-    """causal_attention with the causal structure given as a mask: visible [T, S] bool, True
-    where query i may read key j. For graphs whose start is a device value."""
-    t, heads, d = q.shape
-    keys, values = _expand_gqa(keys, heads), _expand_gqa(values, heads)
-    qh = q.transpose(0, 1)[None]
-    out = F.scaled_dot_product_attention(
-        qh, keys[None], values[None], attn_mask=visible[None, None]
-    )
-    return out[0].transpose(0, 1).reshape(t, heads * d)
+def _fewest_before(keys: int, t: int) -> int:
+    """The fewest cached positions before a graphed suffix of ``t`` tokens whose graph reads
+    ``keys`` cache rows (prefill_graphs.keys_bucket: the next power of two above the suffix's
+    end, or the cache length): its end passed the power of two below ``keys``."""
+    below = 1 << max(0, (keys - 1).bit_length() - 1)
+    return max(0, below - t)
 
 
 def _full_int32(value: int, device: torch.device) -> torch.Tensor:
@@ -294,6 +207,14 @@ class Prefiller:
             precision != "fp32"
             and k_cache.dtype == torch.bfloat16
             and flash_cache_attention_ok(k_cache.device)
+        )
+        # Flash on the cache split over the cached keys where few queries would leave SMs
+        # idle (prefill_attention.split_count).
+        self._split = self._flash and flash_split_ok(k_cache.device)
+        self._sms = (
+            torch.cuda.get_device_properties(k_cache.device).multi_processor_count
+            if k_cache.is_cuda
+            else 1
         )
         if graphs is None:
             graphs = graphs_enabled(k_cache.device)
@@ -393,7 +314,8 @@ class Prefiller:
         # copies measured faster (8k-token prompt: 54.6 against 59.4 ms, H100).
         if self._flash and (at is not None or start > 0):
             used = at.used if at is not None else _full_int32(end, x.device)
-            attn = flash_cache_attention(q.to(dt), self.k[n], self.v[n], used)  # [T, Q]
+            splits = self._splits(t, start if at is None else _fewest_before(at.keys, t))
+            attn = flash_cache_attention(q.to(dt), self.k[n], self.v[n], used, splits)  # [T, Q]
         elif at is None:
             attn = causal_attention(
                 q.to(dt), self.k[n, :, :end].to(dt), self.v[n, :, :end].to(dt), start
@@ -405,6 +327,11 @@ class Prefiller:
         self._mm_acc(x, attn, lp.wo)  # x += O-projection [T, H]
         if lp.bo is not None:
             x += lp.bo
+
+    def _splits(self, queries: int, prefix_keys: int) -> int:
+        if not self._split:
+            return 1
+        return split_count(queries, self.cfg.num_heads, prefix_keys, self._sms)
 
     def _mlp_block(self, x: torch.Tensor, lp: LayerPack) -> None:
         h = F.rms_norm(x, (self.cfg.hidden_size,), lp.ffn_gain, self.cfg.rms_norm_eps)

@@ -5,9 +5,11 @@ Pure Python on purpose: it decides, the backend does the device copies. The K/V 
 p depends only on tokens 0..p, so any cache (live or snapshot) whose tokens agree with a new
 prompt on its first m positions can stand in for prefilling those m positions.
 
-The live cache's contents after a decode run: the prompt minus its last token (prefill),
-then one position per completed kernel step, holding the token that step was fed (the last
-prompt token, then each generated token but the last; a step's own output is never written).
+The live cache's contents after a decode run: what the prefill wrote (the prompt, or the
+prompt minus its last token when the kernel's first step computes that position), then one
+position per completed kernel step, holding the token that step was fed (the first token
+drawn from the prefill's logits or the last prompt token, then each generated token but the
+last; a step's own output is never written).
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ def fed_tokens(
     forced: Sequence[int] | None = None,
 ) -> list[int]:
     """The tokens the kernel's first ``steps`` steps were fed, i.e. whose K/V it wrote at
-    positions len(prompt)-1 onwards: ``forced`` when teacher-forced, else the last prompt
-    token followed by the generated tokens but the last."""
+    positions len(prompt)-1 onwards: ``forced`` when teacher-forced, else the last token of
+    ``prompt`` (the kernel's first input) followed by the generated tokens but the last."""
     if steps <= 0:
         return []
     if forced is not None:
@@ -181,7 +183,9 @@ class PrefixCache:
 
     def finish(self, prompt: Sequence[int], fed: Sequence[int]) -> None:
         """After a decode run that prefilled ``prompt[:-1]`` and then ran len(fed) steps fed
-        with ``fed`` (``fed_tokens``): those are the valid positions, whatever was cancelled."""
+        with ``fed`` (``fed_tokens``): those are the valid positions, whatever was cancelled.
+        ``prompt`` ends with the kernel's first input: the request's last prompt token, or
+        the token drawn from the prefill's logits (the prefill then wrote the whole prompt)."""
         self._live = tuple(prompt[:-1]) + tuple(fed)
 
     def invalidate(self) -> None:

@@ -29,6 +29,25 @@
 // The LM head shares stage A's split (and register buffer): a buffer issued on one path
 // only would stay live through every layer and spill.
 #define MK_SPLIT_F MK_SPLIT_A
+// 1: stage D's gate/up pairs numbered across CTAs first (measured on an H100,
+// docs/perf-notes.md step 28: Qwen2.5-Coder-1.5B 1,384 vs 1,416 µs/token, Llama-3.2-1B
+// 1,003 vs 1,007); 0: CTA by CTA, as before.
+#ifndef MK_D_INTERLEAVE
+#define MK_D_INTERLEAVE 1
+#endif
+// Host I/O once per token is two PCIe round trips on one thread: the cancel word's read
+// (before that CTA arrives at the step's barrier, so every CTA waits for it) and, with
+// MK_TOKEN_FENCE=1, a system fence after the token's write (before that CTA's next layer 0;
+// the host now polls the token words themselves, so the fence orders nothing it needs).
+// MK_HOST_CTA_LAST=1 gives both to the last CTA, which has the fewest LM-head and QKV rows
+// (the rows go out CTA by CTA), so it has slack to absorb them; 0: CTA 0, as before
+// (docs/perf-notes.md step 29: -3 µs/token on Llama-3.2-1B, -11 on Qwen2.5-Coder-1.5B).
+#ifndef MK_HOST_CTA_LAST
+#define MK_HOST_CTA_LAST 1
+#endif
+#ifndef MK_TOKEN_FENCE
+#define MK_TOKEN_FENCE 0
+#endif
 
 // Shared memory, in floats: xs [MK_XS] | xres [MK_H] | attention [MK_ATTN_SMEM] | red [64] |
 // K/V window [MK_KVWIN_FLOATS] | h64 [256 x u64] | h32 [256] | misc [16]. build.py computes
@@ -73,9 +92,17 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   ss.red = red;
 
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const int gw = blockIdx.x * MK_WARPS + warp;  // this warp's rank in the grid (gate/up)
-  const int tw = gridDim.x * MK_WARPS;          // warps in the grid
+  // This warp's rank in the grid: its first gate/up pair in stage D, then every tw-th.
+#if MK_D_INTERLEAVE
+  // Ranks across CTAs first, so a last, partial round of pairs (Qwen2.5-1.5B: 8,960 pairs
+  // on 2,112 warps) spreads over every SM instead of filling the first CTAs.
+  const int gw = warp * gridDim.x + blockIdx.x;
+#else
+  const int gw = blockIdx.x * MK_WARPS + warp;
+#endif
+  const int tw = gridDim.x * MK_WARPS;  // warps in the grid
   const bool greedy = p.temperature == 0.f;
+  const bool host_cta = blockIdx.x == (MK_HOST_CTA_LAST ? gridDim.x - 1 : 0);
   const bool flow =
       flow_possible<Split<MK_Q, MK_SPLIT_C>::GROUPS, Split<MK_I, MK_SPLIT_E>::GROUPS>();
   // top-k / top-p need the whole vocabulary; under TP it is split over ranks, so the host
@@ -290,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         if (better(red[w], (int)ss.h32[w], b, bi)) { b = red[w]; bi = (int)ss.h32[w]; }
       p.part_score[blockIdx.x] = b;
       p.part_id[blockIdx.x] = bi;
-      if (blockIdx.x == 0) p.flags[0] = *p.host_cancel != 0;  // one PCIe read per token
+      if (host_cta) p.flags[0] = *p.host_cancel != 0;  // one PCIe read per token
     }
     grid_arrive(p.barrier, bar);
     issue_first<SA::KP, MK_BATCH>(
@@ -352,13 +379,17 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #endif
     for (int i = 0; i < p.n_stop; ++i) done |= p.stop_ids[i] == next;
 #if MK_TP > 1
-    if (blockIdx.x == 0 && t == 0 && p.tp_rank == 0) {  // one rank speaks to the host
+    if (host_cta && t == 0 && p.tp_rank == 0) {  // one rank speaks to the host
 #else
-    if (blockIdx.x == 0 && t == 0) {
+    if (host_cta && t == 0) {
 #endif
-      p.host_out[2 + step] = next;
-      __threadfence_system();  // the token lands before the count that publishes it
-      p.host_out[0] = step + 1;
+      // Nonzero once written: the host polls each token's word (zeroed before the launch)
+      // in order, so it needs no order among them; only `done` is fenced after them all.
+      p.host_out[2 + step] = next + 1;
+#if MK_TOKEN_FENCE
+      __threadfence_system();
+#endif
+      p.host_out[0] = step + 1;  // the count, read once the kernel has exited
       if (done) {
         __threadfence_system();
         p.host_out[1] = 1;

@@ -44,7 +44,7 @@ struct Params {
   const int* forced;                // [n_steps] input token of each step (teacher forcing) or null
   float* debug_logits;              // [n_steps, V] or null
   const int* stop_ids;              // [n_stop]
-  volatile int* host_out;           // host-mapped: [0] count, [1] done, [2 + i] token i
+  volatile int* host_out;           // host-mapped: [0] count, [1] done, [2 + i] token i + 1
   volatile int* host_cancel;        // host-mapped: nonzero asks the kernel to stop
   long long* timing;                // [10L + 6] clock64 stage marks of one step (decode.cu), or null
   int max_len;

@@ -2,9 +2,10 @@
 
 Prefill (``runtime/prefill.py``: cuBLAS GEMMs and flash attention, in chunks) writes the
 prompt's K/V straight into the kernel's bf16 cache [layers, kv_heads, max_len, head_dim],
-sized at load time against the GPU's free memory (``runtime/kv_memory.py``). The kernel then
-starts at the last prompt token and produces tokens by itself; each lands in pinned
-host-mapped memory where ``stream`` picks it up and yields it while the kernel goes on. A
+sized at load time against the GPU's free memory (``runtime/kv_memory.py``). The prefill's
+last logits give the first token (FIRST_TOKEN_SOURCES); the kernel then starts from it and
+produces the rest by itself; each lands in pinned host-mapped memory where ``stream`` picks
+it up and yields it while the kernel goes on. A
 host-mapped cancel word (raised when the CancelToken is set or the iterator is closed) stops
 it within a token.
 
@@ -39,12 +40,17 @@ from monokernel.runtime.prefill import (
     workspace_bytes,
 )
 from monokernel.runtime.prefill_graphs import graphs_enabled
-from monokernel.runtime.prefix_cache import PrefixCache, fed_tokens
-from monokernel.runtime.sampling import SamplingParams
+from monokernel.runtime.prefix_cache import PrefixCache, common_prefix, fed_tokens
+from monokernel.runtime.sampling import SamplingParams, sample
 from monokernel.weights.names import Weights
 from monokernel.weights.repack import Repacked, repack
 
 _MAX_STOP_IDS = 256
+# Where a request's first token comes from. "prefill": the prompt's last logits, computed by
+# the prefill that fills the cache anyway (one LM-head GEMV); the kernel then starts at the
+# next position, so time to first token loses one whole decode step. "kernel": the kernel's
+# first step computes the last prompt position and draws it (as the debug paths always do).
+FIRST_TOKEN_SOURCES: tuple[str, ...] = ("prefill", "kernel")
 _STALL_SECONDS = 120.0  # no token for this long while the kernel runs: report, don't hang
 
 
@@ -80,15 +86,20 @@ def checked_steps(
     max_new_tokens: int,
     max_seq_len: int,
     vocab_size: int,
+    known_valid: int = 0,
 ) -> int:
     """Refuse a request one launch cannot take (InvalidRequestError); else the decode steps
-    it runs: the input of step s sits at position len(prompt)-1+s, inside the cache."""
+    it runs: the input of step s sits at position len(prompt)-1+s, inside the cache.
+    ``known_valid``: leading token ids already checked (the live cache's tokens that the
+    prompt repeats): an agent's 16k-token turn is then not a 16k-step Python loop (~1-2 ms,
+    all of it inside the time to first token)."""
     n = len(prompt_ids)
     if n == 0:
         raise InvalidRequestError("the prompt must hold at least one token")
     if n > max_seq_len:
         raise InvalidRequestError(f"the prompt ({n} tokens) exceeds max_seq_len={max_seq_len}")
-    if any(not 0 <= t < vocab_size for t in prompt_ids):
+    new = prompt_ids[known_valid:] if known_valid else prompt_ids
+    if new and not (min(new) >= 0 and max(new) < vocab_size):
         raise InvalidRequestError("a prompt token id is outside the vocabulary")
     if len(stop_ids) > _MAX_STOP_IDS:
         raise InvalidRequestError(f"at most {_MAX_STOP_IDS} stop token ids are supported")
@@ -109,6 +120,7 @@ class MonokernelBackend:
         snapshot_bytes: int | None = None,
         prefill_chunk: int | None = None,
         prefill_precision: str | None = None,
+        first_token: str | None = None,
     ) -> None:
         """Knobs (docs/long-context.md):
 
@@ -117,7 +129,9 @@ class MonokernelBackend:
         earlier conversations (default: twice the cache, at most a quarter of the memory
         left after loading; 0 keeps only the live cache). ``prefill_chunk`` /
         ``prefill_precision``: see runtime/prefill.py (defaults: MONOKERNEL_PREFILL_CHUNK /
-        MONOKERNEL_PREFILL_PRECISION, else 2048 / split-qkv).
+        MONOKERNEL_PREFILL_PRECISION, else 2048 / split-qkv). ``first_token``: where a
+        request's first token comes from (FIRST_TOKEN_SOURCES; default:
+        MONOKERNEL_FIRST_TOKEN, else "prefill").
         """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -128,6 +142,12 @@ class MonokernelBackend:
         if max_seq_len < 1:
             raise InvalidRequestError(f"max_seq_len must be at least 1; got {max_seq_len}")
         self.cfg, self.device, self.max_seq_len = cfg, device, max_seq_len
+        source = first_token or os.environ.get("MONOKERNEL_FIRST_TOKEN") or "prefill"
+        if source not in FIRST_TOKEN_SOURCES:
+            raise InvalidRequestError(
+                f"first token source {source!r}; choose from {', '.join(FIRST_TOKEN_SOURCES)}"
+            )
+        self.first_from_prefill = source == "prefill"
         dims = kbuild.KernelDims.from_config(cfg)  # refuses unsupported shapes first
         chunk = prefill_chunk or _env_int("MONOKERNEL_PREFILL_CHUNK") or DEFAULT_CHUNK_TOKENS
         precision = (
@@ -318,38 +338,66 @@ class MonokernelBackend:
         timing: torch.Tensor | None = None,
         timing_step: int = -1,
         forced_ids: Sequence[int] | None = None,
+        first_from_prefill: bool = False,
     ) -> Iterator[int]:
         """``forced_ids``: the host copy of ``forced``, so the prefix bookkeeping knows which
-        tokens the kernel's steps wrote into the cache."""
+        tokens the kernel's steps wrote into the cache. ``first_from_prefill``: the prefill
+        covers the whole prompt and its last logits give the first token (sampled on the
+        host side by the same rule, runtime/sampling.py); the kernel starts one position
+        later from that token. Else the kernel's first step computes the last prompt position
+        and draws the first token itself (the debug and profiling paths, whose step numbers
+        and logits are the kernel's)."""
         n = len(prompt_ids)
+        # The live cache holds only checked prompt tokens and in-vocabulary outputs.
+        known = common_prefix(self.prefix.live, prompt_ids)
         n_steps = checked_steps(
-            prompt_ids, stop_ids, max_new_tokens, self.max_seq_len, self.cfg.vocab_size
+            prompt_ids, stop_ids, max_new_tokens, self.max_seq_len, self.cfg.vocab_size, known
         )
+        if not sampling.greedy and sampling.seed is None:
+            raise InvalidRequestError("sampling needs a fixed seed (SamplingParams.with_seed)")
         launcher.set_current_context(self.device.index)
+        first: int | None = None
         with torch.cuda.device(self.device):
-            # Positions [0, n-1); the kernel's first step computes position n-1 itself.
-            self.filler.fill(prompt_ids, n - 1)
+            if first_from_prefill:
+                logits = self.filler.fill(prompt_ids, n, logits=True)
+                assert logits is not None
+            else:
+                # Positions [0, n-1); the kernel's first step computes position n-1 itself.
+                self.filler.fill(prompt_ids, n - 1)
+            # The launch's setup is queued behind the prefill before the host waits for the
+            # first token, so only the launch itself sits between that token and the kernel.
             if stop_ids:
                 self.stop_ids[: len(stop_ids)].copy_(
                     torch.tensor(sorted(stop_ids), dtype=torch.int32)
                 )
             self._reset_launch_state()
             self.stream_.wait_stream(torch.cuda.current_stream(self.device))
-        params = self._params(
-            prompt_ids[-1],
-            n - 1,
-            n_steps,
-            sampling,
-            len(stop_ids),
-            forced,
-            debug_logits,
-            timing,
-            timing_step,
-        )
+            if first_from_prefill:
+                first = sample(logits, sampling, n)  # the token at position n: one host sync
+        # Positions the cache holds before the kernel's first step, and that step's input.
+        held, step_in = n - 1, prompt_ids[-1]
+        if first is not None:
+            held, step_in = n, first
+            n_steps -= 1
+            if first in stop_ids:
+                n_steps = 0
+        launched = n_steps > 0
         out, cancel_word = self.host_out.words, self.host_cancel.words
-        ctypes.memset(ctypes.addressof(out), 0, 4 * 2)
-        cancel_word[0] = 0
-        self.module_for(n - 1 + n_steps).launch(self.grid, params, self.stream_.cuda_stream)
+        if launched:
+            params = self._params(
+                step_in,
+                held,
+                n_steps,
+                sampling,
+                len(stop_ids),
+                forced,
+                debug_logits,
+                timing,
+                timing_step,
+            )
+            ctypes.memset(ctypes.addressof(out), 0, 4 * (3 + n_steps))  # token_reader.py
+            cancel_word[0] = 0
+            self.module_for(held + n_steps).launch(self.grid, params, self.stream_.cuda_stream)
         finished = failed = False
 
         def check(stalled_s: float) -> None:
@@ -359,27 +407,32 @@ class MonokernelBackend:
                 raise RuntimeError(f"the monokernel made no progress for {_STALL_SECONDS} s")
 
         try:
-            finished = yield from read_tokens(out, cancel, check)
+            if first is not None and not (cancel is not None and cancel.is_set()):
+                yield first  # the kernel is already running on the next one
+            if launched:
+                finished = yield from read_tokens(out, cancel, check)
         except GeneratorExit:  # the consumer closed the stream: a normal early end
             raise
         except BaseException:
             failed = True
             raise
         finally:
-            if not finished:
-                cancel_word[0] = 1  # the kernel reads it once per token
-            launcher.set_current_context(self.device.index)
-            while not launcher.stream_done(self.stream_.cuda_stream):
-                time.sleep(1e-4)
+            if launched:
+                if not finished:
+                    cancel_word[0] = 1  # the kernel reads it once per token
+                launcher.set_current_context(self.device.index)
+                while not launcher.stream_done(self.stream_.cuda_stream):
+                    time.sleep(1e-4)
             if failed:
                 self.prefix.invalidate()
             else:
                 # The kernel has stopped: out[0] counts its completed steps, each of which
                 # wrote the K/V of the token it was fed (more than were yielded, if the
                 # consumer stopped early).
-                steps = int(out[0])
-                generated = out[2 : 2 + max(0, steps - 1)]
-                self.prefix.finish(prompt_ids, fed_tokens(prompt_ids, generated, steps, forced_ids))
+                steps = int(out[0]) if launched else 0
+                generated = [w - 1 for w in out[2 : 2 + max(0, steps - 1)]]  # id + 1
+                ran = (*prompt_ids[:held], step_in)
+                self.prefix.finish(ran, fed_tokens(ran, generated, steps, forced_ids))
 
     # ---- prefill and prefix reuse -------------------------------------------------------
 
@@ -417,6 +470,7 @@ class MonokernelBackend:
             request.sampling,
             sorted(request.stop_token_ids),
             cancel,
+            first_from_prefill=self.first_from_prefill,
         )
 
     def teacher_forced_logits(
@@ -425,6 +479,8 @@ class MonokernelBackend:
         """Debug mode: logits [len(next_ids), V] float32, where step s feeds the kernel the
         given token (the last prompt token, then next_ids[s-1]) instead of its own sample."""
         steps = len(next_ids)
+        if next_ids and not (min(next_ids) >= 0 and max(next_ids) < self.cfg.vocab_size):
+            raise InvalidRequestError("a forced token id is outside the vocabulary")
         forced_list = [prompt_ids[-1], *next_ids[:-1]]
         forced = torch.tensor(forced_list, dtype=torch.int32, device=self.device)  # [steps]
         logits = torch.full(

@@ -259,7 +259,7 @@ class MonokernelTPBackend:
             )
         lead = self.ranks[0]  # rank 0 writes the tokens and reads the cancel word
         out, cancel_word = lead.host_out.words, lead.host_cancel.words
-        ctypes.memset(ctypes.addressof(out), 0, 4 * 2)
+        ctypes.memset(ctypes.addressof(out), 0, 4 * (3 + n_steps))  # token_reader.py
         cancel_word[0] = 0
         # All N kernels spin on each other, so all must be resident together: launch each on
         # its own stream and device, back to back, never waiting in between.

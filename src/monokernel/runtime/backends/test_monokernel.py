@@ -139,14 +139,16 @@ def test_teacher_forced_logits_group_units(shape: str, monkeypatch: pytest.Monke
 
 @pytest.mark.gpu
 @needs_hopper
-def test_greedy_matches_reference() -> None:
+@pytest.mark.parametrize("source", ["prefill", "kernel"])
+def test_greedy_matches_reference(source: str) -> None:
     """Free-running greedy tokens are the reference's argmax at every step.
 
     The reference (fp32, same bf16 weights) is teacher-forced on the kernel's tokens, so one
     near-tie cannot derail the comparison of the steps after it; a step where the two argmaxes
     differ passes only if the reference's own top-2 gap there is within rounding (a near tie),
     and such steps must stay rare. The LM head rows get heavy-tailed norms so that the logits
-    mostly have a clear winner.
+    mostly have a clear winner. ``source``: where the first token comes from (the prefill's
+    logits, the default, or the kernel's first step).
     """
     cfg = SHAPES["llama-3.2-1b"]
     dev = torch.device("cuda")
@@ -154,7 +156,7 @@ def test_greedy_matches_reference() -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     row_scale = torch.exp(1.5 * torch.randn(cfg.vocab_size, 1, generator=gen, device=dev))
     weights["embed"] = (weights["embed"].float() * row_scale).to(torch.bfloat16)
-    _check_greedy(cfg, weights, _tokens(PROMPT, cfg.vocab_size, seed=2), "random")
+    _check_greedy(cfg, weights, _tokens(PROMPT, cfg.vocab_size, seed=2), source, source)
 
 
 @pytest.mark.gpu
@@ -179,12 +181,12 @@ def test_greedy_default_model() -> None:
     _check_greedy(ckpt.config, weights, prompt, "default model")
 
 
-def _check_greedy(cfg, weights, prompt: list[int], label: str) -> None:
+def _check_greedy(cfg, weights, prompt: list[int], label: str, source: str = "prefill") -> None:
     from monokernel.runtime.backends.monokernel import MonokernelBackend
 
     dev = torch.device("cuda")
     n = len(prompt)
-    mk = MonokernelBackend(cfg, weights, n + STEPS, dev)
+    mk = MonokernelBackend(cfg, weights, n + STEPS, dev, first_token=source)
     got = list(mk.stream(_request(prompt, STEPS, SamplingParams(temperature=0.0)), CancelToken()))
     assert len(got) == STEPS
     mk.close()
@@ -239,24 +241,35 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("source", ["kernel", "prefill"])
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p"),
     [(1.0, 0, 1.0), (0.7, 20, 1.0), (1.0, 0, 0.8), (1.2, 50, 0.9)],
 )
-def test_sampling_distribution(temperature: float, top_k: int, top_p: float) -> None:
-    """Token frequencies at a fixed step over many seeds follow softmax(z) on the kept set."""
+def test_sampling_distribution(temperature: float, top_k: int, top_p: float, source: str) -> None:
+    """Token frequencies at a fixed step over many seeds follow softmax(z) on the kept set,
+    drawn by the kernel (its first step at the last prompt position) and by the host-side
+    sampler on the prefill's logits (a request's first token by default)."""
     cfg, _, mk = _setup("odd")
     prompt = _tokens(8, cfg.vocab_size, seed=4)
     draws = 3000
     step = 3  # the 4th generated token, after teacher-forced predecessors
     prefix = prompt + _tokens(step, cfg.vocab_size, seed=5)
-    # The kernel's own logits for the draw, computed exactly as in stream(prefix).
-    logits = mk.teacher_forced_logits(prefix, [0])[0]
+    # The logits the draw is made from, computed exactly as in stream(prefix).
+    if source == "kernel":
+        logits = mk.teacher_forced_logits(prefix, [0])[0]
+    else:
+        logits = mk.prefill_logits(prefix)
     counts = torch.zeros(cfg.vocab_size, dtype=torch.float64)
-    for seed in range(draws):
-        sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        tok = next(iter(mk.stream(_request(prefix, 1, sp), CancelToken())))
-        counts[tok] += 1
+    default = mk.first_from_prefill
+    mk.first_from_prefill = source == "prefill"
+    try:
+        for seed in range(draws):
+            sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+            tok = next(iter(mk.stream(_request(prefix, 1, sp), CancelToken())))
+            counts[tok] += 1
+    finally:
+        mk.first_from_prefill = default
     want = probabilities(
         logits.cpu(), SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     ).double()
@@ -278,6 +291,11 @@ def test_stop_ids_cancel_and_next_request() -> None:
     first = want.index(stop_at)
     got = list(mk.stream(_request(prompt, 40, greedy, stops=[stop_at]), CancelToken()))
     assert got == want[: first + 1]
+    # The first token alone (drawn from the prefill's logits by default): as a stop id, and
+    # as the whole budget.
+    got = list(mk.stream(_request(prompt, 40, greedy, stops=[want[0]]), CancelToken()))
+    assert got == want[:1]
+    assert list(mk.stream(_request(prompt, 1, greedy), CancelToken())) == want[:1]
     # Cancel mid-stream: the stream ends, the kernel is gone, the next request is right.
     cancel = CancelToken()
     it = mk.stream(_request(prompt, 900, greedy), cancel)
@@ -305,5 +323,11 @@ def test_checked_steps_refuses_what_a_launch_cannot_take() -> None:
         checked_steps(list(range(11)), [], 4, 10, 50)
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         checked_steps([50], [], 4, 10, 50)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        checked_steps([3, -1], [], 4, 10, 50)
+    # Ids the live cache already holds are not checked again; the rest are.
+    assert checked_steps([1, 2, 3], [], 4, 10, 50, known_valid=2) == 4
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        checked_steps([1, 2, 99], [], 4, 10, 50, known_valid=2)
     with pytest.raises(InvalidRequestError, match="stop token ids"):
         checked_steps([1], list(range(_MAX_STOP_IDS + 1)), 4, 10, 50)

@@ -18,12 +18,12 @@ from monokernel.bench.shapes import SHAPES, random_weights
 from monokernel.errors import InvalidRequestError
 from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import KVCache, Transformer
-from monokernel.runtime.prefill import (
-    PRECISIONS,
-    Prefiller,
+from monokernel.runtime.prefill import PRECISIONS, Prefiller
+from monokernel.runtime.prefill_attention import (
     causal_attention,
     flash_cache_attention,
     flash_cache_attention_ok,
+    flash_split_ok,
 )
 from monokernel.weights.names import Weights
 from monokernel.weights.repack import repack
@@ -72,23 +72,32 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @needs_hopper
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), [(32, 8, 64), (12, 2, 128), (5, 1, 104)])
 @pytest.mark.parametrize(("start", "t"), [(0, 1), (0, 300), (1000, 37), (4093, 512)])
-def test_flash_on_the_cache_matches_sdpa(heads: int, kv_heads: int, d: int, start: int, t: int):
+@pytest.mark.parametrize("splits", [1, 5])
+def test_flash_on_the_cache_matches_sdpa(
+    heads: int, kv_heads: int, d: int, start: int, t: int, splits: int
+) -> None:
     """FlashAttention-2 read straight from the cache layout [kv_heads, max_len, d] with the
     key count on the device (what prefill and its graphs use on an H100) against SDPA's math
-    on sliced, GQA-expanded fp32 copies: same function, so only bf16 rounding apart."""
+    on sliced, GQA-expanded fp32 copies: same function, so only bf16 rounding apart. With
+    splits, the keys before the queries in 5 chunks (empty ones where start < 5) merged with
+    the causal block by log-sum-exp."""
     dev = torch.device("cuda")
     assert flash_cache_attention_ok(dev), "prefill would fall back to the slower SDPA path"
+    assert flash_split_ok(dev), "turn prefill would run on fewer SMs than the GPU has"
     g = torch.Generator(device="cpu").manual_seed(start + t)
     max_len = 4800
     k = torch.randn(kv_heads, max_len, d, generator=g).to(dev, torch.bfloat16)
     v = torch.randn(kv_heads, max_len, d, generator=g).to(dev, torch.bfloat16)
     q = torch.randn(t, heads, d, generator=g).to(dev, torch.bfloat16)
     used = torch.full((1,), start + t, dtype=torch.int32, device=dev)
-    got = flash_cache_attention(q, k, v, used).float()
+    got = flash_cache_attention(q, k, v, used, splits).float()
     end = start + t
     want = causal_attention(q.float(), k[:, :end].float(), v[:, :end].float(), start)
     rel = _rel(got, want)
-    print(f"flash on the cache, {heads}/{kv_heads} heads, d {d}, [{start}, {end}): rel {rel:.1e}")
+    print(
+        f"flash on the cache, {heads}/{kv_heads} heads, d {d}, [{start}, {end}), "
+        f"{splits} split(s): rel {rel:.1e}"
+    )
     assert rel < 1e-2
 
 

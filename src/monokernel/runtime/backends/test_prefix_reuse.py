@@ -97,8 +97,10 @@ def test_reuse_on_and_off_give_the_same_greedy_tokens() -> None:
         del mk.prefill.run
     assert on == off
     # P1 from scratch; P2 after P1 and 47 fed outputs (the 48th is never written); Q after
-    # the shared 100 tokens; P3 from the snapshot of P2 + 47 outputs, kept while Q ran.
-    assert calls == [(0, 299), (347, 200), (100, 249), (595, 50)]
+    # the shared 100 tokens; P3 from the snapshot of P2 + 47 outputs, kept while Q ran. The
+    # prefill covers each prompt's last token too when it draws the first token.
+    last = int(mk.first_from_prefill)
+    assert calls == [(0, 299 + last), (347, 200 + last), (100, 249 + last), (595, 50 + last)]
 
 
 def test_a_cancelled_request_leaves_a_reusable_cache() -> None:

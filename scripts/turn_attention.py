@@ -1,0 +1,86 @@
+"""Time prefill attention for an agent's turn (GPU machine): T new queries against a held
+conversation's cached keys, one layer, FlashAttention-2 on the cache with the cached keys
+split into 1..N chunks (runtime/prefill_attention.py), each against SDPA's math for error.
+
+    PYTHONPATH=src python3 scripts/turn_attention.py --context 16384 --turn-tokens 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import torch
+
+from monokernel.bench.measure import graph_ms
+from monokernel.runtime.prefill_attention import (
+    _flash,
+    causal_attention,
+    flash_cache_attention,
+    merge_parts,
+    split_count,
+)
+
+SHAPES = {"llama-3.2-1b": (32, 8, 64), "qwen2.5-coder-1.5b": (12, 2, 128)}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--turn-tokens", type=int, default=512)
+    ap.add_argument("--splits", default="1,2,3,4,5,6,8,11,16")
+    args = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    t, start = args.turn_tokens, args.context
+    print(f"device: {torch.cuda.get_device_name(dev)} | {t} queries at [{start}, {start + t})")
+    print(f"{'shape':<19} {'splits':>6} {'ms':>7} {'TFLOP/s':>8} {'rel err':>8}")
+    for name, (heads, kv_heads, d) in SHAPES.items():
+        g = torch.Generator(device="cpu").manual_seed(0)
+        max_len = start + t + 64
+        k = torch.randn(kv_heads, max_len, d, generator=g).to(dev, torch.bfloat16)
+        v = torch.randn(kv_heads, max_len, d, generator=g).to(dev, torch.bfloat16)
+        q = torch.randn(t, heads, d, generator=g).to(dev, torch.bfloat16)
+        used = torch.full((1,), start + t, dtype=torch.int32, device=dev)
+        end = start + t
+        want = causal_attention(q.float(), k[:, :end].float(), v[:, :end].float(), start)
+        # Score and P.V products, the causal block counted half.
+        flops = 4 * heads * d * t * (start + t / 2)
+        picked = split_count(t, heads, start, sms)
+        for s in (int(x) for x in args.splits.split(",")):
+            run = functools.partial(flash_cache_attention, q, k, v, used, s)
+            ms = graph_ms(run)
+            got = run().float()
+            rel = float((got - want).norm() / want.norm())
+            mark = "  <- split_count" if s == picked else ""
+            print(f"{name:<19} {s:>6} {ms:>7.3f} {flops / ms / 1e9:>8.0f} {rel:>8.1e}{mark}")
+        _parts(name, q, k, v, used, max(2, picked))
+    return 0
+
+
+def _parts(name: str, q, k, v, used, splits: int) -> None:
+    """The split form's pieces timed alone: the chunks' FA2 call, the causal block's, the
+    merge."""
+    t, heads, d = q.shape
+    kt, vt = k.transpose(0, 1), v.transpose(0, 1)
+    steps = torch.arange(2, dtype=torch.int32, device=q.device)
+    j = torch.arange(splits + 1, dtype=torch.int32, device=q.device)
+    start = used - t
+    bounds = (j.long() * start // splits).int()
+    qq = q[None].expand(splits, t, heads, d).reshape(splits * t, heads, d)
+    max_len = k.shape[1]
+    chunks = functools.partial(_flash, qq, kt, vt, j * t, bounds, t, max_len, False)
+    own = functools.partial(_flash, q, kt, vt, steps * t, start + steps * t, t, t, True)
+    out_p, lse_p = chunks()
+    out_s, lse_s = own()
+    merge = functools.partial(merge_parts, out_p.view(splits, t, heads, d), lse_p, out_s, lse_s)
+    copy = functools.partial(lambda: q[None].expand(splits, t, heads, d).reshape(-1, heads, d))
+    print(
+        f"{name:<19} {splits:>6} parts: chunks {graph_ms(chunks):.3f} ms, causal block "
+        f"{graph_ms(own):.3f}, merge {graph_ms(merge):.3f}, query copies {graph_ms(copy):.3f}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
