@@ -1,6 +1,7 @@
 """Time prefill attention for an agent's turn (GPU machine): T new queries against a held
 conversation's cached keys, one layer, FlashAttention-2 on the cache with the cached keys
-split into 1..N chunks (runtime/prefill_attention.py), each against SDPA's math for error.
+split into 1..N chunks (runtime/prefill_attention.py) and the Triton kernel in several
+block configurations (runtime/prefill_attention_triton.py), each against SDPA's math.
 
     PYTHONPATH=src python3 scripts/turn_attention.py --context 16384 --turn-tokens 512
 """
@@ -21,8 +22,15 @@ from monokernel.runtime.prefill_attention import (
     merge_parts,
     split_count,
 )
+from monokernel.runtime.prefill_attention_triton import BLOCKS, triton_cache_attention
 
 SHAPES = {"llama-3.2-1b": (32, 8, 64), "qwen2.5-coder-1.5b": (12, 2, 128)}
+# (block_m, block_n, warps, stages) configurations of the Triton kernel timed besides the
+# default.
+TRITON_SWEEP = (
+    (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 3),
+    (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (64, 64, 8, 3),
+)  # fmt: skip
 
 
 def main(argv: list[str]) -> int:
@@ -56,6 +64,17 @@ def main(argv: list[str]) -> int:
             mark = "  <- split_count" if s == picked else ""
             print(f"{name:<19} {s:>6} {ms:>7.3f} {flops / ms / 1e9:>8.0f} {rel:>8.1e}{mark}")
         _parts(name, q, k, v, used, max(2, picked))
+        chosen = BLOCKS
+        for cfg in dict.fromkeys((chosen, *TRITON_SWEEP)):
+            run = functools.partial(triton_cache_attention, q, k, v, used, *cfg)
+            try:
+                ms = graph_ms(run)
+                rel = float((run().float() - want).norm() / want.norm())
+            except Exception as e:  # a config Triton cannot build here: say so, go on
+                print(f"{name:<19} triton {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            mark = "  <- default" if cfg == chosen else ""
+            print(f"{name:<19} triton {cfg} {ms:>7.3f} {flops / ms / 1e9:>8.0f} {rel:>8.1e}{mark}")
     return 0
 
 

@@ -47,6 +47,10 @@ from monokernel.runtime.prefill_attention import (
     masked_attention,
     split_count,
 )
+from monokernel.runtime.prefill_attention_triton import (
+    triton_attention_ok,
+    triton_cache_attention,
+)
 from monokernel.runtime.prefill_graphs import PrefillGraphs, graphs_enabled
 from monokernel.runtime.prefill_ops import addmm_fp32_ok, probed_once, silu_mul_bf16
 from monokernel.weights.repack import LayerPack, Repacked
@@ -211,6 +215,9 @@ class Prefiller:
         # Flash on the cache split over the cached keys where few queries would leave SMs
         # idle (prefill_attention.split_count).
         self._split = self._flash and flash_split_ok(k_cache.device)
+        # Faster still where it runs (head_dim 64 and 128): the Triton kernel of
+        # prefill_attention_triton.py in FA2's place.
+        self._triton = self._flash and triton_attention_ok(k_cache.device, cfg.head_dim)
         self._sms = (
             torch.cuda.get_device_properties(k_cache.device).multi_processor_count
             if k_cache.is_cuda
@@ -314,8 +321,11 @@ class Prefiller:
         # copies measured faster (8k-token prompt: 54.6 against 59.4 ms, H100).
         if self._flash and (at is not None or start > 0):
             used = at.used if at is not None else _full_int32(end, x.device)
-            splits = self._splits(t, start if at is None else _fewest_before(at.keys, t))
-            attn = flash_cache_attention(q.to(dt), self.k[n], self.v[n], used, splits)  # [T, Q]
+            if self._triton:
+                attn = triton_cache_attention(q.to(dt), self.k[n], self.v[n], used)
+            else:
+                splits = self._splits(t, start if at is None else _fewest_before(at.keys, t))
+                attn = flash_cache_attention(q.to(dt), self.k[n], self.v[n], used, splits)
         elif at is None:
             attn = causal_attention(
                 q.to(dt), self.k[n, :, :end].to(dt), self.v[n, :, :end].to(dt), start

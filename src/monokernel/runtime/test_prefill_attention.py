@@ -5,6 +5,9 @@ the GPU (runtime/backends/test_prefill.py)."""
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -87,3 +90,42 @@ def test_split_count() -> None:
     assert split_count(500, 12, 3 * MIN_SPLIT_KEYS + 5, 132) == 3  # chunks stay large
     assert split_count(500, 12, MIN_SPLIT_KEYS - 1, 132) == 1
     assert split_count(500, 12, 0, 132) == 1
+
+
+def _interpreted_error(heads: int, kv_heads: int, d: int, start: int, t: int, bm: int, bn: int):
+    """Relative error of the Triton kernel run by Triton's interpreter (fp16: it has no bf16)
+    against causal attention. Needs TRITON_INTERPRET=1 set before Triton is imported."""
+    from monokernel.runtime.prefill_attention_triton import triton_cache_attention
+
+    g = torch.Generator().manual_seed(start + t)
+    max_len = start + t + 40
+    k = torch.randn(kv_heads, max_len, d, generator=g).to(torch.float16)
+    v = torch.randn(kv_heads, max_len, d, generator=g).to(torch.float16)
+    q = torch.randn(t, heads, d, generator=g).to(torch.float16)
+    used = torch.tensor([start + t], dtype=torch.int32)
+    got = triton_cache_attention(q, k, v, used, bm, bn, 1, 1).float()
+    want = causal_attention(q.float(), k[:, : start + t].float(), v[:, : start + t].float(), start)
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize(
+    "case",
+    [(8, 2, 64, 100, 37, 16, 32), (4, 1, 128, 0, 20, 16, 16), (6, 3, 64, 33, 50, 32, 16)],
+    ids=["wide-key-tiles", "from-0", "narrow-key-tiles"],
+)
+def test_triton_kernel_logic_in_the_interpreter(case: tuple[int, ...]) -> None:
+    """The Triton kernel's loops and masks on the CPU (a start at 0 and past it, query blocks
+    narrower and wider than the key tiles), in a fresh process: the interpreter must be
+    chosen before Triton is imported. Its speed and bf16 run on the GPU
+    (runtime/backends/test_prefill.py)."""
+    pytest.importorskip("triton")
+    code = (
+        "from monokernel.runtime.test_prefill_attention import _interpreted_error; "
+        f"print(_interpreted_error(*{case!r}))"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert float(proc.stdout.strip().splitlines()[-1]) < 2e-3

@@ -25,10 +25,17 @@ from monokernel.runtime.prefill_attention import (
     flash_cache_attention_ok,
     flash_split_ok,
 )
+from monokernel.runtime.prefill_attention_triton import (
+    BLOCKS,
+    HEAD_DIMS,
+    triton_attention_ok,
+    triton_cache_attention,
+)
 from monokernel.weights.names import Weights
 from monokernel.weights.repack import repack
 
 LONG = 4100  # > 2 chunks of 2048: the bottom-right causal path runs too
+TRITON_CONFIGS = (BLOCKS, (128, 64, 8, 3))  # the default and one other block shape
 
 
 def _hopper() -> bool:
@@ -72,33 +79,39 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @needs_hopper
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), [(32, 8, 64), (12, 2, 128), (5, 1, 104)])
 @pytest.mark.parametrize(("start", "t"), [(0, 1), (0, 300), (1000, 37), (4093, 512)])
-@pytest.mark.parametrize("splits", [1, 5])
-def test_flash_on_the_cache_matches_sdpa(
-    heads: int, kv_heads: int, d: int, start: int, t: int, splits: int
+@pytest.mark.parametrize("form", ["flash", "flash-split", "triton"])
+def test_attention_on_the_cache_matches_sdpa(
+    heads: int, kv_heads: int, d: int, start: int, t: int, form: str
 ) -> None:
-    """FlashAttention-2 read straight from the cache layout [kv_heads, max_len, d] with the
-    key count on the device (what prefill and its graphs use on an H100) against SDPA's math
-    on sliced, GQA-expanded fp32 copies: same function, so only bf16 rounding apart. With
-    splits, the keys before the queries in 5 chunks (empty ones where start < 5) merged with
-    the causal block by log-sum-exp."""
+    """Attention read straight from the cache layout [kv_heads, max_len, d] with the key
+    count on the device (what prefill and its graphs use on an H100) against SDPA's math on
+    sliced, GQA-expanded fp32 copies: same function, so only bf16 rounding apart. Forms:
+    FlashAttention-2; FA2 with the keys before the queries in 5 chunks (empty ones where
+    start < 5) merged with the causal block by log-sum-exp; the Triton kernel (head_dim 64
+    and 128), with its default blocks and another shape of them."""
     dev = torch.device("cuda")
     assert flash_cache_attention_ok(dev), "prefill would fall back to the slower SDPA path"
     assert flash_split_ok(dev), "turn prefill would run on fewer SMs than the GPU has"
+    if form == "triton" and d not in HEAD_DIMS:
+        pytest.skip(f"the Triton kernel takes head_dim {HEAD_DIMS}")
+    if form == "triton":
+        assert triton_attention_ok(dev, d), "prefill would fall back to FA2"
     g = torch.Generator(device="cpu").manual_seed(start + t)
     max_len = 4800
     k = torch.randn(kv_heads, max_len, d, generator=g).to(dev, torch.bfloat16)
     v = torch.randn(kv_heads, max_len, d, generator=g).to(dev, torch.bfloat16)
     q = torch.randn(t, heads, d, generator=g).to(dev, torch.bfloat16)
     used = torch.full((1,), start + t, dtype=torch.int32, device=dev)
-    got = flash_cache_attention(q, k, v, used, splits).float()
     end = start + t
     want = causal_attention(q.float(), k[:, :end].float(), v[:, :end].float(), start)
-    rel = _rel(got, want)
-    print(
-        f"flash on the cache, {heads}/{kv_heads} heads, d {d}, [{start}, {end}), "
-        f"{splits} split(s): rel {rel:.1e}"
-    )
-    assert rel < 1e-2
+    if form == "triton":
+        runs = [triton_cache_attention(q, k, v, used, *c) for c in TRITON_CONFIGS]
+    else:
+        runs = [flash_cache_attention(q, k, v, used, 5 if form == "flash-split" else 1)]
+    for got in runs:
+        rel = _rel(got.float(), want)
+        print(f"{form} on the cache, {heads}/{kv_heads} heads, d {d}, [{start}, {end}): {rel:.1e}")
+        assert rel < 1e-2
 
 
 @pytest.mark.gpu
