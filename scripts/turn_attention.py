@@ -17,9 +17,9 @@ import torch
 from monokernel.bench.measure import graph_ms
 from monokernel.runtime.prefill_attention import (
     _flash,
-    causal_attention,
     flash_cache_attention,
     merge_parts,
+    sdpa_case,
     split_count,
 )
 from monokernel.runtime.prefill_attention_triton import BLOCKS, triton_cache_attention
@@ -45,14 +45,7 @@ def main(argv: list[str]) -> int:
     print(f"device: {torch.cuda.get_device_name(dev)} | {t} queries at [{start}, {start + t})")
     print(f"{'shape':<19} {'splits':>6} {'ms':>7} {'TFLOP/s':>8} {'rel err':>8}")
     for name, (heads, kv_heads, d) in SHAPES.items():
-        g = torch.Generator(device="cpu").manual_seed(0)
-        max_len = start + t + 64
-        k = torch.randn(kv_heads, max_len, d, generator=g).to(dev, torch.bfloat16)
-        v = torch.randn(kv_heads, max_len, d, generator=g).to(dev, torch.bfloat16)
-        q = torch.randn(t, heads, d, generator=g).to(dev, torch.bfloat16)
-        used = torch.full((1,), start + t, dtype=torch.int32, device=dev)
-        end = start + t
-        want = causal_attention(q.float(), k[:, :end].float(), v[:, :end].float(), start)
+        q, k, v, used, want = sdpa_case(dev, heads, kv_heads, d, start, t, start + t + 64)
         # Score and P.V products, the causal block counted half.
         flops = 4 * heads * d * t * (start + t / 2)
         picked = split_count(t, heads, start, sms)

@@ -22,12 +22,15 @@ Llama-3.2-1B turn, and it fills the GPU for few-head models without a split.
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from monokernel.runtime.prefill_ops import probed_once
+from monokernel.runtime.prefill_ops import lazy_triton, probed_once
 
 # FlashAttention-2's query block in the forward kernel (head_dim <= 128: 128 rows).
 FLASH_BLOCK_M = 128
@@ -168,44 +171,36 @@ def merge_parts_reference(
     return merged.to(out_s.dtype).reshape(t, heads * d)
 
 
-_merge_kernel = None
+@lazy_triton
+def _merge_kernel(triton: Any, tl: Any) -> Any:
+    @triton.jit
+    def merge_kernel(
+        out_p, lse_p, out_s, lse_s, dst, t, heads, splits,
+        D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
+    ):  # fmt: skip
+        # One (query, head) row: SP >= splits + 1 parts, DP >= D lanes, both powers of 2.
+        row = tl.program_id(0)
+        i, h = row // heads, row % heads
+        c = tl.arange(0, SP)
+        e = tl.arange(0, DP)
+        chunk = c < splits
+        own = c == splits
+        lse = tl.load(lse_p + h * splits * t + c * t + i, mask=chunk, other=float("-inf"))
+        lse = tl.where(own, tl.load(lse_s + h * t + i), lse)
+        lse = tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
+        w = tl.exp(lse - tl.max(lse, 0))
+        w = w / tl.sum(w, 0)
+        live = e < D
+        rows_p = ((c * t + i) * heads + h) * D
+        both = chunk[:, None] & live[None, :]
+        vals = tl.load(out_p + rows_p[:, None] + e[None, :], mask=both, other=0.0)
+        vals = vals.to(tl.float32)
+        mine = tl.load(out_s + (i * heads + h) * D + e, mask=live, other=0.0).to(tl.float32)
+        vals = tl.where(own[:, None], mine[None, :], vals)
+        res = tl.sum(tl.where(w[:, None] > 0, vals * w[:, None], 0.0), 0)
+        tl.store(dst + (i * heads + h) * D + e, res.to(dst.dtype.element_ty), mask=live)
 
-
-def _triton_merge():  # the Triton import stays off the CPU path
-    global _merge_kernel
-    if _merge_kernel is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def merge_kernel(
-            out_p, lse_p, out_s, lse_s, dst, t, heads, splits,
-            D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
-        ):  # fmt: skip
-            # One (query, head) row: SP >= splits + 1 parts, DP >= D lanes, both powers of 2.
-            row = tl.program_id(0)
-            i, h = row // heads, row % heads
-            c = tl.arange(0, SP)
-            e = tl.arange(0, DP)
-            chunk = c < splits
-            own = c == splits
-            lse = tl.load(lse_p + h * splits * t + c * t + i, mask=chunk, other=float("-inf"))
-            lse = tl.where(own, tl.load(lse_s + h * t + i), lse)
-            lse = tl.where((lse != lse) | (lse == float("inf")), float("-inf"), lse)
-            w = tl.exp(lse - tl.max(lse, 0))
-            w = w / tl.sum(w, 0)
-            live = e < D
-            rows_p = ((c * t + i) * heads + h) * D
-            both = chunk[:, None] & live[None, :]
-            vals = tl.load(out_p + rows_p[:, None] + e[None, :], mask=both, other=0.0)
-            vals = vals.to(tl.float32)
-            mine = tl.load(out_s + (i * heads + h) * D + e, mask=live, other=0.0).to(tl.float32)
-            vals = tl.where(own[:, None], mine[None, :], vals)
-            res = tl.sum(tl.where(w[:, None] > 0, vals * w[:, None], 0.0), 0)
-            tl.store(dst + (i * heads + h) * D + e, res.to(dst.dtype.element_ty), mask=live)
-
-        _merge_kernel = merge_kernel
-    return _merge_kernel
+    return merge_kernel
 
 
 def _pow2(n: int) -> int:
@@ -225,7 +220,7 @@ def merge_parts(
         return merge_parts_reference(out_p, lse_p, out_s, lse_s)
     s, t, heads, d = out_p.shape
     dst = torch.empty(t, heads, d, dtype=out_s.dtype, device=out_s.device)
-    _triton_merge()[(t * heads,)](
+    _merge_kernel()[(t * heads,)](
         out_p.contiguous(), lse_p.contiguous(), out_s.contiguous(), lse_s.contiguous(), dst,
         t, heads, s, D=d, DP=_pow2(d), SP=_pow2(s + 1), num_warps=2,
     )  # fmt: skip
@@ -243,7 +238,7 @@ def flash_cache_attention_ok(device: torch.device) -> bool:
     masked_attention."""
     if device.type != "cuda" or os.environ.get("MONOKERNEL_PREFILL_FLASH", "1") == "0":
         return False
-    return probed_once(_FLASH_OK, device, lambda: _agrees_with_sdpa(device, 1))
+    return probed_once(_FLASH_OK, device, lambda: agrees_with_sdpa(device, flash_cache_attention))
 
 
 def flash_split_ok(device: torch.device) -> bool:
@@ -254,25 +249,54 @@ def flash_split_ok(device: torch.device) -> bool:
         return False
     if os.environ.get("MONOKERNEL_PREFILL_SPLIT", "1") == "0":
         return False
+    split3 = functools.partial(flash_cache_attention, splits=3)
     return probed_once(
         _SPLIT_OK,
         device,
-        lambda: _agrees_with_sdpa(device, 3) and _agrees_with_sdpa(device, 3, start=2),
+        lambda: agrees_with_sdpa(device, split3) and agrees_with_sdpa(device, split3, start=2),
     )
 
 
-def _agrees_with_sdpa(device: torch.device, splits: int, start: int = 19) -> bool:
-    g = torch.Generator(device="cpu").manual_seed(0)
-    kv_heads, heads, d, max_len, t = 2, 6, 64, 48, 11
+AttentionCase = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def sdpa_case(
+    device: torch.device,
+    heads: int,
+    kv_heads: int,
+    d: int,
+    start: int,
+    t: int,
+    max_len: int,
+    seed: int = 0,
+) -> AttentionCase:
+    """A random bf16 cache case and SDPA's fp32 answer (the probes, tests and benchmarks of
+    the cache-attention forms): (q [t, heads, d], k and v [kv_heads, max_len, d], used [1]
+    int32 = start + t on the device, want [t, heads * d] fp32)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
     k = torch.randn(kv_heads, max_len, d, generator=g).to(device, torch.bfloat16)
     v = torch.randn(kv_heads, max_len, d, generator=g).to(device, torch.bfloat16)
     q = torch.randn(t, heads, d, generator=g).to(device, torch.bfloat16)
     used = torch.full((1,), start + t, dtype=torch.int32, device=device)
+    end = start + t
+    want = causal_attention(q.float(), k[:, :end].float(), v[:, :end].float(), start)
+    return q, k, v, used, want
+
+
+def agrees_with_sdpa(
+    device: torch.device,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    d: int = 64,
+    start: int = 19,
+    t: int = 11,
+) -> bool:
+    """Whether ``attend(q, k, v, used)`` (flash_cache_attention's signature) gives SDPA's math
+    on a small case: GQA (6 query heads, 2 KV heads), head_dim ``d``, ``t`` queries at
+    ``start``, the cache's strided layout. False also where it raises: no kernel, no
+    compiler, an unexpected layout; the plain path then serves."""
     try:
-        got = flash_cache_attention(q, k, v, used, splits).float()
-        want = causal_attention(
-            q.float(), k[:, : start + t].float(), v[:, : start + t].float(), start
-        )
+        q, k, v, used, want = sdpa_case(device, 6, 2, d, start, t, start + t + 18)
+        got = attend(q, k, v, used).float()
         return bool(torch.allclose(got, want, atol=3e-2, rtol=3e-2))
-    except Exception:  # no FA2 op, no Triton, an unexpected layout: the plain path serves
+    except Exception:
         return False

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
+
+from monokernel.runtime.prefill_attention import agrees_with_sdpa
+from monokernel.runtime.prefill_ops import lazy_triton
 
 HEAD_DIMS = (64, 128)
 
@@ -25,73 +29,65 @@ HEAD_DIMS = (64, 128)
 BLOCKS = (64, 128, 4, 3)
 
 
-_kernel = None
-
-
-def _triton_kernel():  # the Triton import stays off the CPU path
-    global _kernel
-    if _kernel is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def suffix_attention(
-            q_ptr, k_ptr, v_ptr, o_ptr, used_ptr, t, heads, group, max_len, qk_scale,
-            D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-        ):  # fmt: skip
-            # Program (query block m, head h): queries i at positions start + i see keys
-            # 0 .. start + i; keys below start + m * BM are seen by the whole block (no mask).
-            m = tl.program_id(0)
-            h = tl.program_id(1)
-            kvh = (h // group).to(tl.int64)
-            used = tl.load(used_ptr)
-            start = used - t
-            rows = m * BM + tl.arange(0, BM)
-            d = tl.arange(0, D)
-            cols = tl.arange(0, BN)
-            live = rows < t
-            q = tl.load(q_ptr + (rows[:, None] * heads + h) * D + d[None, :], mask=live[:, None],
+@lazy_triton
+def _attention_kernel(triton: Any, tl: Any) -> Any:
+    @triton.jit
+    def suffix_attention(
+        q_ptr, k_ptr, v_ptr, o_ptr, used_ptr, t, heads, group, max_len, qk_scale,
+        D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    ):  # fmt: skip
+        # Program (query block m, head h): queries i at positions start + i see keys
+        # 0 .. start + i; keys below start + m * BM are seen by the whole block (no mask).
+        m = tl.program_id(0)
+        h = tl.program_id(1)
+        kvh = (h // group).to(tl.int64)
+        used = tl.load(used_ptr)
+        start = used - t
+        rows = m * BM + tl.arange(0, BM)
+        d = tl.arange(0, D)
+        cols = tl.arange(0, BN)
+        live = rows < t
+        q = tl.load(q_ptr + (rows[:, None] * heads + h) * D + d[None, :], mask=live[:, None],
+                    other=0.0)  # fmt: skip
+        k_base = k_ptr + kvh * max_len * D
+        v_base = v_ptr + kvh * max_len * D
+        m_i = tl.full([BM], float("-inf"), tl.float32)
+        l_i = tl.zeros([BM], tl.float32)
+        acc = tl.zeros([BM, D], tl.float32)
+        full = (start + m * BM) // BN * BN
+        end = tl.minimum(used, start + (m + 1) * BM)
+        for n0 in range(0, full, BN):
+            keys = n0 + cols
+            k = tl.load(k_base + keys[:, None] * D + d[None, :])
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + keys[:, None] * D + d[None, :])
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+        for n0 in range(full, end, BN):
+            keys = n0 + cols
+            inside = keys < end
+            k = tl.load(k_base + keys[:, None] * D + d[None, :], mask=inside[:, None],
                         other=0.0)  # fmt: skip
-            k_base = k_ptr + kvh * max_len * D
-            v_base = v_ptr + kvh * max_len * D
-            m_i = tl.full([BM], float("-inf"), tl.float32)
-            l_i = tl.zeros([BM], tl.float32)
-            acc = tl.zeros([BM, D], tl.float32)
-            full = (start + m * BM) // BN * BN
-            end = tl.minimum(used, start + (m + 1) * BM)
-            for n0 in range(0, full, BN):
-                keys = n0 + cols
-                k = tl.load(k_base + keys[:, None] * D + d[None, :])
-                s = tl.dot(q, tl.trans(k)) * qk_scale
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.math.exp2(s - m_new[:, None])
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_base + keys[:, None] * D + d[None, :])
-                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-                m_i = m_new
-            for n0 in range(full, end, BN):
-                keys = n0 + cols
-                inside = keys < end
-                k = tl.load(k_base + keys[:, None] * D + d[None, :], mask=inside[:, None],
-                            other=0.0)  # fmt: skip
-                s = tl.dot(q, tl.trans(k)) * qk_scale
-                seen = (keys[None, :] <= (start + rows)[:, None]) & inside[None, :]
-                s = tl.where(seen, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.math.exp2(s - m_new[:, None])
-                alpha = tl.math.exp2(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_base + keys[:, None] * D + d[None, :], mask=inside[:, None],
-                            other=0.0)  # fmt: skip
-                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-                m_i = m_new
-            out = acc / l_i[:, None]
-            out = out.to(o_ptr.dtype.element_ty)
-            tl.store(o_ptr + (rows[:, None] * heads + h) * D + d[None, :], out, mask=live[:, None])
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            seen = (keys[None, :] <= (start + rows)[:, None]) & inside[None, :]
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + keys[:, None] * D + d[None, :], mask=inside[:, None],
+                        other=0.0)  # fmt: skip
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+        out = acc / l_i[:, None]
+        out = out.to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + (rows[:, None] * heads + h) * D + d[None, :], out, mask=live[:, None])
 
-        _kernel = suffix_attention
-    return _kernel
+    return suffix_attention
 
 
 def triton_cache_attention(
@@ -113,7 +109,7 @@ def triton_cache_attention(
     q = q.contiguous()
     out = torch.empty_like(q)
     grid = (-(-t // block_m), heads)
-    _triton_kernel()[grid](
+    _attention_kernel()[grid](
         q, k_layer, v_layer, out, used, t, heads, heads // kv_heads, max_len,
         d**-0.5 * math.log2(math.e), D=d, BM=block_m, BN=block_n,
         num_warps=warps, num_stages=stages,
@@ -126,7 +122,7 @@ _OK: dict[tuple[int, int], bool] = {}  # (CUDA device index, head_dim) -> runs a
 
 def triton_attention_ok(device: torch.device, head_dim: int) -> bool:
     """Whether triton_cache_attention runs on this device at ``head_dim`` and agrees with
-    SDPA's math on a small case (GQA, a start past 0, both of the kernel's key loops)."""
+    SDPA's math (prefill_attention.agrees_with_sdpa), probed once per device and head_dim."""
     if device.type != "cuda" or head_dim not in HEAD_DIMS:
         return False
     if os.environ.get("MONOKERNEL_PREFILL_TRITON", "1") == "0":
@@ -134,24 +130,6 @@ def triton_attention_ok(device: torch.device, head_dim: int) -> bool:
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, head_dim)
     if key not in _OK:
-        _OK[key] = _agrees(device, head_dim)
+        # Both of the kernel's key loops (a start past one query block), GQA by index.
+        _OK[key] = agrees_with_sdpa(device, triton_cache_attention, head_dim, start=150, t=70)
     return _OK[key]
-
-
-def _agrees(device: torch.device, d: int) -> bool:
-    from monokernel.runtime.prefill_attention import causal_attention
-
-    g = torch.Generator(device="cpu").manual_seed(0)
-    kv_heads, heads, max_len, start, t = 2, 6, 400, 150, 70
-    k = torch.randn(kv_heads, max_len, d, generator=g).to(device, torch.bfloat16)
-    v = torch.randn(kv_heads, max_len, d, generator=g).to(device, torch.bfloat16)
-    q = torch.randn(t, heads, d, generator=g).to(device, torch.bfloat16)
-    used = torch.full((1,), start + t, dtype=torch.int32, device=device)
-    try:
-        got = triton_cache_attention(q, k, v, used, *BLOCKS).float()
-        want = causal_attention(
-            q.float(), k[:, : start + t].float(), v[:, : start + t].float(), start
-        )
-        return bool(torch.allclose(got, want, atol=3e-2, rtol=3e-2))
-    except Exception:  # no Triton, no compiler, no driver: FA2 serves
-        return False

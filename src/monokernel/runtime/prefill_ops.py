@@ -15,8 +15,10 @@ device against it before use.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,32 +47,38 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return act.to(torch.bfloat16)
 
 
-_kernel = None
+def lazy_triton(build: Callable[[Any, Any], Any]) -> Callable[[], Any]:
+    """``build(triton, triton.language)`` -> a Triton kernel, run at the first call and kept:
+    Triton is imported only where a GPU path needs it, never on the CPU path."""
 
-
-def _triton_kernel():  # the Triton import stays off the CPU path
-    global _kernel
-    if _kernel is None:
+    @functools.cache
+    def kernel() -> Any:
         import triton
         import triton.language as tl
 
-        @triton.jit
-        def silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
-            offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            live = offs < n
-            g = tl.load(g_ptr + offs, mask=live, other=0.0)
-            u = tl.load(u_ptr + offs, mask=live, other=0.0)
-            a = g / (1.0 + tl.exp(-g)) * u  # fp32 throughout, like F.silu then the multiply
-            tl.store(out_ptr + offs, a.to(tl.bfloat16), mask=live)
+        return build(triton, tl)
 
-        _kernel = silu_mul_kernel
-    return _kernel
+    return kernel
+
+
+@lazy_triton
+def _silu_mul_kernel(triton: Any, tl: Any) -> Any:
+    @triton.jit
+    def silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = offs < n
+        g = tl.load(g_ptr + offs, mask=live, other=0.0)
+        u = tl.load(u_ptr + offs, mask=live, other=0.0)
+        a = g / (1.0 + tl.exp(-g)) * u  # fp32 throughout, like F.silu then the multiply
+        tl.store(out_ptr + offs, a.to(tl.bfloat16), mask=live)
+
+    return silu_mul_kernel
 
 
 def _silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(gate.shape, dtype=torch.bfloat16, device=gate.device)
     n, block = gate.numel(), 2048
-    _triton_kernel()[(-(-n // block),)](gate, up, out, n, BLOCK=block)
+    _silu_mul_kernel()[(-(-n // block),)](gate, up, out, n, BLOCK=block)
     return out
 
 

@@ -20,10 +20,10 @@ from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import KVCache, Transformer
 from monokernel.runtime.prefill import PRECISIONS, Prefiller
 from monokernel.runtime.prefill_attention import (
-    causal_attention,
     flash_cache_attention,
     flash_cache_attention_ok,
     flash_split_ok,
+    sdpa_case,
 )
 from monokernel.runtime.prefill_attention_triton import (
     BLOCKS,
@@ -96,14 +96,8 @@ def test_attention_on_the_cache_matches_sdpa(
         pytest.skip(f"the Triton kernel takes head_dim {HEAD_DIMS}")
     if form == "triton":
         assert triton_attention_ok(dev, d), "prefill would fall back to FA2"
-    g = torch.Generator(device="cpu").manual_seed(start + t)
-    max_len = 4800
-    k = torch.randn(kv_heads, max_len, d, generator=g).to(dev, torch.bfloat16)
-    v = torch.randn(kv_heads, max_len, d, generator=g).to(dev, torch.bfloat16)
-    q = torch.randn(t, heads, d, generator=g).to(dev, torch.bfloat16)
-    used = torch.full((1,), start + t, dtype=torch.int32, device=dev)
+    q, k, v, used, want = sdpa_case(dev, heads, kv_heads, d, start, t, 4800, seed=start + t)
     end = start + t
-    want = causal_attention(q.float(), k[:, :end].float(), v[:, :end].float(), start)
     if form == "triton":
         runs = [triton_cache_attention(q, k, v, used, *c) for c in TRITON_CONFIGS]
     else:
