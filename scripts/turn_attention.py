@@ -16,11 +16,11 @@ import torch
 
 from monokernel.bench.measure import graph_ms
 from monokernel.runtime.prefill_attention import (
-    _flash,
     flash_cache_attention,
     merge_parts,
     sdpa_case,
     split_count,
+    split_parts,
 )
 from monokernel.runtime.prefill_attention_triton import BLOCKS, triton_cache_attention
 
@@ -57,8 +57,7 @@ def main(argv: list[str]) -> int:
             mark = "  <- split_count" if s == picked else ""
             print(f"{name:<19} {s:>6} {ms:>7.3f} {flops / ms / 1e9:>8.0f} {rel:>8.1e}{mark}")
         _parts(name, q, k, v, used, max(2, picked))
-        chosen = BLOCKS
-        for cfg in dict.fromkeys((chosen, *TRITON_SWEEP)):
+        for cfg in dict.fromkeys((BLOCKS, *TRITON_SWEEP)):
             run = functools.partial(triton_cache_attention, q, k, v, used, *cfg)
             try:
                 ms = graph_ms(run)
@@ -66,31 +65,19 @@ def main(argv: list[str]) -> int:
             except Exception as e:  # a config Triton cannot build here: say so, go on
                 print(f"{name:<19} triton {cfg}: {type(e).__name__}: {str(e)[:120]}")
                 continue
-            mark = "  <- default" if cfg == chosen else ""
+            mark = "  <- default" if cfg == BLOCKS else ""
             print(f"{name:<19} triton {cfg} {ms:>7.3f} {flops / ms / 1e9:>8.0f} {rel:>8.1e}{mark}")
     return 0
 
 
 def _parts(name: str, q, k, v, used, splits: int) -> None:
-    """The split form's pieces timed alone: the chunks' FA2 call, the causal block's, the
-    merge."""
-    t, heads, d = q.shape
-    kt, vt = k.transpose(0, 1), v.transpose(0, 1)
-    steps = torch.arange(2, dtype=torch.int32, device=q.device)
-    j = torch.arange(splits + 1, dtype=torch.int32, device=q.device)
-    start = used - t
-    bounds = (j.long() * start // splits).int()
-    qq = q[None].expand(splits, t, heads, d).reshape(splits * t, heads, d)
-    max_len = k.shape[1]
-    chunks = functools.partial(_flash, qq, kt, vt, j * t, bounds, t, max_len, False)
-    own = functools.partial(_flash, q, kt, vt, steps * t, start + steps * t, t, t, True)
-    out_p, lse_p = chunks()
-    out_s, lse_s = own()
-    merge = functools.partial(merge_parts, out_p.view(splits, t, heads, d), lse_p, out_s, lse_s)
-    copy = functools.partial(lambda: q[None].expand(splits, t, heads, d).reshape(-1, heads, d))
+    """The split form's two pieces timed alone: its FA2 calls (the chunks and the causal
+    block, with the query copies), and the merge."""
+    calls = functools.partial(split_parts, q, k, v, used, splits)
+    merge = functools.partial(merge_parts, *calls())
     print(
-        f"{name:<19} {splits:>6} parts: chunks {graph_ms(chunks):.3f} ms, causal block "
-        f"{graph_ms(own):.3f}, merge {graph_ms(merge):.3f}, query copies {graph_ms(copy):.3f}"
+        f"{name:<19} {splits:>6} parts: FA2 calls {graph_ms(calls):.3f} ms, "
+        f"merge {graph_ms(merge):.3f}"
     )
 
 

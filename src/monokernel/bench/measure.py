@@ -19,16 +19,21 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 1
     src = torch.randn(nbytes // 4, device=device)  # random data, never zeros
     dst = torch.empty_like(src)
     dst.copy_(src)
+    ms = _median_ms(lambda: dst.copy_(src), repeats)
+    return 2 * nbytes / (ms / 1e3)
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median ms of ``fn``'s GPU work between two device events, over ``repeats`` runs."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        dst.copy_(src)
+        fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return 2 * nbytes / statistics.median(times)
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def graph_ms(fn: Callable[[], object], repeats: int = 30) -> float:
@@ -45,15 +50,7 @@ def graph_ms(fn: Callable[[], object], repeats: int = 30) -> float:
     with torch.cuda.graph(graph):
         fn()
     graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return _median_ms(graph.replay, repeats)
 
 
 def bytes_per_token(cfg: ModelConfig, context: float, weight_bytes: int = 2) -> float:

@@ -28,12 +28,18 @@ class CacheFiller:
         self._can_allocate = can_allocate
 
     def fill(
-        self, prompt_ids: Sequence[int], end: int, logits: bool = False
+        self,
+        prompt_ids: Sequence[int],
+        end: int,
+        logits: bool = False,
+        plan: ReusePlan | None = None,
     ) -> torch.Tensor | None:
         """Make cache positions [0, end) hold the K/V of ``prompt_ids[:end]`` (end <=
         len(prompt_ids)). With ``logits`` (and end == len(prompt_ids)) returns the last
-        token's logits [V] float32; reuse always leaves that token to compute."""
-        plan = self.prefix.plan(prompt_ids)
+        token's logits [V] float32; reuse always leaves that token to compute. ``plan``:
+        ``self.prefix.plan(prompt_ids)`` when the caller made it already."""
+        if plan is None:
+            plan = self.prefix.plan(prompt_ids)
         self._apply(plan)
         self.prefix.begin(prompt_ids, plan.reuse)  # what the prefill overwrites is gone
         out = None

@@ -212,12 +212,11 @@ class Prefiller:
             and k_cache.dtype == torch.bfloat16
             and flash_cache_attention_ok(k_cache.device)
         )
-        # Flash on the cache split over the cached keys where few queries would leave SMs
-        # idle (prefill_attention.split_count).
-        self._split = self._flash and flash_split_ok(k_cache.device)
-        # Faster still where it runs (head_dim 64 and 128): the Triton kernel of
-        # prefill_attention_triton.py in FA2's place.
+        # Where it runs (head_dim 64 and 128), the Triton kernel of prefill_attention_triton.py
+        # in FA2's place; else FA2 split over the cached keys where few queries would leave
+        # SMs idle (prefill_attention.split_count).
         self._triton = self._flash and triton_attention_ok(k_cache.device, cfg.head_dim)
+        self._split = self._flash and not self._triton and flash_split_ok(k_cache.device)
         self._sms = (
             torch.cuda.get_device_properties(k_cache.device).multi_processor_count
             if k_cache.is_cuda

@@ -136,21 +136,34 @@ def flash_cache_attention(
     bottom-right. ``used`` [1] int32 lives on the device, so one CUDA graph serves every
     start. ``splits`` > 1: the keys before the queries in that many chunks (module doc).
     -> [T, heads * d]."""
+    if splits <= 1:
+        t, heads, d = q.shape
+        max_len = k_layer.shape[1]
+        kt, vt = k_layer.transpose(0, 1), v_layer.transpose(0, 1)  # [max_len, kv_heads, d]
+        steps = torch.arange(2, dtype=torch.int32, device=q.device)
+        # One sequence of T queries over the whole cache, of which `used` rows count.
+        out, _ = _flash(q, kt, vt, steps * t, steps * max_len, t, max_len, True, used)
+        return out.reshape(t, heads * d)
+    return merge_parts(*split_parts(q, k_layer, v_layer, used, splits))
+
+
+def split_parts(
+    q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, used: torch.Tensor, splits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flash_cache_attention's split form before its merge: the ``splits`` chunks of the keys
+    before the queries (out_p [S, T, heads, d], lse_p [heads, S * T]) and the queries' own
+    causal block (out_s [T, heads, d], lse_s [heads, T]), as merge_parts takes them."""
     t, heads, d = q.shape
     max_len = k_layer.shape[1]
     kt, vt = k_layer.transpose(0, 1), v_layer.transpose(0, 1)  # [max_len, kv_heads, d]
     steps = torch.arange(2, dtype=torch.int32, device=q.device)
-    if splits <= 1:
-        # One sequence of T queries over the whole cache, of which `used` rows count.
-        out, _ = _flash(q, kt, vt, steps * t, steps * max_len, t, max_len, True, used)
-        return out.reshape(t, heads * d)
     start = used - t  # [1]: the queries' first position, on the device
     j = torch.arange(splits + 1, dtype=torch.int32, device=q.device)
     bounds = (j.long() * start // splits).int()  # chunk c is keys [bounds[c], bounds[c+1])
     qq = q[None].expand(splits, t, heads, d).reshape(splits * t, heads, d)
     out_p, lse_p = _flash(qq, kt, vt, j * t, bounds, t, max_len, False)
     out_s, lse_s = _flash(q, kt, vt, steps * t, start + steps * t, t, t, True)
-    return merge_parts(out_p.view(splits, t, heads, d), lse_p, out_s, lse_s)
+    return out_p.view(splits, t, heads, d), lse_p, out_s, lse_s
 
 
 def merge_parts_reference(

@@ -40,7 +40,7 @@ from monokernel.runtime.prefill import (
     workspace_bytes,
 )
 from monokernel.runtime.prefill_graphs import graphs_enabled
-from monokernel.runtime.prefix_cache import PrefixCache, common_prefix, fed_tokens
+from monokernel.runtime.prefix_cache import PrefixCache, fed_tokens
 from monokernel.runtime.sampling import SamplingParams, sample
 from monokernel.weights.names import Weights
 from monokernel.weights.repack import Repacked, repack
@@ -80,6 +80,12 @@ def _env_int(name: str) -> int | None:
     return int(value) if value else None
 
 
+def ids_in_vocab(ids: Sequence[int], vocab_size: int) -> bool:
+    """Whether every id is in [0, vocab_size): min and max run in C, a Python loop over a
+    16k-token prompt does not."""
+    return not ids or (min(ids) >= 0 and max(ids) < vocab_size)
+
+
 def checked_steps(
     prompt_ids: Sequence[int],
     stop_ids: Sequence[int],
@@ -98,8 +104,7 @@ def checked_steps(
         raise InvalidRequestError("the prompt must hold at least one token")
     if n > max_seq_len:
         raise InvalidRequestError(f"the prompt ({n} tokens) exceeds max_seq_len={max_seq_len}")
-    new = prompt_ids[known_valid:] if known_valid else prompt_ids
-    if new and not (min(new) >= 0 and max(new) < vocab_size):
+    if not ids_in_vocab(prompt_ids[known_valid:] if known_valid else prompt_ids, vocab_size):
         raise InvalidRequestError("a prompt token id is outside the vocabulary")
     if len(stop_ids) > _MAX_STOP_IDS:
         raise InvalidRequestError(f"at most {_MAX_STOP_IDS} stop token ids are supported")
@@ -348,22 +353,24 @@ class MonokernelBackend:
         and draws the first token itself (the debug and profiling paths, whose step numbers
         and logits are the kernel's)."""
         n = len(prompt_ids)
-        # The live cache holds only checked prompt tokens and in-vocabulary outputs.
-        known = common_prefix(self.prefix.live, prompt_ids)
+        # What the cache already holds of the prompt (live cache or snapshot) is checked ids
+        # and in-vocabulary outputs: only the rest needs checking. The fill follows this plan.
+        plan = self.prefix.plan(prompt_ids)
         n_steps = checked_steps(
-            prompt_ids, stop_ids, max_new_tokens, self.max_seq_len, self.cfg.vocab_size, known
-        )
+            prompt_ids, stop_ids, max_new_tokens, self.max_seq_len, self.cfg.vocab_size,
+            plan.reuse,
+        )  # fmt: skip
         if not sampling.greedy and sampling.seed is None:
             raise InvalidRequestError("sampling needs a fixed seed (SamplingParams.with_seed)")
         launcher.set_current_context(self.device.index)
         first: int | None = None
         with torch.cuda.device(self.device):
             if first_from_prefill:
-                logits = self.filler.fill(prompt_ids, n, logits=True)
+                logits = self.filler.fill(prompt_ids, n, logits=True, plan=plan)
                 assert logits is not None
             else:
                 # Positions [0, n-1); the kernel's first step computes position n-1 itself.
-                self.filler.fill(prompt_ids, n - 1)
+                self.filler.fill(prompt_ids, n - 1, plan=plan)
             # The launch's setup is queued behind the prefill before the host waits for the
             # first token, so only the launch itself sits between that token and the kernel.
             if stop_ids:
@@ -479,7 +486,7 @@ class MonokernelBackend:
         """Debug mode: logits [len(next_ids), V] float32, where step s feeds the kernel the
         given token (the last prompt token, then next_ids[s-1]) instead of its own sample."""
         steps = len(next_ids)
-        if next_ids and not (min(next_ids) >= 0 and max(next_ids) < self.cfg.vocab_size):
+        if not ids_in_vocab(next_ids, self.cfg.vocab_size):
             raise InvalidRequestError("a forced token id is outside the vocabulary")
         forced_list = [prompt_ids[-1], *next_ids[:-1]]
         forced = torch.tensor(forced_list, dtype=torch.int32, device=self.device)  # [steps]
