@@ -11,7 +11,8 @@
 # token's LM-head GEMV: scripts/lm_head_gemv.py), prefill (where the
 # GPU time of an 8k prompt and of that turn goes: scripts/prefill_profile.py), variants
 # (scripts/kernel_variants.py with the MK_VARIANTS list, ';'-separated, e.g.
-# "a=;b=-DMK_X=1 -DMK_Y=2;c=MONOKERNEL_X=1").
+# "a=;b=-DMK_X=1 -DMK_Y=2;c=MONOKERNEL_X=1"; MK_VARIANT_PROMPT / MK_VARIANT_GEN tokens,
+# MK_VARIANT_TAG names the output files).
 # Logs and JSON land in OUTDIR; a short table is printed last.
 set -u -o pipefail
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -104,9 +105,12 @@ if [[ $STAGES == *variants* ]]; then
   for v in "${vs[@]}"; do args+=(--variant "$v"); done
   timeout "${MK_VARIANTS_TIMEOUT:-300}" python3 scripts/kernel_variants.py \
     --shapes "${MK_VARIANT_SHAPES:-llama-3.2-1b,qwen2.5-coder-1.5b}" "${args[@]}" \
-    --rounds "${MK_VARIANT_ROUNDS:-3}" \
-    --json "$OUTDIR/variants.json" >"$OUTDIR/variants.log" 2>&1 || status=1
-  grep -A40 "^device:" "$OUTDIR/variants.log" || tail -n 20 "$OUTDIR/variants.log"
+    --rounds "${MK_VARIANT_ROUNDS:-3}" --prompt-tokens "${MK_VARIANT_PROMPT:-64}" \
+    --gen-tokens "${MK_VARIANT_GEN:-512}" \
+    --json "$OUTDIR/variants${MK_VARIANT_TAG:-}.json" >"$OUTDIR/variants${MK_VARIANT_TAG:-}.log" \
+    2>&1 || status=1
+  grep -A40 "^device:" "$OUTDIR/variants${MK_VARIANT_TAG:-}.log" ||
+    tail -n 20 "$OUTDIR/variants${MK_VARIANT_TAG:-}.log"
 fi
 
 if [[ $STAGES == *prefill* ]]; then

@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from monokernel.bench.shapes import SHAPES, random_weights
 from monokernel.runtime.backends.monokernel import MonokernelBackend
-from monokernel.runtime.prefill_ops import addmm_fp32_ok, silu_mul_fused_ok
+from monokernel.runtime.prefill_ops import addmm_fp32_ok, rms_norm_fused_ok, silu_mul_fused_ok
 
 
 def _timed(backend: MonokernelBackend, ids: list[int], reset: list[int] | None) -> float:
@@ -41,7 +41,11 @@ def _report(name: str, backend: MonokernelBackend, ids: list[int], reset: list[i
         backend.prefill_logits(ids)
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     total = sum(e.self_device_time_total for e in events) / 1e3
-    print(f"\n== {name}: {ms:.2f} ms wall (median of 3), {total:.2f} ms of kernels")
+    launches = sum(e.count for e in events)
+    print(
+        f"\n== {name}: {ms:.2f} ms wall (median of 3), {total:.2f} ms of kernels, "
+        f"{launches} kernels"
+    )
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:14]:
         print(f"{e.self_device_time_total / 1e3:8.3f} ms {e.count:5d}x  {e.key[:90]}")
 
@@ -62,7 +66,8 @@ def main(argv: list[str]) -> int:
     ids = torch.randint(0, cfg.vocab_size, (max_len,), generator=g).tolist()
     print(
         f"{args.shape}: flash attention on the cache {backend.prefill._flash}, fused silu*mul "
-        f"{silu_mul_fused_ok(dev)}, in-place addmm {addmm_fp32_ok(dev)}"
+        f"{silu_mul_fused_ok(dev)}, in-place addmm {addmm_fp32_ok(dev)}, fused norms "
+        f"{rms_norm_fused_ok(dev)}, fused QKV epilogue {backend.prefill._epilogue.fused}"
     )
     backend.prefix.enabled = False  # a fresh prompt: nothing restored from a snapshot
     _report(f"fresh prompt of {args.prompt_tokens}", backend, ids[: args.prompt_tokens], None)

@@ -52,7 +52,13 @@ from monokernel.runtime.prefill_attention_triton import (
     triton_cache_attention,
 )
 from monokernel.runtime.prefill_graphs import PrefillGraphs, graphs_enabled
-from monokernel.runtime.prefill_ops import addmm_fp32_ok, probed_once, silu_mul_bf16
+from monokernel.runtime.prefill_ops import (
+    addmm_fp32_ok,
+    probed_once,
+    rms_norm_bf16,
+    silu_mul_bf16,
+)
+from monokernel.runtime.prefill_qkv import ChunkRope, QkvEpilogue, fused_epilogue_ok
 from monokernel.weights.repack import LayerPack, Repacked
 
 PRECISIONS: tuple[str, ...] = ("split-qkv", "bf16", "fp32")
@@ -109,8 +115,15 @@ def gemm_split(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     bf16 GEMMs give the product of a ~16-bit-mantissa x with the bf16 weights."""
     hi = x.to(torch.bfloat16)
     lo = (x - hi).to(torch.bfloat16)  # x - hi is exact in fp32
-    out = gemm_bf16(hi, w)
-    gemm_bf16_acc(out, lo, w)
+    return gemm_parts((hi, lo), w)
+
+
+def gemm_parts(parts: Sequence[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
+    """(sum of parts) [T, k] @ w [n, k]^T -> [T, n] fp32, one bf16 GEMM a part, the later
+    ones accumulated in place (prefill_ops.rms_norm_bf16 gives hi, or hi and lo)."""
+    out = gemm_bf16(parts[0], w)
+    for part in parts[1:]:
+        gemm_bf16_acc(out, part, w)
     return out
 
 
@@ -121,30 +134,6 @@ def gemm_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def gemm_fp32_acc(acc: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     acc += gemm_fp32(x, w)
-
-
-def rope_factors(
-    cos: torch.Tensor, sin: torch.Tensor, start: int, end: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, 1, d] factors so that rope(x) = x * c + swap_halves(x) * s, built once per chunk
-    and shared by every layer (the reference's x1*c - x2*s, x2*c + x1*s, same fp32 roundings)."""
-    c, s = cos[start:end], sin[start:end]  # [T, d/2]
-    return torch.cat((c, c), dim=-1)[:, None], torch.cat((-s, s), dim=-1)[:, None]
-
-
-def rope_factors_at(
-    cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """rope_factors for the positions in the device tensor ``pos`` [T] (graph-friendly)."""
-    c, s = cos.index_select(0, pos), sin.index_select(0, pos)
-    return torch.cat((c, c), dim=-1)[:, None], torch.cat((-s, s), dim=-1)[:, None]
-
-
-def apply_rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d] fp32 -> rotated, HF's non-interleaved halves."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * c, swapped, s)
 
 
 def _fewest_before(keys: int, t: int) -> int:
@@ -202,7 +191,12 @@ class Prefiller:
         self.precision = precision
         self._mm: Gemm = gemm_fp32 if precision == "fp32" else gemm_bf16
         self._mm_acc = gemm_fp32_acc if precision == "fp32" else gemm_bf16_acc
-        self._mm_qkv: Gemm = gemm_split if precision == "split-qkv" else self._mm
+        # Bias, q/k-norm, RoPE, the cache append and q's cast: one Triton kernel a layer
+        # where it runs (prefill_qkv.py), else PyTorch ops.
+        fused = precision != "fp32" and k_cache.is_cuda and fused_epilogue_ok(k_cache.device)
+        self._epilogue = QkvEpilogue(
+            cfg, packed.rope_cos, packed.rope_sin, k_cache, v_cache, fused=fused
+        )
         # Attention operands: the cache's dtype for flash attention, fp32 for "fp32".
         self._attn_dtype = torch.float32 if precision == "fp32" else k_cache.dtype
         # FlashAttention-2 straight on the bf16 cache where this torch and GPU have it;
@@ -262,18 +256,17 @@ class Prefiller:
 
     def _chunk(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """One chunk through every layer; returns its residual stream [T, hidden] fp32."""
-        end = start + tokens.shape[0]
-        c, s = rope_factors(self.p.rope_cos, self.p.rope_sin, start, end)
+        rope = self._epilogue.rope(start, start + tokens.shape[0])
         x = self.p.embed[tokens].float()  # [T, H]
         for n, lp in enumerate(self.p.layers):
-            self._attention_block(x, n, lp, start, c, s)
+            self._attention_block(x, n, lp, start, rope)
             self._mlp_block(x, lp)
         return x
 
     def _chunk_at(self, tokens: torch.Tensor, pos: torch.Tensor, keys: int) -> torch.Tensor:
         """_chunk with the positions as a device tensor and a fixed key count, so one CUDA
         graph serves any start (prefill_graphs.py)."""
-        c, s = rope_factors_at(self.p.rope_cos, self.p.rope_sin, pos)
+        rope = self._epilogue.rope_at(pos)
         if self._flash:
             at = Placed(pos, keys, (pos[-1:] + 1).to(torch.int32), None)
         else:
@@ -281,7 +274,7 @@ class Prefiller:
             at = Placed(pos, keys, None, visible)
         x = self.p.embed[tokens].float()  # [T, H]
         for n, lp in enumerate(self.p.layers):
-            self._attention_block(x, n, lp, 0, c, s, at)
+            self._attention_block(x, n, lp, 0, rope, at)
             self._mlp_block(x, lp)
         return x
 
@@ -291,48 +284,34 @@ class Prefiller:
         n: int,
         lp: LayerPack,
         start: int,
-        c: torch.Tensor,
-        s: torch.Tensor,
+        rope: ChunkRope,
         at: Placed | None = None,
     ) -> None:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        t, d = x.shape[0], cfg.head_dim
-        end = start + t
-        h = F.rms_norm(x, (cfg.hidden_size,), lp.attn_gain, eps)  # gain None when folded
-        qkv = self._mm_qkv(h, lp.wqkv)  # [T, Q + 2KV] fp32
-        if lp.bqkv is not None:
-            qkv += lp.bqkv
-        q = qkv[:, : cfg.q_size].view(t, cfg.num_heads, d)
-        k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, d)
-        v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, d)
-        if lp.q_norm is not None and lp.k_norm is not None:
-            q = F.rms_norm(q, (d,), lp.q_norm, eps)
-            k = F.rms_norm(k, (d,), lp.k_norm, eps)
-        q, k = apply_rope(q, c, s), apply_rope(k, c, s)
+        end = start + x.shape[0]
+        if self.precision == "fp32":
+            qkv = gemm_fp32(F.rms_norm(x, (cfg.hidden_size,), lp.attn_gain, eps), lp.wqkv)
+        else:  # the norm's output as the GEMM's bf16 operand(s): hi, or hi + lo (split-qkv)
+            split = self.precision == "split-qkv"
+            qkv = gemm_parts(rms_norm_bf16(x, lp.attn_gain, eps, split), lp.wqkv)  # [T, Q + 2KV]
         dt = self._attn_dtype
-        if at is None:
-            self.k[n, :, start:end] = k.transpose(0, 1)  # rounded to the cache's dtype
-            self.v[n, :, start:end] = v.transpose(0, 1)
-        else:
-            self.k[n].index_copy_(1, at.pos, k.transpose(0, 1).to(self.k.dtype))
-            self.v[n].index_copy_(1, at.pos, v.transpose(0, 1).to(self.v.dtype))
+        q = self._epilogue(qkv, lp, n, rope, dt)  # [T, heads, d]; K/V written to the cache
         # Flash on the cache past position 0 only: from 0, SDPA's causal kernel on expanded
         # copies measured faster (8k-token prompt: 54.6 against 59.4 ms, H100).
         if self._flash and (at is not None or start > 0):
             used = at.used if at is not None else _full_int32(end, x.device)
             if self._triton:
-                attn = triton_cache_attention(q.to(dt), self.k[n], self.v[n], used)
+                attn = triton_cache_attention(q, self.k[n], self.v[n], used)
             else:
+                t = x.shape[0]
                 splits = self._splits(t, start if at is None else _fewest_before(at.keys, t))
-                attn = flash_cache_attention(q.to(dt), self.k[n], self.v[n], used, splits)
+                attn = flash_cache_attention(q, self.k[n], self.v[n], used, splits)
         elif at is None:
-            attn = causal_attention(
-                q.to(dt), self.k[n, :, :end].to(dt), self.v[n, :, :end].to(dt), start
-            )
+            attn = causal_attention(q, self.k[n, :, :end].to(dt), self.v[n, :, :end].to(dt), start)
         else:
             assert at.visible is not None
             keys, values = self.k[n, :, : at.keys], self.v[n, :, : at.keys]
-            attn = masked_attention(q.to(dt), keys.to(dt), values.to(dt), at.visible)
+            attn = masked_attention(q, keys.to(dt), values.to(dt), at.visible)
         self._mm_acc(x, attn, lp.wo)  # x += O-projection [T, H]
         if lp.bo is not None:
             x += lp.bo
@@ -343,8 +322,11 @@ class Prefiller:
         return split_count(queries, self.cfg.num_heads, prefix_keys, self._sms)
 
     def _mlp_block(self, x: torch.Tensor, lp: LayerPack) -> None:
-        h = F.rms_norm(x, (self.cfg.hidden_size,), lp.ffn_gain, self.cfg.rms_norm_eps)
-        h = h if self.precision == "fp32" else h.to(torch.bfloat16)  # rounded once, used twice
+        eps = self.cfg.rms_norm_eps
+        if self.precision == "fp32":
+            h = F.rms_norm(x, (self.cfg.hidden_size,), lp.ffn_gain, eps)
+        else:
+            (h,) = rms_norm_bf16(x, lp.ffn_gain, eps)  # rounded to bf16 once, used twice
         # wgu's rows interleave gate and up; strided views hand them to cuBLAS as two
         # matrices with a doubled leading dimension, so both outputs come out contiguous.
         gate, up = self._mm(h, lp.wgu[0::2]), self._mm(h, lp.wgu[1::2])  # [T, I] fp32

@@ -7,6 +7,10 @@ memory traffic of separate PyTorch ops cost as much as a third of an 8k-token pr
 * ``addmm_fp32_ok``: whether acc += x @ w^T runs as one cuBLAS GEMM with beta = 1 (bf16
   operands, fp32 accumulate and output; prefill.gemm_bf16_acc), so residual adds and the
   split QKV's second term need no pass of their own.
+* ``rms_norm_bf16(x, gain, eps, split)``: the RMSNorm in front of a GEMM and the rounding of
+  its output to the GEMM's bf16 operand(s) in one pass (a Triton kernel): hi, and with
+  ``split`` also lo = bf16(y - hi), the split QKV's two terms (prefill.gemm_split). Apart, the
+  norm, the cast, the subtraction and the second cast were four or more passes.
 
 Each has a plain PyTorch path (the CPU, a torch or GPU without the fused form, or
 ``MONOKERNEL_PREFILL_FUSED=0``) computing the same values; the GPU forms are probed once per
@@ -24,11 +28,18 @@ import torch
 import torch.nn.functional as F
 
 _SILU_OK: dict[int, bool] = {}  # CUDA device index -> the Triton kernel runs and agrees
+_NORM_OK: dict[int, bool] = {}  # CUDA device index -> the Triton norm runs and agrees
 _ADDMM_OK: dict[int, bool] = {}  # CUDA device index -> addmm(out_dtype=fp32, out=acc) works
 
 
 def fused_enabled() -> bool:
     return os.environ.get("MONOKERNEL_PREFILL_FUSED", "1") != "0"
+
+
+def epilogue_enabled() -> bool:
+    """The fused norms and QKV epilogue (rms_norm_bf16, prefill_qkv.py): off with the other
+    fusions, or alone with MONOKERNEL_PREFILL_EPILOGUE=0."""
+    return fused_enabled() and os.environ.get("MONOKERNEL_PREFILL_EPILOGUE", "1") != "0"
 
 
 def probed_once(cache: dict[int, bool], device: torch.device, probe: Callable[[], bool]) -> bool:
@@ -127,3 +138,98 @@ def addmm_fp32_ok(device: torch.device) -> bool:
             return False
 
     return fused_enabled() and probed_once(_ADDMM_OK, device, probe)
+
+
+def rms_norm_reference(
+    x: torch.Tensor, gain: torch.Tensor | None, eps: float, split: bool
+) -> tuple[torch.Tensor, ...]:
+    """F.rms_norm(x [T, H] fp32, gain) rounded to bf16: (hi,) or, with ``split``, (hi, lo)
+    with lo = bf16(y - hi), exact in fp32 (prefill.gemm_split's two terms)."""
+    y = F.rms_norm(x, (x.shape[-1],), gain, eps)
+    hi = y.to(torch.bfloat16)
+    return (hi, (y - hi.float()).to(torch.bfloat16)) if split else (hi,)
+
+
+@lazy_triton
+def _rms_norm_kernel(triton: Any, tl: Any) -> Any:
+    @triton.jit
+    def rms_norm_bf16_kernel(x_ptr, g_ptr, hi_ptr, lo_ptr, h, eps, BLOCK: tl.constexpr,
+                             HAS_GAIN: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+        # One program a row: the sum of squares in one sweep, the scaled row in a second
+        # (the row is back from L2 by then).
+        row = x_ptr + tl.program_id(0).to(tl.int64) * h
+        acc = tl.zeros([BLOCK], tl.float32)
+        for a in range(0, h, BLOCK):
+            i = a + tl.arange(0, BLOCK)
+            v = tl.load(row + i, mask=i < h, other=0.0)
+            acc += v * v
+        r = tl.math.rsqrt(tl.sum(acc, 0) / h + eps)
+        out = tl.program_id(0).to(tl.int64) * h
+        for a in range(0, h, BLOCK):
+            i = a + tl.arange(0, BLOCK)
+            live = i < h
+            y = tl.load(row + i, mask=live, other=0.0) * r
+            if HAS_GAIN:
+                y = y * tl.load(g_ptr + i, mask=live, other=0.0)
+            hi = y.to(tl.bfloat16)
+            tl.store(hi_ptr + out + i, hi, mask=live)
+            if SPLIT:
+                tl.store(lo_ptr + out + i, (y - hi.to(tl.float32)).to(tl.bfloat16), mask=live)
+
+    return rms_norm_bf16_kernel
+
+
+def _rms_norm_triton(
+    x: torch.Tensor, gain: torch.Tensor | None, eps: float, split: bool
+) -> tuple[torch.Tensor, ...]:
+    t, h = x.shape
+    hi = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
+    lo = torch.empty_like(hi) if split else hi
+    block = min(4096, 1 << max(0, (h - 1).bit_length()))
+    _rms_norm_kernel()[(t,)](
+        x, gain if gain is not None else x, hi, lo, h, eps,
+        BLOCK=block, HAS_GAIN=gain is not None, SPLIT=split, num_warps=4,
+    )  # fmt: skip
+    return (hi, lo) if split else (hi,)
+
+
+def rms_norm_bf16(
+    x: torch.Tensor, gain: torch.Tensor | None, eps: float, split: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """x [T, H] fp32 contiguous -> RMSNorm(x) * gain as bf16: (hi,) or (hi, lo)."""
+    if x.is_cuda and x.is_contiguous() and rms_norm_fused_ok(x.device):
+        return _rms_norm_triton(x, gain, eps, split)
+    return rms_norm_reference(x, gain, eps, split)
+
+
+def rms_norm_fused_ok(device: torch.device) -> bool:
+    """Whether the Triton norm runs on this device and agrees with PyTorch (once per device;
+    MONOKERNEL_PREFILL_FUSED=0 or MONOKERNEL_PREFILL_EPILOGUE=0: never): hi within one bf16
+    step, hi + lo within 2^-14."""
+
+    def probe() -> bool:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        x = (3 * torch.randn(9, 5000, generator=g)).to(device)
+        gain = torch.rand(5000, generator=g).to(device) + 0.5
+        try:
+            return all(
+                norm_parts_agree(
+                    _rms_norm_triton(x, gn, 1e-5, True), rms_norm_reference(x, gn, 1e-5, True)
+                )
+                for gn in (gain, None)
+            )
+        except Exception:  # no Triton, no compiler, no driver: PyTorch does it
+            return False
+
+    return epilogue_enabled() and probed_once(_NORM_OK, device, probe)
+
+
+def norm_parts_agree(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> bool:
+    """(hi, lo) pairs of rms_norm_bf16's two forms: hi one bf16 step apart at most (the sum
+    of squares is added in another order), and hi + lo the same to 2^-14 relative."""
+    hi, lo = (t.float() for t in got)
+    whi, wlo = (t.float() for t in want)
+    return bool(
+        torch.allclose(hi, whi, rtol=2**-7, atol=1e-30)
+        and torch.allclose(hi + lo, whi + wlo, rtol=2**-14, atol=1e-6)
+    )

@@ -3,12 +3,21 @@ the fallback paths, on a GPU (marker ``gpu``) the Triton kernel and the in-place
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from monokernel.runtime.prefill import gemm_bf16, gemm_bf16_acc
 from monokernel.runtime.prefill_ops import (
+    _rms_norm_triton,
     addmm_fp32_ok,
+    norm_parts_agree,
+    rms_norm_bf16,
+    rms_norm_fused_ok,
+    rms_norm_reference,
     silu_mul_bf16,
     silu_mul_fused_ok,
     silu_mul_reference,
@@ -39,6 +48,57 @@ def test_gemm_acc_adds_the_product_on_the_cpu() -> None:
     torch.testing.assert_close(acc, want)
 
 
+NORM_CASES = [(1, 1), (3, 1001), (5, 4096), (2, 8960), (4, 9000)]  # (T, H): one and two sweeps
+
+
+def _norm_input(t: int, h: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(t * 31 + h)
+    x = (5 * torch.randn(t, h, generator=g)).to(device)
+    return x, (torch.rand(h, generator=g) + 0.5).to(device)
+
+
+def test_rms_norm_on_the_cpu_is_the_reference_norm_rounded() -> None:
+    x, gain = _norm_input(3, 70, "cpu")
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * gain
+    hi, lo = rms_norm_bf16(x, gain, 1e-5, split=True)
+    torch.testing.assert_close(hi.float(), y.to(torch.bfloat16).float())
+    torch.testing.assert_close(hi.float() + lo.float(), y, rtol=2**-15, atol=1e-6)
+    (only,) = rms_norm_bf16(x, None, 1e-5)
+    assert only.dtype == torch.bfloat16 and only.shape == (3, 70)
+
+
+def _interpreted_norm(t: int, h: int) -> bool:
+    """The Triton norm in Triton's interpreter against the reference, with and without gain.
+    Its bf16 casts truncate (the GPU rounds to nearest): hi within one bf16 step, hi + lo
+    within 2^-13."""
+    x, gain = _norm_input(t, h, "cpu")
+    for gn in (gain, None):
+        hi, lo = (p.float() for p in _rms_norm_triton(x, gn, 1e-5, True))
+        whi, wlo = (p.float() for p in rms_norm_reference(x, gn, 1e-5, True))
+        if not torch.allclose(hi, whi, rtol=2**-7, atol=1e-30):
+            return False
+        if not torch.allclose(hi + lo, whi + wlo, rtol=2**-13, atol=1e-6):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("case", NORM_CASES, ids=str)
+def test_triton_norm_logic_in_the_interpreter(case: tuple[int, int]) -> None:
+    """Rows shorter than one block, one block, and several (the two sweeps' masks), in a
+    fresh process: the interpreter must be chosen before Triton is imported."""
+    pytest.importorskip("triton")
+    code = (
+        "from monokernel.runtime.test_prefill_ops import _interpreted_norm; "
+        f"print(_interpreted_norm(*{case!r}))"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "True"
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
@@ -64,3 +124,16 @@ def test_in_place_addmm_is_used_and_exact() -> None:
     want = acc + gemm_bf16(x, w)
     gemm_bf16_acc(acc, x, w)
     torch.testing.assert_close(acc, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("case", [*NORM_CASES, (512, 2048), (500, 1536)], ids=str)
+def test_triton_norm_matches_pytorch(case: tuple[int, int]) -> None:
+    assert rms_norm_fused_ok(torch.device("cuda")), "prefill would norm and round apart"
+    x, gain = _norm_input(*case, "cuda")
+    for gn in (gain, None):
+        got = rms_norm_bf16(x, gn, 1e-5, split=True)
+        assert norm_parts_agree(got, rms_norm_reference(x, gn, 1e-5, True))
+        (hi,) = rms_norm_bf16(x, gn, 1e-5)
+        assert torch.equal(hi, got[0])
