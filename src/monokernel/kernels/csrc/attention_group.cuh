@@ -23,6 +23,13 @@
 #ifndef MK_ATTN_PROBE
 #define MK_ATTN_PROBE 0
 #endif
+// 1: each score lane holds its chunk of every query of the group in registers for the whole
+// unit (8 G floats) instead of re-reading it from shared memory in every pass: of the ~1,500
+// shared-memory wavefronts of a Llama-3.2-1B ring stage, ~1,000 were those re-reads
+// (docs/perf-notes.md step 32). Only where G <= 4 (32 registers): larger groups would spill.
+#ifndef MK_GROUP_QREG
+#define MK_GROUP_QREG 1
+#endif
 
 __device__ void attention_group(const Params& p, const LayerWeights& lw, int layer,
                                 const AttnPlan& a, int pos, unsigned done, unsigned tag,
@@ -104,6 +111,13 @@ __device__ void attention_group(const Params& p, const LayerWeights& lw, int lay
     if (SCATTER && (GP >> lv) > 1 && (k & (CHP >> (lv + 1)))) hk += (GP >> lv) / 2;
   const bool writer = SCATTER ? (k & (CHP / GP - 1)) == 0 && hk < G : k == 0;
   const float* qk = qp + k * QW;
+  constexpr bool QREG = MK_GROUP_QREG && G <= 4;
+  float4 qr[QREG ? 2 * G : 1];
+#pragma unroll
+  for (int h = 0; h < (QREG ? G : 0); ++h) {
+    qr[2 * h] = k < CH ? *reinterpret_cast<const float4*>(qk + h * CH * QW) : float4{};
+    qr[2 * h + 1] = k < CH ? *reinterpret_cast<const float4*>(qk + h * CH * QW + 4) : float4{};
+  }
 
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, lsum = 0.f;
   const int c = t % CH, hg = (t / CH) % G, g = t / (CH * G);
@@ -127,8 +141,10 @@ __device__ void attention_group(const Params& p, const LayerWeights& lw, int lay
                              bf_lo(u.z), bf_hi(u.z), bf_lo(u.w), bf_hi(u.w)};
 #pragma unroll
         for (int h = 0; h < G; ++h) {
-          const float4 q0 = *reinterpret_cast<const float4*>(qk + h * CH * QW);
-          const float4 q1 = *reinterpret_cast<const float4*>(qk + h * CH * QW + 4);
+          const float4 q0 = QREG ? qr[QREG ? 2 * h : 0]
+                                 : *reinterpret_cast<const float4*>(qk + h * CH * QW);
+          const float4 q1 = QREG ? qr[QREG ? 2 * h + 1 : 0]
+                                 : *reinterpret_cast<const float4*>(qk + h * CH * QW + 4);
           float x = kf[0] * q0.x;
           x = fmaf(kf[1], q0.y, x);
           x = fmaf(kf[2], q0.z, x);
