@@ -110,17 +110,11 @@ def gemm_bf16_acc(acc: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
         acc += gemm_bf16(x, w)
 
 
-def gemm_split(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, k] fp32 @ w [n, k]^T -> [T, n] fp32 with x as hi + lo, two bf16 terms: two
-    bf16 GEMMs give the product of a ~16-bit-mantissa x with the bf16 weights."""
-    hi = x.to(torch.bfloat16)
-    lo = (x - hi).to(torch.bfloat16)  # x - hi is exact in fp32
-    return gemm_parts((hi, lo), w)
-
-
 def gemm_parts(parts: Sequence[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
     """(sum of parts) [T, k] @ w [n, k]^T -> [T, n] fp32, one bf16 GEMM a part, the later
-    ones accumulated in place (prefill_ops.rms_norm_bf16 gives hi, or hi and lo)."""
+    ones accumulated in place. With x as its hi + lo bf16 terms (prefill_ops.bf16_parts, as
+    rms_norm_bf16 gives them for the split QKV) two bf16 GEMMs give the product of a
+    ~16-bit-mantissa x with the bf16 weights."""
     out = gemm_bf16(parts[0], w)
     for part in parts[1:]:
         gemm_bf16_acc(out, part, w)

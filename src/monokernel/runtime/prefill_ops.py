@@ -9,7 +9,7 @@ memory traffic of separate PyTorch ops cost as much as a third of an 8k-token pr
   split QKV's second term need no pass of their own.
 * ``rms_norm_bf16(x, gain, eps, split)``: the RMSNorm in front of a GEMM and the rounding of
   its output to the GEMM's bf16 operand(s) in one pass (a Triton kernel): hi, and with
-  ``split`` also lo = bf16(y - hi), the split QKV's two terms (prefill.gemm_split). Apart, the
+  ``split`` also lo = bf16(y - hi), the split QKV's two terms (prefill.gemm_parts). Apart, the
   norm, the cast, the subtraction and the second cast were four or more passes.
 
 Each has a plain PyTorch path (the CPU, a torch or GPU without the fused form, or
@@ -140,14 +140,18 @@ def addmm_fp32_ok(device: torch.device) -> bool:
     return fused_enabled() and probed_once(_ADDMM_OK, device, probe)
 
 
+def bf16_parts(y: torch.Tensor, split: bool) -> tuple[torch.Tensor, ...]:
+    """y fp32 as a GEMM's bf16 operand(s): (hi,) or, with ``split``, (hi, lo) with lo =
+    bf16(y - hi), y - hi exact in fp32: ~16 mantissa bits in two terms (prefill.gemm_parts)."""
+    hi = y.to(torch.bfloat16)
+    return (hi, (y - hi.float()).to(torch.bfloat16)) if split else (hi,)
+
+
 def rms_norm_reference(
     x: torch.Tensor, gain: torch.Tensor | None, eps: float, split: bool
 ) -> tuple[torch.Tensor, ...]:
-    """F.rms_norm(x [T, H] fp32, gain) rounded to bf16: (hi,) or, with ``split``, (hi, lo)
-    with lo = bf16(y - hi), exact in fp32 (prefill.gemm_split's two terms)."""
-    y = F.rms_norm(x, (x.shape[-1],), gain, eps)
-    hi = y.to(torch.bfloat16)
-    return (hi, (y - hi.float()).to(torch.bfloat16)) if split else (hi,)
+    """F.rms_norm(x [T, H] fp32, gain) as bf16_parts."""
+    return bf16_parts(F.rms_norm(x, (x.shape[-1],), gain, eps), split)
 
 
 @lazy_triton

@@ -5,9 +5,6 @@ the GPU (runtime/backends/test_prefill.py)."""
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,6 +18,7 @@ from monokernel.runtime.prefill_attention import (
     merge_parts_reference,
     split_count,
 )
+from monokernel.testing.triton_interpreter import interpreted
 
 
 def _part(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_from: int | None):
@@ -118,14 +116,6 @@ def test_triton_kernel_logic_in_the_interpreter(case: tuple[int, ...]) -> None:
     narrower and wider than the key tiles), in a fresh process: the interpreter must be
     chosen before Triton is imported. Its speed and bf16 run on the GPU
     (runtime/backends/test_prefill.py)."""
-    pytest.importorskip("triton")
-    code = (
-        "from monokernel.runtime.test_prefill_attention import _interpreted_error; "
-        f"print(_interpreted_error(*{case!r}))"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert float(proc.stdout.strip().splitlines()[-1]) < 2e-3
+    call = f"_interpreted_error(*{case!r})"
+    err = interpreted("monokernel.runtime.test_prefill_attention", call)
+    assert float(err) < 2e-3

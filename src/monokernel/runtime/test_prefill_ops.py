@@ -3,10 +3,6 @@ the fallback paths, on a GPU (marker ``gpu``) the Triton kernel and the in-place
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -22,6 +18,7 @@ from monokernel.runtime.prefill_ops import (
     silu_mul_fused_ok,
     silu_mul_reference,
 )
+from monokernel.testing.triton_interpreter import interpreted
 
 
 def _pair(t: int, i: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,17 +83,8 @@ def _interpreted_norm(t: int, h: int) -> bool:
 def test_triton_norm_logic_in_the_interpreter(case: tuple[int, int]) -> None:
     """Rows shorter than one block, one block, and several (the two sweeps' masks), in a
     fresh process: the interpreter must be chosen before Triton is imported."""
-    pytest.importorskip("triton")
-    code = (
-        "from monokernel.runtime.test_prefill_ops import _interpreted_norm; "
-        f"print(_interpreted_norm(*{case!r}))"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1] == "True"
+    call = f"_interpreted_norm(*{case!r})"
+    assert interpreted("monokernel.runtime.test_prefill_ops", call) == "True"
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -4,10 +4,6 @@ and compiled on a GPU (marker ``gpu``), over real and odd head sizes."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -18,6 +14,7 @@ from monokernel.runtime.prefill_qkv import (
     qkv_epilogue_agrees,
     rope_factors,
 )
+from monokernel.testing.triton_interpreter import interpreted
 from monokernel.weights.repack import LayerPack
 
 CASES = [(24, 37), (64, 1), (104, 20), (128, 33)]  # (head_dim, tokens)
@@ -73,17 +70,8 @@ def test_triton_epilogue_logic_in_the_interpreter(case: tuple[int, int]) -> None
     """Both forms on a Qwen3-like layer (bias, q/k-norm, GQA, positions out of order) in
     Triton's interpreter, in a fresh process (the interpreter must be chosen before Triton
     is imported). Its bf16 casts truncate where the GPU rounds to nearest: within 1e-2."""
-    pytest.importorskip("triton")
-    code = (
-        "import torch; from monokernel.runtime.prefill_qkv import qkv_epilogue_agrees; "
-        f"print(qkv_epilogue_agrees(torch.device('cpu'), *{case!r}))"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip().splitlines()[-1] == "True"
+    call = f"qkv_epilogue_agrees(torch.device('cpu'), *{case!r})"
+    assert interpreted("monokernel.runtime.prefill_qkv", call) == "True"
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
