@@ -37,8 +37,8 @@ THREADS = 512  # MK_THREADS in common.cuh
 BATCH = 6  # MK_BATCH in gemv.cuh
 MAX_HEAD_DIM = 256
 MAX_SMEM_BYTES = 227 * 1024  # dynamic shared memory one CTA may have on sm_90
-ATTN_STAGES = 4  # MK_ATTN_STAGES in attention_window.cuh: ring stages of the K/V window
-ATTN_PMAX = 128  # MK_ATTN_PMAX: positions per ring stage at most
+ATTN_STAGES = 2  # MK_ATTN_STAGES in attention_window.cuh: ring stages of the K/V window
+ATTN_PMAX = 256  # MK_ATTN_PMAX: positions per ring stage at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +136,8 @@ class KernelDims:
         d, group = self.head_dim, self.heads // self.kv_heads
         head_units = 3 * d + THREADS + THREADS // (d // 8) * d
         lsum = (THREADS // (d // 8) + 3) // 4 * 4
-        group_units = 4 * group + 2 * d + lsum + max(group * (5 * d // 2 + ATTN_PMAX), 8 * THREADS)
+        pmax = built_knob("MK_ATTN_PMAX", ATTN_PMAX)
+        group_units = 4 * group + 2 * d + lsum + max(group * (5 * d // 2 + pmax), 8 * THREADS)
         return max(head_units, group_units)
 
     def _fixed_smem_floats(self) -> int:
@@ -153,7 +154,7 @@ class KernelDims:
     def window_tail_floats(self) -> int:
         """After the window's K and V rows: the RoPE row, one mbarrier (2 floats) and two
         counters per ring stage."""
-        return self.head_dim + 4 * ATTN_STAGES
+        return self.head_dim + 4 * built_knob("MK_ATTN_STAGES", ATTN_STAGES)
 
     def built_attn_chunk(self) -> int:
         """The window the build really has: attn_chunk(), unless MONOKERNEL_NVCC_FLAGS
@@ -195,6 +196,14 @@ class KernelDims:
         window = self.attn_chunk() * self.head_dim + self.window_tail_floats()
         floats_a = (self._fixed_smem_floats() + window + 3) & ~3
         return floats_a * 4 + 256 * 8 + 256 * 4 + 16 * 4
+
+
+def built_knob(name: str, default: int) -> int:
+    """A -D define's value as the build will see it: ``default`` unless MONOKERNEL_NVCC_FLAGS
+    overrides it (tuning knobs that change the shared-memory layout, such as the window's
+    ring stages MK_ATTN_STAGES and their size bound MK_ATTN_PMAX, are sized from this)."""
+    m = re.search(rf"-D{name}=(\d+)", os.environ.get("MONOKERNEL_NVCC_FLAGS", ""))
+    return int(m.group(1)) if m else default
 
 
 def check_supported(cfg: ModelConfig) -> None:

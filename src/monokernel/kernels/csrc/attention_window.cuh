@@ -19,8 +19,18 @@
 #define MK_GROUP (MK_NH / MK_NKV)                 // query heads per KV head
 #define MK_ATTN_CH (MK_D / 8)                     // 16-byte chunks in one key or value row
 #define MK_ATTN_GV (MK_THREADS / MK_ATTN_CH)      // head units' P·V position groups
-#define MK_ATTN_STAGES 4                          // ring stages of the window
-#define MK_ATTN_PMAX 128                          // positions per stage at most (CHUNK <= 512)
+// Ring stages of the window and their size bound (build.py sizes shared memory from the
+// values MONOKERNEL_NVCC_FLAGS gives). Each stage a group unit computes costs ~0.78 µs of
+// fixed latency (three barriers, the max exchange, the mbarrier wait) whatever its length,
+// so two stages of 256 positions beat four of 128 although only one is in flight while the
+// other is computed: Llama-3.2-1B at 32k context 1,557-1,561 against 1,623-1,624 µs/token
+// on an H100 (docs/perf-notes.md step 34; eight stages: 1,821).
+#ifndef MK_ATTN_STAGES
+#define MK_ATTN_STAGES 2
+#endif
+#ifndef MK_ATTN_PMAX
+#define MK_ATTN_PMAX 256                          // positions per stage at most (CHUNK <= 512)
+#endif
 #define MK_ATTN_MIN_RANGE 64                      // group units: fewest positions per range
 // 0: a build without group units, for requests whose whole context head units cover (the
 // backend picks it for them, runtime/backends/monokernel.py): their code's registers then

@@ -101,7 +101,7 @@ def _teacher_forced_error(
     ("shape", "chunk", "units"),
     [
         ("odd", 128, "head units, 8 ranges a head, merged"),
-        ("odd", 32, "group units, 8-position ring stages"),
+        ("odd", 32, "group units, 16-position ring stages"),
         ("llama-3.2-1b", 32, "group units, queries in registers"),
     ],
 )
@@ -111,9 +111,9 @@ def test_teacher_forced_logits_split_window(
     """Many position ranges, merged (flash-decoding), at ~900 positions with a small
     shared-memory window. 128 positions: every range fits, so head units split each query
     head 8 ways. 32: ranges cannot fit the grid as head units, so group units take over, each
-    range streaming through ring stages of 8 positions (every stage refilled twice); Llama's
-    group of 4 heads keeps its queries in registers (MK_GROUP_QREG), the odd shape's 5 read
-    them from shared memory (attention_group.cuh)."""
+    range streaming through its two ring stages of 16 positions, each refilled again and
+    again; Llama's group of 4 heads keeps its queries in registers (MK_GROUP_QREG), the odd
+    shape's 5 read them from shared memory (attention_group.cuh)."""
     monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", f"-DMK_ATTN_CHUNK={chunk}")
     _assert_within_tolerance(f"{shape}, {units}", _teacher_forced_error(shape, 900, 48, seed=5))
 
