@@ -159,8 +159,7 @@ class KernelDims:
     def built_attn_chunk(self) -> int:
         """The window the build really has: attn_chunk(), unless MONOKERNEL_NVCC_FLAGS
         overrides MK_ATTN_CHUNK (tests do, to force small windows)."""
-        m = re.search(r"-DMK_ATTN_CHUNK=(\d+)", os.environ.get("MONOKERNEL_NVCC_FLAGS", ""))
-        return int(m.group(1)) if m else self.attn_chunk()
+        return built_knob("MK_ATTN_CHUNK", self.attn_chunk())
 
     def attn_range(self) -> int:
         """MK_ATTN_RANGE: positions per head-unit range at short context (attention_window.cuh):
@@ -176,8 +175,7 @@ class KernelDims:
 
     def built_attn_range(self) -> int:
         """The range the build really has (MONOKERNEL_NVCC_FLAGS may override it)."""
-        m = re.search(r"-DMK_ATTN_RANGE=(\d+)", os.environ.get("MONOKERNEL_NVCC_FLAGS", ""))
-        return int(m.group(1)) if m else self.attn_range()
+        return built_knob("MK_ATTN_RANGE", self.attn_range())
 
     def merge_ranges(self) -> int:
         """MK_MERGE_NS: head-unit ranges stage C's input load merges at most (partials
@@ -200,8 +198,9 @@ class KernelDims:
 
 def built_knob(name: str, default: int) -> int:
     """A -D define's value as the build will see it: ``default`` unless MONOKERNEL_NVCC_FLAGS
-    overrides it (tuning knobs that change the shared-memory layout, such as the window's
-    ring stages MK_ATTN_STAGES and their size bound MK_ATTN_PMAX, are sized from this)."""
+    overrides it (tests force small windows and ranges so; the knobs that change the
+    shared-memory layout, the window's ring stages MK_ATTN_STAGES and their size bound
+    MK_ATTN_PMAX, are sized from this)."""
     m = re.search(rf"-D{name}=(\d+)", os.environ.get("MONOKERNEL_NVCC_FLAGS", ""))
     return int(m.group(1)) if m else default
 
