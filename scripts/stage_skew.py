@@ -36,9 +36,8 @@ POINTS = (
     "B qkv+win",  # head units only: q, k, v and the K/V window in shared memory
     "B scores",
     "B softmax",
-    "D staged",  # MK_DSTAGE builds: the first pairs in shared memory (ffn_stage.cuh)
 )
-SLOTS = 13  # MK_SKEW_POINTS in csrc/probes.cuh
+SLOTS = 12  # MK_SKEW_POINTS in csrc/probes.cuh
 
 
 def _skew(backend: MonokernelBackend, prompt: list[int], steps: int, step: int) -> list[list[int]]:

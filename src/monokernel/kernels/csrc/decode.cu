@@ -8,7 +8,6 @@
 // after the LM head. Before waiting for its input, each warp issues the first loads of its
 // first row of the next stage (gemv.cuh), so HBM keeps streaming meanwhile.
 #include "attention.cuh"
-#include "ffn_stage.cuh"
 #include "flow.cuh"
 #include "gemv.cuh"
 #include "params.cuh"
@@ -91,8 +90,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   ss.h32 = reinterpret_cast<unsigned*>(ss.h64 + 256);
   ss.misc = reinterpret_cast<int*>(ss.h32 + 256);
   ss.red = red;
-  // Stage D's staged pairs land on this mbarrier (ffn_stage.cuh); sampling uses misc[0..3].
-  unsigned long long* dmbar = reinterpret_cast<unsigned long long*>(ss.misc + 8);
 
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   // This warp's rank in the grid: its first gate/up pair in stage D, then every tw-th.
@@ -131,8 +128,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   issue_first<SA::KP, MK_BATCH>(preA, split_first<MK_H, MK_SPLIT_A>(p.layers[0].wqkv, MK_QKV, warp),
                                 lane);
 
-  ffn_stage_init(dmbar);
-  attention_window_init(kvwin);  // its __syncthreads covers both inits
+  attention_window_init(kvwin);
   attention_prefetch(p, 0, p.start_pos, kvwin);
 
   for (int step = 0; step < p.n_steps; ++step) {
@@ -192,7 +188,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       attention_stage(p, lw, layer, pos, attn_done, attn_done_g, tag, att, red, kvwin);
       skew(p, step, layer, 2);
       handoff_arrive(flow, p.barrier, bar);
-      if (MK_DSTAGE_AT == 0) ffn_stage_issue(lw.wgu, kvwin, dmbar);  // window free until D's end
       issue_first<SC::KP, MK_BATCH>(preC, split_first<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, warp), lane);
       mark(p, step, mk++);
       handoff_wait(flow, p.barrier, bar);
@@ -205,7 +200,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         load_vec<MK_Q>(xs, p.attn_out, tag, false, p.eps, red);
       }
       skew(p, step, layer, 3);
-      if (MK_DSTAGE_AT == 1) ffn_stage_issue(lw.wgu, kvwin, dmbar);
       gemv_split<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, xs, part, warp, lane, preC, [&](int r, float d) {
 #if MK_TP > 1
         tp_send(p, tag_c, r, d);  // partial, bias-free: o-bias is added once after the sum (D)
@@ -218,14 +212,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       });
       skew(p, step, layer, 4);
       handoff_arrive(flow, p.barrier, bar);
-      // A warp whose first pair is staged streams from its second pair on.
-#ifndef MK_DSTAGE_PROBE
-#define MK_DSTAGE_PROBE 0
-#endif
-#define DFIRST (((MK_DSTAGE_ON && MK_DSTAGE_PROBE != 2 && warp < MK_DSTAGE) || MK_DSTAGE_PROBE == 1 || MK_DSTAGE_PROBE == 3) ? gw + tw : gw)
-      const int d0 = DFIRST;
-      issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * clamp_row(d0, MK_I) * MK_H, lane);
-      issue_first<MK_H, MK_BATCH2>(preU, lw.wgu + (2 * clamp_row(d0, MK_I) + 1) * MK_H, lane);
+      issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * clamp_row(gw, MK_I) * MK_H, lane);
+      issue_first<MK_H, MK_BATCH2>(preU, lw.wgu + (2 * clamp_row(gw, MK_I) + 1) * MK_H, lane);
       mark(p, step, mk++);
       handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
@@ -253,29 +241,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         __syncthreads();
       }
       skew(p, step, layer, 5);
-      const auto act = [&](int r, float g, float u) {
+      gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xs, lane, preG, preU, [&](int r, float g, float u) {
         if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
-      };
-#if MK_DSTAGE_PROBE == 4
-      gemv_pairs<MK_H>(lw.wgu, MK_I, DFIRST, tw, xs, lane, preG, preU, act);
-#endif
-#if MK_DSTAGE_ON
-      if (warp < MK_DSTAGE) {
-        ffn_stage_wait(dmbar, (unsigned)(step * MK_L + layer) & 1u);  // one phase a layer
-        skew(p, step, layer, 12);
-        if (gw < MK_I && MK_DSTAGE_PROBE != 2 && MK_DSTAGE_PROBE != 3) {
-          const bf16* sp = ffn_staged_pair(kvwin, warp);
-          const float g = warp_sum(ffn_staged_row(sp, xs, lane));
-          act(gw, g, warp_sum(ffn_staged_row(sp + MK_H, xs, lane)));
-        }
-      }
-#endif
-#if MK_DSTAGE_PROBE == 1 || MK_DSTAGE_PROBE == 3
-      if (gw < MK_I) act(gw, 0.f, 0.f);
-#endif
-#if MK_DSTAGE_PROBE != 4
-      gemv_pairs<MK_H>(lw.wgu, MK_I, DFIRST, tw, xs, lane, preG, preU, act);
-#endif
+      });
       skew(p, step, layer, 6);
       handoff_arrive(flow, p.barrier, bar);
       issue_first<SE::KP, MK_BATCH>(preE, split_first<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, warp),

@@ -22,7 +22,7 @@ __device__ __forceinline__ void mark(const Params& p, int step, int idx) {
 // time at the points k < MK_SKEW_POINTS of the middle layer of the profiled step, into
 // timing[10L + 8 + MK_SKEW_POINTS * cta + k] (the host sizes the buffer for it). The marks
 // above show one CTA; this shows who is late.
-#define MK_SKEW_POINTS 13  // scripts/stage_skew.py's SLOTS
+#define MK_SKEW_POINTS 12  // scripts/stage_skew.py's SLOTS
 __device__ __forceinline__ void skew(const Params& p, int step, int layer, int k) {
 #ifdef MK_SKEW
   if (p.timing && step == p.timing_step && layer == MK_L / 2 && threadIdx.x == 0) {
