@@ -35,11 +35,6 @@
 #ifndef MK_D_INTERLEAVE
 #define MK_D_INTERLEAVE 1
 #endif
-// Stage D's tail balanced by ticket (gemv_pairs): this many rounds of pairs (one per warp
-// of the grid) are static, the rest drawn from a counter; 0: every pair static.
-#ifndef MK_D_FIXED_ROUNDS
-#define MK_D_FIXED_ROUNDS 0
-#endif
 // Host I/O once per token is two PCIe round trips on one thread: the cancel word's read
 // (before that CTA arrives at the step's barrier, so every CTA waits for it) and, with
 // MK_TOKEN_FENCE=1, a system fence after the token's write (before that CTA's next layer 0;
@@ -246,21 +241,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         __syncthreads();
       }
       skew(p, step, layer, 5);
-      {
-        const auto act = [&](int r, float g, float u) {
-          if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
-        };
-#if MK_D_FIXED_ROUNDS > 0
-        const int fixed = min(MK_I, MK_D_FIXED_ROUNDS * tw);
-        // Tickets a stage draws: one per dynamic pair, one past the end per warp with a pair.
-        const unsigned per_stage = (unsigned)(MK_I - fixed + min(tw, MK_I));
-        gemv_pairs_drawn<MK_H>(lw.wgu, MK_I, gw, tw, xs, lane, preG, preU, act,
-                               reinterpret_cast<unsigned*>(p.flags + 2),
-                               (unsigned)(step * MK_L + layer) * per_stage, fixed);
-#else
-        gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xs, lane, preG, preU, act);
-#endif
-      }
+      gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xs, lane, preG, preU, [&](int r, float g, float u) {
+        if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
+      });
       skew(p, step, layer, 6);
       handoff_arrive(flow, p.barrier, bar);
       issue_first<SE::KP, MK_BATCH>(preE, split_first<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, warp),

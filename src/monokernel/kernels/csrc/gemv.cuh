@@ -209,50 +209,6 @@ __device__ __forceinline__ void gemv_pairs(const bf16* __restrict__ W, int pairs
   }
 }
 
-// gemv_pairs with the stage's tail balanced at run time.
-// Pairs below `fixed` go to warps statically: p0, p0 + step, ... The rest (the stage's tail)
-// are handed out by `ticket`, a monotonic counter: a warp draws the next pair while it reduces
-// the current one, so SMs that get more bandwidth take more pairs and the stage ends at about
-// the same time everywhere. Every warp draws exactly one ticket past the end, so a stage
-// draws pairs - fixed + warps tickets; `tbase` is the count before this stage.
-template <int K, class Out>
-__device__ __forceinline__ void gemv_pairs_drawn(const bf16* __restrict__ W, int pairs, int p0, int step,
-                                           const float* __restrict__ xs, int lane,
-                                           uint4 (&pre0)[RowShape<K, MK_BATCH2>::B],
-                                           uint4 (&pre1)[RowShape<K, MK_BATCH2>::B], Out out,
-                                           unsigned* ticket, unsigned tbase, int fixed) {
-  // fixed >= step: every warp's first pair is static (issued before the stage's hand-off).
-  using S = RowShape<K, MK_BATCH2>;
-  int p = p0;
-  while (p < pairs) {
-    // The next pair: static while any is left, else drawn now (its latency hides behind this
-    // pair's loads).
-    int pn = p + step;
-    unsigned tk = 0u;
-    const bool draw = pn >= fixed;
-    if (draw && lane == 0) tk = atomicAdd(ticket, 1u) - tbase;
-    // While row 2p is reduced, row 2p+1's first batch is already in flight.
-    const float a = row_partial<K, MK_BATCH2>(pre0, W + (size_t)(2 * p) * K, xs, lane);
-    const float b = row_partial<K, MK_BATCH2>(pre1, W + (size_t)(2 * p + 1) * K, xs, lane);
-    out(p, warp_sum(a), warp_sum(b));
-    if (draw) pn = fixed + (int)__shfl_sync(0xffffffffu, tk, 0);
-    // A second pair in flight would need 128 registers: the next pair's first batches go out
-    // once this pair is reduced.
-    // Past the end, this pair again: harmless, and every buffer written on every path (a
-    // buffer written on one path only stays live around the loop and spills).
-    const size_t q = (size_t)(pn < pairs ? pn : p);
-    uint4 n0[S::B], n1[S::B];
-    issue_first<K, MK_BATCH2>(n0, W + (2 * q) * K, lane);
-    issue_first<K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane);
-#pragma unroll
-    for (int i = 0; i < S::B; ++i) {
-      pre0[i] = n0[i];
-      pre1[i] = n1[i];
-    }
-    p = pn;
-  }
-}
-
 // Warm L2 with the rows a warp will read after its first pair in gemv_pairs (its first pair
 // is issued into registers before the stage's barrier anyway). Issued a stage or two ahead,
 // while latency-bound stages leave HBM idle, so the bandwidth-bound stage then reads part of
