@@ -187,7 +187,7 @@ class Prefiller:
         self._mm_acc = gemm_fp32_acc if precision == "fp32" else gemm_bf16_acc
         # Bias, q/k-norm, RoPE, the cache append and q's cast: one Triton kernel a layer
         # where it runs (prefill_qkv.py), else PyTorch ops.
-        fused = precision != "fp32" and k_cache.is_cuda and fused_epilogue_ok(k_cache.device)
+        fused = precision != "fp32" and fused_epilogue_ok(k_cache.device)
         self._epilogue = QkvEpilogue(
             cfg, packed.rope_cos, packed.rope_sin, k_cache, v_cache, fused=fused
         )

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from monokernel.runtime.prefill_ops import lazy_triton, probed_once
+from monokernel.runtime.prefill_ops import lazy_triton, pow2_at_least, probed_once
 
 # FlashAttention-2's query block in the forward kernel (head_dim <= 128: 128 rows).
 FLASH_BLOCK_M = 128
@@ -216,13 +216,6 @@ def _merge_kernel(triton: Any, tl: Any) -> Any:
     return merge_kernel
 
 
-def _pow2(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
-
-
 def merge_parts(
     out_p: torch.Tensor, lse_p: torch.Tensor, out_s: torch.Tensor, lse_s: torch.Tensor
 ) -> torch.Tensor:
@@ -235,7 +228,7 @@ def merge_parts(
     dst = torch.empty(t, heads, d, dtype=out_s.dtype, device=out_s.device)
     _merge_kernel()[(t * heads,)](
         out_p.contiguous(), lse_p.contiguous(), out_s.contiguous(), lse_s.contiguous(), dst,
-        t, heads, s, D=d, DP=_pow2(d), SP=_pow2(s + 1), num_warps=2,
+        t, heads, s, D=d, DP=pow2_at_least(d), SP=pow2_at_least(s + 1), num_warps=2,
     )  # fmt: skip
     return dst.reshape(t, heads * d)
 

@@ -51,6 +51,11 @@ def probed_once(cache: dict[int, bool], device: torch.device, probe: Callable[[]
     return cache[index]
 
 
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): Triton's block shapes."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up in fp32, rounded to bf16 (consumes gate's storage)."""
     act = F.silu(gate, inplace=True)
@@ -189,7 +194,7 @@ def _rms_norm_triton(
     t, h = x.shape
     hi = torch.empty(t, h, dtype=torch.bfloat16, device=x.device)
     lo = torch.empty_like(hi) if split else hi
-    block = min(4096, 1 << max(0, (h - 1).bit_length()))
+    block = min(4096, pow2_at_least(h))
     _rms_norm_kernel()[(t,)](
         x, gain if gain is not None else x, hi, lo, h, eps,
         BLOCK=block, HAS_GAIN=gain is not None, SPLIT=split, num_warps=4,

@@ -28,7 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from monokernel.models.config import ModelConfig
-from monokernel.runtime.prefill_ops import epilogue_enabled, lazy_triton, probed_once
+from monokernel.runtime.prefill_ops import (
+    epilogue_enabled,
+    lazy_triton,
+    pow2_at_least,
+    probed_once,
+)
 from monokernel.weights.repack import LayerPack
 
 
@@ -203,14 +208,10 @@ class QkvEpilogue:
             lp.q_norm if qk_norm else qkv, lp.k_norm if qk_norm else qkv,
             self.cos, self.sin, at.pos, q, self.k[layer], self.v[layer],
             t, self.k.shape[2], cfg.rms_norm_eps,
-            NH=cfg.num_heads, NKV=cfg.num_kv_heads, D=d, HALF_P2=_pow2(d // 2), BT=_BT,
+            NH=cfg.num_heads, NKV=cfg.num_kv_heads, D=d, HALF_P2=pow2_at_least(d // 2), BT=_BT,
             HAS_BIAS=lp.bqkv is not None, QK_NORM=qk_norm, num_warps=4,
         )  # fmt: skip
         return q
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 _OK: dict[int, bool] = {}  # CUDA device index -> the Triton epilogue runs and agrees
