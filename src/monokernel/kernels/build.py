@@ -21,7 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,7 @@ KERNEL_NAME = "mk_decode"
 ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
 THREADS = 512  # MK_THREADS in common.cuh
 BATCH = 6  # MK_BATCH in gemv.cuh
+SPLIT_SLOTS = 32  # MK_SPLIT_SLOTS in gemv.cuh: split-K partials per warp
 MAX_HEAD_DIM = 256
 MAX_SMEM_BYTES = 227 * 1024  # dynamic shared memory one CTA may have on sm_90
 ATTN_STAGES = 2  # MK_ATTN_STAGES in attention_window.cuh: ring stages of the K/V window
@@ -132,13 +133,16 @@ class KernelDims:
         return 5 if self.hidden >= 2048 and not self.group_units else 4
 
     def _attn_scratch_floats(self) -> int:
-        """MK_ATTN_SMEM: the larger scratch of stage B's two unit kinds."""
+        """MK_ATTN_SMEM: the larger scratch of stage B's two unit kinds (stage D's input
+        vector borrows it too)."""
         d, group = self.head_dim, self.heads // self.kv_heads
         head_units = 3 * d + THREADS + THREADS // (d // 8) * d
         lsum = (THREADS // (d // 8) + 3) // 4 * 4
         pmax = built_knob("MK_ATTN_PMAX", ATTN_PMAX)
         group_units = 4 * group + 2 * d + lsum + max(group * (5 * d // 2 + pmax), 8 * THREADS)
-        return max(head_units, group_units)
+        # Stage D's normalised input sits after the split-K partials (decode.cu: xd).
+        d_input = THREADS // 32 * SPLIT_SLOTS + self.hidden
+        return max(head_units, group_units, d_input)
 
     def _fixed_smem_floats(self) -> int:
         xs = max(self.hidden, self.q_size, self.intermediate)
@@ -291,10 +295,14 @@ def nvcc_command(dims: KernelDims, out: Path, debug: bool = False) -> list[str]:
     ]
 
 
-def compile_check(dims: KernelDims, out: Path) -> subprocess.CompletedProcess[str]:
+def compile_check(
+    dims: KernelDims, out: Path, extra: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
     """Compile the decode kernel for ``dims`` to an object file (no cache, no -Xptxas report):
-    what the CI tests run to keep every shape's build green without a GPU."""
-    cmd = [find_nvcc(), *ARCH_FLAGS, "-c", *dims.defines(), "-o", str(out), str(CSRC / ENTRY)]
+    what the CI tests run to keep every shape's build green without a GPU. ``extra``: more
+    nvcc flags, e.g. a tuning knob's non-default -D define."""
+    cmd = [find_nvcc(), *ARCH_FLAGS, "-c", *dims.defines(), *extra, "-o", str(out)]
+    cmd.append(str(CSRC / ENTRY))
     return subprocess.run(cmd, capture_output=True, text=True, check=False)
 
 

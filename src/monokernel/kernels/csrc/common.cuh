@@ -131,6 +131,19 @@ __device__ __forceinline__ void warp_argmax(float& s, int& i) {
   }
 }
 
+// A barrier for the WARPS warps of one team (hardware barrier `id`, 1..15; 0 is
+// __syncthreads): one warp needs only __syncwarp, the whole CTA __syncthreads.
+template <int WARPS>
+__device__ __forceinline__ void team_sync(int id) {
+  if constexpr (WARPS == 1) {
+    __syncwarp();
+  } else if constexpr (WARPS == MK_WARPS) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(WARPS * 32) : "memory");
+  }
+}
+
 // Grid barrier on one monotonic counter (zeroed by the host before each launch, never
 // during it): the k-th barrier of the launch waits until the counter reaches k * gridDim.x.
 // `target` is the CTA's private count of barriers passed, so no reset race exists.

@@ -48,6 +48,22 @@
 #ifndef MK_TOKEN_FENCE
 #define MK_TOKEN_FENCE 0
 #endif
+// 1: the hand-off D -> E per team of warps that share one K slice of the down projection
+// (load_flow_team): a team fetches its slice of act and starts its rows while other warps
+// still finish their gate/up pairs, and the pairs of D's last, partial round go to the teams
+// of the last slices, whose inputs come last anyway. 0: the whole CTA waits for all of act.
+// Measured on an H100 (docs/perf-notes.md, step 37): Llama-3.2-1B -1 to -7 µs/token in
+// every run; Qwen2.5-Coder-1.5B -10 to +24, different from one process to the next; so off.
+#ifndef MK_E_TEAMS
+#define MK_E_TEAMS 0
+#endif
+// 1: stage C's rows numbered from the last CTA, so the units with a second row (Qwen2.5-1.5B:
+// 1,536 rows on 1,056 units) sit on the CTAs without an attention unit (the first ones),
+// which reach C's input first. Measured on an H100 (step 37): Llama-3.2-1B -3 µs/token,
+// Qwen2.5-Coder-1.5B -8 to -13.
+#ifndef MK_C_FROM_LAST
+#define MK_C_FROM_LAST 1
+#endif
 
 // Shared memory, in floats: xs [MK_XS] | xres [MK_H] | attention [MK_ATTN_SMEM] | red [64] |
 // K/V window [MK_KVWIN_FLOATS] | h64 [256 x u64] | h32 [256] | misc [16]. build.py computes
@@ -84,6 +100,10 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   float* xres = xs + MK_XS;      // [H]  residual after attention, from D to E
   float* att = xres + MK_H;
   float* red = att + MK_ATTN_SMEM;
+  // [H] stage D's normalised input, in the attention scratch after the split-K partials
+  // (`part`): not in xs, which E's slices overwrite while D's last pairs still read this.
+  float* xd = att + MK_WARPS * MK_SPLIT_SLOTS;
+  static_assert(MK_ATTN_SMEM >= MK_WARPS * MK_SPLIT_SLOTS + MK_H, "build.py sizes MK_ATTN_SMEM");
   float* kvwin = red + 64;  // 16-byte aligned: every region above is a multiple of 4 floats
   SampleScratch ss;
   ss.h64 = reinterpret_cast<unsigned long long*>(smem + MK_SMEM_FLOATS_A);
@@ -92,15 +112,27 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   ss.red = red;
 
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  using SA = Split<MK_H, MK_SPLIT_A>;
+  using SC = Split<MK_Q, MK_SPLIT_C>;
+  using SE = Split<MK_I, MK_SPLIT_E>;
+  // The warp's rank in stage D. With E's teams, the teams of the last K slices of the down
+  // projection rank first: they take D's last, partial round of pairs (the last entries of
+  // act), so the teams whose slices are complete earlier are free to start E.
+#if MK_E_TEAMS
+  const int drank = (SE::S - 1 - warp % SE::S) * SE::GROUPS + warp / SE::S;
+#else
+  const int drank = warp;
+#endif
   // This warp's rank in the grid: its first gate/up pair in stage D, then every tw-th.
 #if MK_D_INTERLEAVE
   // Ranks across CTAs first, so a last, partial round of pairs (Qwen2.5-1.5B: 8,960 pairs
   // on 2,112 warps) spreads over every SM instead of filling the first CTAs.
-  const int gw = warp * gridDim.x + blockIdx.x;
+  const int gw = drank * gridDim.x + blockIdx.x;
 #else
-  const int gw = blockIdx.x * MK_WARPS + warp;
+  const int gw = blockIdx.x * MK_WARPS + drank;
 #endif
   const int tw = gridDim.x * MK_WARPS;  // warps in the grid
+  const int c_cta = MK_C_FROM_LAST ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
   const bool greedy = p.temperature == 0.f;
   const bool host_cta = blockIdx.x == (MK_HOST_CTA_LAST ? gridDim.x - 1 : 0);
   const bool flow =
@@ -119,9 +151,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   int token = p.first_token;
 
   // First batches held in registers across barriers, one buffer per stage shape.
-  using SA = Split<MK_H, MK_SPLIT_A>;
-  using SC = Split<MK_Q, MK_SPLIT_C>;
-  using SE = Split<MK_I, MK_SPLIT_E>;
   uint4 preA[SA::Shape::B], preC[SC::Shape::B], preE[SE::Shape::B];  // preA also serves F
   uint4 preG[RowShape<MK_H, MK_BATCH2>::B], preU[RowShape<MK_H, MK_BATCH2>::B];
   float* part = att;  // split-K partial sums [WARPS, SLOTS]; attention scratch is idle then
@@ -188,7 +217,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       attention_stage(p, lw, layer, pos, attn_done, attn_done_g, tag, att, red, kvwin);
       skew(p, step, layer, 2);
       handoff_arrive(flow, p.barrier, bar);
-      issue_first<SC::KP, MK_BATCH>(preC, split_first<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, warp), lane);
+      issue_first<SC::KP, MK_BATCH>(preC, split_first<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, warp, c_cta),
+                                    lane);
       mark(p, step, mk++);
       handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
@@ -209,7 +239,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #endif
         st_flow(p.delta + r, d, tag);
 #endif
-      });
+      }, c_cta);
       skew(p, step, layer, 4);
       handoff_arrive(flow, p.barrier, bar);
       issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * clamp_row(gw, MK_I) * MK_H, lane);
@@ -237,15 +267,17 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #endif
         const float r = rsqrtf(block_sum(s2, red) / MK_H + p.eps);
         for (int i = t; i < MK_H; i += MK_THREADS)
-          xs[i] = xres[i] * (lw.ffn_gain ? r * lw.ffn_gain[i] : r);
+          xd[i] = xres[i] * (lw.ffn_gain ? r * lw.ffn_gain[i] : r);
         __syncthreads();
       }
       skew(p, step, layer, 5);
-      gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xs, lane, preG, preU, [&](int r, float g, float u) {
+      gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xd, lane, preG, preU, [&](int r, float g, float u) {
         if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
       });
       skew(p, step, layer, 6);
-      handoff_arrive(flow, p.barrier, bar);
+      // With E's teams and data as flag, no CTA-wide wait here: E's slices land in xs, which
+      // D no longer reads (xd), and each team waits for its own slice and partners only.
+      if (!MK_E_TEAMS || !flow) handoff_arrive(flow, p.barrier, bar);
       issue_first<SE::KP, MK_BATCH>(preE, split_first<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, warp),
                                     lane);
       // The next layer's cached keys and values (positions before pos, appended in earlier
@@ -258,7 +290,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       mark(p, step, mk++);
 
       // ---- E: down projection + residual -> x [H]
+#if MK_E_TEAMS
+      load_flow_team<MK_I, MK_SPLIT_E>(xs, p.act, tag, warp, lane);
+#else
       load_vec<MK_I>(xs, p.act, tag, false, p.eps, red);
+#endif
       skew(p, step, layer, 7);
       gemv_split<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, xs, part, warp, lane, preE,
                                    [&](int r, float d) {

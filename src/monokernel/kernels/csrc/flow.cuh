@@ -88,23 +88,26 @@ struct FlowChunks {
   static_assert(N <= 32, "a pending mask holds one bit per chunk of a thread");
 };
 
-// Bit j: chunk threadIdx.x + j * THREADS is among the first `chunks`.
-template <int N>
-__device__ __forceinline__ unsigned flow_mask(int chunks) {
+// The chunks are dealt over a team of STRIDE threads (the CTA, or the warps that share one
+// K slice of a split GEMV: load_flow_team); `idx` is the thread's index in its team.
+// Bit j: chunk idx + j * STRIDE is among the first `chunks`.
+template <int N, int STRIDE>
+__device__ __forceinline__ unsigned flow_mask(int idx, int chunks) {
   unsigned m = 0;
 #pragma unroll
   for (int j = 0; j < N; ++j)
-    if ((int)threadIdx.x + j * MK_THREADS < chunks) m |= 1u << j;
+    if (idx + j * STRIDE < chunks) m |= 1u << j;
   return m;
 }
 
 // Issue cp.async for this thread's chunks in `pending` (not yet committed).
-template <int N>
-__device__ __forceinline__ void flow_issue(float* dst, const float* src, unsigned pending) {
+template <int N, int STRIDE>
+__device__ __forceinline__ void flow_issue(int idx, float* dst, const float* src,
+                                           unsigned pending) {
   const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(dst));
 #pragma unroll
   for (int j = 0; j < N; ++j) {
-    const int i = threadIdx.x + j * MK_THREADS;
+    const int i = idx + j * STRIDE;
     if (pending >> j & 1u)
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + 16u * i),
                    "l"(src + 4 * i)
@@ -113,12 +116,13 @@ __device__ __forceinline__ void flow_issue(float* dst, const float* src, unsigne
 }
 
 // The chunks of `pending` whose words do not all carry `tag` yet.
-template <int N>
-__device__ __forceinline__ unsigned flow_stale(const float* dst, unsigned tag, unsigned pending) {
+template <int N, int STRIDE>
+__device__ __forceinline__ unsigned flow_stale(int idx, const float* dst, unsigned tag,
+                                               unsigned pending) {
   unsigned stale = 0;
 #pragma unroll
   for (int j = 0; j < N; ++j) {
-    const int i = threadIdx.x + j * MK_THREADS;
+    const int i = idx + j * STRIDE;
     if (pending >> j & 1u) {
       const uint4 u = reinterpret_cast<const uint4*>(dst)[i];
       if (((u.x ^ tag) | (u.y ^ tag) | (u.z ^ tag) | (u.w ^ tag)) & MK_TAG_BITS) stale |= 1u << j;
@@ -140,18 +144,19 @@ __device__ __forceinline__ float flow_round(float v) {
 // a[0 .. 4 ca) <- src_a (tag_a) and b[0 .. 4 cb) <- src_b (tag_b), in one round trip when
 // both are there; tags left in place. NA / NB bound the chunks per thread (0: no b). A
 // producer that never writes means a bug: trap after ~10 s rather than hang.
-template <int NA, int NB>
+template <int NA, int NB, int STRIDE = MK_THREADS>
 __device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigned tag_a, int ca,
                                            float* b = nullptr, const float* src_b = nullptr,
-                                           unsigned tag_b = 0u, int cb = 0) {
+                                           unsigned tag_b = 0u, int cb = 0,
+                                           int idx = (int)threadIdx.x) {
   const long long t0 = clock64();
-  unsigned pa = flow_mask<NA>(ca), pb = flow_mask<NB>(cb);
+  unsigned pa = flow_mask<NA, STRIDE>(idx, ca), pb = flow_mask<NB, STRIDE>(idx, cb);
   while (pa | pb) {
-    flow_issue<NA>(a, src_a, pa);
-    flow_issue<NB>(b, src_b, pb);
+    flow_issue<NA, STRIDE>(idx, a, src_a, pa);
+    flow_issue<NB, STRIDE>(idx, b, src_b, pb);
     asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
-    pa = flow_stale<NA>(a, tag_a, pa);
-    pb = flow_stale<NB>(b, tag_b, pb);
+    pa = flow_stale<NA, STRIDE>(idx, a, tag_a, pa);
+    pb = flow_stale<NB, STRIDE>(idx, b, tag_b, pb);
     if ((pa | pb) && clock64() - t0 > 20000000000LL) __trap();
   }
 }
@@ -200,6 +205,34 @@ __device__ __forceinline__ float load_flow_sum(float* a, const float* src_a, uns
     }
   }
   return ss;
+}
+
+// One K slice of a split GEMV's input, fetched by the team of warps that reads it
+// (Split<K, SPLIT>: warps s, S + s, 2S + s, ... share slice s): xs[s KP .. (s+1) KP) <- src
+// (tag), tags cleared, then the team meets at its own barrier. A warp so starts its rows as
+// soon as its slice is in and its partners are done with the previous stage, while other
+// warps of the CTA may still be finishing theirs. The caller keeps every other warp's
+// reads off this slice's shared memory.
+template <int K, int SPLIT>
+__device__ __forceinline__ void load_flow_team(float* xs, const float* src, unsigned tag,
+                                               int warp, int lane) {
+  using P = Split<K, SPLIT>;
+  constexpr int TEAM = P::GROUPS * 32;
+  constexpr int C = P::KP / 4;  // 16-byte chunks in the slice
+  constexpr int N = (C + TEAM - 1) / TEAM;
+  static_assert(N <= 32, "a pending mask holds one bit per chunk of a thread");
+  const int s = warp % P::S, idx = (warp / P::S) * 32 + lane;
+  float* dst = xs + s * P::KP;
+  flow_fetch<N, 0, TEAM>(dst, src + s * P::KP, tag, C, nullptr, nullptr, 0u, 0, idx);
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int i = 4 * (idx + j * TEAM);
+    if (i < P::KP) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) dst[i + k] = flow_untag(dst[i + k]);
+    }
+  }
+  team_sync<P::GROUPS>(1 + s);
 }
 
 // Whether every CTA owns a row of the stages whose outputs order the buffers' reuse (see the

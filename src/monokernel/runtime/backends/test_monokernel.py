@@ -28,6 +28,17 @@ def test_cuda_sources_compile(shape: str, tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("shape", ["qwen2.5-coder-1.5b", "qwen3-0.6b", "odd"])
+def test_cuda_sources_compile_with_knobs_flipped(shape: str, tmp_path) -> None:
+    """The build knobs kept off by default (E's teams) or on (C from the last CTA) still
+    compile the other way, over down-projection splits of 8, 2 and 1 warps a row."""
+    dims = kbuild.KernelDims.from_config(SHAPES[shape])
+    flags = ["-DMK_E_TEAMS=1", "-DMK_C_FROM_LAST=0"]
+    proc = kbuild.compile_check(dims, tmp_path / "decode.o", flags)
+    assert proc.returncode == 0, proc.stderr
+
+
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -141,6 +152,17 @@ def test_teacher_forced_logits_group_units(shape: str, monkeypatch: pytest.Monke
     monkeypatch.setenv("MONOKERNEL_ATTN_GROUP_FROM", "1")
     rel = _teacher_forced_error(shape, PROMPT, 96, seed=7)
     _assert_within_tolerance(f"{shape}, group units", rel)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("shape", ["qwen2.5-coder-1.5b", "qwen3-0.6b", "odd"])
+def test_teacher_forced_logits_e_teams(shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hand-off D -> E per team of warps (MK_E_TEAMS=1, off by default): teams of 2, 8
+    and 16 warps (the down projection split 8, 2 and 1 ways), with C's rows in the old order."""
+    monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_E_TEAMS=1 -DMK_C_FROM_LAST=0")
+    rel = _teacher_forced_error(shape, PROMPT, 96, seed=13)
+    _assert_within_tolerance(f"{shape}, E's teams", rel)
 
 
 @pytest.mark.gpu
