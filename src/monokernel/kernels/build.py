@@ -301,8 +301,16 @@ def compile_check(
     """Compile the decode kernel for ``dims`` to an object file (no cache, no -Xptxas report):
     what the CI tests run to keep every shape's build green without a GPU. ``extra``: more
     nvcc flags, e.g. a tuning knob's non-default -D define."""
-    cmd = [find_nvcc(), *ARCH_FLAGS, "-c", *dims.defines(), *extra, "-o", str(out)]
-    cmd.append(str(CSRC / ENTRY))
+    cmd = [
+        find_nvcc(),
+        *ARCH_FLAGS,
+        "-c",
+        *dims.defines(),
+        *extra,
+        "-o",
+        str(out),
+        str(CSRC / ENTRY),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, check=False)
 
 

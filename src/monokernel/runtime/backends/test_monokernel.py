@@ -20,21 +20,26 @@ from monokernel.runtime.sampling import SamplingParams, probabilities
 PROMPT, STEPS = 64, 256
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("shape", ["llama-3.2-1b", "qwen2.5-coder-1.5b", "qwen3-0.6b", "odd"])
-def test_cuda_sources_compile(shape: str, tmp_path) -> None:
-    dims = kbuild.KernelDims.from_config(SHAPES[shape])
-    proc = kbuild.compile_check(dims, tmp_path / "decode.o")
-    assert proc.returncode == 0, proc.stderr
+# The build knobs kept off by default (E's teams) or on (C from the last CTA) must still
+# compile the other way, over down-projection splits of 8, 2 and 1 warps a row.
+KNOBS_FLIPPED = ("-DMK_E_TEAMS=1", "-DMK_C_FROM_LAST=0")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("shape", ["qwen2.5-coder-1.5b", "qwen3-0.6b", "odd"])
-def test_cuda_sources_compile_with_knobs_flipped(shape: str, tmp_path) -> None:
-    """The build knobs kept off by default (E's teams) or on (C from the last CTA) still
-    compile the other way, over down-projection splits of 8, 2 and 1 warps a row."""
+@pytest.mark.parametrize(
+    ("shape", "flags"),
+    [
+        ("llama-3.2-1b", ()),
+        ("qwen2.5-coder-1.5b", ()),
+        ("qwen3-0.6b", ()),
+        ("odd", ()),
+        ("qwen2.5-coder-1.5b", KNOBS_FLIPPED),
+        ("qwen3-0.6b", KNOBS_FLIPPED),
+        ("odd", KNOBS_FLIPPED),
+    ],
+)
+def test_cuda_sources_compile(shape: str, flags: tuple[str, ...], tmp_path) -> None:
     dims = kbuild.KernelDims.from_config(SHAPES[shape])
-    flags = ["-DMK_E_TEAMS=1", "-DMK_C_FROM_LAST=0"]
     proc = kbuild.compile_check(dims, tmp_path / "decode.o", flags)
     assert proc.returncode == 0, proc.stderr
 
@@ -160,7 +165,7 @@ def test_teacher_forced_logits_group_units(shape: str, monkeypatch: pytest.Monke
 def test_teacher_forced_logits_e_teams(shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The hand-off D -> E per team of warps (MK_E_TEAMS=1, off by default): teams of 2, 8
     and 16 warps (the down projection split 8, 2 and 1 ways), with C's rows in the old order."""
-    monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_E_TEAMS=1 -DMK_C_FROM_LAST=0")
+    monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", " ".join(KNOBS_FLIPPED))
     rel = _teacher_forced_error(shape, PROMPT, 96, seed=13)
     _assert_within_tolerance(f"{shape}, E's teams", rel)
 
