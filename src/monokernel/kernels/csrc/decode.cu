@@ -8,6 +8,7 @@
 // after the LM head. Before waiting for its input, each warp issues the first loads of its
 // first row of the next stage (gemv.cuh), so HBM keeps streaming meanwhile.
 #include "attention.cuh"
+#include "ffn_tail.cuh"
 #include "flow.cuh"
 #include "gemv.cuh"
 #include "params.cuh"
@@ -63,6 +64,13 @@
 // Qwen2.5-Coder-1.5B -8 to -13.
 #ifndef MK_C_FROM_LAST
 #define MK_C_FROM_LAST 1
+#endif
+// Timing probes (wrong output): stage A's / C's rows after each unit's first are not loaded.
+#ifndef MK_PROBE_A2
+#define MK_PROBE_A2 0
+#endif
+#ifndef MK_PROBE_C2
+#define MK_PROBE_C2 0
 #endif
 
 // Shared memory, in floats: xs [MK_XS] | xres [MK_H] | attention [MK_ATTN_SMEM] | red [64] |
@@ -199,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #endif
       }
       skew(p, step, layer, 0);
-      gemv_split<MK_H, MK_SPLIT_A>(lw.wqkv, MK_QKV, xs, part, warp, lane, preA,
+      gemv_split<MK_H, MK_SPLIT_A, (bool)MK_PROBE_A2>(lw.wqkv, MK_QKV, xs, part, warp, lane, preA,
                                    [&](int r, float d) {
 #if MK_QKV_BIAS
                                      d += lw.bqkv[r];
@@ -230,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         load_vec<MK_Q>(xs, p.attn_out, tag, false, p.eps, red);
       }
       skew(p, step, layer, 3);
-      gemv_split<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, xs, part, warp, lane, preC, [&](int r, float d) {
+      gemv_split<MK_Q, MK_SPLIT_C, (bool)MK_PROBE_C2>(lw.wo, MK_H, xs, part, warp, lane, preC, [&](int r, float d) {
 #if MK_TP > 1
         tp_send(p, tag_c, r, d);  // partial, bias-free: o-bias is added once after the sum (D)
 #else
@@ -271,9 +279,22 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         __syncthreads();
       }
       skew(p, step, layer, 5);
-      gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xd, lane, preG, preU, [&](int r, float g, float u) {
-        if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
-      });
+      {
+        const auto act = [&](int r, float g, float u) {
+          st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
+        };
+        // The last, partial round of pairs staged in xs (free until E's input; E's teams
+        // fill it earlier, so not with them), computed by every warp at the end (ffn_tail.cuh).
+        const PairTail dt = pair_tail<MK_H>(MK_I, tw, gridDim.x, blockIdx.x,
+                                            MK_E_TEAMS ? 0 : MK_XS * 4);
+        bf16* tail = reinterpret_cast<bf16*>(xs);
+        if (dt.on && MK_D_TAIL == 1) tail_copy<MK_H>(lw.wgu, dt, gridDim.x, tail);
+        gemv_pairs<MK_H>(lw.wgu, dt.whole, gw, tw, xd, lane, preG, preU,
+                         [&](int r, float g, float u) {
+                           if (lane == 0) act(r, g, u);
+                         });
+        if (dt.on) tail_pairs<MK_H>(dt, gridDim.x, tail, lw.wgu, xd, part, warp, lane, act);
+      }
       skew(p, step, layer, 6);
       // With E's teams and data as flag, no CTA-wide wait here: E's slices land in xs, which
       // D no longer reads (xd), and each team waits for its own slice and partners only.

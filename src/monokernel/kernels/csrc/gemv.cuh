@@ -134,8 +134,10 @@ __device__ __forceinline__ const bf16* split_first(const bf16* W, int rows, int 
 
 // out(r, value) is called once per row, by one thread. All threads of the CTA must call.
 // cta: the CTA's rank in the row order (the units of the first ranks get a row more when the
-// rows do not divide evenly).
-template <int K, int SPLIT, class Out>
+// rows do not divide evenly). TAIL_ZERO (a timing probe, wrong output): rows after a unit's
+// first are neither loaded nor computed, their value is 0 -- what the stage would cost if
+// those rows were already on chip.
+template <int K, int SPLIT, bool TAIL_ZERO = false, class Out>
 __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
                                            const float* __restrict__ xs, float* part, int warp,
                                            int lane,
@@ -156,14 +158,16 @@ __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
       const int rn = r + units;
       uint4 nxt[S::B];
       const bf16* wn = W + (size_t)(rn < rows ? rn : (r < rows ? r : rows - 1)) * K + s * P::KP;
-      if (PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane);
+      if (PIPE && !TAIL_ZERO) issue_first<P::KP, MK_BATCH>(nxt, wn, lane);
       float d = 0.f;
-      if (r < rows) d = warp_sum(row_partial<P::KP, MK_BATCH>(pre, W + (size_t)r * K + s * P::KP,
+      if (r < rows && !(TAIL_ZERO && it > 0)) d = warp_sum(row_partial<P::KP, MK_BATCH>(pre, W + (size_t)r * K + s * P::KP,
                                                              xp, lane));
       if (lane == 0) part[warp * MK_SPLIT_SLOTS + (it - it0)] = d;
-      if (!PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane);
+      if (!PIPE && !TAIL_ZERO) issue_first<P::KP, MK_BATCH>(nxt, wn, lane);
+      if (!TAIL_ZERO) {
 #pragma unroll
-      for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
+        for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
+      }
     }
     __syncthreads();
     // Thread (group gg, slot j) adds the slices of row u(gg) + (it0 + j) * units.
