@@ -7,10 +7,6 @@
 #include "attention_window.cuh"
 #include "probes.cuh"
 
-#ifndef MK_PROBE_B1
-#define MK_PROBE_B1 0
-#endif
-
 // Query head hq over range `split` of a.ns. One range: writes the normalised output to
 // attn_out. Several: writes the unnormalised output sum_i exp(s_i - m) v_i and (m, l =
 // sum_i exp(s_i - m)), which stage C's input load merges (attn_reader_merges) or else the
@@ -26,9 +22,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   const int hq = blockIdx.x / a.ns, split = blockIdx.x % a.ns, kvh = hq / MK_GROUP;
   const bool reader = attn_reader_merges(a);
   const AttnRange r = attn_range(split, a.ns, pos);
-  // <= CHUNK <= THREADS: one position per thread. MK_PROBE_B1 (a timing probe, wrong output):
-  // one position a range, what the unit costs besides its scores and P·V.
-  const int cnt = MK_PROBE_B1 ? 1 : r.hi - r.lo;
+  const int cnt = r.hi - r.lo;  // <= CHUNK <= THREADS: one position per thread
   const uint4* ks = reinterpret_cast<const uint4*>(win);
   const uint4* vs = ks + MK_ATTN_CHUNK * CH;
   const float* rope = win + MK_ATTN_CHUNK * MK_D;
