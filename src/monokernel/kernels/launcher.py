@@ -122,7 +122,6 @@ class KernelParams(ctypes.Structure):
         ("host_out", ctypes.c_uint64),
         ("host_cancel", ctypes.c_uint64),
         ("timing", ctypes.c_uint64),
-        ("sm_share", ctypes.c_uint64),
         ("max_len", ctypes.c_int32),
         ("first_token", ctypes.c_int32),
         ("start_pos", ctypes.c_int32),
@@ -138,7 +137,7 @@ class KernelParams(ctypes.Structure):
         ("attn_splits", ctypes.c_int32),
         ("attn_group_splits", ctypes.c_int32),
         ("attn_group_from", ctypes.c_int32),
-        ("sm_share_len", ctypes.c_int32),
+        ("pad_", ctypes.c_int32),
     ]
 
 

@@ -50,7 +50,7 @@ def test_ctypes_params_match_the_cuda_struct(tp: int, tmp_path: Path) -> None:
 def test_tp_params_extend_the_base_layout() -> None:
     base = ctypes.sizeof(launcher.KernelParams)
     assert launcher.KernelParamsTP.tp_recv.offset == base  # the TP tail follows, nothing moves
-    assert launcher.KernelParamsTP.sm_share_len.offset == launcher.KernelParams.sm_share_len.offset
+    assert launcher.KernelParamsTP.pad_.offset == launcher.KernelParams.pad_.offset
 
 
 def test_rank_dims_and_defines() -> None:

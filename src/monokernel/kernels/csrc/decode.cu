@@ -88,30 +88,6 @@ __device__ __forceinline__ void load_vec(float* xs, const float* src, unsigned t
   __syncthreads();
 }
 
-// The LM head's rows for this CTA's units: round robin over the grid, or this SM's share
-// when the host measured the SMs' streaming rates (Params::sm_share by SM id;
-// kernels/sm_shares.py). The SMs of the fuller GPCs stream ~13% slower while all stream
-// (H100, docs/perf-notes.md step 38), so equal shares leave the stage waiting for them. The
-// CTA's share sits in shared memory (share[0..2): its first row and their count; first -1:
-// round robin), read where used rather than held in registers across the layers.
-__device__ __forceinline__ void load_share(const Params& p, int* share) {
-  int2 f = make_int2(-1, 0);
-  if (p.sm_share) {
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    MK_ASSERT((int)smid < p.sm_share_len);
-    f = p.sm_share[smid];
-  }
-  share[0] = f.x;
-  share[1] = f.y;
-}
-
-__device__ __forceinline__ RowDeal lm_head_deal(const int* share) {
-  const int first = share[0];
-  if (first < 0) return round_robin<MK_H, MK_SPLIT_F>(MK_V);
-  return {first, Split<MK_H, MK_SPLIT_F>::GROUPS, first + share[1]};
-}
-
 // A valid row for a warp that has none in a stage: its early loads stay harmless, and every
 // register buffer is written on every path (no values carried around the loops, no spills).
 __device__ __forceinline__ size_t clamp_row(int r, int rows) {
@@ -134,7 +110,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   ss.h32 = reinterpret_cast<unsigned*>(ss.h64 + 256);
   ss.misc = reinterpret_cast<int*>(ss.h32 + 256);
   ss.red = red;
-  int* share = ss.misc + 8;  // [2] this CTA's LM-head share (load_share); misc[0..4): sampling
 
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   using SA = Split<MK_H, MK_SPLIT_A>;
@@ -158,11 +133,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #endif
   const int tw = gridDim.x * MK_WARPS;  // warps in the grid
   const int c_cta = MK_C_FROM_LAST ? (int)gridDim.x - 1 - (int)blockIdx.x : (int)blockIdx.x;
-  // Deals (which rows each CTA's units take) are computed where used, not held in registers
-  // across the layer loop.
-#define deal_a round_robin<MK_H, MK_SPLIT_A>(MK_QKV)
-#define deal_c round_robin<MK_Q, MK_SPLIT_C>(MK_H, c_cta)
-#define deal_e round_robin<MK_I, MK_SPLIT_E>(MK_H)
   const bool greedy = p.temperature == 0.f;
   const bool host_cta = blockIdx.x == (MK_HOST_CTA_LAST ? gridDim.x - 1 : 0);
   const bool flow =
@@ -184,10 +154,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   uint4 preA[SA::Shape::B], preC[SC::Shape::B], preE[SE::Shape::B];  // preA also serves F
   uint4 preG[RowShape<MK_H, MK_BATCH2>::B], preU[RowShape<MK_H, MK_BATCH2>::B];
   float* part = att;  // split-K partial sums [WARPS, SLOTS]; attention scratch is idle then
-  issue_first<SA::KP, MK_BATCH>(
-      preA, split_first<MK_H, MK_SPLIT_A>(p.layers[0].wqkv, MK_QKV, warp, deal_a), lane);
+  issue_first<SA::KP, MK_BATCH>(preA, split_first<MK_H, MK_SPLIT_A>(p.layers[0].wqkv, MK_QKV, warp),
+                                lane);
 
-  if (t == 0) load_share(p, share);  // read after the first step's barriers
   attention_window_init(kvwin);
   attention_prefetch(p, 0, p.start_pos, kvwin);
 
@@ -230,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #endif
       }
       skew(p, step, layer, 0);
-      gemv_split<MK_H, MK_SPLIT_A>(lw.wqkv, deal_a, xs, part, warp, lane, preA,
+      gemv_split<MK_H, MK_SPLIT_A>(lw.wqkv, MK_QKV, xs, part, warp, lane, preA,
                                    [&](int r, float d) {
 #if MK_QKV_BIAS
                                      d += lw.bqkv[r];
@@ -248,7 +217,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       attention_stage(p, lw, layer, pos, attn_done, attn_done_g, tag, att, red, kvwin);
       skew(p, step, layer, 2);
       handoff_arrive(flow, p.barrier, bar);
-      issue_first<SC::KP, MK_BATCH>(preC, split_first<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, warp, deal_c),
+      issue_first<SC::KP, MK_BATCH>(preC, split_first<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, warp, c_cta),
                                     lane);
       mark(p, step, mk++);
       handoff_wait(flow, p.barrier, bar);
@@ -261,7 +230,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         load_vec<MK_Q>(xs, p.attn_out, tag, false, p.eps, red);
       }
       skew(p, step, layer, 3);
-      gemv_split<MK_Q, MK_SPLIT_C>(lw.wo, deal_c, xs, part, warp, lane, preC, [&](int r, float d) {
+      gemv_split<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, xs, part, warp, lane, preC, [&](int r, float d) {
 #if MK_TP > 1
         tp_send(p, tag_c, r, d);  // partial, bias-free: o-bias is added once after the sum (D)
 #else
@@ -270,7 +239,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #endif
         st_flow(p.delta + r, d, tag);
 #endif
-      });
+      }, c_cta);
       skew(p, step, layer, 4);
       handoff_arrive(flow, p.barrier, bar);
       issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * clamp_row(gw, MK_I) * MK_H, lane);
@@ -309,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       // With E's teams and data as flag, no CTA-wide wait here: E's slices land in xs, which
       // D no longer reads (xd), and each team waits for its own slice and partners only.
       if (!MK_E_TEAMS || !flow) handoff_arrive(flow, p.barrier, bar);
-      issue_first<SE::KP, MK_BATCH>(preE, split_first<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, warp, deal_e),
+      issue_first<SE::KP, MK_BATCH>(preE, split_first<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, warp),
                                     lane);
       // The next layer's cached keys and values (positions before pos, appended in earlier
       // steps, so ordered by the barrier that ends every step) are copied into the window now,
@@ -327,7 +296,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       load_vec<MK_I>(xs, p.act, tag, false, p.eps, red);
 #endif
       skew(p, step, layer, 7);
-      gemv_split<MK_I, MK_SPLIT_E>(lw.wdown, deal_e, xs, part, warp, lane, preE,
+      gemv_split<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, xs, part, warp, lane, preE,
                                    [&](int r, float d) {
 #if MK_TP > 1
                                      tp_send(p, tag_c + 1u, r, d);  // summed at the next A / F
@@ -338,8 +307,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       skew(p, step, layer, 8);
       const bf16* next_first =
           layer + 1 < MK_L
-              ? split_first<MK_H, MK_SPLIT_A>(p.layers[layer + 1].wqkv, MK_QKV, warp, deal_a)
-              : split_first<MK_H, MK_SPLIT_F>(p.lm_head, MK_V, warp, lm_head_deal(share));
+              ? split_first<MK_H, MK_SPLIT_A>(p.layers[layer + 1].wqkv, MK_QKV, warp)
+              : split_first<MK_H, MK_SPLIT_F>(p.lm_head, MK_V, warp);
       handoff_arrive(flow, p.barrier, bar);
       issue_first<SA::KP, MK_BATCH>(preA, next_first, lane);
       mark(p, step, mk++);
@@ -358,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     const uint32_t key = draw_key(p.seed_lo, p.seed_hi, pos + 1);  // position of the new token
     float best = -INFINITY;
     int best_id = 0x7fffffff;
-    gemv_split<MK_H, MK_SPLIT_F>(p.lm_head, lm_head_deal(share), xs, part, warp, lane, preA,
+    gemv_split<MK_H, MK_SPLIT_F>(p.lm_head, MK_V, xs, part, warp, lane, preA,
                                  [&](int r, float logit) {
       p.logits[r] = logit;
       if (p.debug_logits) p.debug_logits[(size_t)step * MK_V + r] = logit;
@@ -388,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     }
     grid_arrive(p.barrier, bar);
     issue_first<SA::KP, MK_BATCH>(
-        preA, split_first<MK_H, MK_SPLIT_A>(p.layers[0].wqkv, MK_QKV, warp, deal_a), lane);
+        preA, split_first<MK_H, MK_SPLIT_A>(p.layers[0].wqkv, MK_QKV, warp), lane);
     mark(p, step, mk++);
     grid_wait(p.barrier, bar);
     if (step + 1 < p.n_steps)  // every KV append of this step is visible now

@@ -119,48 +119,35 @@ struct Split {
   using Shape = RowShape<KP, MK_BATCH>;
 };
 
-// Which rows a CTA's units take in a split GEMV: unit g's rows are base + g, base + g + stride,
-// ... < end. Round robin over the grid (round_robin) unless the host dealt each SM a share
-// in proportion to its streaming rate (decode.cu, kernels/sm_shares.py).
-struct RowDeal {
-  int base, stride, end;
-};
-
-// Unit u = cta * GROUPS + g owns rows u, u + units, ... (cta: the CTA's rank in the row order;
-// the units of the first ranks get a row more when the rows do not divide evenly).
-template <int K, int SPLIT>
-__device__ __forceinline__ RowDeal round_robin(int rows, int cta = (int)blockIdx.x) {
-  using P = Split<K, SPLIT>;
-  return {cta * P::GROUPS, (int)gridDim.x * P::GROUPS, rows};
-}
-
-// This warp's first row slice of a split GEMV over W [rows, K] under deal d (clamped: always
-// a valid row, whether or not the unit has one).
+// This warp's first row slice of a split GEMV over W [rows, K] (clamped: always valid).
+// cta: the CTA's rank in the stage's row order (gemv_split).
 template <int K, int SPLIT>
 __device__ __forceinline__ const bf16* split_first(const bf16* W, int rows, int warp,
-                                                   const RowDeal& d) {
+                                                   int cta = (int)blockIdx.x) {
   using P = Split<K, SPLIT>;
-  const int unit = d.base + warp / P::S;
+  const int unit = cta * P::GROUPS + warp / P::S;
   const int r = unit < rows ? unit : rows - 1;
   return W + (size_t)r * K + (warp % P::S) * P::KP;
 }
 
 #define MK_SPLIT_SLOTS 32  // rows per unit combined per round; part[] is WARPS x SLOTS floats
 
-// out(r, value) is called once per row, by one thread, for the rows of `deal`. All threads of
-// the CTA must call.
+// out(r, value) is called once per row, by one thread. All threads of the CTA must call.
+// cta: the CTA's rank in the row order (the units of the first ranks get a row more when the
+// rows do not divide evenly).
 template <int K, int SPLIT, class Out>
-__device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, const RowDeal deal,
+__device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
                                            const float* __restrict__ xs, float* part, int warp,
                                            int lane,
-                                           uint4 (&pre)[Split<K, SPLIT>::Shape::B], Out out) {
+                                           uint4 (&pre)[Split<K, SPLIT>::Shape::B], Out out,
+                                           int cta = (int)blockIdx.x) {
   using P = Split<K, SPLIT>;
   using S = typename P::Shape;
   constexpr bool PIPE = S::N <= S::B;
-  const int units = deal.stride, rows = deal.end;
+  const int units = gridDim.x * P::GROUPS;
   const int g = warp / P::S, s = warp % P::S;
-  const int u0 = deal.base + g;
-  const int iters = (rows - deal.base + units - 1) / units;  // max over groups
+  const int u0 = cta * P::GROUPS + g;
+  const int iters = (rows - cta * P::GROUPS + units - 1) / units;  // max over groups
   const float* xp = xs + s * P::KP;
   for (int it0 = 0; it0 < iters; it0 += MK_SPLIT_SLOTS) {
     const int it1 = min(iters, it0 + MK_SPLIT_SLOTS);
@@ -168,8 +155,7 @@ __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, const Row
       const int r = u0 + it * units;
       const int rn = r + units;
       uint4 nxt[S::B];
-      const bf16* wn =
-          W + (size_t)(rn < rows ? rn : (r < rows ? r : rows - 1)) * K + s * P::KP;
+      const bf16* wn = W + (size_t)(rn < rows ? rn : (r < rows ? r : rows - 1)) * K + s * P::KP;
       if (PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane);
       float d = 0.f;
       if (r < rows) d = warp_sum(row_partial<P::KP, MK_BATCH>(pre, W + (size_t)r * K + s * P::KP,
@@ -183,7 +169,7 @@ __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, const Row
     // Thread (group gg, slot j) adds the slices of row u(gg) + (it0 + j) * units.
     for (int q = threadIdx.x; q < P::GROUPS * MK_SPLIT_SLOTS; q += MK_THREADS) {
       const int gg = q / MK_SPLIT_SLOTS, j = q % MK_SPLIT_SLOTS;
-      const int r = deal.base + gg + (it0 + j) * units;
+      const int r = cta * P::GROUPS + gg + (it0 + j) * units;
       if (it0 + j < it1 && r < rows) {
         float v = 0.f;
 #pragma unroll

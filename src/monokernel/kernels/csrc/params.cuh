@@ -47,8 +47,6 @@ struct Params {
   volatile int* host_out;           // host-mapped: [0] count, [1] done, [2 + i] token i + 1
   volatile int* host_cancel;        // host-mapped: nonzero asks the kernel to stop
   long long* timing;                // [10L + 6] clock64 stage marks of one step (decode.cu), or null
-  const int2* sm_share;             // [sm_share_len] (first, count) of the LM head's rows by SM
-                                    //   id, or null (round robin)
   int max_len;
   int first_token;
   int start_pos;                    // position of first_token
@@ -63,7 +61,7 @@ struct Params {
   int attn_splits;                  // head units: ranges per head at most (grid / NH; 0: none)
   int attn_group_splits;            // group units: ranges per KV head at most (grid / NKV)
   int attn_group_from;              // context length from which group units are used anyway
-  int sm_share_len;                 // SM ids the table covers
+  int pad_;
 #if MK_TP > 1
   // Tensor parallelism (tp.cuh). Receive buffer of each rank: [2 parities][MK_TP sources][H]
   // {value, tag} pairs for the two residual reductions per layer, then [2 parities][MK_TP]

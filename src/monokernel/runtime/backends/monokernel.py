@@ -26,7 +26,7 @@ import torch
 
 from monokernel.errors import BackendUnavailableError, InvalidRequestError
 from monokernel.kernels import build as kbuild
-from monokernel.kernels import launcher, sm_shares
+from monokernel.kernels import launcher
 from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import KVCache
 from monokernel.runtime import kv_memory
@@ -258,13 +258,6 @@ class MonokernelBackend:
         self.stop_ids = torch.zeros(_MAX_STOP_IDS, dtype=torch.int32, device=dev)
         self.host_out = launcher.HostMapped(2 + self.max_seq_len + 1)  # count, done, tokens
         self.host_cancel = launcher.HostMapped(1)
-        # The LM head's rows dealt to the SMs by their measured streaming rates
-        # (kernels/sm_shares.py): [n, 2] (first, count) by SM id; None: round robin.
-        self.sm_share: torch.Tensor | None = None
-        if sm_shares.enabled():
-            times = sm_shares.measure(dev, self.grid)
-            if times:
-                self.sm_share = sm_shares.share_table(times, (cfg.vocab_size,)).to(dev)
 
     # ---- one launch ---------------------------------------------------------------------
 
@@ -335,8 +328,7 @@ class MonokernelBackend:
             attn_splits=self.attn_splits,
             attn_group_splits=self.attn_group_splits,
             attn_group_from=self.attn_group_from,
-            sm_share=_ptr(self.sm_share),
-            sm_share_len=0 if self.sm_share is None else self.sm_share.shape[0],
+            pad_=0,
         )
 
     def _run(

@@ -172,31 +172,6 @@ def test_teacher_forced_logits_e_teams(shape: str, monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("shape", ["odd", "qwen2.5-coder-1.5b"])
-def test_lm_head_by_sm_speed_gives_the_same_logits(
-    shape: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The LM head's rows dealt by SM speed (kernels/sm_shares.py) compute each logit as round
-    robin does, only on another SM: bit-identical logits."""
-    from monokernel.runtime.backends.monokernel import MonokernelBackend
-
-    cfg = SHAPES[shape]
-    dev = torch.device("cuda")
-    weights = random_weights(cfg, device=dev, seed=17)
-    seq = _tokens(PROMPT + 32, cfg.vocab_size, seed=18)
-    got = {}
-    for on in ("1", "0"):
-        monkeypatch.setenv("MONOKERNEL_SM_SHARES", on)
-        mk = MonokernelBackend(cfg, weights, PROMPT + 32, dev)
-        assert (mk.sm_share is not None) == (on == "1")
-        got[on] = mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
-        mk.close()
-    assert torch.isfinite(got["1"]).all()
-    assert torch.equal(got["1"], got["0"])
-
-
-@pytest.mark.gpu
-@needs_hopper
 @pytest.mark.parametrize("source", ["prefill", "kernel"])
 def test_greedy_matches_reference(source: str) -> None:
     """Free-running greedy tokens are the reference's argmax at every step.
