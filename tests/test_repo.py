@@ -31,3 +31,25 @@ def test_ci_runs_the_readme_test_command() -> None:
     test_command = blocks[1].strip()
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
     assert ci[-1].strip() == test_command
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("source", sorted(p.name for p in (ROOT / "scripts").glob("*.cu")))
+def test_script_cuda_sources_compile(source: str, tmp_path: Path) -> None:
+    """The standalone CUDA programs in scripts/ (run by hand on a GPU machine) still build
+    for sm_90a, so a probe that no longer compiles cannot land."""
+    proc = subprocess.run(
+        [
+            "nvcc",
+            "-O3",
+            "-arch=sm_90a",
+            "-c",
+            str(ROOT / "scripts" / source),
+            "-o",
+            str(tmp_path / "probe.o"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr

@@ -66,30 +66,15 @@
 #endif
 // Rows of D's first gate/up pair issued before the hand-off C -> D (2: both, 1: the gate row,
 // 0: neither); the rest go out once D's input is in. Fewer bytes in flight at the hand-off
-// make its polls' L2 round trips shorter (scripts/loaded_latency.cu: 0.17 us unloaded, 0.7 us
-// with 60 KB in flight on every SM), at the price of D's first loads starting later.
+// make its polls' L2 round trips shorter (scripts/loaded_latency.cu on an H100: an L2 hit
+// takes 0.17 us with nothing in flight, 0.7 us with 60 KB in flight on every SM), at the
+// price of D's first loads starting later. Measured on an H100 (step 39), two processes:
+// Qwen2.5-Coder-1.5B -12.6 / -16.4 µs/token with 1 against 2, Llama-3.2-1B -0.2 / -1.7;
+// with 0: +1 / +7.6. The same trade at the hand-offs into A, C and E lost.
 #ifndef MK_D_PRE
-#define MK_D_PRE 2
+#define MK_D_PRE 1
 #endif
-// Warps of a CTA that issue their first batch of stage A (layers after the first), C or E
-// before the hand-off into it; the other warps issue theirs once the input is in. Same
-// trade as MK_D_PRE (step 39).
-#ifndef MK_PRE_A
-#define MK_PRE_A MK_WARPS
-#endif
-#ifndef MK_PRE_C
-#define MK_PRE_C MK_WARPS
-#endif
-#ifndef MK_PRE_E
-#define MK_PRE_E MK_WARPS
-#endif
-// Whether this warp issues its first batch before the hand-off (PRE: the knob's value). With
-// the default (every warp) the late branch must vanish at compile time: a run-time `warp <
-// 16` keeps the first-batch registers live across the input load (+150 bytes of spills).
-template <int PRE>
-__device__ __forceinline__ bool issues_early(int warp) {
-  return PRE >= MK_WARPS || warp < PRE;
-}
+static_assert(MK_D_PRE >= 0 && MK_D_PRE <= 2, "MK_D_PRE: 0, 1 or 2 rows");
 
 // Shared memory, in floats: xs [MK_XS] | xres [MK_H] | attention [MK_ATTN_SMEM] | red [64] |
 // K/V window [MK_KVWIN_FLOATS] | h64 [256 x u64] | h32 [256] | misc [16]. build.py computes
@@ -223,9 +208,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #else
         load_vec<MK_H>(xs, p.x, tag_x, true, p.eps, red, lw.attn_gain);
 #endif
-        if (!issues_early<MK_PRE_A>(warp))
-          issue_first<SA::KP, MK_BATCH>(preA, split_first<MK_H, MK_SPLIT_A>(lw.wqkv, MK_QKV, warp),
-                                        lane);
       }
       skew(p, step, layer, 0);
       gemv_split<MK_H, MK_SPLIT_A>(lw.wqkv, MK_QKV, xs, part, warp, lane, preA,
@@ -246,9 +228,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       attention_stage(p, lw, layer, pos, attn_done, attn_done_g, tag, att, red, kvwin);
       skew(p, step, layer, 2);
       handoff_arrive(flow, p.barrier, bar);
-      if (issues_early<MK_PRE_C>(warp))
-        issue_first<SC::KP, MK_BATCH>(
-            preC, split_first<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, warp, c_cta), lane);
+      issue_first<SC::KP, MK_BATCH>(preC, split_first<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, warp, c_cta),
+                                    lane);
       mark(p, step, mk++);
       handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
@@ -259,9 +240,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       } else {
         load_vec<MK_Q>(xs, p.attn_out, tag, false, p.eps, red);
       }
-      if (!issues_early<MK_PRE_C>(warp))
-        issue_first<SC::KP, MK_BATCH>(
-            preC, split_first<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, warp, c_cta), lane);
       skew(p, step, layer, 3);
       gemv_split<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, xs, part, warp, lane, preC, [&](int r, float d) {
 #if MK_TP > 1
@@ -317,9 +295,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       // With E's teams and data as flag, no CTA-wide wait here: E's slices land in xs, which
       // D no longer reads (xd), and each team waits for its own slice and partners only.
       if (!MK_E_TEAMS || !flow) handoff_arrive(flow, p.barrier, bar);
-      if (issues_early<MK_PRE_E>(warp))
-        issue_first<SE::KP, MK_BATCH>(preE, split_first<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, warp),
-                                      lane);
+      issue_first<SE::KP, MK_BATCH>(preE, split_first<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, warp),
+                                    lane);
       // The next layer's cached keys and values (positions before pos, appended in earlier
       // steps, so ordered by the barrier that ends every step) are copied into the window now,
       // inside a long bandwidth-bound stage, so the copies' issue and flight stay off the
@@ -335,9 +312,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #else
       load_vec<MK_I>(xs, p.act, tag, false, p.eps, red);
 #endif
-      if (!issues_early<MK_PRE_E>(warp))
-        issue_first<SE::KP, MK_BATCH>(preE, split_first<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, warp),
-                                      lane);
       skew(p, step, layer, 7);
       gemv_split<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, xs, part, warp, lane, preE,
                                    [&](int r, float d) {
@@ -353,8 +327,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
               ? split_first<MK_H, MK_SPLIT_A>(p.layers[layer + 1].wqkv, MK_QKV, warp)
               : split_first<MK_H, MK_SPLIT_F>(p.lm_head, MK_V, warp);
       handoff_arrive(flow, p.barrier, bar);
-      if (layer + 1 == MK_L || issues_early<MK_PRE_A>(warp))  // F's rows: no hand-off knob there
-        issue_first<SA::KP, MK_BATCH>(preA, next_first, lane);
+      issue_first<SA::KP, MK_BATCH>(preA, next_first, lane);
       mark(p, step, mk++);
       handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);

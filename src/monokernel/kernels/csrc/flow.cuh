@@ -38,10 +38,6 @@
 
 #define MK_TAG_BITS 0xffu
 
-#ifndef MK_POLL_AHEAD
-#define MK_POLL_AHEAD 0  // 1: flow_fetch keeps two fetch rounds in flight (step 39)
-#endif
-
 __device__ __forceinline__ unsigned flow_tag(int step, int layer) {
   return (unsigned)(1 + step * (MK_L + 1) + layer + 1) & MK_TAG_BITS;
 }
@@ -155,30 +151,6 @@ __device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigne
                                            int idx = (int)threadIdx.x) {
   const long long t0 = clock64();
   unsigned pa = flow_mask<NA, STRIDE>(idx, ca), pb = flow_mask<NB, STRIDE>(idx, cb);
-#if MK_POLL_AHEAD
-  // Two fetch rounds in flight, the next issued before the last one is checked, so data that
-  // lands in L2 is seen ~half a round trip sooner. A later round reads the same L2 slice
-  // after an earlier one, so it never brings back older words than the earlier one did; the
-  // check after wait_all below makes that an assumption the code does not rely on.
-  const unsigned ma = pa, mb = pb;
-  if (pa | pb) {
-    flow_issue<NA, STRIDE>(idx, a, src_a, pa);
-    flow_issue<NB, STRIDE>(idx, b, src_b, pb);
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    for (;;) {
-      flow_issue<NA, STRIDE>(idx, a, src_a, pa);
-      flow_issue<NB, STRIDE>(idx, b, src_b, pb);
-      asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 1;" ::: "memory");
-      pa = flow_stale<NA, STRIDE>(idx, a, tag_a, pa);
-      pb = flow_stale<NB, STRIDE>(idx, b, tag_b, pb);
-      if (!(pa | pb)) break;
-      if (clock64() - t0 > 20000000000LL) __trap();
-    }
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    pa = flow_stale<NA, STRIDE>(idx, a, tag_a, ma);
-    pb = flow_stale<NB, STRIDE>(idx, b, tag_b, mb);
-  }
-#endif
   while (pa | pb) {
     flow_issue<NA, STRIDE>(idx, a, src_a, pa);
     flow_issue<NB, STRIDE>(idx, b, src_b, pb);

@@ -20,9 +20,10 @@ from monokernel.runtime.sampling import SamplingParams, probabilities
 PROMPT, STEPS = 64, 256
 
 
-# The build knobs kept off by default (E's teams) or on (C from the last CTA) must still
-# compile the other way, over down-projection splits of 8, 2 and 1 warps a row.
-KNOBS_FLIPPED = ("-DMK_E_TEAMS=1", "-DMK_C_FROM_LAST=0")
+# The build knobs kept off by default (E's teams) or on (C from the last CTA, D's up row
+# issued after its input) must still compile the other way, over down-projection splits of
+# 8, 2 and 1 warps a row.
+KNOBS_FLIPPED = ("-DMK_E_TEAMS=1", "-DMK_C_FROM_LAST=0", "-DMK_D_PRE=2")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -164,7 +165,8 @@ def test_teacher_forced_logits_group_units(shape: str, monkeypatch: pytest.Monke
 @pytest.mark.parametrize("shape", ["qwen2.5-coder-1.5b", "qwen3-0.6b", "odd"])
 def test_teacher_forced_logits_e_teams(shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The hand-off D -> E per team of warps (MK_E_TEAMS=1, off by default): teams of 2, 8
-    and 16 warps (the down projection split 8, 2 and 1 ways), with C's rows in the old order."""
+    and 16 warps (the down projection split 8, 2 and 1 ways), with C's rows in the old order
+    and D's whole first pair issued before its hand-off."""
     monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", " ".join(KNOBS_FLIPPED))
     rel = _teacher_forced_error(shape, PROMPT, 96, seed=13)
     _assert_within_tolerance(f"{shape}, E's teams", rel)
