@@ -22,6 +22,9 @@
 #include <vector>
 #include <cuda_runtime.h>
 
+// The decode kernel's own weight load (ld_stream), so the streamers load as its GEMVs do.
+#include "../src/monokernel/kernels/csrc/common.cuh"
+
 #define CK(x)                                                                       \
   do {                                                                              \
     cudaError_t e = (x);                                                            \
@@ -54,13 +57,6 @@ __device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
 }
 __device__ __forceinline__ void st_relaxed(unsigned* p, unsigned v) {
   asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
 }
 
 template <int DEPTH>

@@ -68,9 +68,9 @@
 // 0: neither); the rest go out once D's input is in. Fewer bytes in flight at the hand-off
 // make its polls' L2 round trips shorter (scripts/loaded_latency.cu on an H100: an L2 hit
 // takes 0.17 us with nothing in flight, 0.7 us with 60 KB in flight on every SM), at the
-// price of D's first loads starting later. Measured on an H100 (step 39), two processes:
-// Qwen2.5-Coder-1.5B -12.6 / -16.4 µs/token with 1 against 2, Llama-3.2-1B -0.2 / -1.7;
-// with 0: +1 / +7.6. The same trade at the hand-offs into A, C and E lost.
+// price of D's first loads starting later. Measured on an H100 (step 39), three processes:
+// Qwen2.5-Coder-1.5B -12.6 / -16.4 / -13.7 µs/token with 1 against 2, Llama-3.2-1B -0.2 /
+// -1.7 / -6.1; with 0: +1 / +7.6. The same trade at the hand-offs into A, C and E lost.
 #ifndef MK_D_PRE
 #define MK_D_PRE 1
 #endif
