@@ -41,7 +41,7 @@ struct Args {
   int loaded;                   // 1: the probes' CTAs stream too
   unsigned* flags;              // [64] ping (0) and pong (32), separate 128-byte lines
   const unsigned* chain;        // pointer chain, L2 resident
-  unsigned* done;               // streaming CTAs finished
+  unsigned* done;               // streaming warps finished (the probes stop at all of them)
   unsigned long long* out;      // [8] results
 };
 
