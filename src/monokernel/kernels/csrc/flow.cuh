@@ -141,20 +141,28 @@ __device__ __forceinline__ float flow_round(float v) {
   return __uint_as_float((__float_as_uint(v) + 0x80u) & ~MK_TAG_BITS);
 }
 
+// Work a waiting CTA does once per poll round (dstage.cuh paces its copies on it).
+struct NoTick {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // a[0 .. 4 ca) <- src_a (tag_a) and b[0 .. 4 cb) <- src_b (tag_b), in one round trip when
-// both are there; tags left in place. NA / NB bound the chunks per thread (0: no b). A
-// producer that never writes means a bug: trap after ~10 s rather than hang.
-template <int NA, int NB, int STRIDE = MK_THREADS>
+// both are there; tags left in place. NA / NB bound the chunks per thread (0: no b). tick()
+// runs once per round, while the round's loads fly. A producer that never writes means a
+// bug: trap after ~10 s rather than hang.
+template <int NA, int NB, int STRIDE = MK_THREADS, class Tick = NoTick>
 __device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigned tag_a, int ca,
                                            float* b = nullptr, const float* src_b = nullptr,
                                            unsigned tag_b = 0u, int cb = 0,
-                                           int idx = (int)threadIdx.x) {
+                                           int idx = (int)threadIdx.x, Tick tick = Tick()) {
   const long long t0 = clock64();
   unsigned pa = flow_mask<NA, STRIDE>(idx, ca), pb = flow_mask<NB, STRIDE>(idx, cb);
   while (pa | pb) {
     flow_issue<NA, STRIDE>(idx, a, src_a, pa);
     flow_issue<NB, STRIDE>(idx, b, src_b, pb);
-    asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    tick();
+    asm volatile("cp.async.wait_all;" ::: "memory");
     pa = flow_stale<NA, STRIDE>(idx, a, tag_a, pa);
     pb = flow_stale<NB, STRIDE>(idx, b, tag_b, pb);
     if ((pa | pb) && clock64() - t0 > 20000000000LL) __trap();
@@ -163,10 +171,11 @@ __device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigne
 
 // xs[0..K) <- src (written by other CTAs with `tag`), tags cleared; returns this thread's sum
 // of squares over the elements it fetched. Callers __syncthreads before others read xs.
-template <int K>
-__device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned tag) {
+template <int K, class Tick = NoTick>
+__device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned tag,
+                                           Tick tick = Tick()) {
   constexpr int N = FlowChunks<K>::N;
-  flow_fetch<N, 0>(xs, src, tag, K / 4);
+  flow_fetch<N, 0>(xs, src, tag, K / 4, nullptr, nullptr, 0u, 0, (int)threadIdx.x, tick);
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < N; ++j) {
@@ -186,11 +195,12 @@ __device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned
 // Two vectors of K in one round trip: a <- src_a (tag_a), b <- src_b (tag_b). Then
 // a[i] += b[i] for this thread's elements; returns their sum of squares (stage D's
 // residual: x + the O-projection's output).
-template <int K>
+template <int K, class Tick = NoTick>
 __device__ __forceinline__ float load_flow_sum(float* a, const float* src_a, unsigned tag_a,
-                                               float* b, const float* src_b, unsigned tag_b) {
+                                               float* b, const float* src_b, unsigned tag_b,
+                                               Tick tick = Tick()) {
   constexpr int N = FlowChunks<K>::N;
-  flow_fetch<N, N>(a, src_a, tag_a, K / 4, b, src_b, tag_b, K / 4);
+  flow_fetch<N, N>(a, src_a, tag_a, K / 4, b, src_b, tag_b, K / 4, (int)threadIdx.x, tick);
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < N; ++j) {
