@@ -45,11 +45,6 @@ struct Args {
   unsigned long long* out;      // [8] results
 };
 
-__device__ __forceinline__ unsigned long long gtime() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
 __device__ __forceinline__ unsigned ld_relaxed(const unsigned* p) {
   unsigned u;
   asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(u) : "l"(p) : "memory");
@@ -67,14 +62,14 @@ __global__ void __launch_bounds__(512, 1) probe_kernel(Args a) {
   const int stream_ctas = a.loaded ? gridDim.x : gridDim.x - 3;
   const unsigned total = (unsigned)(stream_ctas * a.warps);
   if (probe_cta && threadIdx.x == 0) {
-    unsigned long long t0 = gtime(), n = 0;
+    unsigned long long t0 = globaltimer(), n = 0;
     if (cta == chaser) {
       unsigned i = 0;
       while (ld_relaxed(a.done) < total || n < 1000) {
         for (int k = 0; k < 64; ++k) i = ld_relaxed(a.chain + i);
         n += 64;
       }
-      a.out[2] = gtime() - t0;
+      a.out[2] = globaltimer() - t0;
       a.out[3] = n + (i == 0xffffffffu);  // keeps the chain live
       return;
     }
@@ -87,7 +82,7 @@ __global__ void __launch_bounds__(512, 1) probe_kernel(Args a) {
         }
         // Ping decides when to stop and tells pong with ~0u.
         if (ld_relaxed(a.done) >= total && r >= 1000) {
-          a.out[0] = gtime() - t0;
+          a.out[0] = globaltimer() - t0;
           a.out[1] = r;
           st_relaxed(theirs, ~0u);
           return;
@@ -106,7 +101,7 @@ __global__ void __launch_bounds__(512, 1) probe_kernel(Args a) {
   if (warp < 1 || warp > a.warps) return;
   const int sidx = a.loaded ? cta : (cta < pong ? cta - 2 : cta - 3);
   const long long gw = (long long)sidx * a.warps + warp - 1, nw = (long long)stream_ctas * a.warps;
-  const unsigned long long t0 = gtime();
+  const unsigned long long t0 = globaltimer();
   uint4 acc = make_uint4(0, 0, 0, 0);
   for (long long b = gw * DEPTH; b + DEPTH - 1 < a.blocks; b += nw * DEPTH) {
     uint4 v[DEPTH];
@@ -123,7 +118,7 @@ __global__ void __launch_bounds__(512, 1) probe_kernel(Args a) {
   if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x12345678u) a.out[7] = 1;  // never: keeps loads
   __syncwarp();
   if (lane == 0) {
-    atomicMax(&a.out[5], gtime());
+    atomicMax(&a.out[5], globaltimer());
     atomicMin(&a.out[4], t0);
     __threadfence();
     atomicAdd(a.done, 1u);

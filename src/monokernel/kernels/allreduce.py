@@ -2,8 +2,9 @@
 
 The same conventions as ``build.py`` (its nvcc lookup, cache dir and arch flags; a content
 hash as the cache key; a file lock and an atomic rename), but a separate cubin: the
-benchmark shares no code with the decode kernel. One ``AllReduceKernel`` per device, loaded
-into that device's primary context (torch's) through ``launcher.KernelModule``.
+benchmark shares only ``common.cuh`` (its timer) with the decode kernel. One
+``AllReduceKernel`` per device, loaded into that device's primary context (torch's) through
+``launcher.KernelModule``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from monokernel.kernels.build import ARCH_FLAGS, CSRC, cache_dir, compile_cached
 from monokernel.kernels.launcher import KernelModule, set_current_context
 
 SOURCE = CSRC / "allreduce_bench.cu"
+HEADERS = (CSRC / "common.cuh",)  # what SOURCE includes: part of the cache key
 MAX_RANKS = 8  # AR_MAX_RANKS
 MAX_THREADS = 512  # AR_MAX_THREADS (the kernels' launch bound)
 UNIT_FLOATS = 2  # floats per 16-byte wire unit {float, tag, float, tag}
@@ -57,7 +59,8 @@ def nvcc_command(out: Path) -> list[str]:
 
 
 def cubin_path() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + "\n".join(_flags()).encode()).hexdigest()[:24]
+    text = b"".join(f.read_bytes() for f in (SOURCE, *HEADERS))
+    key = hashlib.sha256(text + "\n".join(_flags()).encode()).hexdigest()[:24]
     return cache_dir() / f"allreduce_bench-{key}.cubin"
 
 

@@ -40,7 +40,6 @@ MAX_HEAD_DIM = 256
 MAX_SMEM_BYTES = 227 * 1024  # dynamic shared memory one CTA may have on sm_90
 ATTN_STAGES = 2  # MK_ATTN_STAGES in attention_window.cuh: ring stages of the K/V window
 ATTN_PMAX = 256  # MK_ATTN_PMAX: positions per ring stage at most
-DSTAGE_FLOATS = 20  # MK_DSTAGE_FLOATS in attention_window.cuh
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,8 +157,8 @@ class KernelDims:
 
     def window_tail_floats(self) -> int:
         """After the window's K and V rows: the RoPE row, one mbarrier (2 floats) and two
-        counters per ring stage, and stage D's staging words (MK_DSTAGE_FLOATS)."""
-        return self.head_dim + 4 * built_knob("MK_ATTN_STAGES", ATTN_STAGES) + DSTAGE_FLOATS
+        counters per ring stage."""
+        return self.head_dim + 4 * built_knob("MK_ATTN_STAGES", ATTN_STAGES)
 
     def built_attn_chunk(self) -> int:
         """The window the build really has: attn_chunk(), unless MONOKERNEL_NVCC_FLAGS

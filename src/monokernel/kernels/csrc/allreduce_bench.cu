@@ -21,7 +21,7 @@
 //
 // Summation is in rank order 0..N-1 on every GPU, so all GPUs hold identical results (the
 // decode loop needs that: ranks that disagreed by one ulp could sample different tokens).
-#include <stdint.h>
+#include "common.cuh"  // globaltimer
 
 #define AR_MAX_RANKS 8
 #define AR_MAX_THREADS 512
@@ -57,11 +57,6 @@ __device__ __forceinline__ uint4 ld_poll(const uint4* p) {
   return v;
 }
 
-__device__ __forceinline__ unsigned long long globaltimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 __device__ __forceinline__ float2 my_part(const float* in, int u, float bump) {
   float2 v = reinterpret_cast<const float2*>(in)[u];

@@ -67,9 +67,7 @@
 // Window: K [CHUNK, D] bf16 | V [CHUNK, D] bf16 | RoPE cos, sin of the new position [D/2 +
 // D/2] fp32 | STAGES mbarriers (u64) | fills waited for per stage (u32; parity = the phase to
 // wait on) | fills issued per stage (u32). Ring stage s is rows [s*P, (s+1)*P) of K and V.
-// Stage D's staging words after the ring's (dstage.cuh): mbarrier, two counters, 16 pairs.
-#define MK_DSTAGE_FLOATS 20
-#define MK_KVWIN_FLOATS (MK_ATTN_CHUNK * MK_D + MK_D + 4 * MK_ATTN_STAGES + MK_DSTAGE_FLOATS)
+#define MK_KVWIN_FLOATS (MK_ATTN_CHUNK * MK_D + MK_D + 4 * MK_ATTN_STAGES)
 
 // Head units' ranges at short context. A head's positions go to several head units (ranges
 // of about MK_ATTN_RANGE positions, at most grid / heads of them) even where one would fit
@@ -135,13 +133,11 @@ __device__ __forceinline__ int attn_part_slot(int hq, int split) { return split 
 // fetched in one round trip and combined in range order (deterministic). st: 4 * NH * ns
 // floats of scratch. Every thread combines the same elements i of each range it fetched
 // into xs[i], so the combine runs in place without a barrier inside it.
-template <class Tick = NoTick>
 __device__ __forceinline__ void load_attn_merged(const Params& p, int ns, unsigned tag,
-                                                 float* xs, float* st, Tick tick = Tick()) {
+                                                 float* xs, float* st) {
   constexpr int NA = FlowChunks<MK_MERGE_NS * MK_Q>::N;
   constexpr int NB = FlowChunks<4 * MK_MERGE_NS * MK_NH>::N;
-  flow_fetch<NA, NB>(xs, p.attn, tag, ns * MK_Q / 4, st, p.attn_ml, tag, ns * MK_NH,
-                     (int)threadIdx.x, tick);
+  flow_fetch<NA, NB>(xs, p.attn, tag, ns * MK_Q / 4, st, p.attn_ml, tag, ns * MK_NH);
   __syncthreads();
   for (int h = threadIdx.x; h < MK_NH; h += MK_THREADS) {
     float mx = -INFINITY;

@@ -71,6 +71,13 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
 // Activations are written by other CTAs during the launch: read them from L2, never L1.
 __device__ __forceinline__ float ld_act(const float* p) { return __ldcg(p); }
 
+// Nanoseconds on a clock every SM shares (clock64 is per SM): for times compared across CTAs.
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 __device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
 

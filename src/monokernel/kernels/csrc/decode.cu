@@ -8,7 +8,6 @@
 // after the LM head. Before waiting for its input, each warp issues the first loads of its
 // first row of the next stage (gemv.cuh), so HBM keeps streaming meanwhile.
 #include "attention.cuh"
-#include "dstage.cuh"
 #include "flow.cuh"
 #include "gemv.cuh"
 #include "params.cuh"
@@ -76,7 +75,6 @@
 #define MK_D_PRE 1
 #endif
 static_assert(MK_D_PRE >= 0 && MK_D_PRE <= 2, "MK_D_PRE: 0, 1 or 2 rows");
-static_assert(!(MK_DSTAGE_ON && MK_E_TEAMS), "MK_DSTAGE needs E's whole-CTA input load");
 
 // Shared memory, in floats: xs [MK_XS] | xres [MK_H] | attention [MK_ATTN_SMEM] | red [64] |
 // K/V window [MK_KVWIN_FLOATS] | h64 [256 x u64] | h32 [256] | misc [16]. build.py computes
@@ -86,11 +84,10 @@ static_assert(!(MK_DSTAGE_ON && MK_E_TEAMS), "MK_DSTAGE needs E's whole-CTA inpu
 // xs[0..K) <- src (fp32, written by other CTAs with `tag`, flow.cuh); optionally
 // RMS-normalised in place. gain (may be null): the norm's gain when it was not folded into
 // the next matrix.
-template <int K, class Tick = NoTick>
+template <int K>
 __device__ __forceinline__ void load_vec(float* xs, const float* src, unsigned tag, bool norm,
-                                         float eps, float* red, const float* gain = nullptr,
-                                         Tick tick = Tick()) {
-  const float ss = load_flow<K>(xs, src, tag, tick);
+                                         float eps, float* red, const float* gain = nullptr) {
+  const float ss = load_flow<K>(xs, src, tag);
   if (norm) {
     const float r = rsqrtf(block_sum(ss, red) / K + eps);
     if (gain) {
@@ -171,19 +168,14 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   issue_first<SA::KP, MK_BATCH>(preA, split_first<MK_H, MK_SPLIT_A>(p.layers[0].wqkv, MK_QKV, warp),
                                 lane);
 
-  dstage_init(kvwin, warp < MK_DSTAGE ? dstage_last(gw, tw) : -1);
-  attention_window_init(kvwin);  // its __syncthreads covers both inits
+  attention_window_init(kvwin);
   attention_prefetch(p, 0, p.start_pos, kvwin);
 
   for (int step = 0; step < p.n_steps; ++step) {
     const int pos = p.start_pos + step;
     const int in_tok = p.forced ? p.forced[step] : token;
     int mk = 0;  // timing slot
-    if (profiling(p, step)) {
-      unsigned long long g;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
-      p.timing[10 * MK_L + 5] = (long long)g;
-    }
+    if (profiling(p, step)) p.timing[10 * MK_L + 5] = (long long)globaltimer();
     mark(p, step, mk++);
     for (int layer = 0; layer < MK_L; ++layer) {
       const LayerWeights& lw = p.layers[layer];  // re-read at each use: 20 fewer live registers
@@ -231,8 +223,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       // ---- B: attention, one CTA per unit of this step's plan -> attn_out
       attention_stage(p, lw, layer, pos, attn_done, attn_done_g, tag, att, red, kvwin);
       skew(p, step, layer, 2);
-      dstage_begin(kvwin, lw.wgu);  // the window is free until D's end
-      const auto tick = [&] { dstage_tick(kvwin, lw.wgu, false); };
       handoff_arrive(flow, p.barrier, bar);
       issue_first<SC::KP, MK_BATCH>(preC, split_first<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, warp, c_cta),
                                     lane);
@@ -242,9 +232,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 
       // ---- C: O projection -> delta [H]
       if (attn_reader_merges(attn_plan(p, pos))) {
-        load_attn_merged(p, attn_plan(p, pos).ns, tag, xs, att, tick);
+        load_attn_merged(p, attn_plan(p, pos).ns, tag, xs, att);
       } else {
-        load_vec<MK_Q>(xs, p.attn_out, tag, false, p.eps, red, nullptr, tick);
+        load_vec<MK_Q>(xs, p.attn_out, tag, false, p.eps, red);
       }
       skew(p, step, layer, 3);
       gemv_split<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, xs, part, warp, lane, preC, [&](int r, float d) {
@@ -282,9 +272,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         }
 #else
         // x and delta in one round trip (xs is scratch for delta); xres <- x + delta.
-        s2 = load_flow_sum<MK_H>(xres, p.x, tag_x, xs, p.delta, tag, tick);  // block_sum syncs
+        s2 = load_flow_sum<MK_H>(xres, p.x, tag_x, xs, p.delta, tag);  // block_sum syncs
 #endif
-        dstage_tick(kvwin, lw.wgu, true);
         if (MK_D_PRE < 1)
           issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * clamp_row(gw, MK_I) * MK_H, lane);
         if (MK_D_PRE < 2)
@@ -295,19 +284,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         __syncthreads();
       }
       skew(p, step, layer, 5);
-      {
-        const auto act = [&](int r, float g, float u) {
-          if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
-        };
-        // A warp's staged pair (dstage.cuh) comes last, from shared memory.
-        const int dl = dstage_mine(kvwin, warp);
-        gemv_pairs<MK_H>(lw.wgu, dl >= 0 ? dl : MK_I, gw, tw, xd, lane, preG, preU, act);
-        if (dl >= 0) {
-          dstage_wait(kvwin, (unsigned)(step * MK_L + layer));
-          const float2 gu = dstage_dots(dstage_pair(kvwin, warp), xd, lane);
-          act(dl, warp_sum(gu.x), warp_sum(gu.y));
-        }
-      }
+      gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xd, lane, preG, preU, [&](int r, float g, float u) {
+        if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
+      });
       skew(p, step, layer, 6);
       // With E's teams and data as flag, no CTA-wide wait here: E's slices land in xs, which
       // D no longer reads (xd), and each team waits for its own slice and partners only.
@@ -318,9 +297,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       // steps, so ordered by the barrier that ends every step) are copied into the window now,
       // inside a long bandwidth-bound stage, so the copies' issue and flight stay off the
       // latency-bound A -> B path. Layer 0's copy waits for that barrier (after F).
-      // With staged pairs the window is read until each warp's D ends: the fill waits for E's
-      // input (its __syncthreads).
-      if (!MK_DSTAGE_ON && layer + 1 < MK_L) attention_prefetch(p, layer + 1, pos, kvwin);
+      if (layer + 1 < MK_L) attention_prefetch(p, layer + 1, pos, kvwin);
       mark(p, step, mk++);
       handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
@@ -331,7 +308,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #else
       load_vec<MK_I>(xs, p.act, tag, false, p.eps, red);
 #endif
-      if (MK_DSTAGE_ON && layer + 1 < MK_L) attention_prefetch(p, layer + 1, pos, kvwin);
       skew(p, step, layer, 7);
       gemv_split<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, xs, part, warp, lane, preE,
                                    [&](int r, float d) {
@@ -469,11 +445,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       }
     }
     mark(p, step, mk++);
-    if (profiling(p, step)) {
-      unsigned long long g;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
-      p.timing[mk] = (long long)g;  // with slot 10L+5: ns for the clock64 marks' cycles
-    }
+    if (profiling(p, step))  // with slot 10L+5: ns for the clock64 marks' cycles
+      p.timing[mk] = (long long)globaltimer();
     token = next;
     if (done) break;
   }

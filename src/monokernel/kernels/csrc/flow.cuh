@@ -141,66 +141,63 @@ __device__ __forceinline__ float flow_round(float v) {
   return __uint_as_float((__float_as_uint(v) + 0x80u) & ~MK_TAG_BITS);
 }
 
-// Work a waiting CTA does once per poll round (dstage.cuh paces its copies on it).
-struct NoTick {
-  __device__ __forceinline__ void operator()() const {}
-};
-
 // a[0 .. 4 ca) <- src_a (tag_a) and b[0 .. 4 cb) <- src_b (tag_b), in one round trip when
-// both are there; tags left in place. NA / NB bound the chunks per thread (0: no b). tick()
-// runs once per round, while the round's loads fly. A producer that never writes means a
-// bug: trap after ~10 s rather than hang.
-template <int NA, int NB, int STRIDE = MK_THREADS, class Tick = NoTick>
+// both are there; tags left in place. NA / NB bound the chunks per thread (0: no b). A
+// producer that never writes means a bug: trap after ~10 s rather than hang.
+template <int NA, int NB, int STRIDE = MK_THREADS>
 __device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigned tag_a, int ca,
                                            float* b = nullptr, const float* src_b = nullptr,
                                            unsigned tag_b = 0u, int cb = 0,
-                                           int idx = (int)threadIdx.x, Tick tick = Tick()) {
+                                           int idx = (int)threadIdx.x) {
   const long long t0 = clock64();
   unsigned pa = flow_mask<NA, STRIDE>(idx, ca), pb = flow_mask<NB, STRIDE>(idx, cb);
   while (pa | pb) {
     flow_issue<NA, STRIDE>(idx, a, src_a, pa);
     flow_issue<NB, STRIDE>(idx, b, src_b, pb);
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    tick();
-    asm volatile("cp.async.wait_all;" ::: "memory");
+    asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
     pa = flow_stale<NA, STRIDE>(idx, a, tag_a, pa);
     pb = flow_stale<NB, STRIDE>(idx, b, tag_b, pb);
     if ((pa | pb) && clock64() - t0 > 20000000000LL) __trap();
   }
 }
 
-// xs[0..K) <- src (written by other CTAs with `tag`), tags cleared; returns this thread's sum
-// of squares over the elements it fetched. Callers __syncthreads before others read xs.
-template <int K, class Tick = NoTick>
-__device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned tag,
-                                           Tick tick = Tick()) {
-  constexpr int N = FlowChunks<K>::N;
-  flow_fetch<N, 0>(xs, src, tag, K / 4, nullptr, nullptr, 0u, 0, (int)threadIdx.x, tick);
+// The tags cleared from the chunks a thread fetched (flow_fetch's deal: chunk idx + j *
+// STRIDE of v[0..len)); returns the sum of squares of their values.
+template <int N, int STRIDE>
+__device__ __forceinline__ float flow_untag_chunks(float* v, unsigned idx, int len) {
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < N; ++j) {
-    const int i = 4 * (threadIdx.x + j * MK_THREADS);
-    if (i < K) {
+    const int i = 4 * (idx + j * STRIDE);
+    if (i < len) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const float v = flow_untag(xs[i + k]);
-        xs[i + k] = v;
-        ss += v * v;
+        const float x = flow_untag(v[i + k]);
+        v[i + k] = x;
+        ss += x * x;
       }
     }
   }
   return ss;
 }
 
+// xs[0..K) <- src (written by other CTAs with `tag`), tags cleared; returns this thread's sum
+// of squares over the elements it fetched. Callers __syncthreads before others read xs.
+template <int K>
+__device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned tag) {
+  constexpr int N = FlowChunks<K>::N;
+  flow_fetch<N, 0>(xs, src, tag, K / 4);
+  return flow_untag_chunks<N, MK_THREADS>(xs, threadIdx.x, K);
+}
+
 // Two vectors of K in one round trip: a <- src_a (tag_a), b <- src_b (tag_b). Then
 // a[i] += b[i] for this thread's elements; returns their sum of squares (stage D's
 // residual: x + the O-projection's output).
-template <int K, class Tick = NoTick>
+template <int K>
 __device__ __forceinline__ float load_flow_sum(float* a, const float* src_a, unsigned tag_a,
-                                               float* b, const float* src_b, unsigned tag_b,
-                                               Tick tick = Tick()) {
+                                               float* b, const float* src_b, unsigned tag_b) {
   constexpr int N = FlowChunks<K>::N;
-  flow_fetch<N, N>(a, src_a, tag_a, K / 4, b, src_b, tag_b, K / 4, (int)threadIdx.x, tick);
+  flow_fetch<N, N>(a, src_a, tag_a, K / 4, b, src_b, tag_b, K / 4);
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < N; ++j) {
@@ -234,14 +231,7 @@ __device__ __forceinline__ void load_flow_team(float* xs, const float* src, unsi
   const int s = warp % P::S, idx = (warp / P::S) * 32 + lane;
   float* dst = xs + s * P::KP;
   flow_fetch<N, 0, TEAM>(dst, src + s * P::KP, tag, C, nullptr, nullptr, 0u, 0, idx);
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const int i = 4 * (idx + j * TEAM);
-    if (i < P::KP) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) dst[i + k] = flow_untag(dst[i + k]);
-    }
-  }
+  flow_untag_chunks<N, TEAM>(dst, (unsigned)idx, P::KP);  // no norm here: the sum goes unused
   team_sync<P::GROUPS>(1 + s);
 }
 

@@ -26,9 +26,7 @@ __device__ __forceinline__ void mark(const Params& p, int step, int idx) {
 __device__ __forceinline__ void skew(const Params& p, int step, int layer, int k) {
 #ifdef MK_SKEW
   if (p.timing && step == p.timing_step && layer == MK_L / 2 && threadIdx.x == 0) {
-    unsigned long long g;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
-    p.timing[10 * MK_L + 8 + MK_SKEW_POINTS * blockIdx.x + k] = (long long)g;
+    p.timing[10 * MK_L + 8 + MK_SKEW_POINTS * blockIdx.x + k] = (long long)globaltimer();
   }
 #endif
 }
