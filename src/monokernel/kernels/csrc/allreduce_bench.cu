@@ -57,7 +57,6 @@ __device__ __forceinline__ uint4 ld_poll(const uint4* p) {
   return v;
 }
 
-
 __device__ __forceinline__ float2 my_part(const float* in, int u, float bump) {
   float2 v = reinterpret_cast<const float2*>(in)[u];
   v.x += bump;

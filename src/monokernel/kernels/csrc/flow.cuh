@@ -162,7 +162,8 @@ __device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigne
 }
 
 // The tags cleared from the chunks a thread fetched (flow_fetch's deal: chunk idx + j *
-// STRIDE of v[0..len)); returns the sum of squares of their values.
+// STRIDE of v[0..len)); returns the sum of squares of their values. idx is unsigned, as
+// threadIdx.x is: load_flow's index arithmetic, and so its machine code, stays as it was.
 template <int N, int STRIDE>
 __device__ __forceinline__ float flow_untag_chunks(float* v, unsigned idx, int len) {
   float ss = 0.f;
