@@ -24,15 +24,7 @@
 
 // The decode kernel's own weight load (ld_stream), so the streamers load as its GEMVs do.
 #include "../src/monokernel/kernels/csrc/common.cuh"
-
-#define CK(x)                                                                       \
-  do {                                                                              \
-    cudaError_t e = (x);                                                            \
-    if (e != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
+#include "cuda_check.h"
 
 struct Args {
   const uint4* stream;          // [blocks * 32] the streamed buffer

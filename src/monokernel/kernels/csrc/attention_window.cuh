@@ -278,15 +278,8 @@ __device__ __forceinline__ void fence_window() {
 // projection; for layer 0, after the barrier that ends the previous step, which orders that
 // step's KV appends). Head units' ranges fit the window, so this fills all of them; group
 // units stream the rest of their range through the ring themselves.
-#ifndef MK_PF_NOINLINE
-#define MK_PF_NOINLINE 0
-#endif
-#if MK_PF_NOINLINE
-__device__ __noinline__
-#else
-__device__ __forceinline__
-#endif
-void attention_prefetch(const Params& p, int layer, int pos, float* win) {
+__device__ __forceinline__ void attention_prefetch(const Params& p, int layer, int pos,
+                                                   float* win) {
   const AttnPlan a = attn_plan(p, pos);
   if ((int)blockIdx.x >= a.units || threadIdx.x != 0) return;
   int kvh, split;

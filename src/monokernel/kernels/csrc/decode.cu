@@ -75,24 +75,6 @@
 #define MK_D_PRE 1
 #endif
 static_assert(MK_D_PRE >= 0 && MK_D_PRE <= 2, "MK_D_PRE: 0, 1 or 2 rows");
-// Loads of E's first batch a lane issues before the hand-off D -> E (the rest once E's input
-// is in): MK_D_PRE's trade at the next hand-off (fewer bytes in flight ahead of its polls).
-#ifndef MK_E_PRE
-#define MK_E_PRE 64  // all
-#endif
-// 1: the RMSNorm factor of stages A, D and F multiplies their dot products (W (r x) = r (W x))
-// instead of their input vector, so a stage starts its rows one CTA barrier after its input
-// is in (rms_factor) instead of four (block_sum's three and the scaling pass's one), on the
-// latency-bound hand-offs E -> A and C -> D. 0: the input is scaled first, as before.
-#ifndef MK_NORM_LATE
-#define MK_NORM_LATE 0
-#endif
-#ifndef MK_NL_SMEM
-#define MK_NL_SMEM 0
-#endif
-#ifndef MK_NL_BARS
-#define MK_NL_BARS 0
-#endif
 
 // Shared memory, in floats: xs [MK_XS] | xres [MK_H] | attention [MK_ATTN_SMEM] | red [64] |
 // K/V window [MK_KVWIN_FLOATS] | h64 [256 x u64] | h32 [256] | misc [16]. build.py computes
@@ -115,49 +97,6 @@ __device__ __forceinline__ void load_vec(float* xs, const float* src, unsigned t
     }
   }
   __syncthreads();
-}
-
-// 1 / rms of an n-vector whose squares the CTA's threads summed in parts (ss), after one CTA
-// barrier, which also publishes what the threads wrote to shared memory before it. Every warp
-// adds the per-warp sums itself in the same order, so all get the same bits. Scratch:
-// red[32 .. 32 + WARPS) (block_sum's is red[0 .. WARPS]); a barrier separates two calls.
-__device__ __forceinline__ float rms_factor(float ss, float* red, int n, float eps) {
-  static_assert(MK_WARPS <= 32, "one per-warp sum per lane");
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  ss = warp_sum(ss);
-  if (lane == 0) red[32 + warp] = ss;
-  __syncthreads();
-  return rsqrtf(warp_sum(lane < MK_WARPS ? red[32 + lane] : 0.f) / n + eps);
-}
-
-// xs[0..K) <- src (tagged, flow.cuh) times gain (when not folded), left unnormalised; returns
-// the norm's factor 1 / rms for the caller's dot products (MK_NORM_LATE).
-template <int K>
-__device__ __forceinline__ float load_vec_late(float* xs, const float* src, unsigned tag,
-                                               float eps, float* red, const float* gain) {
-  const float r = rms_factor(load_flow<K>(xs, src, tag), red, K, eps);
-  for (int k = 0; k < MK_NL_BARS; ++k) __syncthreads();
-  if (gain) {
-    for (int i = threadIdx.x; i < K; i += MK_THREADS) xs[i] *= gain[i];
-    __syncthreads();
-  }
-  return r;
-}
-
-// Probes (step 41): SM cycles a CTA idles after A's / D's input is in; barriers added back
-// after a late norm's one.
-#ifndef MK_A_SPIN
-#define MK_A_SPIN 0
-#endif
-#ifndef MK_D_SPIN
-#define MK_D_SPIN 0
-#endif
-__device__ __forceinline__ void spin_cycles(long long n) {
-  if (n > 0) {
-    const long long t0 = clock64();
-    while (clock64() - t0 < n) {
-    }
-  }
 }
 
 // A valid row for a warp that has none in a stage: its early loads stay harmless, and every
@@ -246,7 +185,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       const unsigned tag_c = p.tp_tag + 2u * (unsigned)(step * MK_L + layer);
 #endif
       // ---- A: RMSNorm + QKV projection -> qkv [QKV]
-      float rA = 1.f;  // the norm's factor when applied to the dot products (MK_NORM_LATE)
       if (layer == 0) {
         const bf16* row = p.embed + (size_t)in_tok * MK_H;
         float s2 = 0.f;
@@ -263,24 +201,13 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       } else {
 #if MK_TP > 1
         tp_load_residual(p, xs, xres, tag_c - 1u, tag_x, p.eps, red, lw.attn_gain);  // prev. E
-#elif MK_NORM_LATE & 1
-        rA = load_vec_late<MK_H>(xs, p.x, tag_x, p.eps, red, lw.attn_gain);
-#if MK_NL_SMEM
-        if (t == 0) red[48] = rA;  // read after gemv_split's barrier, not held in a register
-#endif
 #else
         load_vec<MK_H>(xs, p.x, tag_x, true, p.eps, red, lw.attn_gain);
 #endif
       }
       skew(p, step, layer, 0);
-      spin_cycles(MK_A_SPIN);
       gemv_split<MK_H, MK_SPLIT_A>(lw.wqkv, MK_QKV, xs, part, warp, lane, preA,
                                    [&](int r, float d) {
-#if MK_NL_SMEM && (MK_NORM_LATE & 1) && MK_TP == 1
-                                     d *= layer ? red[48] : 1.f;
-#else
-                                     d *= rA;
-#endif
 #if MK_QKV_BIAS
                                      d += lw.bqkv[r];
 #endif
@@ -331,9 +258,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       mark(p, step, mk++);
 
       // ---- D: residual (x + delta, kept in xres for E) + RMSNorm + gate/up + SiLU*mul -> act
-      // din: the gate/up input; rD: the norm's factor when applied to the dot products.
-      const float* din = (MK_NORM_LATE & 2) ? xres : xd;
-      float rD = 1.f;
       {
         float s2 = 0.f;
 #if MK_TP > 1
@@ -348,39 +272,27 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         }
 #else
         // x and delta in one round trip (xs is scratch for delta); xres <- x + delta.
-        s2 = load_flow_sum<MK_H>(xres, p.x, tag_x, xs, p.delta, tag);  // the norm syncs
+        s2 = load_flow_sum<MK_H>(xres, p.x, tag_x, xs, p.delta, tag);  // block_sum syncs
 #endif
         if (MK_D_PRE < 1)
           issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * clamp_row(gw, MK_I) * MK_H, lane);
         if (MK_D_PRE < 2)
           issue_first<MK_H, MK_BATCH2>(preU, lw.wgu + (2 * clamp_row(gw, MK_I) + 1) * MK_H, lane);
-#if MK_NORM_LATE & 2
-        rD = rms_factor(s2, red, MK_H, p.eps);
-        if (lw.ffn_gain) {
-          for (int i = t; i < MK_H; i += MK_THREADS) xd[i] = xres[i] * lw.ffn_gain[i];
-          __syncthreads();
-          din = xd;
-        }
-#else
         const float r = rsqrtf(block_sum(s2, red) / MK_H + p.eps);
         for (int i = t; i < MK_H; i += MK_THREADS)
           xd[i] = xres[i] * (lw.ffn_gain ? r * lw.ffn_gain[i] : r);
         __syncthreads();
-#endif
       }
       skew(p, step, layer, 5);
-      spin_cycles(MK_D_SPIN);
-      gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, din, lane, preG, preU, [&](int r, float g, float u) {
-        g *= rD;
-        u *= rD;
+      gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xd, lane, preG, preU, [&](int r, float g, float u) {
         if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
       });
       skew(p, step, layer, 6);
       // With E's teams and data as flag, no CTA-wide wait here: E's slices land in xs, which
       // D no longer reads (xd), and each team waits for its own slice and partners only.
       if (!MK_E_TEAMS || !flow) handoff_arrive(flow, p.barrier, bar);
-      issue_first<SE::KP, MK_BATCH, 0, MK_E_PRE>(
-          preE, split_first<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, warp), lane);
+      issue_first<SE::KP, MK_BATCH>(preE, split_first<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, warp),
+                                    lane);
       // The next layer's cached keys and values (positions before pos, appended in earlier
       // steps, so ordered by the barrier that ends every step) are copied into the window now,
       // inside a long bandwidth-bound stage, so the copies' issue and flight stay off the
@@ -396,9 +308,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #else
       load_vec<MK_I>(xs, p.act, tag, false, p.eps, red);
 #endif
-      if (MK_E_PRE < SE::Shape::B)
-        issue_first<SE::KP, MK_BATCH, MK_E_PRE>(
-            preE, split_first<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, warp), lane);
       skew(p, step, layer, 7);
       gemv_split<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, xs, part, warp, lane, preE,
                                    [&](int r, float d) {
@@ -421,13 +330,10 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     }
 
     // ---- F: final RMSNorm + LM head + this CTA's best draw
-    float rF = 1.f;  // the norm's factor when applied to the logits (MK_NORM_LATE)
 #if MK_TP > 1
     tp_load_residual(p, xs, xres, p.tp_tag + 2u * (unsigned)((step + 1) * MK_L) - 1u,
                      flow_tag(step, MK_L - 1), p.eps, red,
                      p.norm_gain);  // the last layer's down all-reduce
-#elif MK_NORM_LATE & 4
-    rF = load_vec_late<MK_H>(xs, p.x, flow_tag(step, MK_L - 1), p.eps, red, p.norm_gain);
 #else
     load_vec<MK_H>(xs, p.x, flow_tag(step, MK_L - 1), true, p.eps, red, p.norm_gain);
 #endif
@@ -436,7 +342,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     int best_id = 0x7fffffff;
     gemv_split<MK_H, MK_SPLIT_F>(p.lm_head, MK_V, xs, part, warp, lane, preA,
                                  [&](int r, float logit) {
-      logit *= rF;
       p.logits[r] = logit;
       if (p.debug_logits) p.debug_logits[(size_t)step * MK_V + r] = logit;
 #if MK_TP > 1

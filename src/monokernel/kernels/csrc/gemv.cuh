@@ -22,14 +22,14 @@ struct RowShape {
   static constexpr int B = N < BATCH ? N : BATCH;    // loads per lane per batch
 };
 
-// Issue the first batch of one row's loads into registers (loads LO .. HI of it).
-template <int K, int BATCH, int LO = 0, int HI = RowShape<K, BATCH>::B>
+// Issue the first batch of one row's loads into registers.
+template <int K, int BATCH>
 __device__ __forceinline__ void issue_first(uint4 (&buf)[RowShape<K, BATCH>::B],
                                             const bf16* __restrict__ w, int lane) {
   using S = RowShape<K, BATCH>;
   const uint4* wp = reinterpret_cast<const uint4*>(w);
 #pragma unroll
-  for (int i = LO; i < (HI < S::B ? HI : S::B); ++i) {
+  for (int i = 0; i < S::B; ++i) {
     const int c = i * 32 + lane;
     buf[i] = c < S::C ? ld_stream(wp + c) : make_uint4(0u, 0u, 0u, 0u);
   }

@@ -44,15 +44,7 @@ struct SampleScratch {
 // One CTA (all its threads) draws a token from logits[V] with top-k and/or top-p active.
 // Radix selection finds the thresholds exactly: top-k's k-th largest z, top-p's p* (the
 // largest p whose tail mass sum(p' >= p) reaches top_p). Integer sums keep it deterministic.
-#ifndef MK_SAMPLE_NOINLINE
-#define MK_SAMPLE_NOINLINE 0
-#endif
-#if MK_SAMPLE_NOINLINE
-__device__ __noinline__
-#else
-__device__
-#endif
-int sample_filtered(const Params& p, uint32_t key, SampleScratch s) {
+__device__ int sample_filtered(const Params& p, uint32_t key, SampleScratch s) {
   const int t = threadIdx.x;
   const float temp = p.temperature;
   // --- top-k: the k-th largest z (ties at the boundary kept) ---
