@@ -27,7 +27,7 @@ constexpr int REPS = 64;
 struct Args {
   const uint4* stream;       // [chunks] streamed by warps 4.. when loaded
   long long chunks;          // 16-byte chunks in it
-  unsigned long long* out;   // [grid * 4] cycles per warp, [grid] sink
+  unsigned long long* out;   // [grid * 4] cycles per warp, then [grid + 1] sinks (never written)
   int loaded;
 };
 
