@@ -68,6 +68,30 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   return r;
 }
 
+// The same with an L2 eviction policy (createpolicy): MK_PIN_* probes keep some weights in L2
+// across tokens.
+__device__ __forceinline__ uint4 ld_stream_hint(const uint4* p, unsigned long long pol) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p), "l"(pol));
+  return r;
+}
+__device__ __forceinline__ unsigned long long l2_keep_policy() {
+  unsigned long long pol;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ unsigned long long l2_other_policy() {
+  unsigned long long pol;
+#if MK_PIN_EF
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+#else
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
+#endif
+  return pol;
+}
+
 // Activations are written by other CTAs during the launch: read them from L2, never L1.
 __device__ __forceinline__ float ld_act(const float* p) { return __ldcg(p); }
 

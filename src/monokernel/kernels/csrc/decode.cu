@@ -16,6 +16,14 @@
 #include "tp.cuh"
 
 #define MK_QKV (MK_Q + 2 * MK_KV)
+// Probes: the LM head's first MK_PIN_F rows and every layer's first MK_PIN_D gate/up pairs
+// loaded with an L2 evict-last policy, so they stay in L2 from one token to the next.
+#ifndef MK_PIN_F
+#define MK_PIN_F 0
+#endif
+#ifndef MK_PIN_D
+#define MK_PIN_D 0
+#endif
 // Warps sharing one row (split-K) per stage; see gemv_split.
 #ifndef MK_SPLIT_A
 #define MK_SPLIT_A 2
@@ -177,6 +185,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     int mk = 0;  // timing slot
     if (profiling(p, step)) p.timing[10 * MK_L + 5] = (long long)globaltimer();
     mark(p, step, mk++);
+#if MK_LAYER_UNROLL == 2
+#pragma unroll 2
+#elif MK_LAYER_UNROLL == 1
+#pragma unroll 1
+#endif
     for (int layer = 0; layer < MK_L; ++layer) {
       const LayerWeights& lw = p.layers[layer];  // re-read at each use: 20 fewer live registers
       const unsigned tag = flow_tag(step, layer), tag_x = flow_tag(step, layer - 1);
@@ -284,7 +297,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         __syncthreads();
       }
       skew(p, step, layer, 5);
-      gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xd, lane, preG, preU, [&](int r, float g, float u) {
+      gemv_pairs<MK_H, MK_PIN_D>(lw.wgu, MK_I, gw, tw, xd, lane, preG, preU, [&](int r, float g, float u) {
         if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
       });
       skew(p, step, layer, 6);
@@ -340,7 +353,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     const uint32_t key = draw_key(p.seed_lo, p.seed_hi, pos + 1);  // position of the new token
     float best = -INFINITY;
     int best_id = 0x7fffffff;
-    gemv_split<MK_H, MK_SPLIT_F>(p.lm_head, MK_V, xs, part, warp, lane, preA,
+    gemv_split<MK_H, MK_SPLIT_F, MK_PIN_F>(p.lm_head, MK_V, xs, part, warp, lane, preA,
                                  [&](int r, float logit) {
       p.logits[r] = logit;
       if (p.debug_logits) p.debug_logits[(size_t)step * MK_V + r] = logit;

@@ -23,15 +23,17 @@ struct RowShape {
 };
 
 // Issue the first batch of one row's loads into registers.
-template <int K, int BATCH>
+template <int K, int BATCH, bool HINT = false>
 __device__ __forceinline__ void issue_first(uint4 (&buf)[RowShape<K, BATCH>::B],
-                                            const bf16* __restrict__ w, int lane) {
+                                            const bf16* __restrict__ w, int lane,
+                                            unsigned long long pol = 0) {
   using S = RowShape<K, BATCH>;
   const uint4* wp = reinterpret_cast<const uint4*>(w);
 #pragma unroll
   for (int i = 0; i < S::B; ++i) {
     const int c = i * 32 + lane;
-    buf[i] = c < S::C ? ld_stream(wp + c) : make_uint4(0u, 0u, 0u, 0u);
+    buf[i] = c < S::C ? (HINT ? ld_stream_hint(wp + c, pol) : ld_stream(wp + c))
+                      : make_uint4(0u, 0u, 0u, 0u);
   }
 }
 
@@ -51,14 +53,19 @@ __device__ __forceinline__ float dot8x(const uint4 u, const float4 a, const floa
 // Dot of 16-byte chunk c of a bf16 row with the same 8 floats of xs.
 __device__ __forceinline__ float dot8(const uint4 u, const float* __restrict__ xs, int c) {
   const float4* xp = reinterpret_cast<const float4*>(xs);
+#if MK_PROBE_NOCONF  // timing probe, wrong values: both reads contiguous across lanes
+  return dot8x(u, xp[c], xp[c + 32]);
+#else
   return dot8x(u, xp[2 * c], xp[2 * c + 1]);
+#endif
 }
 
 // Lane-partial dot of row w with xs; the first batch was issued earlier into `first`.
-template <int K, int BATCH>
+template <int K, int BATCH, bool HINT = false>
 __device__ __forceinline__ float row_partial(const uint4 (&first)[RowShape<K, BATCH>::B],
                                              const bf16* __restrict__ w,
-                                             const float* __restrict__ xs, int lane) {
+                                             const float* __restrict__ xs, int lane,
+                                             unsigned long long pol = 0) {
   using S = RowShape<K, BATCH>;
   const uint4* wp = reinterpret_cast<const uint4*>(w);
   float acc = 0.f;
@@ -73,7 +80,7 @@ __device__ __forceinline__ float row_partial(const uint4 (&first)[RowShape<K, BA
 #pragma unroll
     for (int i = 0; i < S::B; ++i) {
       const int c = (b0 + i) * 32 + lane;
-      if (b0 + i < S::N && c < S::C) buf[i] = ld_stream(wp + c);
+      if (b0 + i < S::N && c < S::C) buf[i] = HINT ? ld_stream_hint(wp + c, pol) : ld_stream(wp + c);
     }
 #pragma unroll
     for (int i = 0; i < S::B; ++i) {
@@ -135,7 +142,7 @@ __device__ __forceinline__ const bf16* split_first(const bf16* W, int rows, int 
 // out(r, value) is called once per row, by one thread. All threads of the CTA must call.
 // cta: the CTA's rank in the row order (the units of the first ranks get a row more when the
 // rows do not divide evenly).
-template <int K, int SPLIT, class Out>
+template <int K, int SPLIT, int PIN = 0, class Out>
 __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
                                            const float* __restrict__ xs, float* part, int warp,
                                            int lane,
@@ -149,6 +156,12 @@ __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
   const int u0 = cta * P::GROUPS + g;
   const int iters = (rows - cta * P::GROUPS + units - 1) / units;  // max over groups
   const float* xp = xs + s * P::KP;
+  constexpr bool HINT = PIN > 0;
+  unsigned long long keep = 0, other = 0;
+  if (HINT) {
+    keep = l2_keep_policy();
+    other = l2_other_policy();
+  }
   for (int it0 = 0; it0 < iters; it0 += MK_SPLIT_SLOTS) {
     const int it1 = min(iters, it0 + MK_SPLIT_SLOTS);
     for (int it = it0; it < it1; ++it) {
@@ -156,12 +169,19 @@ __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
       const int rn = r + units;
       uint4 nxt[S::B];
       const bf16* wn = W + (size_t)(rn < rows ? rn : (r < rows ? r : rows - 1)) * K + s * P::KP;
-      if (PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane);
+      if (PIPE) issue_first<P::KP, MK_BATCH, HINT>(nxt, wn, lane, rn < PIN ? keep : other);
       float d = 0.f;
-      if (r < rows) d = warp_sum(row_partial<P::KP, MK_BATCH>(pre, W + (size_t)r * K + s * P::KP,
-                                                             xp, lane));
+#if MK_PROBE_NOSUM  // timing probe, wrong values: lane 0's partial only, no shuffles
+      if (r < rows)
+        d = row_partial<P::KP, MK_BATCH, HINT>(pre, W + (size_t)r * K + s * P::KP, xp, lane,
+                                               r < PIN ? keep : other);
+#else
+      if (r < rows)
+        d = warp_sum(row_partial<P::KP, MK_BATCH, HINT>(pre, W + (size_t)r * K + s * P::KP, xp,
+                                                         lane, r < PIN ? keep : other));
+#endif
       if (lane == 0) part[warp * MK_SPLIT_SLOTS + (it - it0)] = d;
-      if (!PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane);
+      if (!PIPE) issue_first<P::KP, MK_BATCH, HINT>(nxt, wn, lane, rn < PIN ? keep : other);
 #pragma unroll
       for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
     }
@@ -182,7 +202,7 @@ __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
 }
 
 // Row pairs (2p, 2p+1) of W [2*pairs, K] (gate/up interleaved): out(p, dot0, dot1).
-template <int K, class Out>
+template <int K, int PIN = 0, class Out>
 __device__ __forceinline__ void gemv_pairs(const bf16* __restrict__ W, int pairs, int p0, int step,
                                            const float* __restrict__ xs, int lane,
                                            uint4 (&pre0)[RowShape<K, MK_BATCH2>::B],
@@ -190,6 +210,12 @@ __device__ __forceinline__ void gemv_pairs(const bf16* __restrict__ W, int pairs
   using S = RowShape<K, MK_BATCH2>;
   // Two rows already stream together; a second pair in flight would need 128 registers.
   constexpr bool PIPE = false;
+  constexpr bool HINT = PIN > 0;
+  unsigned long long keep = 0, other = 0;
+  if (HINT) {
+    keep = l2_keep_policy();
+    other = l2_other_policy();
+  }
   for (int p = p0; p < pairs; p += step) {
     uint4 n0[S::B], n1[S::B];
     const int pn = p + step;
@@ -199,12 +225,14 @@ __device__ __forceinline__ void gemv_pairs(const bf16* __restrict__ W, int pairs
       issue_first<K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane);
     }
     // While row 2p is reduced, row 2p+1's first batch is already in flight.
-    const float a = row_partial<K, MK_BATCH2>(pre0, W + (size_t)(2 * p) * K, xs, lane);
-    const float b = row_partial<K, MK_BATCH2>(pre1, W + (size_t)(2 * p + 1) * K, xs, lane);
+    const unsigned long long pp = p < PIN ? keep : other, pq = (int)q < PIN ? keep : other;
+    const float a = row_partial<K, MK_BATCH2, HINT>(pre0, W + (size_t)(2 * p) * K, xs, lane, pp);
+    const float b =
+        row_partial<K, MK_BATCH2, HINT>(pre1, W + (size_t)(2 * p + 1) * K, xs, lane, pp);
     out(p, warp_sum(a), warp_sum(b));
     if (!PIPE) {
-      issue_first<K, MK_BATCH2>(n0, W + (2 * q) * K, lane);
-      issue_first<K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane);
+      issue_first<K, MK_BATCH2, HINT>(n0, W + (2 * q) * K, lane, pq);
+      issue_first<K, MK_BATCH2, HINT>(n1, W + (2 * q + 1) * K, lane, pq);
     }
 #pragma unroll
     for (int i = 0; i < S::B; ++i) {
