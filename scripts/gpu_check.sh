@@ -9,7 +9,8 @@
 # tokens, first token from the prefill and from the kernel), turnattn (the turn's attention
 # alone, split over 1..16 chunks of the cached keys: scripts/turn_attention.py; the first
 # token's LM-head GEMV: scripts/lm_head_gemv.py), prefill (where the
-# GPU time of an 8k prompt and of that turn goes: scripts/prefill_profile.py), variants
+# GPU time of an 8k prompt and of that turn goes: scripts/prefill_profile.py), stalls (where
+# the decode kernel's warps wait: ncu, scripts/stall_summary.py), variants
 # (scripts/kernel_variants.py with the MK_VARIANTS list, ';'-separated, e.g.
 # "a=;b=-DMK_X=1 -DMK_Y=2;c=MONOKERNEL_X=1"; MK_VARIANT_PROMPT / MK_VARIANT_GEN tokens,
 # MK_VARIANT_TAG names the output files).
@@ -111,6 +112,22 @@ if [[ $STAGES == *variants* ]]; then
     2>&1 || status=1
   grep -A40 "^device:" "$OUTDIR/variants${MK_VARIANT_TAG:-}.log" ||
     tail -n 20 "$OUTDIR/variants${MK_VARIANT_TAG:-}.log"
+fi
+
+if [[ $STAGES == *stalls* ]]; then
+  # Nsight Compute's sampled warp states for one decode launch (MK_STALL_SHAPE; clocks left
+  # alone), per machine instruction, summarised by scripts/stall_summary.py.
+  shape=${MK_STALL_SHAPE:-qwen2.5-coder-1.5b}
+  echo "== warp stalls ($shape)" >&2
+  timeout "${MK_STALL_TIMEOUT:-240}" ncu --clock-control none -k mk_decode -c 1 \
+    --section WarpStateStats --section SourceCounters -f -o "$OUTDIR/stalls" \
+    python3 -m monokernel.bench --shape "$shape" --engines monokernel --prompt-tokens 64 \
+    --gen-tokens 24 --repeats 1 >"$OUTDIR/stalls.log" 2>&1 || status=1
+  ncu --import "$OUTDIR/stalls.ncu-rep" --page source --csv --print-source sass 2>>"$OUTDIR/stalls.log" |
+    gzip >"$OUTDIR/stalls-src.csv.gz"
+  rm -f "$OUTDIR/stalls.ncu-rep"  # 4 MB; the CSV holds what the summary reads
+  python3 scripts/stall_summary.py "$OUTDIR/stalls-src.csv.gz" | tee "$OUTDIR/stalls.txt" ||
+    status=1
 fi
 
 if [[ $STAGES == *prefill* ]]; then

@@ -129,10 +129,11 @@ __device__ __forceinline__ bool attn_reader_merges(const AttnPlan& a) {
 __device__ __forceinline__ int attn_part_slot(int hq, int split) { return split * MK_NH + hq; }
 
 // Stage C's input when head units left their ranges unmerged: xs[0..Q) <- the attention
-// output, merged from ns partials (xs[s * Q ..]) and their statistics (st[4 * slot ..]),
-// fetched in one round trip and combined in range order (deterministic). st: 4 * NH * ns
-// floats of scratch. Every thread combines the same elements i of each range it fetched
-// into xs[i], so the combine runs in place without a barrier inside it.
+// output (swizzled, a GEMV input: common.cuh), merged from ns partials (xs[s * Q ..]) and
+// their statistics (st[4 * slot ..]), fetched in one round trip and combined in range order
+// (deterministic). st: 4 * NH * ns floats of scratch. Each thread combines whole 8-float
+// chunks, inside which the swizzle moves values, so the combine runs in place without a
+// barrier inside it.
 __device__ __forceinline__ void load_attn_merged(const Params& p, int ns, unsigned tag,
                                                  float* xs, float* st) {
   constexpr int NA = FlowChunks<MK_MERGE_NS * MK_Q>::N;
@@ -153,12 +154,16 @@ __device__ __forceinline__ void load_attn_merged(const Params& p, int ns, unsign
     for (int s = 0; s < ns; ++s) st[4 * attn_part_slot(h, s) + 2] /= den;
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < MK_Q; i += MK_THREADS) {
-    const int h = i / MK_D;
-    float o = 0.f;
-    for (int s = 0; s < ns; ++s)
-      o = fmaf(st[4 * attn_part_slot(h, s) + 2], flow_untag(xs[s * MK_Q + i]), o);
-    xs[i] = o;
+  for (int c = threadIdx.x; c < MK_Q / 8; c += MK_THREADS) {
+    const int h = 8 * c / MK_D;  // D is a multiple of 8: a chunk lies in one head
+    float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int s = 0; s < ns; ++s) {
+      const float w = st[4 * attn_part_slot(h, s) + 2];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[e] = fmaf(w, flow_untag(xs[s * MK_Q + 8 * c + e]), o[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) *swz(xs + 8 * c + e) = o[e];
   }
   __syncthreads();
 }

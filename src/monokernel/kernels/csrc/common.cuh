@@ -68,28 +68,26 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   return r;
 }
 
-// The same with an L2 eviction policy (createpolicy): MK_PIN_* probes keep some weights in L2
-// across tokens.
-__device__ __forceinline__ uint4 ld_stream_hint(const uint4* p, unsigned long long pol) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p), "l"(pol));
-  return r;
-}
-__device__ __forceinline__ unsigned long long l2_keep_policy() {
-  unsigned long long pol;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
-__device__ __forceinline__ unsigned long long l2_other_policy() {
-  unsigned long long pol;
-#if MK_PIN_EF
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-#else
-  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(pol));
+// A GEMV's input vector in shared memory is stored swizzled: in every other 128-byte block
+// the two 16-byte halves of each 32-byte chunk trade places. A lane reads its chunk of 8
+// floats as two 16-byte loads, the lanes 32 bytes apart (dot8); unswizzled, lanes l and l + 4
+// hit the same banks and every load takes two passes (ncu on an H100: 41% of the kernel's
+// shared-memory wavefronts were these). swz maps a float's (or a 16-byte chunk's) natural
+// address to where it is kept; applied twice it is the identity. The swap stays inside one
+// 32-byte chunk, so a buffer that starts on a 32-byte boundary keeps all of its data.
+// swz_off: the move in floats (-4, 0 or 4). Addresses 128 bytes apart move alike, so a loop
+// whose stride is a multiple of 32 floats computes it once.
+#ifndef MK_SWZ
+#define MK_SWZ 1  // 0: no swizzle (for A/B timing)
 #endif
-  return pol;
+__device__ __forceinline__ int swz_off(const float* p) {
+  if (!MK_SWZ) return 0;
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  return (a >> 7 & 1u) ? ((a & 16u) ? -4 : 4) : 0;
+}
+template <class T>  // float or const float
+__device__ __forceinline__ T* swz(T* p) {
+  return p + swz_off(p);
 }
 
 // Activations are written by other CTAs during the launch: read them from L2, never L1.

@@ -16,14 +16,6 @@
 #include "tp.cuh"
 
 #define MK_QKV (MK_Q + 2 * MK_KV)
-// Probes: the LM head's first MK_PIN_F rows and every layer's first MK_PIN_D gate/up pairs
-// loaded with an L2 evict-last policy, so they stay in L2 from one token to the next.
-#ifndef MK_PIN_F
-#define MK_PIN_F 0
-#endif
-#ifndef MK_PIN_D
-#define MK_PIN_D 0
-#endif
 // Warps sharing one row (split-K) per stage; see gemv_split.
 #ifndef MK_SPLIT_A
 #define MK_SPLIT_A 2
@@ -89,9 +81,9 @@ static_assert(MK_D_PRE >= 0 && MK_D_PRE <= 2, "MK_D_PRE: 0, 1 or 2 rows");
 // the same total.
 #define MK_SMEM_FLOATS_A (((MK_XS + MK_H + MK_ATTN_SMEM + 64 + MK_KVWIN_FLOATS) + 3) & ~3)
 
-// xs[0..K) <- src (fp32, written by other CTAs with `tag`, flow.cuh); optionally
-// RMS-normalised in place. gain (may be null): the norm's gain when it was not folded into
-// the next matrix.
+// xs[0..K) <- src (fp32, written by other CTAs with `tag`, flow.cuh), swizzled as every GEMV
+// input is (common.cuh); optionally RMS-normalised in place. gain (may be null): the norm's
+// gain when it was not folded into the next matrix.
 template <int K>
 __device__ __forceinline__ void load_vec(float* xs, const float* src, unsigned tag, bool norm,
                                          float eps, float* red, const float* gain = nullptr) {
@@ -99,9 +91,11 @@ __device__ __forceinline__ void load_vec(float* xs, const float* src, unsigned t
   if (norm) {
     const float r = rsqrtf(block_sum(ss, red) / K + eps);
     if (gain) {
-      for (int i = threadIdx.x; i < K; i += MK_THREADS) xs[i] *= r * gain[i];
+      const int so = swz_off(xs + threadIdx.x);  // the same for every i below
+      for (int i = threadIdx.x; i < K; i += MK_THREADS) xs[i + so] *= r * gain[i];
     } else {
-      for (int i = threadIdx.x; i < K; i += MK_THREADS) xs[i] *= r;
+      const int so = swz_off(xs + threadIdx.x);
+      for (int i = threadIdx.x; i < K; i += MK_THREADS) xs[i + so] *= r;
     }
   }
   __syncthreads();
@@ -185,11 +179,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     int mk = 0;  // timing slot
     if (profiling(p, step)) p.timing[10 * MK_L + 5] = (long long)globaltimer();
     mark(p, step, mk++);
-#if MK_LAYER_UNROLL == 2
-#pragma unroll 2
-#elif MK_LAYER_UNROLL == 1
-#pragma unroll 1
-#endif
     for (int layer = 0; layer < MK_L; ++layer) {
       const LayerWeights& lw = p.layers[layer];  // re-read at each use: 20 fewer live registers
       const unsigned tag = flow_tag(step, layer), tag_x = flow_tag(step, layer - 1);
@@ -200,16 +189,17 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       // ---- A: RMSNorm + QKV projection -> qkv [QKV]
       if (layer == 0) {
         const bf16* row = p.embed + (size_t)in_tok * MK_H;
+        const int so = swz_off(xs + t);  // xs is a GEMV input (common.cuh); same for every i
         float s2 = 0.f;
         for (int i = t; i < MK_H; i += MK_THREADS) {
           const float v = __bfloat162float(row[i]);
-          xs[i] = v;
+          xs[i + so] = v;
           s2 += v * v;
           if (blockIdx.x == 0) st_flow(p.x + i, v, tag_x);
         }
         const float r = rsqrtf(block_sum(s2, red) / MK_H + p.eps);
         for (int i = t; i < MK_H; i += MK_THREADS)
-          xs[i] *= lw.attn_gain ? r * lw.attn_gain[i] : r;
+          xs[i + so] *= lw.attn_gain ? r * lw.attn_gain[i] : r;
         __syncthreads();
       } else {
 #if MK_TP > 1
@@ -292,12 +282,13 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         if (MK_D_PRE < 2)
           issue_first<MK_H, MK_BATCH2>(preU, lw.wgu + (2 * clamp_row(gw, MK_I) + 1) * MK_H, lane);
         const float r = rsqrtf(block_sum(s2, red) / MK_H + p.eps);
+        const int so = swz_off(xd + t);  // xd is a GEMV input (common.cuh)
         for (int i = t; i < MK_H; i += MK_THREADS)
-          xd[i] = xres[i] * (lw.ffn_gain ? r * lw.ffn_gain[i] : r);
+          xd[i + so] = xres[i] * (lw.ffn_gain ? r * lw.ffn_gain[i] : r);
         __syncthreads();
       }
       skew(p, step, layer, 5);
-      gemv_pairs<MK_H, MK_PIN_D>(lw.wgu, MK_I, gw, tw, xd, lane, preG, preU, [&](int r, float g, float u) {
+      gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xd, lane, preG, preU, [&](int r, float g, float u) {
         if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
       });
       skew(p, step, layer, 6);
@@ -353,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     const uint32_t key = draw_key(p.seed_lo, p.seed_hi, pos + 1);  // position of the new token
     float best = -INFINITY;
     int best_id = 0x7fffffff;
-    gemv_split<MK_H, MK_SPLIT_F, MK_PIN_F>(p.lm_head, MK_V, xs, part, warp, lane, preA,
+    gemv_split<MK_H, MK_SPLIT_F>(p.lm_head, MK_V, xs, part, warp, lane, preA,
                                  [&](int r, float logit) {
       p.logits[r] = logit;
       if (p.debug_logits) p.debug_logits[(size_t)step * MK_V + r] = logit;

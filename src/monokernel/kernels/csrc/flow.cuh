@@ -100,11 +100,14 @@ __device__ __forceinline__ unsigned flow_mask(int idx, int chunks) {
   return m;
 }
 
-// Issue cp.async for this thread's chunks in `pending` (not yet committed).
-template <int N, int STRIDE>
+// Issue cp.async for this thread's chunks in `pending` (not yet committed). SW: dst is a
+// GEMV input, kept swizzled (common.cuh).
+template <int N, int STRIDE, bool SW = false>
 __device__ __forceinline__ void flow_issue(int idx, float* dst, const float* src,
                                            unsigned pending) {
-  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  static_assert(STRIDE % 8 == 0, "a thread's chunks must move alike under the swizzle");
+  const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(dst)) +
+                        (SW ? 4 * swz_off(dst + 4 * idx) : 0);
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     const int i = idx + j * STRIDE;
@@ -116,15 +119,16 @@ __device__ __forceinline__ void flow_issue(int idx, float* dst, const float* src
 }
 
 // The chunks of `pending` whose words do not all carry `tag` yet.
-template <int N, int STRIDE>
+template <int N, int STRIDE, bool SW = false>
 __device__ __forceinline__ unsigned flow_stale(int idx, const float* dst, unsigned tag,
                                                unsigned pending) {
   unsigned stale = 0;
+  const float* d = SW ? swz(dst + 4 * idx) : dst + 4 * idx;  // chunk idx; the others move alike
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     const int i = idx + j * STRIDE;
     if (pending >> j & 1u) {
-      const uint4 u = reinterpret_cast<const uint4*>(dst)[i];
+      const uint4 u = *reinterpret_cast<const uint4*>(d + 4 * (i - idx));
       if (((u.x ^ tag) | (u.y ^ tag) | (u.z ^ tag) | (u.w ^ tag)) & MK_TAG_BITS) stale |= 1u << j;
     }
   }
@@ -142,9 +146,10 @@ __device__ __forceinline__ float flow_round(float v) {
 }
 
 // a[0 .. 4 ca) <- src_a (tag_a) and b[0 .. 4 cb) <- src_b (tag_b), in one round trip when
-// both are there; tags left in place. NA / NB bound the chunks per thread (0: no b). A
-// producer that never writes means a bug: trap after ~10 s rather than hang.
-template <int NA, int NB, int STRIDE = MK_THREADS>
+// both are there; tags left in place. NA / NB bound the chunks per thread (0: no b). SW: a is
+// a GEMV input, stored swizzled. A producer that never writes means a bug: trap after ~10 s
+// rather than hang.
+template <int NA, int NB, int STRIDE = MK_THREADS, bool SW = false>
 __device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigned tag_a, int ca,
                                            float* b = nullptr, const float* src_b = nullptr,
                                            unsigned tag_b = 0u, int cb = 0,
@@ -152,29 +157,31 @@ __device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigne
   const long long t0 = clock64();
   unsigned pa = flow_mask<NA, STRIDE>(idx, ca), pb = flow_mask<NB, STRIDE>(idx, cb);
   while (pa | pb) {
-    flow_issue<NA, STRIDE>(idx, a, src_a, pa);
+    flow_issue<NA, STRIDE, SW>(idx, a, src_a, pa);
     flow_issue<NB, STRIDE>(idx, b, src_b, pb);
     asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
-    pa = flow_stale<NA, STRIDE>(idx, a, tag_a, pa);
+    pa = flow_stale<NA, STRIDE, SW>(idx, a, tag_a, pa);
     pb = flow_stale<NB, STRIDE>(idx, b, tag_b, pb);
     if ((pa | pb) && clock64() - t0 > 20000000000LL) __trap();
   }
 }
 
-// The tags cleared from the chunks a thread fetched (flow_fetch's deal: chunk idx + j *
-// STRIDE of v[0..len)); returns the sum of squares of their values. idx is unsigned, as
-// threadIdx.x is: load_flow's index arithmetic, and so its machine code, stays as it was.
+// The tags cleared from the chunks a thread fetched swizzled (flow_fetch's deal with SW:
+// chunk idx + j * STRIDE of v[0..len)); returns the sum of squares of their values. idx is
+// unsigned, as threadIdx.x is: load_flow's index arithmetic stays as it was.
 template <int N, int STRIDE>
 __device__ __forceinline__ float flow_untag_chunks(float* v, unsigned idx, int len) {
   float ss = 0.f;
+  const int so = swz_off(v + 4 * idx);  // the same for every chunk of this thread
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     const int i = 4 * (idx + j * STRIDE);
     if (i < len) {
+      float* c = v + i + so;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const float x = flow_untag(v[i + k]);
-        v[i + k] = x;
+        const float x = flow_untag(c[k]);
+        c[k] = x;
         ss += x * x;
       }
     }
@@ -182,12 +189,13 @@ __device__ __forceinline__ float flow_untag_chunks(float* v, unsigned idx, int l
   return ss;
 }
 
-// xs[0..K) <- src (written by other CTAs with `tag`), tags cleared; returns this thread's sum
-// of squares over the elements it fetched. Callers __syncthreads before others read xs.
+// xs[0..K) <- src (written by other CTAs with `tag`), tags cleared, swizzled (a GEMV's
+// input); returns this thread's sum of squares over the elements it fetched. Callers
+// __syncthreads before others read xs.
 template <int K>
 __device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned tag) {
   constexpr int N = FlowChunks<K>::N;
-  flow_fetch<N, 0>(xs, src, tag, K / 4);
+  flow_fetch<N, 0, MK_THREADS, true>(xs, src, tag, K / 4);
   return flow_untag_chunks<N, MK_THREADS>(xs, threadIdx.x, K);
 }
 
@@ -231,7 +239,7 @@ __device__ __forceinline__ void load_flow_team(float* xs, const float* src, unsi
   static_assert(N <= 32, "a pending mask holds one bit per chunk of a thread");
   const int s = warp % P::S, idx = (warp / P::S) * 32 + lane;
   float* dst = xs + s * P::KP;
-  flow_fetch<N, 0, TEAM>(dst, src + s * P::KP, tag, C, nullptr, nullptr, 0u, 0, idx);
+  flow_fetch<N, 0, TEAM, true>(dst, src + s * P::KP, tag, C, nullptr, nullptr, 0u, 0, idx);
   flow_untag_chunks<N, TEAM>(dst, (unsigned)idx, P::KP);  // no norm here: the sum goes unused
   team_sync<P::GROUPS>(1 + s);
 }

@@ -23,17 +23,15 @@ struct RowShape {
 };
 
 // Issue the first batch of one row's loads into registers.
-template <int K, int BATCH, bool HINT = false>
+template <int K, int BATCH>
 __device__ __forceinline__ void issue_first(uint4 (&buf)[RowShape<K, BATCH>::B],
-                                            const bf16* __restrict__ w, int lane,
-                                            unsigned long long pol = 0) {
+                                            const bf16* __restrict__ w, int lane) {
   using S = RowShape<K, BATCH>;
   const uint4* wp = reinterpret_cast<const uint4*>(w);
 #pragma unroll
   for (int i = 0; i < S::B; ++i) {
     const int c = i * 32 + lane;
-    buf[i] = c < S::C ? (HINT ? ld_stream_hint(wp + c, pol) : ld_stream(wp + c))
-                      : make_uint4(0u, 0u, 0u, 0u);
+    buf[i] = c < S::C ? ld_stream(wp + c) : make_uint4(0u, 0u, 0u, 0u);
   }
 }
 
@@ -50,29 +48,34 @@ __device__ __forceinline__ float dot8x(const uint4 u, const float4 a, const floa
   return acc;
 }
 
-// Dot of 16-byte chunk c of a bf16 row with the same 8 floats of xs.
-__device__ __forceinline__ float dot8(const uint4 u, const float* __restrict__ xs, int c) {
-  const float4* xp = reinterpret_cast<const float4*>(xs);
-#if MK_PROBE_NOCONF  // timing probe, wrong values: both reads contiguous across lanes
-  return dot8x(u, xp[c], xp[c + 32]);
-#else
-  return dot8x(u, xp[2 * c], xp[2 * c + 1]);
-#endif
+// Dot of 16-byte chunk c of a bf16 row with the same 8 floats of xs (stored swizzled,
+// common.cuh). o: 4 where this lane's chunks have their halves swapped, else 0 (lane_half).
+__device__ __forceinline__ float dot8(const uint4 u, const float* __restrict__ xs, int c,
+                                      int o) {
+  const float* q = xs + 8 * c;
+  return dot8x(u, *reinterpret_cast<const float4*>(q + o),
+               *reinterpret_cast<const float4*>(q + 4 - o));
+}
+
+// dot8's o for a lane: its chunks c = i * 32 + lane lie 1 KB apart, so all share the bit of
+// the address that decides the swap.
+__device__ __forceinline__ int lane_half(const float* xs, int lane) {
+  return swz_off(xs + 8 * lane);
 }
 
 // Lane-partial dot of row w with xs; the first batch was issued earlier into `first`.
-template <int K, int BATCH, bool HINT = false>
+template <int K, int BATCH>
 __device__ __forceinline__ float row_partial(const uint4 (&first)[RowShape<K, BATCH>::B],
                                              const bf16* __restrict__ w,
-                                             const float* __restrict__ xs, int lane,
-                                             unsigned long long pol = 0) {
+                                             const float* __restrict__ xs, int lane) {
   using S = RowShape<K, BATCH>;
   const uint4* wp = reinterpret_cast<const uint4*>(w);
+  const int o = lane_half(xs, lane);
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < S::B; ++i) {
     const int c = i * 32 + lane;
-    if (c < S::C) acc += dot8(first[i], xs, c);
+    if (c < S::C) acc += dot8(first[i], xs, c, o);
   }
 #pragma unroll
   for (int b0 = S::B; b0 < S::N; b0 += S::B) {
@@ -80,38 +83,15 @@ __device__ __forceinline__ float row_partial(const uint4 (&first)[RowShape<K, BA
 #pragma unroll
     for (int i = 0; i < S::B; ++i) {
       const int c = (b0 + i) * 32 + lane;
-      if (b0 + i < S::N && c < S::C) buf[i] = HINT ? ld_stream_hint(wp + c, pol) : ld_stream(wp + c);
+      if (b0 + i < S::N && c < S::C) buf[i] = ld_stream(wp + c);
     }
 #pragma unroll
     for (int i = 0; i < S::B; ++i) {
       const int c = (b0 + i) * 32 + lane;
-      if (b0 + i < S::N && c < S::C) acc += dot8(buf[i], xs, c);
+      if (b0 + i < S::N && c < S::C) acc += dot8(buf[i], xs, c, o);
     }
   }
   return acc;
-}
-
-// One stage's rows for this warp: rows r0, r0+step, ... < rows of W [rows, K]. `pre` holds
-// the first batch of row r0 (issued by the caller, possibly before the stage's hand-off).
-// out(r, value) is called on every lane with the full dot product.
-template <int K, class Out>
-__device__ __forceinline__ void gemv_rows(const bf16* __restrict__ W, int rows, int r0, int step,
-                                          const float* __restrict__ xs, int lane,
-                                          uint4 (&pre)[RowShape<K, MK_BATCH>::B], Out out) {
-  using S = RowShape<K, MK_BATCH>;
-  // Rows longer than one batch keep loads in flight by themselves; pipelining them across
-  // rows as well would need a third register buffer and spill.
-  constexpr bool PIPE = S::N <= S::B;
-  for (int r = r0; r < rows; r += step) {
-    uint4 nxt[S::B];
-    const int rn = r + step;
-    if (PIPE) issue_first<K, MK_BATCH>(nxt, W + (size_t)(rn < rows ? rn : r) * K, lane);
-    const float d = warp_sum(row_partial<K, MK_BATCH>(pre, W + (size_t)r * K, xs, lane));
-    out(r, d);
-    if (!PIPE) issue_first<K, MK_BATCH>(nxt, W + (size_t)(rn < rows ? rn : r) * K, lane);
-#pragma unroll
-    for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
-  }
 }
 
 // Split-K GEMV: SPLIT consecutive warps of a CTA share each row, one K/SPLIT slice each,
@@ -142,7 +122,7 @@ __device__ __forceinline__ const bf16* split_first(const bf16* W, int rows, int 
 // out(r, value) is called once per row, by one thread. All threads of the CTA must call.
 // cta: the CTA's rank in the row order (the units of the first ranks get a row more when the
 // rows do not divide evenly).
-template <int K, int SPLIT, int PIN = 0, class Out>
+template <int K, int SPLIT, class Out>
 __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
                                            const float* __restrict__ xs, float* part, int warp,
                                            int lane,
@@ -156,12 +136,6 @@ __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
   const int u0 = cta * P::GROUPS + g;
   const int iters = (rows - cta * P::GROUPS + units - 1) / units;  // max over groups
   const float* xp = xs + s * P::KP;
-  constexpr bool HINT = PIN > 0;
-  unsigned long long keep = 0, other = 0;
-  if (HINT) {
-    keep = l2_keep_policy();
-    other = l2_other_policy();
-  }
   for (int it0 = 0; it0 < iters; it0 += MK_SPLIT_SLOTS) {
     const int it1 = min(iters, it0 + MK_SPLIT_SLOTS);
     for (int it = it0; it < it1; ++it) {
@@ -169,19 +143,12 @@ __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
       const int rn = r + units;
       uint4 nxt[S::B];
       const bf16* wn = W + (size_t)(rn < rows ? rn : (r < rows ? r : rows - 1)) * K + s * P::KP;
-      if (PIPE) issue_first<P::KP, MK_BATCH, HINT>(nxt, wn, lane, rn < PIN ? keep : other);
+      if (PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane);
       float d = 0.f;
-#if MK_PROBE_NOSUM  // timing probe, wrong values: lane 0's partial only, no shuffles
-      if (r < rows)
-        d = row_partial<P::KP, MK_BATCH, HINT>(pre, W + (size_t)r * K + s * P::KP, xp, lane,
-                                               r < PIN ? keep : other);
-#else
-      if (r < rows)
-        d = warp_sum(row_partial<P::KP, MK_BATCH, HINT>(pre, W + (size_t)r * K + s * P::KP, xp,
-                                                         lane, r < PIN ? keep : other));
-#endif
+      if (r < rows) d = warp_sum(row_partial<P::KP, MK_BATCH>(pre, W + (size_t)r * K + s * P::KP,
+                                                             xp, lane));
       if (lane == 0) part[warp * MK_SPLIT_SLOTS + (it - it0)] = d;
-      if (!PIPE) issue_first<P::KP, MK_BATCH, HINT>(nxt, wn, lane, rn < PIN ? keep : other);
+      if (!PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane);
 #pragma unroll
       for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
     }
@@ -202,7 +169,7 @@ __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
 }
 
 // Row pairs (2p, 2p+1) of W [2*pairs, K] (gate/up interleaved): out(p, dot0, dot1).
-template <int K, int PIN = 0, class Out>
+template <int K, class Out>
 __device__ __forceinline__ void gemv_pairs(const bf16* __restrict__ W, int pairs, int p0, int step,
                                            const float* __restrict__ xs, int lane,
                                            uint4 (&pre0)[RowShape<K, MK_BATCH2>::B],
@@ -210,12 +177,6 @@ __device__ __forceinline__ void gemv_pairs(const bf16* __restrict__ W, int pairs
   using S = RowShape<K, MK_BATCH2>;
   // Two rows already stream together; a second pair in flight would need 128 registers.
   constexpr bool PIPE = false;
-  constexpr bool HINT = PIN > 0;
-  unsigned long long keep = 0, other = 0;
-  if (HINT) {
-    keep = l2_keep_policy();
-    other = l2_other_policy();
-  }
   for (int p = p0; p < pairs; p += step) {
     uint4 n0[S::B], n1[S::B];
     const int pn = p + step;
@@ -225,14 +186,12 @@ __device__ __forceinline__ void gemv_pairs(const bf16* __restrict__ W, int pairs
       issue_first<K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane);
     }
     // While row 2p is reduced, row 2p+1's first batch is already in flight.
-    const unsigned long long pp = p < PIN ? keep : other, pq = (int)q < PIN ? keep : other;
-    const float a = row_partial<K, MK_BATCH2, HINT>(pre0, W + (size_t)(2 * p) * K, xs, lane, pp);
-    const float b =
-        row_partial<K, MK_BATCH2, HINT>(pre1, W + (size_t)(2 * p + 1) * K, xs, lane, pp);
+    const float a = row_partial<K, MK_BATCH2>(pre0, W + (size_t)(2 * p) * K, xs, lane);
+    const float b = row_partial<K, MK_BATCH2>(pre1, W + (size_t)(2 * p + 1) * K, xs, lane);
     out(p, warp_sum(a), warp_sum(b));
     if (!PIPE) {
-      issue_first<K, MK_BATCH2, HINT>(n0, W + (2 * q) * K, lane, pq);
-      issue_first<K, MK_BATCH2, HINT>(n1, W + (2 * q + 1) * K, lane, pq);
+      issue_first<K, MK_BATCH2>(n0, W + (2 * q) * K, lane);
+      issue_first<K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane);
     }
 #pragma unroll
     for (int i = 0; i < S::B; ++i) {

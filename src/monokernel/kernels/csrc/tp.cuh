@@ -96,17 +96,18 @@ __device__ __forceinline__ void tp_load_residual(const Params& p, float* xs, con
                                                  unsigned tag, unsigned x_tag, float eps,
                                                  float* red, const float* gain) {
   float ss = 0.f;
+  const int so = swz_off(xs + threadIdx.x);  // xs is a GEMV input (common.cuh); same for every i
   for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) {
     const float v = xres[i] + tp_sum(p, tag, i);
-    xs[i] = v;
+    xs[i + so] = v;
     ss += v * v;
     if (blockIdx.x == 0) st_flow(p.x + i, v, x_tag);
   }
   const float r = rsqrtf(block_sum(ss, red) / MK_H + eps);
   if (gain) {
-    for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) xs[i] *= r * gain[i];
+    for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) xs[i + so] *= r * gain[i];
   } else {
-    for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) xs[i] *= r;
+    for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) xs[i + so] *= r;
   }
   __syncthreads();
 }
