@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 INSTR_BYTES = 16  # every Hopper instruction
 STALL_PREFIX = "stall_"
+EXCESS = "L1 Wavefronts Shared Excessive"  # column absent from pages without memory metrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +57,7 @@ def read_source_page(text: str) -> list[Instr]:
             sass=r[ix["Source"]].strip(),
             executed=_int(r[ix["Instructions Executed"]]),
             stalls={h[len(STALL_PREFIX) :]: _int(r[ix[h]]) for h in reasons},
-            smem_excess=_int(r[ix.get("L1 Wavefronts Shared Excessive", -1)])
-            if "L1 Wavefronts Shared Excessive" in ix
-            else 0,
+            smem_excess=_int(r[ix[EXCESS]]) if EXCESS in ix else 0,
         )
         for r in data
     ]

@@ -90,11 +90,10 @@ __device__ __forceinline__ void load_vec(float* xs, const float* src, unsigned t
   const float ss = load_flow<K>(xs, src, tag);
   if (norm) {
     const float r = rsqrtf(block_sum(ss, red) / K + eps);
+    const int so = swz_off(xs + threadIdx.x);  // the same for every i below
     if (gain) {
-      const int so = swz_off(xs + threadIdx.x);  // the same for every i below
       for (int i = threadIdx.x; i < K; i += MK_THREADS) xs[i + so] *= r * gain[i];
     } else {
-      const int so = swz_off(xs + threadIdx.x);
       for (int i = threadIdx.x; i < K; i += MK_THREADS) xs[i + so] *= r;
     }
   }
