@@ -134,14 +134,15 @@ class KernelDims:
 
     def _attn_scratch_floats(self) -> int:
         """MK_ATTN_SMEM: the larger scratch of stage B's two unit kinds (stage D's input
-        vector borrows it too)."""
+        vector and the staged norm gain borrow it too)."""
         d, group = self.head_dim, self.heads // self.kv_heads
         head_units = 3 * d + THREADS + THREADS // (d // 8) * d
         lsum = (THREADS // (d // 8) + 3) // 4 * 4
         pmax = built_knob("MK_ATTN_PMAX", ATTN_PMAX)
         group_units = 4 * group + 2 * d + lsum + max(group * (5 * d // 2 + pmax), 8 * THREADS)
-        # Stage D's normalised input sits after the split-K partials (decode.cu: xd).
-        d_input = THREADS // 32 * SPLIT_SLOTS + self.hidden
+        # Stage D's normalised input sits after the split-K partials (decode.cu: xd), the
+        # next norm's staged gain after it (gn).
+        d_input = THREADS // 32 * SPLIT_SLOTS + 2 * self.hidden
         return max(head_units, group_units, d_input)
 
     def _fixed_smem_floats(self) -> int:

@@ -83,12 +83,13 @@ static_assert(MK_D_PRE >= 0 && MK_D_PRE <= 2, "MK_D_PRE: 0, 1 or 2 rows");
 
 // xs[0..K) <- src (fp32, written by other CTAs with `tag`, flow.cuh), swizzled as every GEMV
 // input is (common.cuh); optionally RMS-normalised in place. gain (may be null): the norm's
-// gain when it was not folded into the next matrix.
+// gain when it was not folded into the next matrix, in global or (staged) shared memory.
 template <int K>
 __device__ __forceinline__ void load_vec(float* xs, const float* src, unsigned tag, bool norm,
                                          float eps, float* red, const float* gain = nullptr) {
   const float ss = load_flow<K>(xs, src, tag);
   if (norm) {
+    cp_async_wait_all();  // a staged gain (stage_gain); block_sum's barriers publish it
     const float r = rsqrtf(block_sum(ss, red) / K + eps);
     const int so = swz_off(xs + threadIdx.x);  // the same for every i below
     if (gain) {
@@ -115,7 +116,10 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   // [H] stage D's normalised input, in the attention scratch after the split-K partials
   // (`part`): not in xs, which E's slices overwrite while D's last pairs still read this.
   float* xd = att + MK_WARPS * MK_SPLIT_SLOTS;
-  static_assert(MK_ATTN_SMEM >= MK_WARPS * MK_SPLIT_SLOTS + MK_H, "build.py sizes MK_ATTN_SMEM");
+  // [H] the next norm's gain (stage_gain), copied at the end of the stage before that norm.
+  float* gn = xd + MK_H;
+  static_assert(MK_ATTN_SMEM >= MK_WARPS * MK_SPLIT_SLOTS + 2 * MK_H,
+                "build.py sizes MK_ATTN_SMEM");
   float* kvwin = red + 64;  // 16-byte aligned: every region above is a multiple of 4 floats
   SampleScratch ss;
   ss.h64 = reinterpret_cast<unsigned long long*>(smem + MK_SMEM_FLOATS_A);
@@ -166,6 +170,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
   uint4 preA[SA::Shape::B], preC[SC::Shape::B], preE[SE::Shape::B];  // preA also serves F
   uint4 preG[RowShape<MK_H, MK_BATCH2>::B], preU[RowShape<MK_H, MK_BATCH2>::B];
   float* part = att;  // split-K partial sums [WARPS, SLOTS]; attention scratch is idle then
+  stage_gain<MK_H>(gn, p.layers[0].attn_gain);
   issue_first<SA::KP, MK_BATCH>(preA, split_first<MK_H, MK_SPLIT_A>(p.layers[0].wqkv, MK_QKV, warp),
                                 lane);
 
@@ -196,25 +201,24 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
           s2 += v * v;
           if (blockIdx.x == 0) st_flow(p.x + i, v, tag_x);
         }
+        cp_async_wait_all();  // the staged gain; block_sum's barriers publish it
         const float r = rsqrtf(block_sum(s2, red) / MK_H + p.eps);
-        for (int i = t; i < MK_H; i += MK_THREADS)
-          xs[i + so] *= lw.attn_gain ? r * lw.attn_gain[i] : r;
+        const float* g = staged_gain(gn, lw.attn_gain);
+        for (int i = t; i < MK_H; i += MK_THREADS) xs[i + so] *= g ? r * g[i] : r;
         __syncthreads();
       } else {
 #if MK_TP > 1
-        tp_load_residual(p, xs, xres, tag_c - 1u, tag_x, p.eps, red, lw.attn_gain);  // prev. E
+        tp_load_residual(p, xs, xres, tag_c - 1u, tag_x, p.eps, red,
+                         staged_gain(gn, lw.attn_gain));  // prev. E
 #else
-        load_vec<MK_H>(xs, p.x, tag_x, true, p.eps, red, lw.attn_gain);
+        load_vec<MK_H>(xs, p.x, tag_x, true, p.eps, red, staged_gain(gn, lw.attn_gain));
 #endif
       }
       skew(p, step, layer, 0);
-      gemv_split<MK_H, MK_SPLIT_A>(lw.wqkv, MK_QKV, xs, part, warp, lane, preA,
-                                   [&](int r, float d) {
-#if MK_QKV_BIAS
-                                     d += lw.bqkv[r];
-#endif
-                                     st_flow(p.qkv + r, d, tag);
-                                   });
+      gemv_split<MK_H, MK_SPLIT_A>(
+          lw.wqkv, MK_QKV, xs, part, warp, lane, preA,
+          [&](int r, float d) { st_flow(p.qkv + r, d, tag); }, (int)blockIdx.x,
+          MK_QKV_BIAS ? lw.bqkv : nullptr);
       mark(p, step, mk++);
       skew(p, step, layer, 1);
       handoff_arrive(flow, p.barrier, bar);
@@ -243,14 +247,12 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #if MK_TP > 1
         tp_send(p, tag_c, r, d);  // partial, bias-free: o-bias is added once after the sum (D)
 #else
-#if MK_O_BIAS
-        d += lw.bo[r];
-#endif
         st_flow(p.delta + r, d, tag);
 #endif
-      }, c_cta);
+      }, c_cta, MK_O_BIAS && MK_TP == 1 ? lw.bo : nullptr);
       skew(p, step, layer, 4);
       handoff_arrive(flow, p.barrier, bar);
+      stage_gain<MK_H>(gn, lw.ffn_gain);
       if (MK_D_PRE >= 1)
         issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * clamp_row(gw, MK_I) * MK_H, lane);
       if (MK_D_PRE >= 2)
@@ -280,10 +282,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
           issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * clamp_row(gw, MK_I) * MK_H, lane);
         if (MK_D_PRE < 2)
           issue_first<MK_H, MK_BATCH2>(preU, lw.wgu + (2 * clamp_row(gw, MK_I) + 1) * MK_H, lane);
+        cp_async_wait_all();  // the staged gain; block_sum's barriers publish it
         const float r = rsqrtf(block_sum(s2, red) / MK_H + p.eps);
+        const float* g = staged_gain(gn, lw.ffn_gain);
         const int so = swz_off(xd + t);  // xd is a GEMV input (common.cuh)
-        for (int i = t; i < MK_H; i += MK_THREADS)
-          xd[i + so] = xres[i] * (lw.ffn_gain ? r * lw.ffn_gain[i] : r);
+        for (int i = t; i < MK_H; i += MK_THREADS) xd[i + so] = xres[i] * (g ? r * g[i] : r);
         __syncthreads();
       }
       skew(p, step, layer, 5);
@@ -326,6 +329,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
               ? split_first<MK_H, MK_SPLIT_A>(p.layers[layer + 1].wqkv, MK_QKV, warp)
               : split_first<MK_H, MK_SPLIT_F>(p.lm_head, MK_V, warp);
       handoff_arrive(flow, p.barrier, bar);
+      stage_gain<MK_H>(gn, layer + 1 < MK_L ? p.layers[layer + 1].attn_gain : p.norm_gain);
       issue_first<SA::KP, MK_BATCH>(preA, next_first, lane);
       mark(p, step, mk++);
       handoff_wait(flow, p.barrier, bar);
@@ -336,9 +340,10 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #if MK_TP > 1
     tp_load_residual(p, xs, xres, p.tp_tag + 2u * (unsigned)((step + 1) * MK_L) - 1u,
                      flow_tag(step, MK_L - 1), p.eps, red,
-                     p.norm_gain);  // the last layer's down all-reduce
+                     staged_gain(gn, p.norm_gain));  // the last layer's down all-reduce
 #else
-    load_vec<MK_H>(xs, p.x, flow_tag(step, MK_L - 1), true, p.eps, red, p.norm_gain);
+    load_vec<MK_H>(xs, p.x, flow_tag(step, MK_L - 1), true, p.eps, red,
+                   staged_gain(gn, p.norm_gain));
 #endif
     const uint32_t key = draw_key(p.seed_lo, p.seed_hi, pos + 1);  // position of the new token
     float best = -INFINITY;
@@ -372,6 +377,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       if (host_cta) p.flags[0] = *p.host_cancel != 0;  // one PCIe read per token
     }
     grid_arrive(p.barrier, bar);
+    stage_gain<MK_H>(gn, p.layers[0].attn_gain);  // F's norm is done with gn
     issue_first<SA::KP, MK_BATCH>(
         preA, split_first<MK_H, MK_SPLIT_A>(p.layers[0].wqkv, MK_QKV, warp), lane);
     mark(p, step, mk++);
@@ -453,5 +459,6 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     token = next;
     if (done) break;
   }
+  cp_async_wait_all();  // the next step's gain, staged for a step that will not run
   attention_window_drain(kvwin);
 }

@@ -166,6 +166,32 @@ __device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigne
   }
 }
 
+// A norm's gain (K floats, global; null: folded into the next matrix) copied into shared
+// memory `dst` with cp.async, not waited for. Issued before a stage's first weight loads go
+// out at the end of the stage before it: read after the hand-off instead, the gain's L2 hits
+// queued behind those loads (0.7 µs at D's input on an H100, scripts/stage_skew.py). The
+// reader calls cp_async_wait_all, then a CTA barrier, before any thread reads dst.
+#ifndef MK_GAIN_STAGE
+#define MK_GAIN_STAGE 1  // 0: the norms read their gains from global memory (for A/B timing)
+#endif
+template <int K>
+__device__ __forceinline__ void stage_gain(float* dst, const float* gain) {
+  if (!MK_GAIN_STAGE || !gain) return;
+  constexpr int N = FlowChunks<K>::N;
+  flow_issue<N, MK_THREADS>((int)threadIdx.x, dst, gain,
+                            flow_mask<N, MK_THREADS>((int)threadIdx.x, K / 4));
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Where a norm reads its gain: stage_gain's copy in dst, or global memory when not staged.
+__device__ __forceinline__ const float* staged_gain(const float* dst, const float* gain) {
+  return MK_GAIN_STAGE && gain ? dst : gain;
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
 // The tags cleared from the chunks a thread fetched swizzled (flow_fetch's deal with SW:
 // chunk idx + j * STRIDE of v[0..len)); returns the sum of squares of their values. idx is
 // unsigned, as threadIdx.x is: load_flow's index arithmetic stays as it was.

@@ -121,13 +121,17 @@ __device__ __forceinline__ const bf16* split_first(const bf16* W, int rows, int 
 
 // out(r, value) is called once per row, by one thread. All threads of the CTA must call.
 // cta: the CTA's rank in the row order (the units of the first ranks get a row more when the
-// rows do not divide evenly).
+// rows do not divide evenly). bias (may be null): added to each row's value. The first
+// round's values are loaded before the rows are computed: read in the combine, they cost a
+// round trip on the stage's way out (Qwen2.5's QKV bias: 9 µs a token on an H100,
+// docs/perf-notes.md step 43).
 template <int K, int SPLIT, class Out>
 __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
                                            const float* __restrict__ xs, float* part, int warp,
                                            int lane,
                                            uint4 (&pre)[Split<K, SPLIT>::Shape::B], Out out,
-                                           int cta = (int)blockIdx.x) {
+                                           int cta = (int)blockIdx.x,
+                                           const float* __restrict__ bias = nullptr) {
   using P = Split<K, SPLIT>;
   using S = typename P::Shape;
   constexpr bool PIPE = S::N <= S::B;
@@ -136,6 +140,12 @@ __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
   const int u0 = cta * P::GROUPS + g;
   const int iters = (rows - cta * P::GROUPS + units - 1) / units;  // max over groups
   const float* xp = xs + s * P::KP;
+  float b0 = 0.f;  // bias of the row this thread combines in the first round
+  if (bias && (int)threadIdx.x < P::GROUPS * MK_SPLIT_SLOTS) {
+    const int j = threadIdx.x % MK_SPLIT_SLOTS;
+    const int r = cta * P::GROUPS + (int)threadIdx.x / MK_SPLIT_SLOTS + j * units;
+    if (j < iters && r < rows) b0 = bias[r];
+  }
   for (int it0 = 0; it0 < iters; it0 += MK_SPLIT_SLOTS) {
     const int it1 = min(iters, it0 + MK_SPLIT_SLOTS);
     for (int it = it0; it < it1; ++it) {
@@ -158,7 +168,7 @@ __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
       const int gg = q / MK_SPLIT_SLOTS, j = q % MK_SPLIT_SLOTS;
       const int r = cta * P::GROUPS + gg + (it0 + j) * units;
       if (it0 + j < it1 && r < rows) {
-        float v = 0.f;
+        float v = bias ? (it0 == 0 ? b0 : bias[r]) : 0.f;
 #pragma unroll
         for (int k = 0; k < P::S; ++k) v += part[(gg * P::S + k) * MK_SPLIT_SLOTS + j];
         out(r, v);
