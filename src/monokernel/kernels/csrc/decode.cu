@@ -89,8 +89,7 @@ __device__ __forceinline__ void load_vec(float* xs, const float* src, unsigned t
                                          float eps, float* red, const float* gain = nullptr) {
   const float ss = load_flow<K>(xs, src, tag);
   if (norm) {
-    cp_async_wait_all();  // a staged gain (stage_gain); block_sum's barriers publish it
-    const float r = rsqrtf(block_sum(ss, red) / K + eps);
+    const float r = rms_scale<K>(ss, red, eps);
     const int so = swz_off(xs + threadIdx.x);  // the same for every i below
     if (gain) {
       for (int i = threadIdx.x; i < K; i += MK_THREADS) xs[i + so] *= r * gain[i];
@@ -201,8 +200,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
           s2 += v * v;
           if (blockIdx.x == 0) st_flow(p.x + i, v, tag_x);
         }
-        cp_async_wait_all();  // the staged gain; block_sum's barriers publish it
-        const float r = rsqrtf(block_sum(s2, red) / MK_H + p.eps);
+        const float r = rms_scale<MK_H>(s2, red, p.eps);
         const float* g = staged_gain(gn, lw.attn_gain);
         for (int i = t; i < MK_H; i += MK_THREADS) xs[i + so] *= g ? r * g[i] : r;
         __syncthreads();
@@ -282,8 +280,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
           issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * clamp_row(gw, MK_I) * MK_H, lane);
         if (MK_D_PRE < 2)
           issue_first<MK_H, MK_BATCH2>(preU, lw.wgu + (2 * clamp_row(gw, MK_I) + 1) * MK_H, lane);
-        cp_async_wait_all();  // the staged gain; block_sum's barriers publish it
-        const float r = rsqrtf(block_sum(s2, red) / MK_H + p.eps);
+        const float r = rms_scale<MK_H>(s2, red, p.eps);
         const float* g = staged_gain(gn, lw.ffn_gain);
         const int so = swz_off(xd + t);  // xd is a GEMV input (common.cuh)
         for (int i = t; i < MK_H; i += MK_THREADS) xd[i + so] = xres[i] * (g ? r * g[i] : r);

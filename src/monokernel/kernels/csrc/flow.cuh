@@ -170,7 +170,7 @@ __device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigne
 // memory `dst` with cp.async, not waited for. Issued before a stage's first weight loads go
 // out at the end of the stage before it: read after the hand-off instead, the gain's L2 hits
 // queued behind those loads (0.7 µs at D's input on an H100, scripts/stage_skew.py). The
-// reader calls cp_async_wait_all, then a CTA barrier, before any thread reads dst.
+// reader's rms_scale waits for the copies and publishes them before any thread reads dst.
 #ifndef MK_GAIN_STAGE
 #define MK_GAIN_STAGE 1  // 0: the norms read their gains from global memory (for A/B timing)
 #endif
@@ -190,6 +190,15 @@ __device__ __forceinline__ const float* staged_gain(const float* dst, const floa
 
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
+// An RMS norm's scale, 1/rms of K values of which this thread's squares sum to ss. All
+// threads must call. Waits for this thread's staged gain copies first; block_sum's barriers
+// then publish them to the CTA.
+template <int K>
+__device__ __forceinline__ float rms_scale(float ss, float* red, float eps) {
+  cp_async_wait_all();
+  return rsqrtf(block_sum(ss, red) / K + eps);
 }
 
 // The tags cleared from the chunks a thread fetched swizzled (flow_fetch's deal with SW:

@@ -103,8 +103,7 @@ __device__ __forceinline__ void tp_load_residual(const Params& p, float* xs, con
     ss += v * v;
     if (blockIdx.x == 0) st_flow(p.x + i, v, x_tag);
   }
-  cp_async_wait_all();  // a staged gain (stage_gain); block_sum's barriers publish it
-  const float r = rsqrtf(block_sum(ss, red) / MK_H + eps);
+  const float r = rms_scale<MK_H>(ss, red, eps);
   if (gain) {
     for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) xs[i + so] *= r * gain[i];
   } else {
