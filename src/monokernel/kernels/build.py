@@ -136,7 +136,8 @@ class KernelDims:
         """MK_ATTN_SMEM: the larger scratch of stage B's two unit kinds (stage D's input
         vector and the staged norm gain borrow it too)."""
         d, group = self.head_dim, self.heads // self.kv_heads
-        head_units = 3 * d + THREADS + THREADS // (d // 8) * d
+        gv = THREADS // (d // 8)
+        head_units = 3 * d + THREADS + gv * d + (THREADS // 32 + gv + 3) // 4 * 4
         lsum = (THREADS // (d // 8) + 3) // 4 * 4
         pmax = built_knob("MK_ATTN_PMAX", ATTN_PMAX)
         group_units = 4 * group + 2 * d + lsum + max(group * (5 * d // 2 + pmax), 8 * THREADS)

@@ -19,9 +19,17 @@ from monokernel.models.config import ModelConfig
 from monokernel.weights.repack import Repacked
 
 
-def _rms(v: torch.Tensor, eps: float, gain: torch.Tensor | None = None) -> torch.Tensor:
-    out = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
-    return out if gain is None else out * gain  # gain: only when repacked with fold=False
+def _rms(v: torch.Tensor, eps: float) -> torch.Tensor:
+    return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _normed_matvec(
+    w: torch.Tensor, x: torch.Tensor, eps: float, gain: torch.Tensor | None
+) -> torch.Tensor:
+    """w @ RMSNorm(x) as the kernel computes it: the gain applied to the input, 1/rms to the
+    dot products (``norm_scale`` in ``csrc/flow.cuh``)."""
+    xg = x if gain is None else x * gain  # gain: only when repacked with fold=False
+    return (w.float() @ xg) * torch.rsqrt(x.pow(2).mean() + eps)
 
 
 def handoff_round(v: torch.Tensor) -> torch.Tensor:
@@ -75,13 +83,13 @@ class ScheduleInterpreter:
         x = self.p.embed[token].float()  # residual stream [h]
         r = handoff_round  # what one stage stores for the next
         for n, lp in enumerate(self.p.layers):
-            qkv = lp.wqkv.float() @ _rms(x, eps, lp.attn_gain)  # A  [q + 2kv]
+            qkv = _normed_matvec(lp.wqkv, x, eps, lp.attn_gain)  # A  [q + 2kv]
             if lp.bqkv is not None:
                 qkv = qkv + lp.bqkv
             attn = r(self._attention(n, r(qkv), pos))  # B  [q]
             o = lp.wo.float() @ attn  # C
             x = x + r(o + lp.bo if lp.bo is not None else o)
-            gu = lp.wgu.float() @ _rms(x, eps, lp.ffn_gain)  # D  [2i] interleaved
+            gu = _normed_matvec(lp.wgu, x, eps, lp.ffn_gain)  # D  [2i] interleaved
             act = r(torch.nn.functional.silu(gu[0::2]) * gu[1::2])  # [i]
             x = r(x + lp.wdown.float() @ act)  # E
-        return self.p.lm_head.float() @ _rms(x, eps, self.p.norm_gain)  # F  [V]
+        return _normed_matvec(self.p.lm_head, x, eps, self.p.norm_gain)  # F  [V]

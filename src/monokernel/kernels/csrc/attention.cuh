@@ -31,17 +31,49 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   float* vn = kn + MK_D;           // [D] the new value
   float* sc = vn + MK_D;           // [THREADS] probabilities
   float* part = sc + MK_THREADS;   // [GV, D] per-group partial outputs
+  float* smax = part + GV * MK_D;  // [WARPS] each warp's largest score
+  float* lsum = smax + MK_WARPS;   // [GV] each P·V group's sum of exp(score - max)
 
-  if (t < MK_D) {  // all three loads in flight before waiting for any: one round trip
-    const float* pq = p.qkv + hq * MK_D + t;
-    const float* pk = p.qkv + MK_Q + kvh * MK_D + t;
-    const float* pv = p.qkv + MK_Q + MK_KV + kvh * MK_D + t;
-    const unsigned uq = ld_flow_word(pq), uk = ld_flow_word(pk), uv = ld_flow_word(pv);
-    qs[t] = __uint_as_float(flow_wait_word(pq, uq, tag) & ~MK_TAG_BITS);
-    kn[t] = __uint_as_float(flow_wait_word(pk, uk, tag) & ~MK_TAG_BITS);
-    vn[t] = __uint_as_float(flow_wait_word(pv, uv, tag) & ~MK_TAG_BITS);
-  }
+  const float* pq = p.qkv + hq * MK_D;
+  const float* pk = p.qkv + MK_Q + kvh * MK_D;
+  const float* pv = p.qkv + MK_Q + MK_KV + kvh * MK_D;
   const int stages = max(1, (r.nc + MK_ATTN_P - 1) / MK_ATTN_P);  // filled by the prefetch
+  auto untag_wait = [&](const float* w, unsigned u) {
+    return __uint_as_float(flow_wait_word(w, u, tag) & ~MK_TAG_BITS);
+  };
+#if !MK_QK_NORM
+  // Thread t < HALF fetches the pairs (t, t + HALF) of q, k and v (all six words in flight
+  // at once: one round trip; the window, which holds the RoPE row, is in by then, filled a
+  // stage ahead) and rotates them itself: one barrier before the scores instead of the two
+  // a qk-norm needs (perf notes step 44).
+  for (int s = 0; s < stages; ++s) window_spin(win, s);
+  if (t < HALF) {
+    unsigned u[6];
+    u[0] = ld_flow_word(pq + t), u[1] = ld_flow_word(pq + t + HALF);
+    u[2] = ld_flow_word(pk + t), u[3] = ld_flow_word(pk + t + HALF);
+    u[4] = ld_flow_word(pv + t), u[5] = ld_flow_word(pv + t + HALF);
+    const float c = rope[t], s = rope[HALF + t];
+    const float scale = rsqrtf((float)MK_D);
+    const float q1 = untag_wait(pq + t, u[0]), q2 = untag_wait(pq + t + HALF, u[1]);
+    qs[t] = (q1 * c - q2 * s) * scale;
+    qs[t + HALF] = (q2 * c + q1 * s) * scale;
+    const float k1 = untag_wait(pk + t, u[2]), k2 = untag_wait(pk + t + HALF, u[3]);
+    kn[t] = k1 * c - k2 * s;
+    kn[t + HALF] = k2 * c + k1 * s;
+    vn[t] = untag_wait(pv + t, u[4]);
+    vn[t + HALF] = untag_wait(pv + t + HALF, u[5]);
+  }
+  __syncthreads();
+  skew(p, pos - p.start_pos, layer, 9);
+  if (t == 0)
+    for (int s = 0; s < stages; ++s) window_done(win, s);
+#else
+  if (t < MK_D) {  // all three loads in flight before waiting for any: one round trip
+    const unsigned uq = ld_flow_word(pq + t), uk = ld_flow_word(pk + t), uv = ld_flow_word(pv + t);
+    qs[t] = untag_wait(pq + t, uq);
+    kn[t] = untag_wait(pk + t, uk);
+    vn[t] = untag_wait(pv + t, uv);
+  }
   for (int s = 0; s < stages; ++s) window_spin(win, s);
   __syncthreads();
   skew(p, pos - p.start_pos, layer, 9);
@@ -64,6 +96,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     kn[t + HALF] = k2 * c + k1 * s;
   }
   __syncthreads();
+#endif
   // The first query head of each group appends the new key/value; the others use the
   // shared-memory copies for this position, so no CTA waits on another's write.
   if (hq % MK_GROUP == 0 && split == 0) append_kv(p, layer, kvh, pos, kn, vn);
@@ -79,6 +112,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   constexpr int U = 2;                   // chains
   {
     const int k = t % CHP;
+    float mw = -INFINITY;  // this lane's largest score (every lane of a group holds its sums)
     float4 q0 = make_float4(0.f, 0.f, 0.f, 0.f), q1 = q0;
     if (k < CH) {
       q0 = reinterpret_cast<const float4*>(qs)[2 * k];
@@ -109,33 +143,35 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int jj = (pass * U + u) * PPP + t / CHP;
-        if (k == 0 && jj < cnt) sc[jj] = d[u];
+        if (jj < cnt) {
+          if (k == 0) sc[jj] = d[u];
+          mw = fmaxf(mw, d[u]);
+        }
       }
     }
+    for (int o = CHP; o < 32; o <<= 1) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, o));
+    if ((t & 31) == 0) smax[t >> 5] = mw;
   }
   __syncthreads();
   skew(p, pos - p.start_pos, layer, 10);
-  // Softmax statistics: every warp reduces all the scores itself (the same lanes in the same
-  // order, so every warp gets the same m and l), which needs no block-wide reduction and no
-  // barrier; P·V exponentiates the scores it uses.
+  // Softmax statistics. The max: the warps' maxima from the score passes, combined by every
+  // thread in the same order after the barrier the scores need anyway. The exp-sum: each P·V
+  // group sums the weights it uses, and the final combine adds the groups' sums with their
+  // outputs. So no pass over the scores between the two barriers (every warp re-read all the
+  // scores for both before: perf notes step 44).
   float m = -INFINITY, l = 0.f;
-  {
-    const int lane = t & 31;
-    for (int i = lane; i < cnt; i += 32) m = fmaxf(m, sc[i]);
-    m = warp_max(m);
-    // A reader merge weighs this range by the max as stored (rounded): use that one here.
-    if (reader) m = flow_round(m);
-    for (int i = lane; i < cnt; i += 32) l += expf(sc[i] - m);
-    l = warp_sum(l);
-  }
+  for (int w = 0; w < MK_WARPS; ++w) m = fmaxf(m, smax[w]);
+  if (reader) m = flow_round(m);  // a reader merge weighs this range by the max as stored
   skew(p, pos - p.start_pos, layer, 11);
 
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   const int c = t % CH, g = t / CH;
   if (g < GV) {
+    float lg = 0.f;
 #pragma unroll 4
     for (int i = g; i < cnt; i += GV) {
       const float w = expf(sc[i] - m);
+      lg += w;
       if (i == r.nc) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] = fmaf(w, vn[8 * c + e], acc[e]);
@@ -151,8 +187,10 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     float4* pp = reinterpret_cast<float4*>(part + g * MK_D + 8 * c);
     pp[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
     pp[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    if (c == 0) lsum[g] = lg;
   }
   __syncthreads();
+  for (int gg = 0; gg < GV; ++gg) l += lsum[gg];
   if (a.ns == 1) {
     if (t < MK_D) {
       float o = 0.f;

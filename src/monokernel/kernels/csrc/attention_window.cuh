@@ -44,11 +44,13 @@
 #endif
 
 // Scratch of stage B in floats (decode.cu's `att` region): the larger of the two unit kinds.
-// head:  q, k, v [3D] | probabilities [THREADS] | per-group partial outputs [GV, D]
+// head:  q, k, v [3D] | probabilities [THREADS] | per-group partial outputs [GV, D] |
+//        per-warp score maxima [WARPS] + per-group exp-sums [GV], rounded to 4
 // group: running and stage max [4G] | k, v [2D] | exp-sums [THREADS / CH, rounded to 4] |
 //        q [G, D] + padded q [G, 3D/2] + probabilities [G, PMAX], all three reused as the
 //        per-group partial outputs [NG, G, D] (<= 8 * THREADS)
-#define MK_ATTN_SMEM_HEAD (3 * MK_D + MK_THREADS + MK_ATTN_GV * MK_D)
+#define MK_ATTN_SMEM_HEAD \
+  (3 * MK_D + MK_THREADS + MK_ATTN_GV * MK_D + (MK_WARPS + MK_ATTN_GV + 3) / 4 * 4)
 #define MK_ATTN_SMEM_GROUP                                                     \
   (4 * MK_GROUP + 2 * MK_D + (MK_THREADS / MK_ATTN_CH + 3) / 4 * 4 +           \
    MK_MAX2(MK_GROUP * (5 * MK_D / 2 + MK_ATTN_PMAX), 8 * MK_THREADS))
@@ -133,34 +135,38 @@ __device__ __forceinline__ int attn_part_slot(int hq, int split) { return split 
 // their statistics (st[4 * slot ..]), fetched in one round trip and combined in range order
 // (deterministic). st: 4 * NH * ns floats of scratch. Each thread combines whole 8-float
 // chunks, inside which the swizzle moves values, so the combine runs in place without a
-// barrier inside it.
+// barrier inside it. Each combining thread also weighs its head's ranges itself (a few exps
+// a thread) instead of one thread a head doing it for all behind one more barrier (perf
+// notes step 44).
 __device__ __forceinline__ void load_attn_merged(const Params& p, int ns, unsigned tag,
                                                  float* xs, float* st) {
   constexpr int NA = FlowChunks<MK_MERGE_NS * MK_Q>::N;
   constexpr int NB = FlowChunks<4 * MK_MERGE_NS * MK_NH>::N;
   flow_fetch<NA, NB>(xs, p.attn, tag, ns * MK_Q / 4, st, p.attn_ml, tag, ns * MK_NH);
   __syncthreads();
-  for (int h = threadIdx.x; h < MK_NH; h += MK_THREADS) {
-    float mx = -INFINITY;
-    for (int s = 0; s < ns; ++s) mx = fmaxf(mx, flow_untag(st[4 * attn_part_slot(h, s)]));
-    float den = 0.f;
-    for (int s = 0; s < ns; ++s) {
-      float* e = st + 4 * attn_part_slot(h, s);
-      const float m = flow_untag(e[0]);
-      const float w = m == -INFINITY ? 0.f : expf(m - mx);  // an empty range weighs nothing
-      e[2] = w;
-      den = fmaf(w, flow_untag(e[1]), den);
-    }
-    for (int s = 0; s < ns; ++s) st[4 * attn_part_slot(h, s) + 2] /= den;
-  }
-  __syncthreads();
   for (int c = threadIdx.x; c < MK_Q / 8; c += MK_THREADS) {
     const int h = 8 * c / MK_D;  // D is a multiple of 8: a chunk lies in one head
-    float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int s = 0; s < ns; ++s) {
-      const float w = st[4 * attn_part_slot(h, s) + 2];
+    float mx = -INFINITY;
+    for (int s = 0; s < ns; ++s) mx = fmaxf(mx, flow_untag(st[4 * attn_part_slot(h, s)]));
+    float w[MK_MERGE_NS], den = 0.f;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) o[e] = fmaf(w, flow_untag(xs[s * MK_Q + 8 * c + e]), o[e]);
+    for (int s = 0; s < MK_MERGE_NS; ++s) {
+      w[s] = 0.f;
+      if (s < ns) {
+        const float* e = st + 4 * attn_part_slot(h, s);
+        const float m = flow_untag(e[0]);
+        w[s] = m == -INFINITY ? 0.f : expf(m - mx);  // an empty range weighs nothing
+        den = fmaf(w[s], flow_untag(e[1]), den);
+      }
+    }
+    float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < MK_MERGE_NS; ++s) {
+      if (s < ns) {
+        const float ws = w[s] / den;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[e] = fmaf(ws, flow_untag(xs[s * MK_Q + 8 * c + e]), o[e]);
+      }
     }
 #pragma unroll
     for (int e = 0; e < 8; ++e) *swz(xs + 8 * c + e) = o[e];

@@ -82,22 +82,40 @@ static_assert(MK_D_PRE >= 0 && MK_D_PRE <= 2, "MK_D_PRE: 0, 1 or 2 rows");
 #define MK_SMEM_FLOATS_A (((MK_XS + MK_H + MK_ATTN_SMEM + 64 + MK_KVWIN_FLOATS) + 3) & ~3)
 
 // xs[0..K) <- src (fp32, written by other CTAs with `tag`, flow.cuh), swizzled as every GEMV
-// input is (common.cuh); optionally RMS-normalised in place. gain (may be null): the norm's
-// gain when it was not folded into the next matrix, in global or (staged) shared memory.
+// input is (common.cuh); optionally RMS-normalised, the 1/rms deferred to the dot products
+// (norm_scale). gain (may be null): the norm's gain when it was not folded into the next
+// matrix, in global or (staged) shared memory. Returns the scale the stage's dot products
+// still need: the norm's 1/rms, or 1.
 template <int K>
-__device__ __forceinline__ void load_vec(float* xs, const float* src, unsigned tag, bool norm,
-                                         float eps, float* red, const float* gain = nullptr) {
-  const float ss = load_flow<K>(xs, src, tag);
-  if (norm) {
-    const float r = rms_scale<K>(ss, red, eps);
-    const int so = swz_off(xs + threadIdx.x);  // the same for every i below
-    if (gain) {
-      for (int i = threadIdx.x; i < K; i += MK_THREADS) xs[i + so] *= r * gain[i];
-    } else {
-      for (int i = threadIdx.x; i < K; i += MK_THREADS) xs[i + so] *= r;
+__device__ __forceinline__ float load_vec(float* xs, const float* src, unsigned tag, bool norm,
+                                          float eps, float* red, const float* gain = nullptr) {
+  if (norm) return norm_scale<K>(load_flow<K>(xs, src, tag, gain), red, eps);
+  load_flow<K>(xs, src, tag);
+  __syncthreads();
+  return 1.f;
+}
+
+// Layer 0's input: the token's embedding row times the norm's gain into xs (swizzled, a GEMV
+// input) and, by CTA 0, the row into x (tag_x) for the residual. Each thread takes whole
+// 4-float chunks, the ones whose gain it staged (stage_gain), so it reads its gain without a
+// barrier. Returns the norm's 1/rms, deferred to the dot products (norm_scale).
+__device__ __forceinline__ float embed_norm(const Params& p, float* xs, int tok, unsigned tag_x,
+                                            const float* gain, float* red) {
+  const bf16* row = p.embed + (size_t)tok * MK_H;
+  const int so = swz_off(xs + 4 * threadIdx.x);  // the same for every chunk of this thread
+  cp_async_wait_all();                           // this thread's staged gain chunks
+  float ss = 0.f;
+  for (int i = 4 * threadIdx.x; i < MK_H; i += 4 * MK_THREADS) {
+    const uint2 u = *reinterpret_cast<const uint2*>(row + i);
+    const float v[4] = {bf_lo(u.x), bf_hi(u.x), bf_lo(u.y), bf_hi(u.y)};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      xs[i + so + k] = gain ? v[k] * gain[i + k] : v[k];
+      ss += v[k] * v[k];
+      if (blockIdx.x == 0) st_flow(p.x + i + k, v[k], tag_x);
     }
   }
-  __syncthreads();
+  return norm_scale<MK_H>(ss, red, p.eps);
 }
 
 // A valid row for a warp that has none in a stage: its early loads stay harmless, and every
@@ -190,33 +208,22 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       const unsigned tag_c = p.tp_tag + 2u * (unsigned)(step * MK_L + layer);
 #endif
       // ---- A: RMSNorm + QKV projection -> qkv [QKV]
+      float ra = 1.f;  // the norm's 1/rms where it is deferred to the dot products
       if (layer == 0) {
-        const bf16* row = p.embed + (size_t)in_tok * MK_H;
-        const int so = swz_off(xs + t);  // xs is a GEMV input (common.cuh); same for every i
-        float s2 = 0.f;
-        for (int i = t; i < MK_H; i += MK_THREADS) {
-          const float v = __bfloat162float(row[i]);
-          xs[i + so] = v;
-          s2 += v * v;
-          if (blockIdx.x == 0) st_flow(p.x + i, v, tag_x);
-        }
-        const float r = rms_scale<MK_H>(s2, red, p.eps);
-        const float* g = staged_gain(gn, lw.attn_gain);
-        for (int i = t; i < MK_H; i += MK_THREADS) xs[i + so] *= g ? r * g[i] : r;
-        __syncthreads();
+        ra = embed_norm(p, xs, in_tok, tag_x, staged_gain(gn, lw.attn_gain), red);
       } else {
 #if MK_TP > 1
         tp_load_residual(p, xs, xres, tag_c - 1u, tag_x, p.eps, red,
                          staged_gain(gn, lw.attn_gain));  // prev. E
 #else
-        load_vec<MK_H>(xs, p.x, tag_x, true, p.eps, red, staged_gain(gn, lw.attn_gain));
+        ra = load_vec<MK_H>(xs, p.x, tag_x, true, p.eps, red, staged_gain(gn, lw.attn_gain));
 #endif
       }
       skew(p, step, layer, 0);
       gemv_split<MK_H, MK_SPLIT_A>(
           lw.wqkv, MK_QKV, xs, part, warp, lane, preA,
           [&](int r, float d) { st_flow(p.qkv + r, d, tag); }, (int)blockIdx.x,
-          MK_QKV_BIAS ? lw.bqkv : nullptr);
+          MK_QKV_BIAS ? lw.bqkv : nullptr, ra);
       mark(p, step, mk++);
       skew(p, step, layer, 1);
       handoff_arrive(flow, p.barrier, bar);
@@ -260,6 +267,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       mark(p, step, mk++);
 
       // ---- D: residual (x + delta, kept in xres for E) + RMSNorm + gate/up + SiLU*mul -> act
+      float rd = 1.f;  // the norm's 1/rms where it is deferred to the dot products
       {
         float s2 = 0.f;
 #if MK_TP > 1
@@ -273,21 +281,29 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
           s2 += v * v;
         }
 #else
-        // x and delta in one round trip (xs is scratch for delta); xres <- x + delta.
-        s2 = load_flow_sum<MK_H>(xres, p.x, tag_x, xs, p.delta, tag);  // block_sum syncs
+        // x and delta in one round trip (xs is scratch for delta); xres <- x + delta, and
+        // with the norm deferred xd <- (x + delta) * gain.
+        s2 = load_flow_sum<MK_H>(xres, p.x, tag_x, xs, p.delta, tag, xd,
+                                 staged_gain(gn, lw.ffn_gain));
 #endif
         if (MK_D_PRE < 1)
           issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * clamp_row(gw, MK_I) * MK_H, lane);
         if (MK_D_PRE < 2)
           issue_first<MK_H, MK_BATCH2>(preU, lw.wgu + (2 * clamp_row(gw, MK_I) + 1) * MK_H, lane);
+#if MK_TP > 1
         const float r = rms_scale<MK_H>(s2, red, p.eps);
         const float* g = staged_gain(gn, lw.ffn_gain);
         const int so = swz_off(xd + t);  // xd is a GEMV input (common.cuh)
         for (int i = t; i < MK_H; i += MK_THREADS) xd[i + so] = xres[i] * (g ? r * g[i] : r);
         __syncthreads();
+#else
+        rd = norm_scale<MK_H>(s2, red, p.eps);  // publishes xd and xres
+#endif
       }
       skew(p, step, layer, 5);
       gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xd, lane, preG, preU, [&](int r, float g, float u) {
+        g *= rd;
+        u *= rd;
         if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
       });
       skew(p, step, layer, 6);
@@ -338,9 +354,10 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     tp_load_residual(p, xs, xres, p.tp_tag + 2u * (unsigned)((step + 1) * MK_L) - 1u,
                      flow_tag(step, MK_L - 1), p.eps, red,
                      staged_gain(gn, p.norm_gain));  // the last layer's down all-reduce
+    const float rf = 1.f;
 #else
-    load_vec<MK_H>(xs, p.x, flow_tag(step, MK_L - 1), true, p.eps, red,
-                   staged_gain(gn, p.norm_gain));
+    const float rf = load_vec<MK_H>(xs, p.x, flow_tag(step, MK_L - 1), true, p.eps, red,
+                                    staged_gain(gn, p.norm_gain));
 #endif
     const uint32_t key = draw_key(p.seed_lo, p.seed_hi, pos + 1);  // position of the new token
     float best = -INFINITY;
@@ -357,7 +374,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       const float sc = greedy ? logit : logit / p.temperature + gumbel(key, r);
       if (better(sc, r, best, best_id)) { best = sc; best_id = r; }
 #endif
-    });
+    }, (int)blockIdx.x, nullptr, rf);
     warp_argmax(best, best_id);
     if (lane == 0) {
       red[warp] = best;

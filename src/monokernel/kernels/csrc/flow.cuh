@@ -201,11 +201,39 @@ __device__ __forceinline__ float rms_scale(float ss, float* red, float eps) {
   return rsqrtf(block_sum(ss, red) / K + eps);
 }
 
+// A norm's 1/rms applied after the matrix instead of before it: W (g * x / rms(x)) =
+// (W (g * x)) / rms(x). The stage's input is then g * x, which each thread writes for the
+// elements it fetched itself (the gain chunks it staged are the same ones, stage_gain), and
+// the scale multiplies each row's dot product. The norm costs the one barrier that publishes
+// the input, instead of block_sum's three, a pass over the vector and another barrier
+// (docs/perf-notes.md step 44: -4 to -5 µs/token on an H100). Tensor parallelism's residual
+// (tp.cuh) still normalises in place with rms_scale.
+// red[MK_NORM_RED ..+ WARPS): the warps' sums of squares. Read right after the barrier that
+// follows their writes; the next writes are the next norm's, with the stages' barriers in
+// between; no other user of red touches them.
+#define MK_NORM_RED 40
+static_assert(MK_NORM_RED + MK_WARPS <= 64, "red holds 64 floats (decode.cu)");
+
+// 1/rms of K values of which this thread's squares sum to ss; publishes shared memory written
+// before it (one barrier). All threads must call.
+template <int K>
+__device__ __forceinline__ float norm_scale(float ss, float* red, float eps) {
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) red[MK_NORM_RED + (threadIdx.x >> 5)] = ss;
+  __syncthreads();
+  float s = 0.f;
+#pragma unroll
+  for (int w = 0; w < MK_WARPS; ++w) s += red[MK_NORM_RED + w];  // one order in every thread
+  return rsqrtf(s / K + eps);
+}
+
 // The tags cleared from the chunks a thread fetched swizzled (flow_fetch's deal with SW:
-// chunk idx + j * STRIDE of v[0..len)); returns the sum of squares of their values. idx is
-// unsigned, as threadIdx.x is: load_flow's index arithmetic stays as it was.
+// chunk idx + j * STRIDE of v[0..len)), each value times gain (may be null; unswizzled,
+// read at the same chunks); returns the sum of squares of the values without the gain. idx
+// is unsigned, as threadIdx.x is: load_flow's index arithmetic stays as it was.
 template <int N, int STRIDE>
-__device__ __forceinline__ float flow_untag_chunks(float* v, unsigned idx, int len) {
+__device__ __forceinline__ float flow_untag_chunks(float* v, unsigned idx, int len,
+                                                   const float* gain = nullptr) {
   float ss = 0.f;
   const int so = swz_off(v + 4 * idx);  // the same for every chunk of this thread
 #pragma unroll
@@ -216,7 +244,7 @@ __device__ __forceinline__ float flow_untag_chunks(float* v, unsigned idx, int l
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const float x = flow_untag(c[k]);
-        c[k] = x;
+        c[k] = gain ? x * gain[i + k] : x;
         ss += x * x;
       }
     }
@@ -224,25 +252,31 @@ __device__ __forceinline__ float flow_untag_chunks(float* v, unsigned idx, int l
   return ss;
 }
 
-// xs[0..K) <- src (written by other CTAs with `tag`), tags cleared, swizzled (a GEMV's
-// input); returns this thread's sum of squares over the elements it fetched. Callers
-// __syncthreads before others read xs.
+// xs[0..K) <- src (written by other CTAs with `tag`), tags cleared, times gain (may be null:
+// a deferred norm's, see norm_scale), swizzled (a GEMV's input); returns this thread's sum
+// of squares over the elements it fetched. Callers __syncthreads before others read xs.
+// flow_fetch's cp.async.wait_all has also waited for this thread's staged gain copies.
 template <int K>
-__device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned tag) {
+__device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned tag,
+                                           const float* gain = nullptr) {
   constexpr int N = FlowChunks<K>::N;
   flow_fetch<N, 0, MK_THREADS, true>(xs, src, tag, K / 4);
-  return flow_untag_chunks<N, MK_THREADS>(xs, threadIdx.x, K);
+  return flow_untag_chunks<N, MK_THREADS>(xs, threadIdx.x, K, gain);
 }
 
 // Two vectors of K in one round trip: a <- src_a (tag_a), b <- src_b (tag_b). Then
 // a[i] += b[i] for this thread's elements; returns their sum of squares (stage D's
-// residual: x + the O-projection's output).
+// residual: x + the O-projection's output). scaled (may be null): also gets a[i] * gain[i]
+// (gain may be null: a[i]), swizzled: a deferred norm's GEMV input (norm_scale).
 template <int K>
 __device__ __forceinline__ float load_flow_sum(float* a, const float* src_a, unsigned tag_a,
-                                               float* b, const float* src_b, unsigned tag_b) {
+                                               float* b, const float* src_b, unsigned tag_b,
+                                               float* scaled = nullptr,
+                                               const float* gain = nullptr) {
   constexpr int N = FlowChunks<K>::N;
   flow_fetch<N, N>(a, src_a, tag_a, K / 4, b, src_b, tag_b, K / 4);
   float ss = 0.f;
+  const int so = scaled ? swz_off(scaled + 4 * threadIdx.x) : 0;  // same for every chunk
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     const int i = 4 * (threadIdx.x + j * MK_THREADS);
@@ -251,6 +285,7 @@ __device__ __forceinline__ float load_flow_sum(float* a, const float* src_a, uns
       for (int k = 0; k < 4; ++k) {
         const float v = flow_untag(a[i + k]) + flow_untag(b[i + k]);
         a[i + k] = v;
+        if (scaled) scaled[i + so + k] = gain ? v * gain[i + k] : v;
         ss += v * v;
       }
     }

@@ -124,14 +124,16 @@ __device__ __forceinline__ const bf16* split_first(const bf16* W, int rows, int 
 // rows do not divide evenly). bias (may be null): added to each row's value. The first
 // round's values are loaded before the rows are computed: read in the combine, they cost a
 // round trip on the stage's way out (Qwen2.5's QKV bias: 9 µs a token on an H100,
-// docs/perf-notes.md step 43).
+// docs/perf-notes.md step 43). scale: multiplies each row's dot product before the bias (a
+// deferred norm's 1/rms, flow.cuh norm_scale).
 template <int K, int SPLIT, class Out>
 __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
                                            const float* __restrict__ xs, float* part, int warp,
                                            int lane,
                                            uint4 (&pre)[Split<K, SPLIT>::Shape::B], Out out,
                                            int cta = (int)blockIdx.x,
-                                           const float* __restrict__ bias = nullptr) {
+                                           const float* __restrict__ bias = nullptr,
+                                           float scale = 1.f) {
   using P = Split<K, SPLIT>;
   using S = typename P::Shape;
   constexpr bool PIPE = S::N <= S::B;
@@ -168,9 +170,11 @@ __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
       const int gg = q / MK_SPLIT_SLOTS, j = q % MK_SPLIT_SLOTS;
       const int r = cta * P::GROUPS + gg + (it0 + j) * units;
       if (it0 + j < it1 && r < rows) {
-        float v = bias ? (it0 == 0 ? b0 : bias[r]) : 0.f;
+        float v = 0.f;
 #pragma unroll
         for (int k = 0; k < P::S; ++k) v += part[(gg * P::S + k) * MK_SPLIT_SLOTS + j];
+        v *= scale;
+        if (bias) v += it0 == 0 ? b0 : bias[r];
         out(r, v);
       }
     }
