@@ -211,6 +211,15 @@ def built_knob(name: str, default: int) -> int:
     return int(m.group(1)) if m else default
 
 
+FLOW_COPIES = 2  # MK_FLOW_COPIES in csrc/flow.cuh
+
+
+def flow_copies() -> int:
+    """Copies of each hand-off vector that every CTA reads (csrc/flow.cuh: x, delta, act,
+    attn_out, the reader merge's partials), which the host allocates back to back."""
+    return built_knob("MK_FLOW_COPIES", FLOW_COPIES)
+
+
 def check_supported(cfg: ModelConfig) -> None:
     """Refuse, with the reason, any shape the kernel cannot run exactly."""
     d = cfg.head_dim

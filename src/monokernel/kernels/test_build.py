@@ -4,6 +4,7 @@ picks between them; the compile of the lighter one needs only nvcc."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 from pathlib import Path
 
@@ -52,3 +53,15 @@ def test_merge_ranges_mirror_the_kernels_rule() -> None:
     want = {"llama-3.2-1b": 4, "qwen2.5-coder-1.5b": 5, "odd": 2}
     for shape, ns in want.items():
         assert kbuild.KernelDims.from_config(SHAPES[shape]).merge_ranges() == ns
+
+
+def test_flow_copies_mirror_the_kernels_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host allocates as many copies of each hand-off vector as the kernel writes
+    (csrc/flow.cuh MK_FLOW_COPIES), also when a build overrides the define."""
+    src = (kbuild.CSRC / "flow.cuh").read_text()
+    m = re.search(r"#ifndef MK_FLOW_COPIES\n#define MK_FLOW_COPIES (\d+)\n", src)
+    assert m is not None, "flow.cuh no longer defines MK_FLOW_COPIES' default"
+    monkeypatch.delenv("MONOKERNEL_NVCC_FLAGS", raising=False)
+    assert kbuild.flow_copies() == kbuild.FLOW_COPIES == int(m.group(1))
+    monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_SKEW=1 -DMK_FLOW_COPIES=1")
+    assert kbuild.flow_copies() == 1

@@ -195,7 +195,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     if (t < MK_D) {
       float o = 0.f;
       for (int gg = 0; gg < GV; ++gg) o += part[gg * MK_D + t];
-      st_flow(p.attn_out + hq * MK_D + t, o / l, tag);
+      st_flow_copies(p.attn_out + hq * MK_D + t, MK_Q, o / l, tag);
     }
     __syncthreads();
     return;
@@ -205,9 +205,12 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     if (t < MK_D) {
       float o = 0.f;
       for (int gg = 0; gg < GV; ++gg) o += part[gg * MK_D + t];
-      st_flow(p.attn + (size_t)slot * MK_D + t, o, tag);
+      st_flow_copies(p.attn + (size_t)slot * MK_D + t, attn_slots(p) * MK_D, o, tag);
     }
-    if (t < 4) st_flow(p.attn_ml + 4 * slot + t, t == 0 ? m : t == 1 ? l : 0.f, tag);
+    if (t < 4) {
+      const float v = t == 0 ? m : t == 1 ? l : 0.f;
+      st_flow_copies(p.attn_ml + 4 * slot + t, attn_slots(p) * 4, v, tag);
+    }
     __syncthreads();
     return;
   }

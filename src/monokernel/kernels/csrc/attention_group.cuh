@@ -279,7 +279,7 @@ __device__ void attention_group(const Params& p, const LayerWeights& lw, int lay
     if (a.ns == 1) {
       float l = 0.f;
       for (int gg = 0; gg < NG; ++gg) l += lpart[gg * G + h];
-      st_flow(p.attn_out + (size_t)(kvh * G + h) * D + d, o / l, tag);
+      st_flow_copies(p.attn_out + (size_t)(kvh * G + h) * D + d, MK_Q, o / l, tag);
     } else {
       p.attn[(size_t)(slot0 + h) * D + d] = o;
     }

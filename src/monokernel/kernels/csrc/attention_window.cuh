@@ -89,6 +89,12 @@
 // scratch.
 #define MK_MERGE_NS MK_MIN2(MK_XS / MK_Q, MK_ATTN_SMEM / (4 * MK_NH))
 
+// Slots of p.attn / p.attn_ml (the host's allocation): NH x the most ranges a head or a KV
+// head's group can have; their copies (MK_FLOW_COPIES) lie that many slots apart.
+__device__ __forceinline__ size_t attn_slots(const Params& p) {
+  return (size_t)MK_NH * (size_t)max(p.attn_splits, p.attn_group_splits);
+}
+
 struct AttnPlan {
   bool group;  // group units (else head units)
   int ns;      // position ranges per head (head units) or per KV head (group units)
@@ -140,9 +146,11 @@ __device__ __forceinline__ int attn_part_slot(int hq, int split) { return split 
 // notes step 44).
 __device__ __forceinline__ void load_attn_merged(const Params& p, int ns, unsigned tag,
                                                  float* xs, float* st) {
+  const float* part = flow_copy(p.attn, attn_slots(p) * MK_D);
+  const float* stats = flow_copy(p.attn_ml, attn_slots(p) * 4);
   constexpr int NA = FlowChunks<MK_MERGE_NS * MK_Q>::N;
   constexpr int NB = FlowChunks<4 * MK_MERGE_NS * MK_NH>::N;
-  flow_fetch<NA, NB>(xs, p.attn, tag, ns * MK_Q / 4, st, p.attn_ml, tag, ns * MK_NH);
+  flow_fetch<NA, NB>(xs, part, tag, ns * MK_Q / 4, st, stats, tag, ns * MK_NH);
   __syncthreads();
   for (int c = threadIdx.x; c < MK_Q / 8; c += MK_THREADS) {
     const int h = 8 * c / MK_D;  // D is a multiple of 8: a chunk lies in one head
@@ -365,7 +373,7 @@ __device__ __forceinline__ void attn_merge(const Params& p, int nh, int ns, int 
 #pragma unroll 4
     for (int s = 0; s < ns; ++s)
       acc = fmaf(scratch[h * ns + s], __ldcg(p.attn + (size_t)(base + s * ss + h * sh) * MK_D + d), acc);
-    st_flow(p.attn_out + (size_t)(out0 + h) * MK_D + d, acc, tag);
+    st_flow_copies(p.attn_out + (size_t)(out0 + h) * MK_D + d, MK_Q, acc, tag);
   }
 }
 

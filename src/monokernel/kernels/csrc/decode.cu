@@ -112,7 +112,7 @@ __device__ __forceinline__ float embed_norm(const Params& p, float* xs, int tok,
     for (int k = 0; k < 4; ++k) {
       xs[i + so + k] = gain ? v[k] * gain[i + k] : v[k];
       ss += v[k] * v[k];
-      if (blockIdx.x == 0) st_flow(p.x + i + k, v[k], tag_x);
+      if (blockIdx.x == 0) st_flow_copies(p.x + i + k, MK_H, v[k], tag_x);
     }
   }
   return norm_scale<MK_H>(ss, red, p.eps);
@@ -216,7 +216,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         tp_load_residual(p, xs, xres, tag_c - 1u, tag_x, p.eps, red,
                          staged_gain(gn, lw.attn_gain));  // prev. E
 #else
-        ra = load_vec<MK_H>(xs, p.x, tag_x, true, p.eps, red, staged_gain(gn, lw.attn_gain));
+        ra = load_vec<MK_H>(xs, flow_copy(p.x, MK_H), tag_x, true, p.eps, red,
+                            staged_gain(gn, lw.attn_gain));
 #endif
       }
       skew(p, step, layer, 0);
@@ -245,14 +246,14 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       if (attn_reader_merges(attn_plan(p, pos))) {
         load_attn_merged(p, attn_plan(p, pos).ns, tag, xs, att);
       } else {
-        load_vec<MK_Q>(xs, p.attn_out, tag, false, p.eps, red);
+        load_vec<MK_Q>(xs, flow_copy(p.attn_out, MK_Q), tag, false, p.eps, red);
       }
       skew(p, step, layer, 3);
       gemv_split<MK_Q, MK_SPLIT_C>(lw.wo, MK_H, xs, part, warp, lane, preC, [&](int r, float d) {
 #if MK_TP > 1
         tp_send(p, tag_c, r, d);  // partial, bias-free: o-bias is added once after the sum (D)
 #else
-        st_flow(p.delta + r, d, tag);
+        st_flow_copies(p.delta + r, MK_H, d, tag);
 #endif
       }, c_cta, MK_O_BIAS && MK_TP == 1 ? lw.bo : nullptr);
       skew(p, step, layer, 4);
@@ -276,15 +277,15 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #if MK_O_BIAS
           dl += lw.bo[i];
 #endif
-          const float v = ld_flow(p.x + i, tag_x) + dl;
+          const float v = ld_flow(flow_copy(p.x, MK_H) + i, tag_x) + dl;
           xres[i] = v;
           s2 += v * v;
         }
 #else
         // x and delta in one round trip (xs is scratch for delta); xres <- x + delta, and
         // with the norm deferred xd <- (x + delta) * gain.
-        s2 = load_flow_sum<MK_H>(xres, p.x, tag_x, xs, p.delta, tag, xd,
-                                 staged_gain(gn, lw.ffn_gain));
+        s2 = load_flow_sum<MK_H>(xres, flow_copy(p.x, MK_H), tag_x, xs, flow_copy(p.delta, MK_H),
+                                 tag, xd, staged_gain(gn, lw.ffn_gain));
 #endif
         if (MK_D_PRE < 1)
           issue_first<MK_H, MK_BATCH2>(preG, lw.wgu + 2 * clamp_row(gw, MK_I) * MK_H, lane);
@@ -304,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xd, lane, preG, preU, [&](int r, float g, float u) {
         g *= rd;
         u *= rd;
-        if (lane == 0) st_flow(p.act + r, g / (1.f + expf(-g)) * u, tag);
+        if (lane == 0) st_flow_copies(p.act + r, MK_I, g / (1.f + expf(-g)) * u, tag);
       });
       skew(p, step, layer, 6);
       // With E's teams and data as flag, no CTA-wide wait here: E's slices land in xs, which
@@ -323,9 +324,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 
       // ---- E: down projection + residual -> x [H]
 #if MK_E_TEAMS
-      load_flow_team<MK_I, MK_SPLIT_E>(xs, p.act, tag, warp, lane);
+      load_flow_team<MK_I, MK_SPLIT_E>(xs, flow_copy(p.act, MK_I), tag, warp, lane);
 #else
-      load_vec<MK_I>(xs, p.act, tag, false, p.eps, red);
+      load_vec<MK_I>(xs, flow_copy(p.act, MK_I), tag, false, p.eps, red);
 #endif
       skew(p, step, layer, 7);
       gemv_split<MK_I, MK_SPLIT_E>(lw.wdown, MK_H, xs, part, warp, lane, preE,
@@ -333,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #if MK_TP > 1
                                      tp_send(p, tag_c + 1u, r, d);  // summed at the next A / F
 #else
-                                     st_flow(p.x + r, xres[r] + d, tag);
+                                     st_flow_copies(p.x + r, MK_H, xres[r] + d, tag);
 #endif
                                    });
       skew(p, step, layer, 8);
@@ -356,8 +357,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
                      staged_gain(gn, p.norm_gain));  // the last layer's down all-reduce
     const float rf = 1.f;
 #else
-    const float rf = load_vec<MK_H>(xs, p.x, flow_tag(step, MK_L - 1), true, p.eps, red,
-                                    staged_gain(gn, p.norm_gain));
+    const float rf = load_vec<MK_H>(xs, flow_copy(p.x, MK_H), flow_tag(step, MK_L - 1), true,
+                                    p.eps, red, staged_gain(gn, p.norm_gain));
 #endif
     const uint32_t key = draw_key(p.seed_lo, p.seed_hi, pos + 1);  // position of the new token
     float best = -INFINITY;

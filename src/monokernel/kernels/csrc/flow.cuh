@@ -48,6 +48,35 @@ __device__ __forceinline__ void st_flow(float* p, float v, unsigned tag) {
   asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(u) : "memory");
 }
 
+// Copies of the hand-off vectors that every CTA reads (x, delta, act, attn_out and the reader
+// merge's partials; not qkv, which only the attention units read): the producers write each
+// element into every copy and CTA c reads copy c % MK_FLOW_COPIES, so the L2 lines of one
+// vector see that fraction of the grid's polls. A hand-off's last round trip is a poll of
+// lines that up to 131 other SMs poll too; two copies made the hand-offs shorter (perf notes
+// step 45: -4 to -6 µs/token on Llama-3.2-1B, -6 to -10 on Qwen2.5-Coder-1.5B, H100); four
+// about the same, eight slower. The chain argument above holds copy by copy. The host
+// allocates the copies back to back (kernels/build.py FLOW_COPIES).
+#ifndef MK_FLOW_COPIES
+#define MK_FLOW_COPIES 2
+#endif
+static_assert(MK_FLOW_COPIES >= 1, "MK_FLOW_COPIES: copies of each hand-off vector");
+
+// This CTA's copy of a hand-off vector whose copies lie n floats apart. The CTA index is read
+// where it is used (volatile asm): offsets hoisted out of the layer loop held registers
+// across it and spilled (Qwen2.5: 122 bytes instead of 26 at four copies).
+__device__ __forceinline__ const float* flow_copy(const float* v, size_t n) {
+  if (MK_FLOW_COPIES == 1) return v;
+  unsigned cta;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cta));
+  return v + (cta % MK_FLOW_COPIES) * n;
+}
+
+// st_flow into every copy of a hand-off vector whose copies lie n floats apart.
+__device__ __forceinline__ void st_flow_copies(float* p, size_t n, float v, unsigned tag) {
+#pragma unroll
+  for (int k = 0; k < MK_FLOW_COPIES; ++k) st_flow(p + k * n, v, tag);
+}
+
 __device__ __forceinline__ unsigned ld_flow_word(const float* p) {
   unsigned u;
   asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(u) : "l"(p));

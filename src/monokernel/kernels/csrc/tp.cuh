@@ -101,7 +101,7 @@ __device__ __forceinline__ void tp_load_residual(const Params& p, float* xs, con
     const float v = xres[i] + tp_sum(p, tag, i);
     xs[i + so] = v;
     ss += v * v;
-    if (blockIdx.x == 0) st_flow(p.x + i, v, x_tag);
+    if (blockIdx.x == 0) st_flow_copies(p.x + i, MK_H, v, x_tag);
   }
   const float r = rms_scale<MK_H>(ss, red, eps);
   if (gain) {

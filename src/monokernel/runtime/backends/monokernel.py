@@ -234,6 +234,8 @@ class MonokernelBackend:
         # Every tagged vector (kernels/csrc/flow.cuh) in one buffer, zeroed per launch: the
         # stage hand-offs, and the ranges' partial attention outputs [slots, D] with their
         # statistics [slots, 4] (max, exp-sum; tagged when stage C merges them).
+        # The vectors every CTA reads come in MK_FLOW_COPIES copies back to back (flow.cuh);
+        # the views below are the first copy, the kernel finds the others from the sizes.
         sizes = (
             cfg.hidden_size,
             qkv,
@@ -243,9 +245,12 @@ class MonokernelBackend:
             slots * cfg.head_dim,
             slots * 4,
         )
-        self.handoff = torch.empty(sum(sizes), dtype=f32, device=dev)
+        copies = kbuild.flow_copies()
+        per = (copies, 1, copies, copies, copies, copies, copies)  # qkv: attention units only
+        counts = [n * c for n, c in zip(sizes, per, strict=True)]
+        self.handoff = torch.empty(sum(counts), dtype=f32, device=dev)
         self.x, self.qkv, self.delta, self.attn_out, self.act, self.attn, self.attn_ml = (
-            torch.split(self.handoff, list(sizes))
+            region[:n] for region, n in zip(torch.split(self.handoff, counts), sizes, strict=True)
         )  # [H], [Q + 2KV], [H], [Q], [I], [slots, D], [slots, 4]
         self.attn_count = torch.zeros(
             cfg.num_heads + cfg.num_kv_heads, dtype=torch.int32, device=dev
