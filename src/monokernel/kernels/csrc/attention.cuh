@@ -38,9 +38,6 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   const float* pk = p.qkv + MK_Q + kvh * MK_D;
   const float* pv = p.qkv + MK_Q + MK_KV + kvh * MK_D;
   const int stages = max(1, (r.nc + MK_ATTN_P - 1) / MK_ATTN_P);  // filled by the prefetch
-  auto untag_wait = [&](const float* w, unsigned u) {
-    return __uint_as_float(flow_wait_word(w, u, tag) & ~MK_TAG_BITS);
-  };
 #if !MK_QK_NORM
   // Thread t < HALF fetches the pairs (t, t + HALF) of q, k and v (all six words in flight
   // at once: one round trip; the window, which holds the RoPE row, is in by then, filled a
@@ -54,14 +51,16 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     u[4] = ld_flow_word(pv + t), u[5] = ld_flow_word(pv + t + HALF);
     const float c = rope[t], s = rope[HALF + t];
     const float scale = rsqrtf((float)MK_D);
-    const float q1 = untag_wait(pq + t, u[0]), q2 = untag_wait(pq + t + HALF, u[1]);
+    const float q1 = flow_wait_value(pq + t, u[0], tag);
+    const float q2 = flow_wait_value(pq + t + HALF, u[1], tag);
     qs[t] = (q1 * c - q2 * s) * scale;
     qs[t + HALF] = (q2 * c + q1 * s) * scale;
-    const float k1 = untag_wait(pk + t, u[2]), k2 = untag_wait(pk + t + HALF, u[3]);
+    const float k1 = flow_wait_value(pk + t, u[2], tag);
+    const float k2 = flow_wait_value(pk + t + HALF, u[3], tag);
     kn[t] = k1 * c - k2 * s;
     kn[t + HALF] = k2 * c + k1 * s;
-    vn[t] = untag_wait(pv + t, u[4]);
-    vn[t + HALF] = untag_wait(pv + t + HALF, u[5]);
+    vn[t] = flow_wait_value(pv + t, u[4], tag);
+    vn[t + HALF] = flow_wait_value(pv + t + HALF, u[5], tag);
   }
   __syncthreads();
   skew(p, pos - p.start_pos, layer, 9);
@@ -70,9 +69,9 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
 #else
   if (t < MK_D) {  // all three loads in flight before waiting for any: one round trip
     const unsigned uq = ld_flow_word(pq + t), uk = ld_flow_word(pk + t), uv = ld_flow_word(pv + t);
-    qs[t] = untag_wait(pq + t, uq);
-    kn[t] = untag_wait(pk + t, uk);
-    vn[t] = untag_wait(pv + t, uv);
+    qs[t] = flow_wait_value(pq + t, uq, tag);
+    kn[t] = flow_wait_value(pk + t, uk, tag);
+    vn[t] = flow_wait_value(pv + t, uv, tag);
   }
   for (int s = 0; s < stages; ++s) window_spin(win, s);
   __syncthreads();

@@ -53,8 +53,8 @@ __device__ __forceinline__ void st_flow(float* p, float v, unsigned tag) {
 // element into every copy and CTA c reads copy c % MK_FLOW_COPIES, so the L2 lines of one
 // vector see that fraction of the grid's polls. A hand-off's last round trip is a poll of
 // lines that up to 131 other SMs poll too; two copies made the hand-offs shorter (perf notes
-// step 45: -4 to -6 µs/token on Llama-3.2-1B, -6 to -10 on Qwen2.5-Coder-1.5B, H100); four
-// about the same, eight slower. The chain argument above holds copy by copy. The host
+// step 45, H100, five processes: -3 to -8 µs/token on Llama-3.2-1B, 0 to -10 on
+// Qwen2.5-Coder-1.5B); three or four about the same, eight slower. The chain argument above holds copy by copy. The host
 // allocates the copies back to back (kernels/build.py FLOW_COPIES).
 #ifndef MK_FLOW_COPIES
 #define MK_FLOW_COPIES 2
@@ -95,8 +95,14 @@ __device__ __forceinline__ unsigned flow_wait_word(const float* p, unsigned u, u
   return u;
 }
 
+// The value of the word at p, first loaded as u (ld_flow_word, so several loads can be in
+// flight before any is waited for), re-read until it carries `tag`; tag bits cleared.
+__device__ __forceinline__ float flow_wait_value(const float* p, unsigned u, unsigned tag) {
+  return __uint_as_float(flow_wait_word(p, u, tag) & ~MK_TAG_BITS);
+}
+
 __device__ __forceinline__ float ld_flow(const float* p, unsigned tag) {
-  return __uint_as_float(flow_wait_word(p, ld_flow_word(p), tag) & ~MK_TAG_BITS);
+  return flow_wait_value(p, ld_flow_word(p), tag);
 }
 
 // Vectors into shared memory in one round trip. Each thread copies its 16-byte chunks
