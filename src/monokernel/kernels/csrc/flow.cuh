@@ -54,8 +54,9 @@ __device__ __forceinline__ void st_flow(float* p, float v, unsigned tag) {
 // vector see that fraction of the grid's polls. A hand-off's last round trip is a poll of
 // lines that up to 131 other SMs poll too; two copies made the hand-offs shorter (perf notes
 // step 45, H100, five processes: -3 to -8 µs/token on Llama-3.2-1B, 0 to -10 on
-// Qwen2.5-Coder-1.5B); three or four about the same, eight slower. The chain argument above holds copy by copy. The host
-// allocates the copies back to back (kernels/build.py FLOW_COPIES).
+// Qwen2.5-Coder-1.5B); three or four about the same, eight slower. The chain argument above
+// holds copy by copy. The host allocates the copies back to back (kernels/build.py
+// FLOW_COPIES).
 #ifndef MK_FLOW_COPIES
 #define MK_FLOW_COPIES 2
 #endif
@@ -204,8 +205,11 @@ __device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigne
 // A norm's gain (K floats, global; null: folded into the next matrix) copied into shared
 // memory `dst` with cp.async, not waited for. Issued before a stage's first weight loads go
 // out at the end of the stage before it: read after the hand-off instead, the gain's L2 hits
-// queued behind those loads (0.7 µs at D's input on an H100, scripts/stage_skew.py). The
-// reader's rms_scale waits for the copies and publishes them before any thread reads dst.
+// queued behind those loads (0.7 µs at D's input on an H100, scripts/stage_skew.py). Each
+// thread copies the chunks it later fetches of the norm's input (the same deal as
+// flow_fetch's), so the deferred norm's readers wait only for their own copies (the
+// cp.async.wait_all in flow_fetch or embed_norm); tensor parallelism's rms_scale waits and
+// publishes them to the CTA.
 #ifndef MK_GAIN_STAGE
 #define MK_GAIN_STAGE 1  // 0: the norms read their gains from global memory (for A/B timing)
 #endif
