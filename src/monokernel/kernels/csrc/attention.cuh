@@ -45,6 +45,26 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   // a qk-norm needs (perf notes step 44).
   for (int s = 0; s < stages; ++s) window_spin(win, s);
   if (t < HALF) {
+#if MK_SETTLE
+    // The six words settle together: every stale one re-read in the same round.
+    const float* src[6] = {pq + t, pq + t + HALF, pk + t, pk + t + HALF, pv + t, pv + t + HALF};
+    unsigned u[6];
+#pragma unroll
+    for (int j = 0; j < 6; ++j) u[j] = ld_flow_word(src[j]);
+    const float c = rope[t], s = rope[HALF + t];
+    const float scale = rsqrtf((float)MK_D);
+    const unsigned tags[6] = {tag, tag, tag, tag, tag, tag};
+    flow_settle(u, [&](int j) { return src[j]; }, tags);
+    float w[6];
+#pragma unroll
+    for (int j = 0; j < 6; ++j) w[j] = __uint_as_float(u[j] & ~MK_TAG_BITS);
+    qs[t] = (w[0] * c - w[1] * s) * scale;
+    qs[t + HALF] = (w[1] * c + w[0] * s) * scale;
+    kn[t] = w[2] * c - w[3] * s;
+    kn[t + HALF] = w[3] * c + w[2] * s;
+    vn[t] = w[4];
+    vn[t + HALF] = w[5];
+#else
     unsigned u[6];
     u[0] = ld_flow_word(pq + t), u[1] = ld_flow_word(pq + t + HALF);
     u[2] = ld_flow_word(pk + t), u[3] = ld_flow_word(pk + t + HALF);
@@ -61,6 +81,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     kn[t + HALF] = k2 * c + k1 * s;
     vn[t] = flow_wait_value(pv + t, u[4], tag);
     vn[t + HALF] = flow_wait_value(pv + t + HALF, u[5], tag);
+#endif
   }
   __syncthreads();
   skew(p, pos - p.start_pos, layer, 9);
@@ -68,10 +89,20 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     for (int s = 0; s < stages; ++s) window_done(win, s);
 #else
   if (t < MK_D) {  // all three loads in flight before waiting for any: one round trip
+#if MK_SETTLE
+    const float* src[3] = {pq + t, pk + t, pv + t};
+    unsigned u[3] = {ld_flow_word(src[0]), ld_flow_word(src[1]), ld_flow_word(src[2])};
+    const unsigned tags[3] = {tag, tag, tag};
+    flow_settle(u, [&](int j) { return src[j]; }, tags);
+    qs[t] = flow_untag(__uint_as_float(u[0]));
+    kn[t] = flow_untag(__uint_as_float(u[1]));
+    vn[t] = flow_untag(__uint_as_float(u[2]));
+#else
     const unsigned uq = ld_flow_word(pq + t), uk = ld_flow_word(pk + t), uv = ld_flow_word(pv + t);
     qs[t] = flow_wait_value(pq + t, uq, tag);
     kn[t] = flow_wait_value(pk + t, uk, tag);
     vn[t] = flow_wait_value(pv + t, uv, tag);
+#endif
   }
   for (int s = 0; s < stages; ++s) window_spin(win, s);
   __syncthreads();

@@ -106,6 +106,84 @@ __device__ __forceinline__ float ld_flow(const float* p, unsigned tag) {
   return flow_wait_value(p, ld_flow_word(p), tag);
 }
 
+// 1: the inputs of one 16-byte chunk a thread (A's x, D's x and delta, C's unmerged attention
+// output) come in through registers and settle with flow_settle, and an attention unit's q,
+// k and v words settle together (attention.cuh); 0: cp.async into shared memory (flow_fetch)
+// and the unit's words waited for one after another, as before (for A/B timing). Measured on
+// an H100 (docs/perf-notes.md step 46), both together, on four machines: Qwen2.5-Coder-1.5B
+// -10 to -16 µs/token, Llama-3.2-1B -2 to -5; either one alone was slower than neither.
+#ifndef MK_SETTLE
+#define MK_SETTLE 1
+#endif
+
+__device__ __forceinline__ uint4 ld_flow_chunk(const float* p) {
+  uint4 u;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+               : "l"(p));
+  return u;
+}
+__device__ __forceinline__ void ld_flow_item(unsigned& u, const float* p) { u = ld_flow_word(p); }
+__device__ __forceinline__ void ld_flow_item(uint4& u, const float* p) { u = ld_flow_chunk(p); }
+
+// Bit w: word w of the item carries tag.
+__device__ __forceinline__ unsigned flow_fresh(unsigned u, unsigned tag) {
+  return ((u ^ tag) & MK_TAG_BITS) == 0u;
+}
+__device__ __forceinline__ unsigned flow_fresh(uint4 u, unsigned tag) {
+  return flow_fresh(u.x, tag) | flow_fresh(u.y, tag) << 1 | flow_fresh(u.z, tag) << 2 |
+         flow_fresh(u.w, tag) << 3;
+}
+// got <- the words of v that bits m select.
+__device__ __forceinline__ void flow_take(unsigned& got, unsigned v, unsigned m) {
+  if (m & 1u) got = v;
+}
+__device__ __forceinline__ void flow_take(uint4& got, uint4 v, unsigned m) {
+  if (m & 1u) got.x = v.x;
+  if (m & 2u) got.y = v.y;
+  if (m & 4u) got.z = v.z;
+  if (m & 8u) got.w = v.w;
+}
+
+// got[j] (T: a word or a 16-byte chunk, first loaded by the caller, so those loads fly beside
+// other work) re-read at addr(j) until every word carries tags[j]. Every stale item is re-read
+// in the same round: a round trip a round however many are stale (flow_wait_value one after
+// another pays a round trip for each item still stale when its turn comes). Words only go
+// from stale to fresh while a reader waits (the chain argument above), so a fresh word is
+// kept from whichever round brought it. A producer that never writes means a bug: trap after
+// ~10 s rather than hang. (Two or three rounds in flight, spaced 250-400 cycles, measured
+// worse on an H100: perf notes step 46.)
+template <int N, typename T, typename Addr>
+__device__ __forceinline__ void flow_settle(T (&got)[N], Addr addr, const unsigned (&tags)[N]) {
+  constexpr int W = sizeof(T) / 4;
+  static_assert(N * W <= 32, "one bit a word");
+  constexpr unsigned ALL = (1u << W) - 1u;
+  unsigned need = 0;  // bit j * W + w: word w of item j is stale
+#pragma unroll
+  for (int j = 0; j < N; ++j) need |= (~flow_fresh(got[j], tags[j]) & ALL) << (j * W);
+  if (!need) return;
+  const long long t0 = clock64();
+  T q[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    q[j] = got[j];
+    if (need >> (j * W) & ALL) ld_flow_item(q[j], addr(j));
+  }
+  for (;;) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const unsigned m = need >> (j * W) & ALL & flow_fresh(q[j], tags[j]);
+      flow_take(got[j], q[j], m);
+      need &= ~(m << (j * W));
+    }
+    if (!need) return;
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if (need >> (j * W) & ALL) ld_flow_item(q[j], addr(j));
+    if (clock64() - t0 > 20000000000LL) __trap();
+  }
+}
+
 // Vectors into shared memory in one round trip. Each thread copies its 16-byte chunks
 // i = threadIdx.x + j * THREADS with cp.async (L2 only, so what other SMs wrote; no registers
 // held while they fly, so every chunk of the vector is in flight at once), then checks the
@@ -294,25 +372,70 @@ __device__ __forceinline__ float flow_untag_chunks(float* v, unsigned idx, int l
 // xs[0..K) <- src (written by other CTAs with `tag`), tags cleared, times gain (may be null:
 // a deferred norm's, see norm_scale), swizzled (a GEMV's input); returns this thread's sum
 // of squares over the elements it fetched. Callers __syncthreads before others read xs.
-// flow_fetch's cp.async.wait_all has also waited for this thread's staged gain copies.
+// Either path has also waited for this thread's staged gain copies (cp.async.wait_all).
 template <int K>
 __device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned tag,
                                            const float* gain = nullptr) {
   constexpr int N = FlowChunks<K>::N;
-  flow_fetch<N, 0, MK_THREADS, true>(xs, src, tag, K / 4);
-  return flow_untag_chunks<N, MK_THREADS>(xs, threadIdx.x, K, gain);
+  if constexpr (MK_SETTLE && N == 1) {
+    // One chunk a thread: through registers (flow_settle), then untagged into xs.
+    const int i = 4 * threadIdx.x;
+    float ss = 0.f;
+    if (i < K) {
+      uint4 got[1] = {ld_flow_chunk(src + i)};
+      const unsigned tags[1] = {tag};
+      flow_settle(got, [&](int) { return src + i; }, tags);
+      cp_async_wait_all();  // this thread's staged gain chunk (as flow_fetch waits for it)
+      float* c = xs + i + swz_off(xs + i);
+      const unsigned w[4] = {got[0].x, got[0].y, got[0].z, got[0].w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float x = __uint_as_float(w[k] & ~MK_TAG_BITS);
+        c[k] = gain ? x * gain[i + k] : x;
+        ss += x * x;
+      }
+    }
+    return ss;
+  } else {
+    flow_fetch<N, 0, MK_THREADS, true>(xs, src, tag, K / 4);
+    return flow_untag_chunks<N, MK_THREADS>(xs, threadIdx.x, K, gain);
+  }
 }
 
-// Two vectors of K in one round trip: a <- src_a (tag_a), b <- src_b (tag_b). Then
-// a[i] += b[i] for this thread's elements; returns their sum of squares (stage D's
-// residual: x + the O-projection's output). scaled (may be null): also gets a[i] * gain[i]
-// (gain may be null: a[i]), swizzled: a deferred norm's GEMV input (norm_scale).
+// Two vectors of K in one round trip: a <- src_a (tag_a), b <- src_b (tag_b) (b is scratch,
+// unused when the chunks come through registers). Then a[i] += b[i] for this thread's
+// elements; returns their sum of squares (stage D's residual: x + the O-projection's output).
+// scaled (may be null): also gets a[i] * gain[i] (gain may be null: a[i]), swizzled: a
+// deferred norm's GEMV input (norm_scale).
 template <int K>
 __device__ __forceinline__ float load_flow_sum(float* a, const float* src_a, unsigned tag_a,
                                                float* b, const float* src_b, unsigned tag_b,
                                                float* scaled = nullptr,
                                                const float* gain = nullptr) {
   constexpr int N = FlowChunks<K>::N;
+  if constexpr (MK_SETTLE && N == 1) {
+    // One chunk of each a thread: both through registers (flow_settle).
+    const int i = 4 * threadIdx.x;
+    float ss = 0.f;
+    if (i < K) {
+      uint4 got[2] = {ld_flow_chunk(src_a + i), ld_flow_chunk(src_b + i)};
+      const unsigned tags[2] = {tag_a, tag_b};
+      flow_settle(got, [&](int j) { return (j ? src_b : src_a) + i; }, tags);
+      cp_async_wait_all();  // this thread's staged gain chunk (as flow_fetch waits for it)
+      const int so = scaled ? swz_off(scaled + i) : 0;
+      const unsigned wa[4] = {got[0].x, got[0].y, got[0].z, got[0].w};
+      const unsigned wb[4] = {got[1].x, got[1].y, got[1].z, got[1].w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float v =
+            __uint_as_float(wa[k] & ~MK_TAG_BITS) + __uint_as_float(wb[k] & ~MK_TAG_BITS);
+        a[i + k] = v;
+        if (scaled) scaled[i + so + k] = gain ? v * gain[i + k] : v;
+        ss += v * v;
+      }
+    }
+    return ss;
+  }
   flow_fetch<N, N>(a, src_a, tag_a, K / 4, b, src_b, tag_b, K / 4);
   float ss = 0.f;
   const int so = scaled ? swz_off(scaled + 4 * threadIdx.x) : 0;  // same for every chunk
