@@ -111,7 +111,7 @@ __device__ __forceinline__ float ld_flow(const float* p, unsigned tag) {
 // k and v words settle together (attention.cuh); 0: cp.async into shared memory (flow_fetch)
 // and the unit's words waited for one after another, as before (for A/B timing). Measured on
 // an H100 (docs/perf-notes.md step 46), both together, on four machines: Qwen2.5-Coder-1.5B
-// -10 to -16 µs/token, Llama-3.2-1B -2 to -5; either one alone was slower than neither.
+// -9 to -16 µs/token, Llama-3.2-1B -2 to -6; either one alone was slower than neither.
 #ifndef MK_SETTLE
 #define MK_SETTLE 1
 #endif
