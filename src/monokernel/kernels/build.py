@@ -106,6 +106,7 @@ class KernelDims:
             "MK_QK_NORM": int(self.qk_norm),
             "MK_SPLIT_E": self.down_split(),
             "MK_BATCH2": self.gate_up_batch(),
+            "MK_D_PRE": self.gate_up_rows_before_input(),
             "MK_ATTN_CHUNK": self.attn_chunk(),
             "MK_ATTN_RANGE": self.attn_range(),
         }
@@ -131,6 +132,14 @@ class KernelDims:
         (hidden 1536) 1,480 vs 1,456, its build spilling 52 bytes with 5. The build with group
         units carries more registers already (Llama's spills 52 -> 68 bytes with 5): kept at 4."""
         return 5 if self.hidden >= 2048 and not self.group_units else 4
+
+    def gate_up_rows_before_input(self) -> int:
+        """MK_D_PRE: rows of stage D's first gate/up pair issued before the hand-off C -> D
+        (csrc/decode.cu): 2 for hidden >= 2048, else 1. Measured on an H100 since D's input
+        settles through registers (docs/perf-notes.md step 46): Llama-3.2-1B -4 and -8
+        µs/token with 2 against 1 (two machines), Qwen2.5-Coder-1.5B (hidden 1536) -1 to +1
+        and +1 to +7; with 1 against 2 before that (step 39) Qwen -13 to -16."""
+        return 2 if self.hidden >= 2048 else 1
 
     def _attn_scratch_floats(self) -> int:
         """MK_ATTN_SMEM: the larger scratch of stage B's two unit kinds (stage D's input
@@ -298,12 +307,18 @@ def nvcc_command(dims: KernelDims, out: Path, debug: bool = False) -> list[str]:
         *base,
         "-Xptxas",
         "-v",
-        *[d for d in dims.defines() if d.split("=")[0] not in {k.split("=")[0] for k in knobs}],
-        *knobs,
+        *_defines(dims, knobs),
         "-o",
         str(out),
         str(CSRC / ENTRY),
     ]
+
+
+def _defines(dims: KernelDims, knobs: Sequence[str]) -> list[str]:
+    """The shape's -D defines, then the knobs' -D defines; a knob replaces the shape's value
+    of the same define (tests force small windows, variant runs flip tuning choices)."""
+    names = {k.split("=")[0] for k in knobs}
+    return [*(d for d in dims.defines() if d.split("=")[0] not in names), *knobs]
 
 
 def compile_check(
@@ -316,8 +331,8 @@ def compile_check(
         find_nvcc(),
         *ARCH_FLAGS,
         "-c",
-        *dims.defines(),
-        *extra,
+        *_defines(dims, [f for f in extra if f.startswith("-D")]),
+        *(f for f in extra if not f.startswith("-D")),
         "-o",
         str(out),
         str(CSRC / ENTRY),

@@ -65,3 +65,23 @@ def test_flow_copies_mirror_the_kernels_default(monkeypatch: pytest.MonkeyPatch)
     assert kbuild.flow_copies() == kbuild.FLOW_COPIES == int(m.group(1))
     monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_SKEW=1 -DMK_FLOW_COPIES=1")
     assert kbuild.flow_copies() == 1
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_gate_up_rows_before_input_per_shape_and_a_knob_replaces_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """MK_D_PRE comes from the shape (2 at hidden >= 2048, else 1); a -D knob in
+    MONOKERNEL_NVCC_FLAGS or compile_check's extra flags replaces it instead of defining it
+    twice."""
+    llama = kbuild.KernelDims.from_config(SHAPES["llama-3.2-1b"])
+    qwen = kbuild.KernelDims.from_config(SHAPES["qwen2.5-coder-1.5b"])
+    assert "-DMK_D_PRE=2" in llama.defines()
+    assert "-DMK_D_PRE=1" in qwen.defines()
+    monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_D_PRE=1")
+    cmd = kbuild.nvcc_command(llama, tmp_path / "decode.cubin")
+    assert [f for f in cmd if f.startswith("-DMK_D_PRE")] == ["-DMK_D_PRE=1"]
+    monkeypatch.delenv("MONOKERNEL_NVCC_FLAGS")
+    assert kbuild.cubin_path(llama) != kbuild.cubin_path(
+        dataclasses.replace(llama, hidden=qwen.hidden)
+    )

@@ -71,6 +71,9 @@
 // price of D's first loads starting later. Measured on an H100 (step 39), three processes:
 // Qwen2.5-Coder-1.5B -12.6 / -16.4 / -13.7 µs/token with 1 against 2, Llama-3.2-1B -0.2 /
 // -1.7 / -6.1; with 0: +1 / +7.6. The same trade at the hand-offs into A, C and E lost.
+// Since D's input settles through registers (step 46) the trade has turned for Llama-3.2-1B:
+// 2 against 1 -4 and -8, Qwen2.5-Coder-1.5B -1 to +7; 0 is +8 / +17. build.py picks it per
+// shape (gate_up_rows_before_input).
 #ifndef MK_D_PRE
 #define MK_D_PRE 1
 #endif
