@@ -9,7 +9,9 @@ key) and/or MONOKERNEL_* environment settings the backend reads when it is built
 weights and prompt, interleaved over rounds so drift in clocks or temperature hits every
 variant alike. Reports the median µs/token, MBU against the copy bandwidth measured in this
 run, the stage profile, and how many greedy tokens agree with the first variant (a different
-reduction order may flip a near-tie, so this is a sanity figure, not a test).
+reduction order may flip a near-tie, so this is a sanity figure, not a test). The variants
+share one hand-off buffer (``--own-handoff``: each its own), since where it lies moves the
+speed too; each still has its own copy of the weights, worth a few µs on Qwen2.5-Coder-1.5B.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--own-handoff", action="store_true", help="each variant its own hand-off buffer"
+    )
     ap.add_argument("--json", dest="json_file")
     args = ap.parse_args(argv)
     variants = [v.split("=", 1) for v in args.variant] or [["default", ""]]
@@ -76,6 +81,13 @@ def main(argv: list[str]) -> int:
                 else:
                     os.environ[k] = v
             time_request(backends[name], prompt, 32)  # warm-up
+        if not args.own_handoff:
+            # One hand-off buffer for every variant (where it lies moves Qwen2.5-Coder-1.5B by
+            # up to ~1%: docs/perf-notes.md step 48), unless a variant changes its size.
+            first = next(iter(backends.values()))
+            for b in backends.values():
+                if b.handoff.numel() == first.handoff.numel():
+                    b.use_handoff(first.handoff)
         times: dict[str, list[float]] = {name: [] for name, _ in variants}
         for _ in range(args.rounds):
             for name, _ in variants:

@@ -136,9 +136,9 @@ class KernelDims:
     def gate_up_rows_before_input(self) -> int:
         """MK_D_PRE: rows of stage D's first gate/up pair issued before the hand-off C -> D
         (csrc/decode.cu): 2 for hidden >= 2048, else 1. Measured on an H100 since D's input
-        settles through registers (docs/perf-notes.md step 46): Llama-3.2-1B -4 and -8
-        µs/token with 2 against 1 (two machines), Qwen2.5-Coder-1.5B (hidden 1536) -1 to +1
-        and +1 to +7; with 1 against 2 before that (step 39) Qwen -13 to -16."""
+        settles through registers (docs/perf-notes.md step 47): Llama-3.2-1B -4, -8 and -8.5
+        µs/token with 2 against 1 (three machines), Qwen2.5-Coder-1.5B (hidden 1536) -1 to +7
+        (neutral); with 1 against 2 before that (step 39) Qwen -13 to -16."""
         return 2 if self.hidden >= 2048 else 1
 
     def _attn_scratch_floats(self) -> int:

@@ -247,11 +247,8 @@ class MonokernelBackend:
         )
         copies = kbuild.flow_copies()
         per = (copies, 1, copies, copies, copies, copies, copies)  # qkv: attention units only
-        counts = [n * c for n, c in zip(sizes, per, strict=True)]
-        self.handoff = torch.empty(sum(counts), dtype=f32, device=dev)
-        self.x, self.qkv, self.delta, self.attn_out, self.act, self.attn, self.attn_ml = (
-            region[:n] for region, n in zip(torch.split(self.handoff, counts), sizes, strict=True)
-        )  # [H], [Q + 2KV], [H], [Q], [I], [slots, D], [slots, 4]
+        self._handoff_layout = ([n * c for n, c in zip(sizes, per, strict=True)], sizes)
+        self.use_handoff(torch.empty(sum(self._handoff_layout[0]), dtype=f32, device=dev))
         self.attn_count = torch.zeros(
             cfg.num_heads + cfg.num_kv_heads, dtype=torch.int32, device=dev
         )  # [NH + NKV]
@@ -263,6 +260,23 @@ class MonokernelBackend:
         self.stop_ids = torch.zeros(_MAX_STOP_IDS, dtype=torch.int32, device=dev)
         self.host_out = launcher.HostMapped(2 + self.max_seq_len + 1)  # count, done, tokens
         self.host_cancel = launcher.HostMapped(1)
+
+    def use_handoff(self, buf: torch.Tensor) -> None:
+        """Put the tagged hand-off vectors in ``buf`` (float32, as many elements as
+        ``self.handoff``). Where they lie moves decode speed by up to ~1% on an H100
+        (docs/perf-notes.md step 48), so builds timed side by side share one buffer
+        (scripts/kernel_variants.py); launches zero it, so sharing between backends that never
+        run at once is safe."""
+        counts, sizes = self._handoff_layout
+        if buf.dtype != torch.float32 or buf.numel() != sum(counts) or buf.device != self.device:
+            raise ValueError(
+                f"hand-off buffer: {sum(counts)} float32 elements on {self.device} needed; "
+                f"got {buf.numel()} {buf.dtype} on {buf.device}"
+            )
+        self.handoff = buf
+        self.x, self.qkv, self.delta, self.attn_out, self.act, self.attn, self.attn_ml = (
+            region[:n] for region, n in zip(torch.split(buf, counts), sizes, strict=True)
+        )  # [H], [Q + 2KV], [H], [Q], [I], [slots, D], [slots, 4]
 
     # ---- one launch ---------------------------------------------------------------------
 

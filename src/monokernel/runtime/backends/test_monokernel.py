@@ -346,6 +346,30 @@ def test_stop_ids_cancel_and_next_request() -> None:
     assert list(mk.stream(_request(prompt, 40, greedy), CancelToken())) == want
 
 
+@pytest.mark.gpu
+@needs_hopper
+def test_moved_hand_off_buffer_gives_the_same_tokens() -> None:
+    """use_handoff (the timing scripts share one buffer between builds): decoding from a
+    buffer placed elsewhere and poisoned first gives the same greedy tokens, the kernel
+    writes there, and a buffer of the wrong size or type is refused."""
+    cfg, _, mk = _setup("odd")
+    prompt = _tokens(40, cfg.vocab_size, seed=31)
+    greedy = SamplingParams(temperature=0.0)
+    want = list(mk.stream(_request(prompt, 64, greedy), CancelToken()))
+    own = mk.handoff
+    moved = torch.full((own.numel() + 1000,), float("nan"), device="cuda")[1000:]
+    try:
+        mk.use_handoff(moved)
+        assert mk.x.data_ptr() == moved.data_ptr()
+        assert list(mk.stream(_request(prompt, 64, greedy), CancelToken())) == want
+        assert torch.isfinite(moved).all() and bool((moved != 0).any())
+    finally:
+        mk.use_handoff(own)
+    for bad in (own[:-1], own.double()):
+        with pytest.raises(ValueError, match="float32 elements"):
+            mk.use_handoff(bad)
+
+
 def test_checked_steps_refuses_what_a_launch_cannot_take() -> None:
     from monokernel.errors import InvalidRequestError
     from monokernel.runtime.backends.monokernel import _MAX_STOP_IDS, checked_steps

@@ -1,0 +1,92 @@
+"""Does where the hand-off vectors lie in memory move decode speed? (GPU machine.)
+
+    PYTHONPATH=src python3 scripts/placement_probe.py --shape qwen2.5-coder-1.5b --json out.json
+
+The same cubin loaded twice in one process can differ by ~1% (12 µs/token on
+Qwen2.5-Coder-1.5B; docs/perf-notes.md step 48 has this probe's findings). What differs
+between two loads is where the buffers land. This probe keeps two backends (two copies of the
+weights) and moves only the tagged hand-off buffer (x, qkv, delta, attn_out, act and the
+attention partials, one tensor: MonokernelBackend.use_handoff) between placements inside one
+pool: byte offsets from a 2 MB boundary, the pool's pages being 2 MB (the low 21 bits of a
+virtual address are the physical address's). Each placement is timed on both backends,
+interleaved over rounds, so a row's spread between backends is the weights' placement and a
+column's spread the hand-offs'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from monokernel.bench.measure import copy_bandwidth, time_request
+from monokernel.bench.shapes import SHAPES, random_weights
+from monokernel.runtime.backends.monokernel import MonokernelBackend
+
+PAGE = 2 << 20
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--offsets", default="0,4,8,16,32,64,128,256,512,1024",
+                    help="KB from a 2 MB boundary")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--gen-tokens", type=int, default=512)
+    ap.add_argument("--json", dest="json_file")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    bw = copy_bandwidth(device)
+    cfg = SHAPES[args.shape]
+    weights = random_weights(cfg, device=device, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
+    max_len = args.prompt_tokens + args.gen_tokens + 1
+    backends = [MonokernelBackend(cfg, weights, max_len, device) for _ in range(2)]
+    n = backends[0].handoff.numel()
+    pool = torch.empty(8 * PAGE // 4 + 2 * PAGE // 4, dtype=torch.float32, device=device)
+    base = (-pool.data_ptr()) % PAGE // 4  # first 2 MB boundary in the pool, in floats
+    placements: dict[str, list[torch.Tensor]] = {
+        "own": [b.handoff for b in backends],
+    }
+    for kb in (int(k) for k in args.offsets.split(",")):
+        o = base + kb * 256
+        placements[f"{kb}K"] = [pool[o : o + n]] * 2
+    placements["page+3,0K"] = [pool[base + 3 * PAGE // 4 : base + 3 * PAGE // 4 + n]] * 2
+    placements["page+5,0K"] = [pool[base + 5 * PAGE // 4 : base + 5 * PAGE // 4 + n]] * 2
+    owns = [b.handoff for b in backends]
+    for b in backends:
+        time_request(b, prompt, 32)  # warm-up
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for name, bufs in placements.items():
+            for i, b in enumerate(backends):
+                b.use_handoff(bufs[i] if name != "own" else owns[i])
+                t = time_request(b, prompt, args.gen_tokens)
+                times.setdefault((name, i), []).append(t.decode_s_per_token * 1e6)
+    for i, b in enumerate(backends):
+        b.use_handoff(owns[i])
+    print(f"device: {torch.cuda.get_device_name(device)} | copy bw {bw / 1e9:.0f} GB/s | "
+          f"{args.shape} | prompt {args.prompt_tokens} gen {args.gen_tokens}")  # fmt: skip
+    print(f"{'placement':<12} {'addr mod 2MB':>12} {'backend 0':>10} {'backend 1':>10}")
+    rows = []
+    for name, bufs in placements.items():
+        bs = owns if name == "own" else bufs
+        med = [statistics.median(times[(name, i)]) for i in range(2)]
+        addr = [t.data_ptr() % PAGE for t in bs]
+        rows.append({"placement": name, "addr_mod_2mb": addr, "us_per_token": med,
+                     "rounds": [times[(name, i)] for i in range(2)]})  # fmt: skip
+        print(f"{name:<12} {addr[0]:>12x} {med[0]:>10.1f} {med[1]:>10.1f}")
+    if args.json_file:
+        with open(args.json_file, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(device), "copy_bw": bw,
+                       "shape": args.shape, "rows": rows}, f, indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
