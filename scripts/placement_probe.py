@@ -50,22 +50,22 @@ def main(argv: list[str]) -> int:
     n = backends[0].handoff.numel()
     pool = torch.empty(8 * PAGE // 4 + 2 * PAGE // 4, dtype=torch.float32, device=device)
     base = (-pool.data_ptr()) % PAGE // 4  # first 2 MB boundary in the pool, in floats
-    placements: dict[str, list[torch.Tensor]] = {
-        "own": [b.handoff for b in backends],
-    }
-    for kb in (int(k) for k in args.offsets.split(",")):
-        o = base + kb * 256
-        placements[f"{kb}K"] = [pool[o : o + n]] * 2
-    placements["page+3,0K"] = [pool[base + 3 * PAGE // 4 : base + 3 * PAGE // 4 + n]] * 2
-    placements["page+5,0K"] = [pool[base + 5 * PAGE // 4 : base + 5 * PAGE // 4 + n]] * 2
+
+    def at(nbytes: int) -> list[torch.Tensor]:  # one buffer, nbytes past that boundary
+        o = base + nbytes // 4
+        return [pool[o : o + n]] * 2
+
     owns = [b.handoff for b in backends]
+    placements = {"own": owns}
+    placements |= {f"{kb}K": at(int(kb) * 1024) for kb in args.offsets.split(",")}
+    placements |= {f"page+{k},0K": at(k * PAGE) for k in (3, 5)}
     for b in backends:
         time_request(b, prompt, 32)  # warm-up
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):
         for name, bufs in placements.items():
             for i, b in enumerate(backends):
-                b.use_handoff(bufs[i] if name != "own" else owns[i])
+                b.use_handoff(bufs[i])
                 t = time_request(b, prompt, args.gen_tokens)
                 times.setdefault((name, i), []).append(t.decode_s_per_token * 1e6)
     for i, b in enumerate(backends):
@@ -75,9 +75,8 @@ def main(argv: list[str]) -> int:
     print(f"{'placement':<12} {'addr mod 2MB':>12} {'backend 0':>10} {'backend 1':>10}")
     rows = []
     for name, bufs in placements.items():
-        bs = owns if name == "own" else bufs
         med = [statistics.median(times[(name, i)]) for i in range(2)]
-        addr = [t.data_ptr() % PAGE for t in bs]
+        addr = [t.data_ptr() % PAGE for t in bufs]
         rows.append({"placement": name, "addr_mod_2mb": addr, "us_per_token": med,
                      "rounds": [times[(name, i)] for i in range(2)]})  # fmt: skip
         print(f"{name:<12} {addr[0]:>12x} {med[0]:>10.1f} {med[1]:>10.1f}")
