@@ -309,7 +309,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
         g *= rd;
         u *= rd;
         if (lane == 0) st_flow_copies(p.act + r, MK_I, g / (1.f + expf(-g)) * u, tag);
-      }, pair_tickets(p.barrier + MK_TICKETS + layer, MK_I, tw, (unsigned)step));
+      });
       skew(p, step, layer, 6);
       // With E's teams and data as flag, no CTA-wide wait here: E's slices land in xs, which
       // D no longer reads (xd), and each team waits for its own slice and partners only.

@@ -182,75 +182,36 @@ __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
   }
 }
 
-// Pair rounds of stage D dealt at run time (MK_D_DYN; 0: none). The static deal gives warp
-// gw the pairs gw, gw + step, ...; with DYN > 0 only the first (pairs / step) - DYN + 1 whole
-// rounds are dealt so, and the pairs after them go to whichever warps finish first, one
-// ticket at a time from a per-layer counter. The SMs of one H100 stream at rates up to 13%
-// apart (docs/perf-notes.md step 38), so a static deal waits for the slowest; a ticket per
-// pair lets the fast SMs take the tail.
-#ifndef MK_D_DYN
-#define MK_D_DYN 0
-#endif
-
-// Tickets of one stage D (gemv_pairs): the first pair index dealt at run time, how many
-// such pairs there are, and the counter value this step's tickets start from. Every warp
-// draws until it gets a ticket past the tail, so a step's draws are exactly tail + warps
-// whatever the timing: the counter needs no reset between steps, only per launch.
-struct PairTickets {
-  unsigned* counter;  // null: the static deal only
-  int start;          // first dynamic pair; pairs before it are dealt statically
-  unsigned base;      // counter value at this step's first draw
-};
-
-__device__ __forceinline__ PairTickets pair_tickets(unsigned* counter, int pairs, int step,
-                                                    unsigned gen) {
-  const int rounds = pairs / step - (MK_D_DYN - 1);  // static whole rounds
-  if (MK_D_DYN == 0 || counter == nullptr || rounds < 1 || rounds * step == pairs)
-    return {nullptr, pairs, 0u};
-  const int start = rounds * step;
-  return {counter, start, gen * (unsigned)(pairs - start + step)};
-}
-
-// One ticket for lane 0; asm volatile keeps it issued where it is written, ahead of the
-// pair it is drawn under (the ticket is read after that pair, so its round trip is hidden).
-__device__ __forceinline__ unsigned draw_ticket(unsigned* counter) {
-  unsigned v;
-  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(counter) : "memory");
-  return v;
-}
-
 // Row pairs (2p, 2p+1) of W [2*pairs, K] (gate/up interleaved): out(p, dot0, dot1).
-// The warp's pairs are p0, p0 + step, ... below tk.start, then drawn tickets (PairTickets).
 template <int K, class Out>
 __device__ __forceinline__ void gemv_pairs(const bf16* __restrict__ W, int pairs, int p0, int step,
                                            const float* __restrict__ xs, int lane,
                                            uint4 (&pre0)[RowShape<K, MK_BATCH2>::B],
-                                           uint4 (&pre1)[RowShape<K, MK_BATCH2>::B], Out out,
-                                           PairTickets tk = {nullptr, 0, 0u}) {
+                                           uint4 (&pre1)[RowShape<K, MK_BATCH2>::B], Out out) {
   using S = RowShape<K, MK_BATCH2>;
-  const int stat_end = tk.counter ? tk.start : pairs;
-  for (int p = p0; p < pairs;) {
+  // Two rows already stream together; a second pair in flight would need 128 registers.
+  constexpr bool PIPE = false;
+  for (int p = p0; p < pairs; p += step) {
     uint4 n0[S::B], n1[S::B];
-    // Past the static rounds, the next pair is a ticket drawn now and read after this pair.
-    const bool draw = tk.counter != nullptr && p + step >= stat_end;
-    unsigned got = 0u;
-    if (draw && lane == 0) got = draw_ticket(tk.counter);
-    // While row 2p is reduced, row 2p+1's first batch is already in flight. (A second pair
-    // in flight would need 128 registers: the next pair is issued after this one.)
+    const int pn = p + step;
+    const size_t q = (size_t)(pn < pairs ? pn : p);
+    if (PIPE) {
+      issue_first<K, MK_BATCH2>(n0, W + (2 * q) * K, lane);
+      issue_first<K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane);
+    }
+    // While row 2p is reduced, row 2p+1's first batch is already in flight.
     const float a = row_partial<K, MK_BATCH2>(pre0, W + (size_t)(2 * p) * K, xs, lane);
     const float b = row_partial<K, MK_BATCH2>(pre1, W + (size_t)(2 * p + 1) * K, xs, lane);
     out(p, warp_sum(a), warp_sum(b));
-    const int pn =
-        draw ? stat_end + (int)(__shfl_sync(0xffffffffu, got, 0) - tk.base) : p + step;
-    const size_t q = (size_t)(pn < pairs ? pn : p);
-    issue_first<K, MK_BATCH2>(n0, W + (2 * q) * K, lane);
-    issue_first<K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane);
+    if (!PIPE) {
+      issue_first<K, MK_BATCH2>(n0, W + (2 * q) * K, lane);
+      issue_first<K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane);
+    }
 #pragma unroll
     for (int i = 0; i < S::B; ++i) {
       pre0[i] = n0[i];
       pre1[i] = n1[i];
     }
-    p = pn;
   }
 }
 

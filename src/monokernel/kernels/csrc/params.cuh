@@ -3,9 +3,6 @@
 #pragma once
 #include "common.cuh"
 
-// The ticket counters sit a 128-byte line after the grid barrier's word.
-#define MK_TICKETS 32
-
 struct LayerWeights {               // one entry per layer, in a device array
   const bf16* wqkv;                 // [Q + 2*KV, H]  rows: q heads, k heads, v heads; attn_norm folded
   const float* bqkv;                // [Q + 2*KV]     or null
@@ -43,9 +40,7 @@ struct Params {
   float* part_score;                // [grid]       best (score, id) of each CTA
   int* part_id;                     // [grid]
   int* flags;                       // [4]  [0] cancel seen, [1] token from the slow sampler
-  unsigned* barrier;                // [MK_TICKETS + L] zeroed per launch: [0] the monotonic
-                                    //   grid-barrier counter; [MK_TICKETS + l] stage D's pair
-                                    //   tickets in layer l (gemv.cuh PairTickets)
+  unsigned* barrier;                // [1]  monotonic grid-barrier counter, zeroed per launch
   const int* forced;                // [n_steps] input token of each step (teacher forcing) or null
   float* debug_logits;              // [n_steps, V] or null
   const int* stop_ids;              // [n_stop]

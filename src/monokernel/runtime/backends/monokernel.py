@@ -256,8 +256,7 @@ class MonokernelBackend:
         self.part_score = torch.empty(self.grid, dtype=f32, device=dev)  # [grid]
         self.part_id = torch.empty(self.grid, dtype=torch.int32, device=dev)  # [grid]
         self.flags = torch.zeros(4, dtype=torch.int32, device=dev)  # [4]
-        # [0] the grid barrier; [32 + l] stage D's pair tickets of layer l (csrc/params.cuh)
-        self.barrier = torch.zeros(32 + cfg.num_layers, dtype=torch.int32, device=dev)
+        self.barrier = torch.zeros(1, dtype=torch.int32, device=dev)  # [1]
         self.stop_ids = torch.zeros(_MAX_STOP_IDS, dtype=torch.int32, device=dev)
         self.host_out = launcher.HostMapped(2 + self.max_seq_len + 1)  # count, done, tokens
         self.host_cancel = launcher.HostMapped(1)
