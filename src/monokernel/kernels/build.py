@@ -34,7 +34,14 @@ ENTRY = "decode.cu"
 KERNEL_NAME = "mk_decode"
 ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
 THREADS = 512  # MK_THREADS in common.cuh
+WARPS = THREADS // 32
 BATCH = 6  # MK_BATCH in gemv.cuh
+# Loads a lane keeps in flight per pipelined down-projection row (down_split): two rows of
+# 4 are 64 KB a SM at 16 warps.
+MAX_DOWN_LOADS = 4
+# SMs of the GPUs the kernel is tuned on (H100 SXM, H200); only down_split's rows-per-unit
+# rule uses it: the grid itself is the device's SM count, read at launch.
+HOPPER_SMS = 132
 SPLIT_SLOTS = 32  # MK_SPLIT_SLOTS in gemv.cuh: split-K partials per warp
 MAX_HEAD_DIM = 256
 MAX_SMEM_BYTES = 227 * 1024  # dynamic shared memory one CTA may have on sm_90
@@ -118,28 +125,52 @@ class KernelDims:
 
     def down_split(self) -> int:
         """Warps per row of the down projection: the fewest that make each warp's slice one
-        batch of loads (<= BATCH per lane), so rows pipeline without a third buffer."""
+        batch of loads (<= BATCH per lane), so rows pipeline without a third buffer; but half
+        that where two such batches in flight (the pipelined rows) would hold more than
+        MAX_DOWN_LOADS loads a lane (beyond ~30 KB a SM, bytes in flight only queue:
+        docs/perf-notes.md step 39) and the wider slices still leave every unit two rows or
+        more on 132 SMs (fewer rows than units leave warps idle). Measured on an H100 (step
+        50): Qwen2.5-Coder-1.5B (intermediate 8,960; 5 loads a lane at 8 warps a row, 2.9 rows
+        a unit at 4) 1,259.1 / 1,260.1 / 1,264.9 µs/token with 4 against 1,277.5 / 1,279.1
+        with 8; Qwen3-0.6B (3,072; 6 loads at 2, 0.5 rows a unit at 1) 930.3 with 2 against
+        996.8 with 1, so it keeps 2; Llama-3.2-1B (8,192; 4 loads at 8) keeps 8 (935.8 / 935.9
+        with 4 against 932.9)."""
+        chunks = self.intermediate // 8
         for split in (1, 2, 4, 8, 16):
-            chunks = self.intermediate // 8
-            if chunks % split == 0 and -(-chunks // split // 32) <= BATCH:
-                return split
-        return 16 if (self.intermediate // 8) % 16 == 0 else 1
+            loads = -(-chunks // split // 32)  # a lane's loads in one row slice
+            if chunks % split or loads > BATCH:
+                continue
+            half = split // 2
+            if loads > MAX_DOWN_LOADS and half and self.hidden >= 2 * HOPPER_SMS * (WARPS // half):
+                return half
+            return split
+        return 16 if chunks % 16 == 0 else 1
 
     def gate_up_batch(self) -> int:
         """Loads per lane in flight per gate/up row (MK_BATCH2): 5 for hidden >= 2048 in the
-        build without group units, else 4. Measured on an H100 (docs/perf-notes.md, step 22):
-        Llama-3.2-1B 1,016 vs 1,032 and 1,021 vs 1,033 µs/token with 5; Qwen2.5-Coder-1.5B
-        (hidden 1536) 1,480 vs 1,456, its build spilling 52 bytes with 5. The build with group
-        units carries more registers already (Llama's spills 52 -> 68 bytes with 5): kept at 4."""
-        return 5 if self.hidden >= 2048 and not self.group_units else 4
+        build without group units, 3 for hidden 1536-2047 there, else 4. Measured on an H100
+        (docs/perf-notes.md, step 22): Llama-3.2-1B 1,016 vs 1,032 and 1,021 vs 1,033 µs/token
+        with 5; Qwen2.5-Coder-1.5B (hidden 1536) 1,480 vs 1,456, its build spilling 52 bytes
+        with 5. Step 50, once D's whole first pair goes out before its hand-off: Qwen 1,259.0 /
+        1,258.8 and 1,258.6 / 1,258.6 with 3 against 1,262.2 / 1,261.6 and 1,261.8 / 1,260.9
+        with 4 (two processes); the smaller shapes are unmeasured and keep 4. The build with
+        group units carries more registers already (Llama's spills 52 -> 68 bytes with 5):
+        kept at 4."""
+        if self.group_units:
+            return 4
+        if self.hidden >= 2048:
+            return 5
+        return 3 if self.hidden >= 1536 else 4
 
     def gate_up_rows_before_input(self) -> int:
         """MK_D_PRE: rows of stage D's first gate/up pair issued before the hand-off C -> D
-        (csrc/decode.cu): 2 for hidden >= 2048, else 1. Measured on an H100 since D's input
-        settles through registers (docs/perf-notes.md step 47): Llama-3.2-1B -4, -8 and -8.5
-        µs/token with 2 against 1 (three machines), Qwen2.5-Coder-1.5B (hidden 1536) -1 to +7
-        (neutral); with 1 against 2 before that (step 39) Qwen -13 to -16."""
-        return 2 if self.hidden >= 2048 else 1
+        (csrc/decode.cu): 2 for hidden >= 1536, else 1 (the smaller shapes are unmeasured
+        and keep the old value). Measured on an H100 since D's input settles through
+        registers (docs/perf-notes.md step 47): Llama-3.2-1B -4, -8 and -8.5 µs/token with 2
+        against 1 (three machines); Qwen2.5-Coder-1.5B (hidden 1536) -1 to +7 then, and -4.8
+        in two processes once its down projection went to 4 warps a row (step 50); with 1
+        against 2 before step 46 (step 39) Qwen -13 to -16."""
+        return 2 if self.hidden >= 1536 else 1
 
     def _attn_scratch_floats(self) -> int:
         """MK_ATTN_SMEM: the larger scratch of stage B's two unit kinds (stage D's input

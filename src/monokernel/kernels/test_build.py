@@ -68,20 +68,40 @@ def test_flow_copies_mirror_the_kernels_default(monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_gate_up_rows_before_input_per_shape_and_a_knob_replaces_it(
+def test_gate_up_defines_per_shape_and_a_knob_replaces_them(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """MK_D_PRE comes from the shape (2 at hidden >= 2048, else 1); a -D knob in
+    """MK_D_PRE comes from the shape (2 at hidden >= 1536, else 1); a -D knob in
     MONOKERNEL_NVCC_FLAGS or compile_check's extra flags replaces it instead of defining it
     twice."""
     llama = kbuild.KernelDims.from_config(SHAPES["llama-3.2-1b"])
     qwen = kbuild.KernelDims.from_config(SHAPES["qwen2.5-coder-1.5b"])
     assert "-DMK_D_PRE=2" in llama.defines()
-    assert "-DMK_D_PRE=1" in qwen.defines()
+    assert "-DMK_D_PRE=2" in qwen.defines()
+    small = kbuild.KernelDims.from_config(SHAPES["qwen3-0.6b"])
+    assert "-DMK_D_PRE=1" in small.defines()
+    # Gate/up loads a lane per row (MK_BATCH2): the build without group units only.
+    short = {n: dataclasses.replace(d, group_units=False) for n, d in
+             (("llama", llama), ("qwen", qwen), ("small", small))}  # fmt: skip
+    assert [short[n].gate_up_batch() for n in ("llama", "qwen", "small")] == [5, 3, 4]
+    assert llama.gate_up_batch() == qwen.gate_up_batch() == 4
     monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_D_PRE=1")
     cmd = kbuild.nvcc_command(llama, tmp_path / "decode.cubin")
     assert [f for f in cmd if f.startswith("-DMK_D_PRE")] == ["-DMK_D_PRE=1"]
     monkeypatch.delenv("MONOKERNEL_NVCC_FLAGS")
     assert kbuild.cubin_path(llama) != kbuild.cubin_path(
-        dataclasses.replace(llama, hidden=qwen.hidden)
+        dataclasses.replace(llama, hidden=small.hidden)
     )
+
+
+def test_down_split_by_loads_in_flight_and_rows_a_unit() -> None:
+    """MK_SPLIT_E: the fewest warps a row that make a warp's slice one batch of loads, halved
+    where two such batches in flight would be more than MAX_DOWN_LOADS a lane, unless the
+    halved split leaves units with fewer than two rows (Qwen3-0.6B: 6 loads a lane at 2, but
+    1,024 rows on 2,112 one-warp units) (step 50)."""
+    want = {"llama-3.2-1b": 8, "qwen2.5-coder-1.5b": 4, "qwen3-0.6b": 2, "odd": 1}
+    for shape, split in want.items():
+        dims = kbuild.KernelDims.from_config(SHAPES[shape])
+        assert dims.down_split() == split, shape
+        assert f"-DMK_SPLIT_E={split}" in dims.defines()
+        assert (dims.intermediate // 8) % split == 0
