@@ -9,9 +9,14 @@ key) and/or MONOKERNEL_* environment settings the backend reads when it is built
 weights and prompt, interleaved over rounds so drift in clocks or temperature hits every
 variant alike. Reports the median µs/token, MBU against the copy bandwidth measured in this
 run, the stage profile, and how many greedy tokens agree with the first variant (a different
-reduction order may flip a near-tie, so this is a sanity figure, not a test). The variants
-share one hand-off buffer (``--own-handoff``: each its own), since where it lies moves the
-speed too; each still has its own copy of the weights, worth a few µs on Qwen2.5-Coder-1.5B.
+reduction order may flip a near-tie, so this is a sanity figure, not a test).
+
+Where the buffers lie moves the speed too (docs/perf-notes.md step 48: the hand-off buffer
+up to ~1% on Qwen2.5-Coder-1.5B, the weights' copy a few µs). So variants that differ only
+in -D defines run on one backend, whose kernel modules are swapped between timings: the same
+weights, KV cache and hand-off buffer (``--own-weights``: a backend each, as variants with
+MONOKERNEL_* settings always get; they still share the first one's hand-off buffer, unless
+``--own-handoff``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 
 from monokernel.bench.measure import bytes_per_token, copy_bandwidth, time_request
 from monokernel.bench.shapes import SHAPES, random_weights
+from monokernel.kernels import build as kbuild
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.backends.monokernel import MonokernelBackend
 from monokernel.runtime.sampling import SamplingParams
@@ -34,6 +40,13 @@ from monokernel.runtime.sampling import SamplingParams
 def _tokens(backend: MonokernelBackend, prompt: list[int], n: int) -> list[int]:
     req = DecodeRequest(tuple(prompt), SamplingParams(temperature=0.0), n, frozenset())
     return list(backend.stream(req, CancelToken()))
+
+
+def _select(backends: dict, modules: dict, name: str) -> MonokernelBackend:
+    """The backend of variant ``name``, with that variant's kernels loaded in."""
+    b = backends[name]
+    b.module, b.module_short = modules[name]
+    return b
 
 
 def _agree(a: list[int], b: list[int]) -> int:
@@ -55,6 +68,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--own-handoff", action="store_true", help="each variant its own hand-off buffer"
     )
+    ap.add_argument(
+        "--own-weights", action="store_true", help="each variant its own backend and weights"
+    )
     ap.add_argument("--json", dest="json_file")
     args = ap.parse_args(argv)
     variants = [v.split("=", 1) for v in args.variant] or [["default", ""]]
@@ -69,18 +85,33 @@ def main(argv: list[str]) -> int:
         max_len = args.prompt_tokens + args.gen_tokens + 1
         bpt = bytes_per_token(cfg, args.prompt_tokens + args.gen_tokens / 2)
         backends: dict[str, MonokernelBackend] = {}
+        modules: dict[str, tuple] = {}  # the kernels of each variant sharing a backend
+        shared: MonokernelBackend | None = None
+        copies = kbuild.flow_copies()  # without a variant's flags
         for name, flags in variants:
             env = dict(f.split("=", 1) for f in flags.split() if f.startswith("MONOKERNEL_"))
             nvcc = " ".join(f for f in flags.split() if not f.startswith("MONOKERNEL_"))
             saved = {k: os.environ.get(k) for k in [*env, "MONOKERNEL_NVCC_FLAGS"]}
             os.environ.update(env, MONOKERNEL_NVCC_FLAGS=nvcc)
-            backends[name] = MonokernelBackend(cfg, weights, max_len, device)
+            # A variant with another number of flow copies lays the hand-off buffer out
+            # differently (MonokernelBackend._alloc_buffers): it needs its own backend.
+            alone = env or args.own_weights or kbuild.flow_copies() != copies
+            if alone or shared is None:
+                backends[name] = MonokernelBackend(cfg, weights, max_len, device, handoff_search=0)
+                if not alone:
+                    shared = backends[name]
+            else:
+                backends[name] = shared
+                shared._load_kernels(shared.dims)  # this variant's build, same buffers
+            modules[name] = (backends[name].module, backends[name].module_short)
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-            time_request(backends[name], prompt, 32)  # warm-up
+
+        for name, _ in variants:
+            time_request(_select(backends, modules, name), prompt, 32)  # warm-up
         if not args.own_handoff:
             # One hand-off buffer for every variant (where it lies moves Qwen2.5-Coder-1.5B by
             # up to ~1%: docs/perf-notes.md step 48), unless a variant changes its size.
@@ -91,11 +122,11 @@ def main(argv: list[str]) -> int:
         times: dict[str, list[float]] = {name: [] for name, _ in variants}
         for _ in range(args.rounds):
             for name, _ in variants:
-                r = time_request(backends[name], prompt, args.gen_tokens)
+                r = time_request(_select(backends, modules, name), prompt, args.gen_tokens)
                 times[name].append(r.decode_s_per_token * 1e6)
         ref_tokens: list[int] | None = None
         for name, flags in variants:
-            b = backends[name]
+            b = _select(backends, modules, name)
             toks = _tokens(b, prompt, args.gen_tokens)
             ref_tokens = ref_tokens or toks
             prof = b.profile_step(prompt, args.gen_tokens, args.gen_tokens // 2)
@@ -112,7 +143,14 @@ def main(argv: list[str]) -> int:
                     "profile": prof,
                 }
             )
-            b.close()
+            if b is not shared:
+                b.close()
+        if shared is not None:
+            for name, (mod, mod_short) in modules.items():
+                if backends[name] is shared and mod is not shared.module:
+                    mod.unload()
+                    mod_short.unload()
+            shared.close()
         del backends, weights
         torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name(device)

@@ -34,6 +34,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--shape", default="qwen2.5-coder-1.5b")
     ap.add_argument("--offsets", default="0,4,8,16,32,64,128,256,512,1024",
                     help="KB from a 2 MB boundary")  # fmt: skip
+    ap.add_argument("--pages", default="3,5", help="2 MB pages of the pool, each at +0")
+    ap.add_argument("--backends", type=int, default=2, help="copies of the weights")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--gen-tokens", type=int, default=512)
@@ -46,19 +48,24 @@ def main(argv: list[str]) -> int:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
     max_len = args.prompt_tokens + args.gen_tokens + 1
-    backends = [MonokernelBackend(cfg, weights, max_len, device) for _ in range(2)]
+    backends = [
+        MonokernelBackend(cfg, weights, max_len, device, handoff_search=0)
+        for _ in range(args.backends)
+    ]
     n = backends[0].handoff.numel()
-    pool = torch.empty(8 * PAGE // 4 + 2 * PAGE // 4, dtype=torch.float32, device=device)
+    pages = [int(k) for k in args.pages.split(",") if k]
+    npages = max([*pages, 7]) + 2
+    pool = torch.empty(npages * PAGE // 4, dtype=torch.float32, device=device)
     base = (-pool.data_ptr()) % PAGE // 4  # first 2 MB boundary in the pool, in floats
 
     def at(nbytes: int) -> list[torch.Tensor]:  # one buffer, nbytes past that boundary
         o = base + nbytes // 4
-        return [pool[o : o + n]] * 2
+        return [pool[o : o + n]] * len(backends)
 
     owns = [b.handoff for b in backends]
     placements = {"own": owns}
     placements |= {f"{kb}K": at(int(kb) * 1024) for kb in args.offsets.split(",")}
-    placements |= {f"page+{k},0K": at(k * PAGE) for k in (3, 5)}
+    placements |= {f"page+{k},0K": at(k * PAGE) for k in pages}
     for b in backends:
         time_request(b, prompt, 32)  # warm-up
     times: dict[tuple[str, int], list[float]] = {}
@@ -72,14 +79,16 @@ def main(argv: list[str]) -> int:
         b.use_handoff(owns[i])
     print(f"device: {torch.cuda.get_device_name(device)} | copy bw {bw / 1e9:.0f} GB/s | "
           f"{args.shape} | prompt {args.prompt_tokens} gen {args.gen_tokens}")  # fmt: skip
-    print(f"{'placement':<12} {'addr mod 2MB':>12} {'backend 0':>10} {'backend 1':>10}")
+    nb = len(backends)
+    print(f"{'placement':<12} {'addr mod 2MB':>12}" + "".join(f" {'backend ' + str(i):>10}"
+                                                          for i in range(nb)))  # fmt: skip
     rows = []
     for name, bufs in placements.items():
-        med = [statistics.median(times[(name, i)]) for i in range(2)]
+        med = [statistics.median(times[(name, i)]) for i in range(nb)]
         addr = [t.data_ptr() % PAGE for t in bufs]
         rows.append({"placement": name, "addr_mod_2mb": addr, "us_per_token": med,
-                     "rounds": [times[(name, i)] for i in range(2)]})  # fmt: skip
-        print(f"{name:<12} {addr[0]:>12x} {med[0]:>10.1f} {med[1]:>10.1f}")
+                     "rounds": [times[(name, i)] for i in range(nb)]})  # fmt: skip
+        print(f"{name:<12} {addr[0]:>12x}" + "".join(f" {m:>10.1f}" for m in med))
     if args.json_file:
         with open(args.json_file, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(device), "copy_bw": bw,

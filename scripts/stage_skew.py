@@ -2,7 +2,7 @@
 (GPU machine; a build with -DMK_SKEW=1, decode.cu's skew()).
 
     PYTHONPATH=src python3 scripts/stage_skew.py --shape qwen2.5-coder-1.5b \
-        --variant base= --variant late=-DMK_FLOW=0
+        --variant base= --variant late=-DMK_FLOW=0 --variant inside=-DMK_SKEW_B=1
 
 For the middle layer of one decode step, prints per point (each stage's input loaded, each
 stage's output written) the spread over the CTAs with an attention unit and over the others,
@@ -38,6 +38,18 @@ POINTS = (
     "B softmax",
 )
 SLOTS = 12  # MK_SKEW_POINTS in csrc/probes.cuh
+# With -DMK_SKEW_B=1 slots 3-8 hold points inside a head unit instead (csrc/probes.cuh skew_b,
+# attention.cuh): where an attention unit's time goes.
+POINTS_B = (
+    *POINTS[:3],
+    "B appended",  # the new position's K/V written to the cache
+    "B scored",  # this thread's score passes done (before the CTA barrier)
+    "B P.V loop",  # this thread's P·V weights and products done
+    "B exp-sums",  # after the barrier, the P·V groups' exp-sums added
+    "B stored",  # the range's partial output stored (reader merge)
+    "B barrier",  # the unit's last CTA barrier passed
+    *POINTS[9:],
+)
 
 
 def _skew(backend: MonokernelBackend, prompt: list[int], steps: int, step: int) -> list[list[int]]:
@@ -60,7 +72,9 @@ def main(argv: list[str]) -> int:
     for v in args.variant or ["default="]:
         name, flags = v.split("=", 1)
         os.environ["MONOKERNEL_NVCC_FLAGS"] = f"-DMK_SKEW=1 {flags}".strip()
-        b = MonokernelBackend(cfg, weights, args.prompt_tokens + args.step + 2, device)
+        b = MonokernelBackend(
+            cfg, weights, args.prompt_tokens + args.step + 2, device, handoff_search=0
+        )
         _skew(b, prompt, args.step + 1, args.step)  # warm-up
         rows = _skew(b, prompt, args.step + 1, args.step)
         pos = args.prompt_tokens + args.step
@@ -80,7 +94,7 @@ def main(argv: list[str]) -> int:
             f"position {pos}, {units} CTAs attend of {b.grid}; µs from the first 'A input'"
         )
         print(f"{'point':<11} {'attend min/med/max':>24} {'idle min/med/max':>24}")
-        for k, point in enumerate(POINTS):
+        for k, point in enumerate(POINTS_B if "MK_SKEW_B" in flags else POINTS):
             cells = []
             for group in (rows[:units], rows[units:]):
                 us = [(r[k] - t0) / 1e3 for r in group if r[k]]  # 0: the CTA never got there

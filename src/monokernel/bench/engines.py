@@ -63,6 +63,13 @@ class BackendRunner:
             cfg, weights, max_len, device
         )
 
+    @property
+    def info(self) -> dict[str, Any]:
+        """Extra fields for the record: where the monokernel's load-time search put its
+        hand-off buffer (runtime/backends/handoff_placement.py)."""
+        choice = getattr(self.backend, "handoff_choice", None)
+        return {"handoff_search": choice.as_dict()} if choice is not None else {}
+
     def run(self, prompt: list[int], gen_tokens: int) -> RunTiming:
         return time_request(self.backend, prompt, gen_tokens)
 

@@ -209,9 +209,9 @@ class KernelDims:
 
     def attn_range(self) -> int:
         """MK_ATTN_RANGE: positions per head-unit range at short context (attention_window.cuh):
-        two of the unit's score passes (each scores 2 x THREADS / CHP positions, CHP = the
-        16-byte chunks of a key row rounded up to a power of two), 256 at head_dim 64, 128 at
-        128. Measured on an H100 (docs/perf-notes.md, step 23): Qwen2.5-Coder-1.5B 1,418 /
+        4 x THREADS / CHP positions (CHP = the 16-byte chunks of a key row rounded up to a
+        power of two): one score pass of the unit's 4 chains (MK_ATTN_U), 256 at head_dim 64,
+        128 at 128. Measured on an H100 (docs/perf-notes.md, step 23): Qwen2.5-Coder-1.5B 1,418 /
         1,449 µs/token with 128 against 1,469 / 1,473 with one range per window; Llama-3.2-1B
         1,010 with 256 against 1,014 (neutral)."""
         chp = 2

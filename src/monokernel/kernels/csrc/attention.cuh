@@ -7,6 +7,14 @@
 #include "attention_window.cuh"
 #include "probes.cuh"
 
+// Independent score chains a thread runs per pass (each a key row's dot product and its
+// shuffle reduction): 4 make a short-context range (build.py attn_range) one pass instead of
+// two. Measured on an H100 against 2 (docs/perf-notes.md step 52): Qwen2.5-Coder-1.5B -2.0
+// µs/token on one backend, -0.9 and -3.8 on two; Llama-3.2-1B +0.4.
+#ifndef MK_ATTN_U
+#define MK_ATTN_U 4
+#endif
+
 // Query head hq over range `split` of a.ns. One range: writes the normalised output to
 // attn_out. Several: writes the unnormalised output sum_i exp(s_i - m) v_i and (m, l =
 // sum_i exp(s_i - m)), which stage C's input load merges (attn_reader_merges) or else the
@@ -130,16 +138,17 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   // The first query head of each group appends the new key/value; the others use the
   // shared-memory copies for this position, so no CTA waits on another's write.
   if (hq % MK_GROUP == 0 && split == 0) append_kv(p, layer, kvh, pos, kn, vn);
+  skew_b(p, pos - p.start_pos, layer, 3);
 
   // Scores: a group of CHP lanes reads one key row of the window (contiguous 16-byte chunks,
-  // so no bank conflicts) and shuffle-reduces the dot product, two positions at a time
-  // (independent chains: half the dependent passes); the new position (jj == nc, when the
+  // so no bank conflicts) and shuffle-reduces the dot product, U positions at a time
+  // (independent chains: fewer dependent passes); the new position (jj == nc, when the
   // range ends at pos) is dotted the same way with the fp32 key. Lane k's chunk of the query
   // is the same in every pass: held in registers (read per pass, its strided 32-byte rows
   // made the passes shared-memory bound: 0.33 µs each, perf notes step 21).
   constexpr int CHP = CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
   constexpr int PPP = MK_THREADS / CHP;  // positions per pass and chain
-  constexpr int U = 2;                   // chains
+  constexpr int U = MK_ATTN_U;           // chains
   {
     const int k = t % CHP;
     float mw = -INFINITY;  // this lane's largest score (every lane of a group holds its sums)
@@ -179,6 +188,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
         }
       }
     }
+    skew_b(p, pos - p.start_pos, layer, 4);
     for (int o = CHP; o < 32; o <<= 1) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, o));
     if ((t & 31) == 0) smax[t >> 5] = mw;
   }
@@ -219,8 +229,10 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     pp[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
     if (c == 0) lsum[g] = lg;
   }
+  skew_b(p, pos - p.start_pos, layer, 5);
   __syncthreads();
   for (int gg = 0; gg < GV; ++gg) l += lsum[gg];
+  skew_b(p, pos - p.start_pos, layer, 6);
   if (a.ns == 1) {
     if (t < MK_D) {
       float o = 0.f;
@@ -241,7 +253,9 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
       const float v = t == 0 ? m : t == 1 ? l : 0.f;
       st_flow_copies(p.attn_ml + 4 * slot + t, attn_slots(p) * 4, v, tag);
     }
+    skew_b(p, pos - p.start_pos, layer, 7);
     __syncthreads();
+    skew_b(p, pos - p.start_pos, layer, 8);
     return;
   }
   const int slot = hq * a.ns + split;

@@ -13,6 +13,7 @@
 #include "params.cuh"
 #include "probes.cuh"
 #include "sampling.cuh"
+#include "token_words.cuh"
 #include "tp.cuh"
 
 #define MK_QKV (MK_Q + 2 * MK_KV)
@@ -47,6 +48,11 @@
 #endif
 #ifndef MK_TOKEN_FENCE
 #define MK_TOKEN_FENCE 0
+#endif
+// 1: the cancel word is read before the LM head and used after it, so its PCIe round trip
+// hides behind the LM head; 0: read after it, on the way to the step's end, as before.
+#ifndef MK_CANCEL_EARLY
+#define MK_CANCEL_EARLY 1
 #endif
 // 1: the hand-off D -> E per team of warps that share one K slice of the down projection
 // (load_flow_team): a team fetches its slice of act and starts its rows while other warps
@@ -180,6 +186,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #else
   const bool filtered = !greedy && ((p.top_k > 0 && p.top_k < MK_V) || p.top_p < 1.f);
 #endif
+  // The step ends on tagged token words (token_words.cuh) instead of a grid barrier.
+  const bool words = MK_TOKEN_WORDS && !filtered;
+  auto* const token_words = reinterpret_cast<unsigned long long*>(p.part_score);
   unsigned bar = 0;
   // Ranges finished so far per head (head units) and per KV head (group units): the values
   // stage B's completion counters reach, tracked alike by every CTA (attention_window.cuh).
@@ -354,6 +363,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     }
 
     // ---- F: final RMSNorm + LM head + this CTA's best draw
+    // The host's cancel word (one PCIe read a token): MK_CANCEL_EARLY.
+    const bool cancel_early = MK_CANCEL_EARLY && host_cta && t == 0 && *p.host_cancel != 0;
 #if MK_TP > 1
     tp_load_residual(p, xs, xres, p.tp_tag + 2u * (unsigned)((step + 1) * MK_L) - 1u,
                      flow_tag(step, MK_L - 1), p.eps, red,
@@ -390,26 +401,31 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       int bi = (int)ss.h32[0];
       for (int w = 1; w < MK_WARPS; ++w)
         if (better(red[w], (int)ss.h32[w], b, bi)) { b = red[w]; bi = (int)ss.h32[w]; }
-      p.part_score[blockIdx.x] = b;
-      p.part_id[blockIdx.x] = bi;
-      if (host_cta) p.flags[0] = *p.host_cancel != 0;  // one PCIe read per token
+      const bool cancel = MK_CANCEL_EARLY ? cancel_early : host_cta && *p.host_cancel != 0;
+      if (words) {
+        publish_token_word(token_words, b, bi, cancel, step);
+      } else {
+        p.part_score[blockIdx.x] = b;
+        p.part_id[blockIdx.x] = bi;
+        if (host_cta) p.flags[0] = cancel;
+      }
     }
-    grid_arrive(p.barrier, bar);
+    if (!words) grid_arrive(p.barrier, bar);
     stage_gain<MK_H>(gn, p.layers[0].attn_gain);  // F's norm is done with gn
     issue_first<SA::KP, MK_BATCH>(
         preA, split_first<MK_H, MK_SPLIT_A>(p.layers[0].wqkv, MK_QKV, warp), lane);
     mark(p, step, mk++);
-    grid_wait(p.barrier, bar);
-    if (step + 1 < p.n_steps)  // every KV append of this step is visible now
-      attention_prefetch(p, 0, pos + 1, kvwin);
+    if (!words) {
+      grid_wait(p.barrier, bar);
+      if (step + 1 < p.n_steps)  // every KV append of this step is visible now
+        attention_prefetch(p, 0, pos + 1, kvwin);
+    }
     mark(p, step, mk++);
 
     // ---- sampling: every CTA reduces the partials itself (no extra barrier), unless
     // top-k/top-p needs the whole distribution: then CTA 0 draws and publishes the token.
     int next;
-#if MK_TP > 1
-    bool cancelled = false;
-#endif
+    bool cancelled = false;  // under TP: rank 0's cancel word; with token words: the host's
     if (filtered) {
       if (blockIdx.x == 0) {
         next = sample_filtered(p, key, ss);
@@ -420,10 +436,25 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     } else {
       float b = -INFINITY;
       int bi = 0x7fffffff;
+      bool cancel_seen = false;
       for (int c = t; c < (int)gridDim.x; c += MK_THREADS) {
-        const float s = __ldcg(p.part_score + c);
-        const int i = __ldcg(p.part_id + c);
+        float s;
+        int i;
+        if (words) {
+          const unsigned long long w = wait_token_word(token_words, c, step);
+          s = token_word_score(w);
+          i = token_word_id(w);
+          cancel_seen |= token_word_cancel(w);
+        } else {
+          s = __ldcg(p.part_score + c);
+          i = __ldcg(p.part_id + c);
+        }
         if (better(s, i, b, bi)) { b = s; bi = i; }
+      }
+      if (words) {
+        // Every word is in (acquired): this step's KV appends are visible to the copies.
+        cancelled = __syncthreads_or(cancel_seen);
+        if (step + 1 < p.n_steps) attention_prefetch(p, 0, pos + 1, kvwin);
       }
       warp_argmax(b, bi);
       __syncthreads();
@@ -451,7 +482,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     // Rank 0's cancel word, as exchanged with the token: every rank stops at the same step.
     bool done = step + 1 == p.n_steps || cancelled;
 #else
-    bool done = step + 1 == p.n_steps || __ldcg(p.flags) != 0;
+    bool done = step + 1 == p.n_steps || (words ? cancelled : __ldcg(p.flags) != 0);
 #endif
     for (int i = 0; i < p.n_stop; ++i) done |= p.stop_ids[i] == next;
 #if MK_TP > 1

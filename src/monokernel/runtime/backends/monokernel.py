@@ -31,6 +31,11 @@ from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import KVCache
 from monokernel.runtime import kv_memory
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
+from monokernel.runtime.backends.handoff_placement import (
+    HandoffChoice,
+    choose_handoff,
+    handoff_places,
+)
 from monokernel.runtime.backends.token_reader import read_tokens
 from monokernel.runtime.kv_filler import CacheFiller
 from monokernel.runtime.prefill import (
@@ -126,6 +131,7 @@ class MonokernelBackend:
         prefill_chunk: int | None = None,
         prefill_precision: str | None = None,
         first_token: str | None = None,
+        handoff_search: int | None = None,
     ) -> None:
         """Knobs (docs/long-context.md):
 
@@ -136,7 +142,9 @@ class MonokernelBackend:
         ``prefill_precision``: see runtime/prefill.py (defaults: MONOKERNEL_PREFILL_CHUNK /
         MONOKERNEL_PREFILL_PRECISION, else 2048 / split-qkv). ``first_token``: where a
         request's first token comes from (FIRST_TOKEN_SOURCES; default:
-        MONOKERNEL_FIRST_TOKEN, else "prefill").
+        MONOKERNEL_FIRST_TOKEN, else "prefill"). ``handoff_search``: fresh places for the
+        hand-off buffer timed against its own at load, the fastest kept (handoff_placement.py;
+        default: MONOKERNEL_HANDOFF_SEARCH, else 3; 0: off).
         """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -147,6 +155,7 @@ class MonokernelBackend:
         if max_seq_len < 1:
             raise InvalidRequestError(f"max_seq_len must be at least 1; got {max_seq_len}")
         self.cfg, self.device, self.max_seq_len = cfg, device, max_seq_len
+        places = handoff_places(handoff_search)
         source = first_token or os.environ.get("MONOKERNEL_FIRST_TOKEN") or "prefill"
         if source not in FIRST_TOKEN_SOURCES:
             raise InvalidRequestError(
@@ -186,6 +195,8 @@ class MonokernelBackend:
         self.grid = torch.cuda.get_device_properties(device).multi_processor_count
         self._alloc_buffers()
         self.stream_ = torch.cuda.Stream(device)
+        # What the search timed (None: it did not run).
+        self.handoff_choice: HandoffChoice | None = choose_handoff(self, cfg.vocab_size, places)
 
     def _load_kernels(self, dims: kbuild.KernelDims) -> None:
         """Build (or find cached) and load the two specialisations of the kernel: with group
@@ -253,7 +264,9 @@ class MonokernelBackend:
             cfg.num_heads + cfg.num_kv_heads, dtype=torch.int32, device=dev
         )  # [NH + NKV]
         self.logits = torch.empty(cfg.vocab_size, dtype=f32, device=dev)  # [V]
-        self.part_score = torch.empty(self.grid, dtype=f32, device=dev)  # [grid]
+        # [2 * grid]: each CTA's best score (top-k / top-p, TP), or the CTAs' tagged 64-bit
+        # token words (kernels/csrc/token_words.cuh), zeroed per launch.
+        self.part_score = torch.zeros(2 * self.grid, dtype=f32, device=dev)
         self.part_id = torch.empty(self.grid, dtype=torch.int32, device=dev)  # [grid]
         self.flags = torch.zeros(4, dtype=torch.int32, device=dev)  # [4]
         self.barrier = torch.zeros(1, dtype=torch.int32, device=dev)  # [1]
@@ -282,9 +295,10 @@ class MonokernelBackend:
 
     def _reset_launch_state(self) -> None:
         """Zero what the kernel counts on from zero (on the current stream): the barrier and
-        per-head counters, the flags, and the tags of the hand-off vectors (kernels/csrc/
-        flow.cuh: a stale tag must never match one the launch waits for)."""
-        for buf in (self.barrier, self.attn_count, self.flags, self.handoff):
+        per-head counters, the flags, and the tags of the hand-off vectors and token words
+        (kernels/csrc/flow.cuh, token_words.cuh: a stale tag must never match one the launch
+        waits for)."""
+        for buf in (self.barrier, self.attn_count, self.flags, self.handoff, self.part_score):
             buf.zero_()
 
     def _params(
@@ -461,6 +475,40 @@ class MonokernelBackend:
                 self.prefix.finish(ran, fed_tokens(ran, generated, steps, forced_ids))
 
     # ---- prefill and prefix reuse -------------------------------------------------------
+
+    def timed_decode(self, forced: torch.Tensor, start_pos: int) -> float:
+        """Seconds a decode step takes in one launch of len(forced) teacher-forced greedy
+        steps from ``start_pos`` (CUDA events around the launch), on whatever the cache holds
+        below it: for timing only (handoff_placement.py). The cache's contents are forgotten
+        afterwards."""
+        n = int(forced.numel())  # forced: [n] int32 on the device
+        if n < 1 or not 0 <= start_pos <= self.max_seq_len - n:
+            raise InvalidRequestError(
+                f"a timed decode of {n} steps from position {start_pos} must fit the cache "
+                f"of {self.max_seq_len} positions"
+            )
+        self.prefix.invalidate()
+        greedy = SamplingParams(temperature=0.0, max_tokens=n)
+        out, cancel_word = self.host_out.words, self.host_cancel.words
+        launcher.set_current_context(self.device.index)
+        with torch.cuda.device(self.device):
+            self._reset_launch_state()
+            self.stream_.wait_stream(torch.cuda.current_stream(self.device))
+            params = self._params(0, start_pos, n, greedy, 0, forced, None)
+            ctypes.memset(ctypes.addressof(out), 0, 4 * (3 + n))
+            cancel_word[0] = 0
+            begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            begin.record(self.stream_)
+            self.module_for(start_pos + n).launch(self.grid, params, self.stream_.cuda_stream)
+            end.record(self.stream_)
+            t0 = time.monotonic()
+            while not end.query():
+                if time.monotonic() - t0 > _STALL_SECONDS:
+                    raise RuntimeError(f"a timed decode did not finish in {_STALL_SECONDS} s")
+                time.sleep(1e-4)
+        if int(out[0]) != n:
+            raise RuntimeError(f"the kernel ran {int(out[0])} of {n} timed steps")
+        return begin.elapsed_time(end) * 1e-3 / n
 
     def _snapshot_fits(self, nbytes: int) -> bool:
         need = nbytes + self._workspace + kv_memory.RESERVE_BYTES

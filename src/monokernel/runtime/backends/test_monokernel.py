@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from monokernel.bench.shapes import SHAPES, random_weights
+from monokernel.errors import InvalidRequestError
 from monokernel.kernels import build as kbuild
 from monokernel.models.transformer import Transformer
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
@@ -370,8 +371,35 @@ def test_moved_hand_off_buffer_gives_the_same_tokens() -> None:
             mk.use_handoff(bad)
 
 
+@pytest.mark.gpu
+@needs_hopper
+def test_handoff_search_keeps_the_fastest_place_and_the_tokens() -> None:
+    """The load-time search (handoff_placement.py) times the backend's own hand-off buffer
+    and fresh ones, keeps the one it timed fastest, and the backend then decodes the same
+    greedy tokens as one that did not search; the timed decode leaves no stale prefix."""
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+
+    cfg, weights, plain = _setup("odd")
+    dev = torch.device("cuda")
+    mk = MonokernelBackend(cfg, weights, 1024, dev, handoff_search=2)
+    try:
+        choice = mk.handoff_choice
+        assert choice is not None and len(choice.us_per_step) == 3
+        assert all(0 < us < 1e5 for us in choice.us_per_step)
+        assert choice.us_per_step[choice.chosen] == min(choice.us_per_step)
+        assert (choice.start_pos, choice.steps) == (256, 64)
+        prompt = _tokens(40, cfg.vocab_size, seed=32)
+        greedy = SamplingParams(temperature=0.0)
+        want = list(plain.stream(_request(prompt, 64, greedy), CancelToken()))
+        assert list(mk.stream(_request(prompt, 64, greedy), CancelToken())) == want
+        assert mk.timed_decode(torch.zeros(8, dtype=torch.int32, device=dev), 0) > 0
+        with pytest.raises(InvalidRequestError, match="must fit the cache"):
+            mk.timed_decode(torch.zeros(8, dtype=torch.int32, device=dev), 1020)
+    finally:
+        mk.close()
+
+
 def test_checked_steps_refuses_what_a_launch_cannot_take() -> None:
-    from monokernel.errors import InvalidRequestError
     from monokernel.runtime.backends.monokernel import _MAX_STOP_IDS, checked_steps
 
     assert checked_steps([1, 2, 3], [], 100, 10, 50) == 8  # positions 2..9
