@@ -144,7 +144,7 @@ class MonokernelBackend:
         request's first token comes from (FIRST_TOKEN_SOURCES; default:
         MONOKERNEL_FIRST_TOKEN, else "prefill"). ``handoff_search``: fresh places for the
         hand-off buffer timed against its own at load, the fastest kept (handoff_placement.py;
-        default: MONOKERNEL_HANDOFF_SEARCH, else 3; 0: off).
+        default: MONOKERNEL_HANDOFF_SEARCH, else DEFAULT_CANDIDATES there; 0: off).
         """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -474,14 +474,14 @@ class MonokernelBackend:
                 ran = (*prompt_ids[:held], step_in)
                 self.prefix.finish(ran, fed_tokens(ran, generated, steps, forced_ids))
 
-    # ---- prefill and prefix reuse -------------------------------------------------------
-
     def timed_decode(self, forced: torch.Tensor, start_pos: int) -> float:
         """Seconds a decode step takes in one launch of len(forced) teacher-forced greedy
         steps from ``start_pos`` (CUDA events around the launch), on whatever the cache holds
         below it: for timing only (handoff_placement.py). The cache's contents are forgotten
         afterwards."""
-        n = int(forced.numel())  # forced: [n] int32 on the device
+        if forced.dtype != torch.int32 or forced.device != self.device or forced.dim() != 1:
+            raise ValueError(f"forced tokens: a 1-D int32 tensor on {self.device} needed")
+        n = int(forced.numel())  # forced: [n]
         if n < 1 or not 0 <= start_pos <= self.max_seq_len - n:
             raise InvalidRequestError(
                 f"a timed decode of {n} steps from position {start_pos} must fit the cache "
@@ -509,6 +509,8 @@ class MonokernelBackend:
         if int(out[0]) != n:
             raise RuntimeError(f"the kernel ran {int(out[0])} of {n} timed steps")
         return begin.elapsed_time(end) * 1e-3 / n
+
+    # ---- prefill and prefix reuse -------------------------------------------------------
 
     def _snapshot_fits(self, nbytes: int) -> bool:
         need = nbytes + self._workspace + kv_memory.RESERVE_BYTES
