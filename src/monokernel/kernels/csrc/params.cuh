@@ -40,7 +40,8 @@ struct Params {
   float* part_score;                // [2 * grid]   best (score, id) of each CTA: its score
   int* part_id;                     // [grid]       and id, or [grid] tagged 64-bit words
                                     //   (token_words.cuh); zeroed per launch
-  int* flags;                       // [4]  [0] cancel seen, [1] token from the slow sampler
+  int* flags;                       // [4]  [0] cancel seen (barrier path), [1] token from
+                                    //   the slow sampler
   unsigned* barrier;                // [1]  monotonic grid-barrier counter, zeroed per launch
   const int* forced;                // [n_steps] input token of each step (teacher forcing) or null
   float* debug_logits;              // [n_steps, V] or null

@@ -25,21 +25,23 @@ __device__ __forceinline__ void mark(const Params& p, int step, int idx) {
 #define MK_SKEW_POINTS 12  // scripts/stage_skew.py's SLOTS
 // -DMK_SKEW_B=1 gives slots 3-8 (stages C to E) to points inside a head unit instead
 // (skew_b), to see where an attention unit's time goes.
+__device__ __forceinline__ void skew_record(const Params& p, int step, int layer, int k) {
+  if (p.timing && step == p.timing_step && layer == MK_L / 2 && threadIdx.x == 0) {
+    p.timing[10 * MK_L + 8 + MK_SKEW_POINTS * blockIdx.x + k] = (long long)globaltimer();
+  }
+}
+
 __device__ __forceinline__ void skew(const Params& p, int step, int layer, int k) {
 #ifdef MK_SKEW
 #ifdef MK_SKEW_B
   if (k >= 3 && k <= 8) return;
 #endif
-  if (p.timing && step == p.timing_step && layer == MK_L / 2 && threadIdx.x == 0) {
-    p.timing[10 * MK_L + 8 + MK_SKEW_POINTS * blockIdx.x + k] = (long long)globaltimer();
-  }
+  skew_record(p, step, layer, k);
 #endif
 }
 
 __device__ __forceinline__ void skew_b(const Params& p, int step, int layer, int k) {
 #if defined(MK_SKEW) && defined(MK_SKEW_B)
-  if (p.timing && step == p.timing_step && layer == MK_L / 2 && threadIdx.x == 0) {
-    p.timing[10 * MK_L + 8 + MK_SKEW_POINTS * blockIdx.x + k] = (long long)globaltimer();
-  }
+  skew_record(p, step, layer, k);
 #endif
 }

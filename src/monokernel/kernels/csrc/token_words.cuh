@@ -25,15 +25,18 @@
 static_assert(!MK_TOKEN_WORDS || (MK_TP == 1 && MK_V <= (1 << 18)),
               "token words: one GPU, ids below 2^18");
 
+constexpr unsigned kTokenTagMask = 0x1fffu;  // bits [12:0]
+constexpr unsigned kTokenIdMask = 0x3ffffu;  // 18 bits from bit 14
+
 __device__ __forceinline__ unsigned token_tag(int step) {
-  return (unsigned)(step + 1) & 0x1fffu;
+  return (unsigned)(step + 1) & kTokenTagMask;
 }
 
 // One thread, after a CTA barrier that follows every write of this step others will read.
 __device__ __forceinline__ void publish_token_word(unsigned long long* words, float score,
                                                    int id, bool cancel, int step) {
   const unsigned long long w = (unsigned long long)__float_as_uint(score) << 32 |
-                               (unsigned long long)((unsigned)id & 0x3ffffu) << 14 |
+                               (unsigned long long)((unsigned)id & kTokenIdMask) << 14 |
                                (cancel ? 1ull << 13 : 0ull) | token_tag(step);
   __threadfence();
   asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(words + blockIdx.x), "l"(w)
@@ -49,7 +52,7 @@ __device__ __forceinline__ unsigned long long wait_token_word(const unsigned lon
   unsigned long long w;
   while (true) {
     asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(words + c) : "memory");
-    if (((unsigned)w & 0x1fffu) == tag) return w;
+    if (((unsigned)w & kTokenTagMask) == tag) return w;
     if (clock64() - t0 > 20000000000LL) __trap();
   }
 }
@@ -58,7 +61,7 @@ __device__ __forceinline__ float token_word_score(unsigned long long w) {
   return __uint_as_float((unsigned)(w >> 32));
 }
 __device__ __forceinline__ int token_word_id(unsigned long long w) {
-  return (int)(((unsigned)w >> 14) & 0x3ffffu);
+  return (int)(((unsigned)w >> 14) & kTokenIdMask);
 }
 __device__ __forceinline__ bool token_word_cancel(unsigned long long w) {
   return ((unsigned)w >> 13) & 1u;

@@ -293,6 +293,12 @@ class MonokernelBackend:
 
     # ---- one launch ---------------------------------------------------------------------
 
+    def clear_host_words(self, n_steps: int) -> None:
+        """Before a launch of ``n_steps``: zero the host-mapped words the kernel reports
+        through (count, done, one per token: token_reader.py) and lower the cancel word."""
+        ctypes.memset(ctypes.addressof(self.host_out.words), 0, 4 * (3 + n_steps))
+        self.host_cancel.words[0] = 0
+
     def _reset_launch_state(self) -> None:
         """Zero what the kernel counts on from zero (on the current stream): the barrier and
         per-head counters, the flags, and the tags of the hand-off vectors and token words
@@ -435,8 +441,7 @@ class MonokernelBackend:
                 timing,
                 timing_step,
             )
-            ctypes.memset(ctypes.addressof(out), 0, 4 * (3 + n_steps))  # token_reader.py
-            cancel_word[0] = 0
+            self.clear_host_words(n_steps)
             self.module_for(held + n_steps).launch(self.grid, params, self.stream_.cuda_stream)
         finished = failed = False
 
@@ -489,14 +494,12 @@ class MonokernelBackend:
             )
         self.prefix.invalidate()
         greedy = SamplingParams(temperature=0.0, max_tokens=n)
-        out, cancel_word = self.host_out.words, self.host_cancel.words
         launcher.set_current_context(self.device.index)
         with torch.cuda.device(self.device):
             self._reset_launch_state()
             self.stream_.wait_stream(torch.cuda.current_stream(self.device))
             params = self._params(0, start_pos, n, greedy, 0, forced, None)
-            ctypes.memset(ctypes.addressof(out), 0, 4 * (3 + n))
-            cancel_word[0] = 0
+            self.clear_host_words(n)
             begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             begin.record(self.stream_)
             self.module_for(start_pos + n).launch(self.grid, params, self.stream_.cuda_stream)
@@ -506,8 +509,9 @@ class MonokernelBackend:
                 if time.monotonic() - t0 > _STALL_SECONDS:
                     raise RuntimeError(f"a timed decode did not finish in {_STALL_SECONDS} s")
                 time.sleep(1e-4)
-        if int(out[0]) != n:
-            raise RuntimeError(f"the kernel ran {int(out[0])} of {n} timed steps")
+        ran = int(self.host_out.words[0])
+        if ran != n:
+            raise RuntimeError(f"the kernel ran {ran} of {n} timed steps")
         return begin.elapsed_time(end) * 1e-3 / n
 
     # ---- prefill and prefix reuse -------------------------------------------------------

@@ -259,8 +259,7 @@ class MonokernelTPBackend:
             )
         lead = self.ranks[0]  # rank 0 writes the tokens and reads the cancel word
         out, cancel_word = lead.host_out.words, lead.host_cancel.words
-        ctypes.memset(ctypes.addressof(out), 0, 4 * (3 + n_steps))  # token_reader.py
-        cancel_word[0] = 0
+        lead.clear_host_words(n_steps)
         # All N kernels spin on each other, so all must be resident together: launch each on
         # its own stream and device, back to back, never waiting in between.
         for rk, p in zip(self.ranks, params, strict=True):
