@@ -131,6 +131,10 @@ class PrefillGraphs:
         self._graphs[(bucket, keys)] = entry
         return entry
 
+    def captured(self) -> bool:
+        """Whether any graph holds the addresses of what it ran on."""
+        return bool(self._graphs)
+
     def clear(self) -> None:
         self._graphs.clear()
         self._pool = None

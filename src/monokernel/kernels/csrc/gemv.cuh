@@ -14,6 +14,13 @@
 #ifndef MK_BATCH2
 #define MK_BATCH2 4  // per row when two rows (gate, up) stream together (6: spills, slower)
 #endif
+// 1: a warp's last row issues its own loads again as the "next" row (the clamped address),
+// as before step 57 (docs/perf-notes.md). Those loads most likely hit L2, but the copy into
+// the next row's buffer waits for them: a round trip at the end of every stage, on the way
+// to the hand-off.
+#ifndef MK_LAST_REISSUE
+#define MK_LAST_REISSUE 0
+#endif
 
 template <int K, int BATCH>
 struct RowShape {
@@ -22,16 +29,19 @@ struct RowShape {
   static constexpr int B = N < BATCH ? N : BATCH;    // loads per lane per batch
 };
 
-// Issue the first batch of one row's loads into registers.
+// Issue the first batch of one row's loads into registers; zeros where !live (a pipeline's
+// "next row" after a warp's last: no load, so nothing to wait for when the buffer moves).
 template <int K, int BATCH>
 __device__ __forceinline__ void issue_first(uint4 (&buf)[RowShape<K, BATCH>::B],
-                                            const bf16* __restrict__ w, int lane) {
+                                            const bf16* __restrict__ w, int lane,
+                                            bool live = true) {
   using S = RowShape<K, BATCH>;
   const uint4* wp = reinterpret_cast<const uint4*>(w);
+  live = live || MK_LAST_REISSUE;
 #pragma unroll
   for (int i = 0; i < S::B; ++i) {
     const int c = i * 32 + lane;
-    buf[i] = c < S::C ? ld_stream(wp + c) : make_uint4(0u, 0u, 0u, 0u);
+    buf[i] = live && c < S::C ? ld_stream(wp + c) : make_uint4(0u, 0u, 0u, 0u);
   }
 }
 
@@ -155,12 +165,12 @@ __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
       const int rn = r + units;
       uint4 nxt[S::B];
       const bf16* wn = W + (size_t)(rn < rows ? rn : (r < rows ? r : rows - 1)) * K + s * P::KP;
-      if (PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane);
+      if (PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane, rn < rows);
       float d = 0.f;
       if (r < rows) d = warp_sum(row_partial<P::KP, MK_BATCH>(pre, W + (size_t)r * K + s * P::KP,
                                                              xp, lane));
       if (lane == 0) part[warp * MK_SPLIT_SLOTS + (it - it0)] = d;
-      if (!PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane);
+      if (!PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane, rn < rows);
 #pragma unroll
       for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
     }
@@ -196,16 +206,16 @@ __device__ __forceinline__ void gemv_pairs(const bf16* __restrict__ W, int pairs
     const int pn = p + step;
     const size_t q = (size_t)(pn < pairs ? pn : p);
     if (PIPE) {
-      issue_first<K, MK_BATCH2>(n0, W + (2 * q) * K, lane);
-      issue_first<K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane);
+      issue_first<K, MK_BATCH2>(n0, W + (2 * q) * K, lane, pn < pairs);
+      issue_first<K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane, pn < pairs);
     }
     // While row 2p is reduced, row 2p+1's first batch is already in flight.
     const float a = row_partial<K, MK_BATCH2>(pre0, W + (size_t)(2 * p) * K, xs, lane);
     const float b = row_partial<K, MK_BATCH2>(pre1, W + (size_t)(2 * p + 1) * K, xs, lane);
     out(p, warp_sum(a), warp_sum(b));
     if (!PIPE) {
-      issue_first<K, MK_BATCH2>(n0, W + (2 * q) * K, lane);
-      issue_first<K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane);
+      issue_first<K, MK_BATCH2>(n0, W + (2 * q) * K, lane, pn < pairs);
+      issue_first<K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane, pn < pairs);
     }
 #pragma unroll
     for (int i = 0; i < S::B; ++i) {

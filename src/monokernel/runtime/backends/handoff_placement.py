@@ -8,6 +8,11 @@ only this buffer moved; Llama-3.2-1B within its noise), and no alignment rule pr
 (the L2's address hash is not documented). So the backend tries its own buffer and a few
 fresh ones, times a short teacher-forced decode on each, and keeps the fastest: where it
 lies changes no result, only speed. ``MONOKERNEL_HANDOFF_SEARCH=0`` turns it off.
+
+The weights' own place matters less: three fresh copies of Qwen's ran within 0.6 µs/token
+of the loaded ones on three H100s, and one load in four was ~2.5 µs slower on a fourth
+(step 56, ``scripts/search_probe.py``), so they are not searched: a copy costs their size
+in memory.
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ from monokernel.errors import InvalidRequestError
 # (docs/perf-notes.md step 52) four were fast and seven ~4.5 µs a token slower; with eight
 # places all are slow about one time in thirty.
 DEFAULT_CANDIDATES = 7
-STEPS = 64  # decode steps a timing runs: 80 ms on Qwen2.5-Coder-1.5B
+# What one timing decodes: (first position, steps) spans, 128 steps in all (160 ms on
+# Qwen2.5-Coder-1.5B). A short request (64-token prompt, 512 generated) decodes positions
+# 64-576, where a head's 128-position ranges number 1 to 5 and the merge reads as many
+# partials; step 56 timed 11 places several ways against such requests on H100s: one
+# 64-step span at 256 (session 22's timing) ranked them as the requests did with a
+# correlation of 0.60-0.69 on three machines, these two spans 0.90-0.94 on two, a whole
+# request's positions (512 steps, four times the cost) 0.95-0.98 on every machine.
+SPANS: tuple[tuple[int, int], ...] = ((96, 64), (352, 64))
 FINALISTS = 2  # places timed again after the first round; a place's time is its best
-# Positions the timings decode at: the hand-offs' polls and the attention partials' merges
-# as a short request has them (head-unit ranges of 128-256 positions merged), not those of
-# a first token.
-START_POS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,15 +47,13 @@ class HandoffChoice:
 
     us_per_step: tuple[float, ...]
     chosen: int
-    start_pos: int
-    steps: int
+    spans: tuple[tuple[int, int], ...]  # (first position, steps) of each timed decode
 
     def as_dict(self) -> dict[str, object]:
         return {
             "us_per_step": list(self.us_per_step),
             "chosen": self.chosen,
-            "start_pos": self.start_pos,
-            "steps": self.steps,
+            "spans": [list(s) for s in self.spans],
         }
 
 
@@ -77,44 +83,50 @@ def handoff_places(asked: int | None) -> int:
     return asked
 
 
-def search_plan(max_seq_len: int, steps: int = STEPS) -> tuple[int, int] | None:
-    """(start position, steps) of the timings for a cache of ``max_seq_len`` positions, or
-    None where the cache is too short for a timing worth having."""
-    steps = min(steps, max_seq_len)
-    if steps < 16:
-        return None
-    return min(START_POS, max_seq_len - steps), steps
+def search_plan(
+    max_seq_len: int, spans: tuple[tuple[int, int], ...] = SPANS
+) -> tuple[tuple[int, int], ...] | None:
+    """The spans of ``spans`` a cache of ``max_seq_len`` positions holds; where it holds none,
+    one span of the first's length (or the cache's, from 16 steps) at the cache's end; None
+    where the cache is too short for a timing worth having."""
+    fit = tuple(s for s in spans if s[0] + s[1] <= max_seq_len)
+    if fit:
+        return fit
+    steps = min(spans[0][1], max_seq_len)
+    return ((max_seq_len - steps, steps),) if steps >= 16 else None
 
 
 def choose_handoff(
     backend: _Searchable,
     vocab_size: int,
     candidates: int = DEFAULT_CANDIDATES,
-    steps: int = STEPS,
+    spans: tuple[tuple[int, int], ...] = SPANS,
     finalists: int = FINALISTS,
 ) -> HandoffChoice | None:
     """Time the backend's own hand-off buffer and ``candidates`` fresh ones once each, the
     ``finalists`` fastest once more, and keep the fastest (the others go back to the
-    allocator). None: nothing was tried (the cache is too short for a timing, or no
-    candidates were asked for)."""
-    plan = search_plan(backend.max_seq_len, steps)
+    allocator). A timing is the mean step of teacher-forced decodes over the plan's spans.
+    None: nothing was tried (the cache is too short for a timing, or no candidates were
+    asked for)."""
+    plan = search_plan(backend.max_seq_len, spans)
     if plan is None or candidates < 1:
         return None
-    start, steps = plan
     own = backend.handoff
     places = [own] + [torch.empty_like(own) for _ in range(candidates)]
     gen = torch.Generator().manual_seed(0)
-    forced = torch.randint(0, vocab_size, (steps,), generator=gen, dtype=torch.int32)
-    forced = forced.to(backend.device)  # [steps]
-    backend.timed_decode(forced, start)  # warm-up: first launch, caches, clocks
+    longest = max(n for _, n in plan)
+    forced = torch.randint(0, vocab_size, (longest,), generator=gen, dtype=torch.int32)
+    forced = forced.to(backend.device)  # [longest]
+    backend.timed_decode(forced[: plan[0][1]], plan[0][0])  # warm-up: launch, caches, clocks
 
     def time_at(i: int) -> float:
         backend.use_handoff(places[i])
-        return backend.timed_decode(forced, start) * 1e6
+        total = sum(backend.timed_decode(forced[:n], start) * n for start, n in plan)
+        return total / sum(n for _, n in plan) * 1e6
 
     best = [time_at(i) for i in range(len(places))]
     for i in sorted(range(len(places)), key=best.__getitem__)[:finalists]:
         best[i] = min(best[i], time_at(i))
     chosen = min(range(len(places)), key=best.__getitem__)
     backend.use_handoff(places[chosen])
-    return HandoffChoice(tuple(best), chosen, start, steps)
+    return HandoffChoice(tuple(best), chosen, plan)

@@ -215,8 +215,9 @@ class MonokernelBackend:
         covered = self.dims.head_units_cover(context, self.attn_splits)
         return self.module_short if covered and context < self.attn_group_from else self.module
 
-    def _alloc_buffers(self) -> None:
-        cfg, dev, f32 = self.cfg, self.device, torch.float32
+    def _layer_table(self) -> torch.Tensor:
+        """Each layer's pointers as the kernel's LayerWeights has them (params.cuh), on the
+        host: [L, 10] int64."""
         table = [
             [
                 _ptr(lp.wqkv), _ptr(lp.bqkv), _ptr(lp.q_norm), _ptr(lp.k_norm), _ptr(lp.wo),
@@ -224,7 +225,11 @@ class MonokernelBackend:
             ]
             for lp in self.packed.layers
         ]  # fmt: skip
-        self.layer_table = torch.tensor(table, dtype=torch.int64, device=dev)  # [L, 10]
+        return torch.tensor(table, dtype=torch.int64)
+
+    def _alloc_buffers(self) -> None:
+        cfg, dev, f32 = self.cfg, self.device, torch.float32
+        self.layer_table = self._layer_table().to(dev)  # [L, 10]
         qkv = cfg.q_size + 2 * cfg.kv_size
         # The vectors stages hand to each other carry tags (kernels/csrc/flow.cuh) and are
         # zeroed before every launch: one tensor, so that is one memset.
@@ -290,6 +295,35 @@ class MonokernelBackend:
         self.x, self.qkv, self.delta, self.attn_out, self.act, self.attn, self.attn_ml = (
             region[:n] for region, n in zip(torch.split(buf, counts), sizes, strict=True)
         )  # [H], [Q + 2KV], [H], [Q], [I], [slots, D], [slots, 4]
+
+    def streamed_weights(self) -> list[torch.Tensor]:
+        """The matrices the kernel streams every token: each layer's wqkv, wo, wgu and wdown,
+        then the LM head (the order ``use_weights`` takes)."""
+        pk = self.packed
+        return [
+            *(t for lp in pk.layers for t in (lp.wqkv, lp.wo, lp.wgu, lp.wdown)),
+            pk.lm_head,
+        ]
+
+    def use_weights(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Stream ``tensors`` (the values of ``streamed_weights()``, in its order, wherever
+        they lie) from now on; the prefill reads them too. For measuring whether where they
+        lie moves decode speed (scripts/search_probe.py). Not once the prefill has captured
+        CUDA graphs: those keep the old addresses."""
+        graphs = getattr(getattr(self, "prefill", None), "graphs", None)
+        if graphs is not None and graphs.captured():
+            raise RuntimeError("the weights cannot move once the prefill's graphs hold them")
+        old = self.streamed_weights()
+        if len(tensors) != len(old) or any(
+            t.shape != o.shape or t.dtype != o.dtype or t.device != o.device
+            for t, o in zip(tensors, old, strict=True)
+        ):
+            raise ValueError("weights: the shapes, dtypes and device of streamed_weights() needed")
+        pk = self.packed
+        for i, lp in enumerate(pk.layers):
+            lp.wqkv, lp.wo, lp.wgu, lp.wdown = tensors[4 * i : 4 * i + 4]
+        pk.lm_head = tensors[-1]
+        self.layer_table.copy_(self._layer_table(), non_blocking=False)
 
     # ---- one launch ---------------------------------------------------------------------
 

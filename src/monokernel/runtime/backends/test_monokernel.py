@@ -21,10 +21,17 @@ from monokernel.runtime.sampling import SamplingParams, probabilities
 PROMPT, STEPS = 64, 256
 
 
-# The build knobs kept off by default (E's teams) or on (C from the last CTA, inputs settled
-# through registers; D's up row issued after its input, as build.py picks below hidden 1536)
-# must still compile the other way, over down-projection splits of 4, 2 and 1 warps a row.
-KNOBS_FLIPPED = ("-DMK_E_TEAMS=1", "-DMK_C_FROM_LAST=0", "-DMK_D_PRE=2", "-DMK_SETTLE=0")
+# The build knobs kept off by default (E's teams, a warp's last row loaded again) or on (C
+# from the last CTA, inputs settled through registers; D's up row issued after its input, as
+# build.py picks below hidden 1536) must still compile the other way, over down-projection
+# splits of 4, 2 and 1 warps a row.
+KNOBS_FLIPPED = (
+    "-DMK_E_TEAMS=1",
+    "-DMK_LAST_REISSUE=1",
+    "-DMK_C_FROM_LAST=0",
+    "-DMK_D_PRE=2",
+    "-DMK_SETTLE=0",
+)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -376,7 +383,8 @@ def test_moved_hand_off_buffer_gives_the_same_tokens() -> None:
 def test_handoff_search_keeps_the_fastest_place_and_the_tokens() -> None:
     """The load-time search (handoff_placement.py) times the backend's own hand-off buffer
     and fresh ones, keeps the one it timed fastest, and the backend then decodes the same
-    greedy tokens as one that did not search; the timed decode leaves no stale prefix."""
+    greedy tokens as one that did not search, with its weights moved to fresh copies too
+    (use_weights); the timed decode leaves no stale prefix."""
     from monokernel.runtime.backends.monokernel import MonokernelBackend
 
     cfg, weights, plain = _setup("odd")
@@ -387,7 +395,13 @@ def test_handoff_search_keeps_the_fastest_place_and_the_tokens() -> None:
         assert choice is not None and len(choice.us_per_step) == 3
         assert all(0 < us < 1e5 for us in choice.us_per_step)
         assert choice.us_per_step[choice.chosen] == min(choice.us_per_step)
-        assert (choice.start_pos, choice.steps) == (256, 64)
+        assert choice.spans == ((96, 64), (352, 64))
+        mk.use_weights([t.clone() for t in mk.streamed_weights()])
+        table = mk.layer_table.cpu()
+        assert int(table[0, 0]) == mk.packed.layers[0].wqkv.data_ptr()
+        assert int(table[-1, 7]) == mk.packed.layers[-1].wdown.data_ptr()
+        with pytest.raises(ValueError, match="streamed_weights"):
+            mk.use_weights(mk.streamed_weights()[:-1])
         prompt = _tokens(40, cfg.vocab_size, seed=32)
         greedy = SamplingParams(temperature=0.0)
         want = list(plain.stream(_request(prompt, 64, greedy), CancelToken()))
@@ -395,6 +409,9 @@ def test_handoff_search_keeps_the_fastest_place_and_the_tokens() -> None:
         assert mk.timed_decode(torch.zeros(8, dtype=torch.int32, device=dev), 0) > 0
         with pytest.raises(InvalidRequestError, match="must fit the cache"):
             mk.timed_decode(torch.zeros(8, dtype=torch.int32, device=dev), 1020)
+        if mk.prefill.graphs is not None:  # the stream's prefill captured a graph
+            with pytest.raises(RuntimeError, match="graphs hold them"):
+                mk.use_weights(mk.streamed_weights())
     finally:
         mk.close()
 
