@@ -30,6 +30,11 @@
 // The LM head shares stage A's split (and register buffer): a buffer issued on one path
 // only would stay live through every layer and spill.
 #define MK_SPLIT_F MK_SPLIT_A
+// 1: the LM head's rows alternate between two register buffers (gemv.cuh gemv_split's
+// PINGPONG), two rows in flight a warp instead of one (docs/perf-notes.md step 58).
+#ifndef MK_F_PINGPONG
+#define MK_F_PINGPONG 1
+#endif
 // 1: stage D's gate/up pairs numbered across CTAs first (measured on an H100,
 // docs/perf-notes.md step 28: Qwen2.5-Coder-1.5B 1,384 vs 1,416 µs/token, Llama-3.2-1B
 // 1,003 vs 1,007); 0: CTA by CTA, as before.
@@ -377,7 +382,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     const uint32_t key = draw_key(p.seed_lo, p.seed_hi, pos + 1);  // position of the new token
     float best = -INFINITY;
     int best_id = 0x7fffffff;
-    gemv_split<MK_H, MK_SPLIT_F>(p.lm_head, MK_V, xs, part, warp, lane, preA,
+    gemv_split<MK_H, MK_SPLIT_F, MK_F_PINGPONG>(p.lm_head, MK_V, xs, part, warp, lane, preA,
                                  [&](int r, float logit) {
       p.logits[r] = logit;
       if (p.debug_logits) p.debug_logits[(size_t)step * MK_V + r] = logit;

@@ -135,8 +135,11 @@ __device__ __forceinline__ const bf16* split_first(const bf16* W, int rows, int 
 // round's values are loaded before the rows are computed: read in the combine, they cost a
 // round trip on the stage's way out (Qwen2.5's QKV bias: 9 µs a token on an H100,
 // docs/perf-notes.md step 43). scale: multiplies each row's dot product before the bias (a
-// deferred norm's 1/rms, flow.cuh norm_scale).
-template <int K, int SPLIT, class Out>
+// deferred norm's 1/rms, flow.cuh norm_scale). PINGPONG: a unit's rows alternate between
+// `pre` and a second buffer, so no copy joins them: the compiler otherwise copies the row in
+// flight out of its registers at the top of each row (waiting for it) before issuing the
+// next, leaving one row in flight a warp (step 58). For the LM head's ~144 rows a unit.
+template <int K, int SPLIT, bool PINGPONG = false, class Out>
 __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
                                            const float* __restrict__ xs, float* part, int warp,
                                            int lane,
@@ -158,21 +161,34 @@ __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
     const int r = cta * P::GROUPS + (int)threadIdx.x / MK_SPLIT_SLOTS + j * units;
     if (j < iters && r < rows) b0 = bias[r];
   }
+  // Row it of this unit: its first batch is in cur; the next row's goes into nxt.
+  auto row = [&](uint4(&cur)[S::B], uint4(&nxt)[S::B], int it, int it0) {
+    const int r = u0 + it * units;
+    const int rn = r + units;
+    const bf16* wn = W + (size_t)(rn < rows ? rn : (r < rows ? r : rows - 1)) * K + s * P::KP;
+    if (PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane, rn < rows);
+    float d = 0.f;
+    if (r < rows)
+      d = warp_sum(row_partial<P::KP, MK_BATCH>(cur, W + (size_t)r * K + s * P::KP, xp, lane));
+    if (lane == 0) part[warp * MK_SPLIT_SLOTS + (it - it0)] = d;
+    if (!PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane, rn < rows);
+  };
   for (int it0 = 0; it0 < iters; it0 += MK_SPLIT_SLOTS) {
     const int it1 = min(iters, it0 + MK_SPLIT_SLOTS);
-    for (int it = it0; it < it1; ++it) {
-      const int r = u0 + it * units;
-      const int rn = r + units;
-      uint4 nxt[S::B];
-      const bf16* wn = W + (size_t)(rn < rows ? rn : (r < rows ? r : rows - 1)) * K + s * P::KP;
-      if (PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane, rn < rows);
-      float d = 0.f;
-      if (r < rows) d = warp_sum(row_partial<P::KP, MK_BATCH>(pre, W + (size_t)r * K + s * P::KP,
-                                                             xp, lane));
-      if (lane == 0) part[warp * MK_SPLIT_SLOTS + (it - it0)] = d;
-      if (!PIPE) issue_first<P::KP, MK_BATCH>(nxt, wn, lane, rn < rows);
+    if (PINGPONG) {
+      static_assert(MK_SPLIT_SLOTS % 2 == 0, "a whole round must end with the next row in pre");
+      uint4 alt[S::B];
+      for (int it = it0; it < it1; it += 2) {
+        row(pre, alt, it, it0);
+        if (it + 1 < it1) row(alt, pre, it + 1, it0);
+      }
+    } else {
+      for (int it = it0; it < it1; ++it) {
+        uint4 nxt[S::B];
+        row(pre, nxt, it, it0);
 #pragma unroll
-      for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
+        for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
+      }
     }
     __syncthreads();
     // Thread (group gg, slot j) adds the slices of row u(gg) + (it0 + j) * units.
