@@ -29,7 +29,9 @@ when the run measured a copy bandwidth ``copy_bw_GBps``, ``floor_us``, ``rooflin
 ``mbu``; ``vs_torch`` and ``ttft_vs_torch`` compare with the torch engine's cell of the same
 run, prompt, turn and gen (None without one). Every cell has ``cell_wall_s`` (the whole cell:
 open, warm-up, timed requests, close), and engines add their own fields (``hf_cache``,
-``endpoint_model``, ``stage_profile_us``).
+``endpoint_model``, ``stage_profile_us``, and monokernel's ``handoff_search``: ``us_per_step``
+of each place its load-time search timed, the one ``chosen`` and the ``spans`` of positions
+timed; records written before the spans have ``start_pos`` and ``steps`` instead).
 """
 
 from __future__ import annotations
