@@ -23,6 +23,7 @@ import torch
 
 from monokernel.bench.measure import time_request
 from monokernel.bench.shapes import SHAPES, random_weights
+from monokernel.runtime.backends.handoff_placement import span_us_per_step
 from monokernel.runtime.backends.monokernel import MonokernelBackend
 
 
@@ -52,13 +53,9 @@ def main(argv: list[str]) -> int:
     places = [(f"h{i}", i, 0) for i in range(len(handoffs))]
     places += [(f"w{j}", 0, j) for j in range(1, len(copies))]
     spans = {
-        s: [tuple(int(v) for v in part.split("x")) for part in s.split("+")]
+        s: tuple(tuple(int(v) for v in part.split("x")) for part in s.split("+"))
         for s in args.spans.split(",")
     }
-
-    def timed(span: list[tuple[int, int]]) -> float:
-        tot = sum(b.timed_decode(forced[:n], start) * n for start, n in span)
-        return tot / sum(n for _, n in span) * 1e6
 
     time_request(b, prompt, 32)  # warm-up
     times: dict[tuple[str, str], list[float]] = {}
@@ -67,7 +64,7 @@ def main(argv: list[str]) -> int:
             b.use_handoff(handoffs[hi])
             b.use_weights(copies[wj])
             for s, span in spans.items():
-                times.setdefault((name, s), []).append(timed(span))
+                times.setdefault((name, s), []).append(span_us_per_step(b, forced, span))
             t = time_request(b, prompt, 512)
             times.setdefault((name, "request"), []).append(t.decode_s_per_token * 1e6)
     cols = [*spans, "request"]

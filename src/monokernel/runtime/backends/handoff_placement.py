@@ -96,6 +96,15 @@ def search_plan(
     return ((max_seq_len - steps, steps),) if steps >= 16 else None
 
 
+def span_us_per_step(
+    backend: _Searchable, forced: torch.Tensor, spans: tuple[tuple[int, int], ...]
+) -> float:
+    """µs per step over teacher-forced decodes of ``spans`` ((first position, steps) each,
+    fed ``forced[:steps]``), weighted by their steps: the search's timing of a place."""
+    total = sum(backend.timed_decode(forced[:n], start) * n for start, n in spans)
+    return total / sum(n for _, n in spans) * 1e6
+
+
 def choose_handoff(
     backend: _Searchable,
     vocab_size: int,
@@ -121,8 +130,7 @@ def choose_handoff(
 
     def time_at(i: int) -> float:
         backend.use_handoff(places[i])
-        total = sum(backend.timed_decode(forced[:n], start) * n for start, n in plan)
-        return total / sum(n for _, n in plan) * 1e6
+        return span_us_per_step(backend, forced, plan)
 
     best = [time_at(i) for i in range(len(places))]
     for i in sorted(range(len(places)), key=best.__getitem__)[:finalists]:
