@@ -35,6 +35,7 @@ KERNEL_NAME = "mk_decode"
 ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
 THREADS = 512  # MK_THREADS in common.cuh
 WARPS = THREADS // 32
+TICKET_STRIDE = 32  # MK_TICKET_STRIDE in drawn_rows.cuh: words between ticket counters
 BATCH = 6  # MK_BATCH in gemv.cuh
 # Loads a lane keeps in flight per pipelined down-projection row (down_split): two rows of
 # 4 are 64 KB a SM at 16 warps.
@@ -114,6 +115,7 @@ class KernelDims:
             "MK_SPLIT_E": self.down_split(),
             "MK_BATCH2": self.gate_up_batch(),
             "MK_D_PRE": self.gate_up_rows_before_input(),
+            "MK_F_DRAWN": self.lm_head_drawn_rows(),
             "MK_ATTN_CHUNK": self.attn_chunk(),
             "MK_ATTN_RANGE": self.attn_range(),
         }
@@ -171,6 +173,16 @@ class KernelDims:
         in two processes once its down projection went to 4 warps a row (step 50); with 1
         against 2 before step 46 (step 39) Qwen -13 to -16."""
         return 2 if self.hidden >= 1536 else 1
+
+    def lm_head_drawn_rows(self) -> int:
+        """MK_F_DRAWN: LM-head rows a warp takes, on average, from the tail dealt by tickets
+        at run time (csrc/drawn_rows.cuh; 0: every row dealt statically): 8 below hidden
+        2048, else 0 (the smaller shapes are unmeasured; the odd test shape, whose whole
+        vocabulary is a tail, keeps that path tested). Measured on an H100, one backend
+        (docs/perf-notes.md step 59): Qwen2.5-Coder-1.5B 1,244.1 / 1,242.2 µs/token with 8
+        against 1,246.5 / 1,244.7 without (16: 1,244.0 / 1,241.8; 4 1,242.6); Llama-3.2-1B
+        927.2 against 926.0 (16: 927.4)."""
+        return 8 if self.hidden < 2048 else 0
 
     def _attn_scratch_floats(self) -> int:
         """MK_ATTN_SMEM: the larger scratch of stage B's two unit kinds (stage D's input

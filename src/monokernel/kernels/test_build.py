@@ -67,6 +67,16 @@ def test_flow_copies_mirror_the_kernels_default(monkeypatch: pytest.MonkeyPatch)
     assert kbuild.flow_copies() == 1
 
 
+def test_ticket_counters_mirror_the_kernels_stride() -> None:
+    """The host's barrier buffer holds the LM head's ticket counters where the kernel looks
+    for them: one a warp slot, MK_TICKET_STRIDE words apart (csrc/drawn_rows.cuh)."""
+    src = (kbuild.CSRC / "drawn_rows.cuh").read_text()
+    m = re.search(r"#define MK_TICKET_STRIDE (\d+)\n", src)
+    assert m is not None, "drawn_rows.cuh no longer defines MK_TICKET_STRIDE"
+    assert int(m.group(1)) == kbuild.TICKET_STRIDE
+    assert (kbuild.CSRC / "common.cuh").read_text().count(f"MK_THREADS {kbuild.THREADS}") == 1
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_gate_up_defines_per_shape_and_a_knob_replaces_them(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
@@ -85,6 +95,9 @@ def test_gate_up_defines_per_shape_and_a_knob_replaces_them(
              (("llama", llama), ("qwen", qwen), ("small", small))}  # fmt: skip
     assert [short[n].gate_up_batch() for n in ("llama", "qwen", "small")] == [5, 3, 4]
     assert llama.gate_up_batch() == qwen.gate_up_batch() == 4
+    # The LM head's tail dealt by tickets (MK_F_DRAWN): below hidden 2048 only.
+    assert "-DMK_F_DRAWN=0" in llama.defines()
+    assert "-DMK_F_DRAWN=8" in qwen.defines() and "-DMK_F_DRAWN=8" in small.defines()
     monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_D_PRE=1")
     cmd = kbuild.nvcc_command(llama, tmp_path / "decode.cubin")
     assert [f for f in cmd if f.startswith("-DMK_D_PRE")] == ["-DMK_D_PRE=1"]

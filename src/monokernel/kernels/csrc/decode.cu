@@ -8,6 +8,7 @@
 // after the LM head. Before waiting for its input, each warp issues the first loads of its
 // first row of the next stage (gemv.cuh), so HBM keeps streaming meanwhile.
 #include "attention.cuh"
+#include "drawn_rows.cuh"
 #include "flow.cuh"
 #include "gemv.cuh"
 #include "params.cuh"
@@ -382,8 +383,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     const uint32_t key = draw_key(p.seed_lo, p.seed_hi, pos + 1);  // position of the new token
     float best = -INFINITY;
     int best_id = 0x7fffffff;
-    gemv_split<MK_H, MK_SPLIT_F, MK_F_PINGPONG>(p.lm_head, MK_V, xs, part, warp, lane, preA,
-                                 [&](int r, float logit) {
+    // Whole rounds of rows dealt statically, the rest by tickets (drawn_rows.cuh); this warp's
+    // first ticket is drawn now, so its round trip hides behind the static rows.
+    const int f_static = static_rows(MK_V, Split<MK_H, MK_SPLIT_F>::GROUPS);
+    const unsigned f_got = MK_F_DRAWN && lane == 0 ? draw_ticket(ticket_counter(p.barrier)) : 0u;
+    auto lm_out = [&](int r, float logit) {
       p.logits[r] = logit;
       if (p.debug_logits) p.debug_logits[(size_t)step * MK_V + r] = logit;
 #if MK_TP > 1
@@ -394,7 +398,13 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       const float sc = greedy ? logit : logit / p.temperature + gumbel(key, r);
       if (better(sc, r, best, best_id)) { best = sc; best_id = r; }
 #endif
-    }, (int)blockIdx.x, nullptr, rf);
+    };
+    gemv_split<MK_H, MK_SPLIT_F, MK_F_PINGPONG>(p.lm_head, f_static, xs, part, warp, lane, preA,
+                                                 lm_out, (int)blockIdx.x, nullptr, rf);
+    if (MK_F_DRAWN)
+      gemv_drawn<MK_H, MK_F_DRAWN_BATCH ? MK_F_DRAWN_BATCH : (RowShape<MK_H, 1>::N + 1) / 2>(
+          p.lm_head, row_tickets(p.barrier, f_static, MK_V, step), f_got, xs, lane, lm_out,
+          rf);
     warp_argmax(best, best_id);
     if (lane == 0) {
       red[warp] = best;

@@ -22,14 +22,17 @@ PROMPT, STEPS = 64, 256
 
 
 # The build knobs kept off by default (E's teams, a warp's last row loaded again) or on (C
-# from the last CTA, inputs settled through registers, the LM head's two row buffers; D's up
-# row issued after its input, as build.py picks below hidden 1536) must still compile the
+# from the last CTA, inputs settled through registers, the LM head's two row buffers, the
+# profiled CTA read at each mark; D's up row issued after its input and the LM head's tail
+# dealt by tickets, as build.py picks below hidden 1536 and 2048) must still compile the
 # other way, over down-projection splits of 4, 2 and 1 warps a row.
 KNOBS_FLIPPED = (
     "-DMK_E_TEAMS=1",
     "-DMK_LAST_REISSUE=1",
     "-DMK_C_FROM_LAST=0",
     "-DMK_F_PINGPONG=0",
+    "-DMK_F_DRAWN=0",
+    "-DMK_PROF_FRESH=0",
     "-DMK_D_PRE=2",
     "-DMK_SETTLE=0",
 )
