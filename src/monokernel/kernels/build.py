@@ -35,8 +35,7 @@ KERNEL_NAME = "mk_decode"
 ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
 THREADS = 512  # MK_THREADS in common.cuh
 WARPS = THREADS // 32
-TICKET_STRIDE = 32  # MK_TICKET_STRIDE in tickets.cuh: words between ticket counters
-TICKET_SETS = 2  # counter sets in tickets.cuh: the LM head's, stage D's
+TICKET_STRIDE = 32  # MK_TICKET_STRIDE in drawn_rows.cuh: words between ticket counters
 BATCH = 6  # MK_BATCH in gemv.cuh
 # Loads a lane keeps in flight per pipelined down-projection row (down_split): two rows of
 # 4 are 64 KB a SM at 16 warps.

@@ -320,23 +320,11 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 #endif
       }
       skew(p, step, layer, 5);
-      // The pairs from the last MK_D_DRAWN rounds on go out by tickets, unless E's teams take
-      // D's last, partial round statically (drank above).
-#if MK_D_DRAWN && !MK_E_TEAMS
-      gemv_pairs_drawn<MK_H>(lw.wgu, MK_I, gw, tw, xd, lane, preG, preU,
-#else
-      gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xd, lane, preG, preU,
-#endif
-                       [&](int r, float g, float u) {
-                         g *= rd;
-                         u *= rd;
-                         if (lane == 0)
-                           st_flow_copies(p.act + r, MK_I, g / (1.f + expf(-g)) * u, tag);
-                       }
-#if MK_D_DRAWN && !MK_E_TEAMS
-                       , pair_deal(p.barrier, MK_I, (unsigned)(step * MK_L + layer))
-#endif
-      );
+      gemv_pairs<MK_H>(lw.wgu, MK_I, gw, tw, xd, lane, preG, preU, [&](int r, float g, float u) {
+        g *= rd;
+        u *= rd;
+        if (lane == 0) st_flow_copies(p.act + r, MK_I, g / (1.f + expf(-g)) * u, tag);
+      });
       skew(p, step, layer, 6);
       // With E's teams and data as flag, no CTA-wide wait here: E's slices land in xs, which
       // D no longer reads (xd), and each team waits for its own slice and partners only.
@@ -398,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     // Whole rounds of rows dealt statically, the rest by tickets (drawn_rows.cuh); this warp's
     // first ticket is drawn now, so its round trip hides behind the static rows.
     const int f_static = static_rows(MK_V, Split<MK_H, MK_SPLIT_F>::GROUPS);
-    const unsigned f_got = MK_F_DRAWN && lane == 0 ? draw_ticket(ticket_counter(p.barrier, MK_TICKETS_F)) : 0u;
+    const unsigned f_got = MK_F_DRAWN && lane == 0 ? draw_ticket(ticket_counter(p.barrier)) : 0u;
     auto lm_out = [&](int r, float logit) {
       p.logits[r] = logit;
       if (p.debug_logits) p.debug_logits[(size_t)step * MK_V + r] = logit;
@@ -415,7 +403,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
                                                  lm_out, (int)blockIdx.x, nullptr, rf);
     if (MK_F_DRAWN)
       gemv_drawn<MK_H, MK_F_DRAWN_BATCH ? MK_F_DRAWN_BATCH : (RowShape<MK_H, 1>::N + 1) / 2>(
-          p.lm_head, row_tickets(p.barrier, MK_TICKETS_F, f_static, MK_V, (unsigned)step), f_got, xs, lane, lm_out,
+          p.lm_head, row_tickets(p.barrier, f_static, MK_V, step), f_got, xs, lane, lm_out,
           rf);
     warp_argmax(best, best_id);
     if (lane == 0) {

@@ -1,13 +1,15 @@
 // The LM head's last rows dealt at run time: whichever warp is free takes the next row.
 //
 // The SMs of one H100 stream at rates up to 13% apart (docs/perf-notes.md step 38), so with
-// the LM head's rows dealt equally the step waits for the slowest SMs (CTA 0 waited ~7.5 µs
+// the LM head's rows dealt equally the step waits for the slowest SMs (CTA 0 waits ~7.5 µs
 // on Qwen2.5-1.5B after step 58). The static deal keeps whole rounds of rows; the rest (the
-// tail) goes out by tickets (tickets.cuh), each drawn a whole row before it is needed
-// (step 59).
+// tail) goes out by tickets. Step 49 lost with one counter and a ticket per pair of stage D
+// (thousands of atomics a layer on one address, each on a warp's path); here each warp slot
+// of a CTA has its own counter on its own 128-byte line, a ticket is drawn a whole row before
+// it is needed, and the tail is a few rows a warp once a token. (Stage D's last pairs dealt
+// so, with these counters, measured slower again: step 60.)
 #pragma once
 #include "gemv.cuh"
-#include "tickets.cuh"
 
 // Rows a warp takes from the tail, on average (0: the LM head is dealt statically only);
 // build.py picks it per shape (lm_head_drawn_rows).
@@ -18,6 +20,22 @@
 #ifndef MK_F_DRAWN_BATCH
 #define MK_F_DRAWN_BATCH 0
 #endif
+// Words of `barrier` (params.cuh) before the first counter, and between two counters.
+#define MK_TICKET_STRIDE 32
+
+// The grid's size and this thread's warp, read where they are used (volatile asm), so the
+// values derived from them are not hoisted out of the step loop to hold registers across
+// the layer loop (the kind of spill that probes.cuh's profiling flag caused, step 59).
+__device__ __forceinline__ int fresh_ctas() {
+  unsigned n;
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
+  return (int)n;
+}
+__device__ __forceinline__ int fresh_warp() {
+  unsigned t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return (int)(t / 32);
+}
 
 // Rows of W [rows, ...] dealt statically over `groups` units a CTA: whole rounds, leaving at
 // least MK_F_DRAWN rows a warp to the tickets.
@@ -25,6 +43,44 @@ __device__ __forceinline__ int static_rows(int rows, int groups) {
   if (MK_F_DRAWN == 0) return rows;
   const int ctas = fresh_ctas(), units = ctas * groups;
   return (rows - min(rows, MK_F_DRAWN * ctas * MK_WARPS)) / units * units;
+}
+
+// This warp slot's counter.
+__device__ __forceinline__ unsigned* ticket_counter(unsigned* barrier) {
+  return barrier + MK_TICKET_STRIDE * (1 + fresh_warp());
+}
+
+// One warp slot's share of a tail: counter w deals rows first + w, first + w + MK_WARPS, ...
+// Every warp that draws from it stops at its first ticket past the end, so a step's draws
+// are exactly rows_w + gridDim.x whatever the timing: the counter counts on from step to step
+// (zeroed per launch only), and step s's tickets start at s * (rows_w + gridDim.x).
+struct RowTickets {
+  unsigned* counter;
+  int first;       // the tail's first row + w
+  unsigned count;  // rows_w: rows this counter deals
+  unsigned base;   // counter value at this step's first draw
+
+  // The row of a ticket, or -1 past the tail.
+  __device__ __forceinline__ int row(unsigned ticket) const {
+    const unsigned t = ticket - base;
+    return t < count ? first + (int)t * MK_WARPS : -1;
+  }
+};
+
+__device__ __forceinline__ RowTickets row_tickets(unsigned* barrier, int first, int rows,
+                                                  int step) {
+  const int w = fresh_warp();
+  const int left = rows - first - w;
+  const unsigned count = left > 0 ? (unsigned)((left + MK_WARPS - 1) / MK_WARPS) : 0u;
+  return {ticket_counter(barrier), first + w, count, (unsigned)step * (count + fresh_ctas())};
+}
+
+// One ticket, for lane 0. asm volatile keeps the atomic where it is written, a row ahead of
+// its use, so its round trip hides behind that row.
+__device__ __forceinline__ unsigned draw_ticket(unsigned* counter) {
+  unsigned v;
+  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;" : "=r"(v) : "l"(counter) : "memory");
+  return v;
 }
 
 // Whole rows of W [rows, K] (one warp a row) from the tickets of tk, the first of which

@@ -7,7 +7,6 @@
 // wait and while that vector is being loaded.
 #pragma once
 #include "common.cuh"
-#include "tickets.cuh"
 
 #ifndef MK_BATCH
 #define MK_BATCH 6   // 16-byte loads in flight per lane, one row (8 spills registers)
@@ -209,29 +208,6 @@ __device__ __forceinline__ void gemv_split(const bf16* __restrict__ W, int rows,
   }
 }
 
-// Stage D's last rounds of pairs dealt by tickets (tickets.cuh): rounds, counting a last,
-// partial one, that go to whichever warps finish their static pairs first (0: none).
-// build.py picks it per shape (gate_up_drawn_rounds).
-#ifndef MK_D_DRAWN
-#define MK_D_DRAWN 0
-#endif
-
-// Where a gemv_pairs deal stops being static: pairs from `end` on are drawn from the counters
-// of barrier's set MK_TICKETS_D, use `gen`. end >= pairs: all static.
-struct PairDeal {
-  unsigned* barrier;
-  int end;
-  unsigned gen;
-};
-
-// The deal of `pairs` over every warp of the grid: MK_D_DRAWN rounds by tickets, but at
-// least one static round (a warp's first pair goes out before stage D's input is in).
-__device__ __forceinline__ PairDeal pair_deal(unsigned* barrier, int pairs, unsigned gen) {
-  const int step = fresh_ctas() * MK_WARPS;
-  const int rounds = (pairs + step - 1) / step;
-  return {barrier, max(1, rounds - MK_D_DRAWN) * step, gen};
-}
-
 // Row pairs (2p, 2p+1) of W [2*pairs, K] (gate/up interleaved): out(p, dot0, dot1).
 template <int K, class Out>
 __device__ __forceinline__ void gemv_pairs(const bf16* __restrict__ W, int pairs, int p0, int step,
@@ -262,46 +238,6 @@ __device__ __forceinline__ void gemv_pairs(const bf16* __restrict__ W, int pairs
       pre0[i] = n0[i];
       pre1[i] = n1[i];
     }
-  }
-}
-
-// gemv_pairs with the pairs from deal.end on dealt by tickets (MK_D_DRAWN): the warp's pairs
-// are p0, p0 + step, ... below deal.end, then those its tickets draw. A ticket is drawn as
-// the warp starts a pair and read after that pair, before the warp issues its next pair.
-template <int K, class Out>
-__device__ __forceinline__ void gemv_pairs_drawn(const bf16* __restrict__ W, int pairs, int p0,
-                                                 int step, const float* __restrict__ xs,
-                                                 int lane,
-                                                 uint4 (&pre0)[RowShape<K, MK_BATCH2>::B],
-                                                 uint4 (&pre1)[RowShape<K, MK_BATCH2>::B],
-                                                 Out out, PairDeal deal) {
-  using S = RowShape<K, MK_BATCH2>;
-  for (int p = p0; p < pairs;) {
-    uint4 n0[S::B], n1[S::B];
-    const bool draw = p + step >= deal.end && deal.end < pairs;
-    unsigned got = 0u;
-    if (draw && lane == 0) got = draw_ticket(ticket_counter(deal.barrier, MK_TICKETS_D));
-    const float a = row_partial<K, MK_BATCH2>(pre0, W + (size_t)(2 * p) * K, xs, lane);
-    const float b = row_partial<K, MK_BATCH2>(pre1, W + (size_t)(2 * p + 1) * K, xs, lane);
-    int pn = p + step;
-    if (draw) {
-      const int d = row_tickets(deal.barrier, MK_TICKETS_D, deal.end, pairs, deal.gen)
-                        .row(__shfl_sync(0xffffffffu, got, 0));
-      pn = d < 0 ? pairs : d;
-      // The ticket is in (its value read) before this pair's output is stored: the next use's
-      // draws come after every output (through stage E), so they never meet this use's.
-      asm volatile("" ::"r"(d) : "memory");
-    }
-    out(p, warp_sum(a), warp_sum(b));
-    const size_t q = (size_t)(pn < pairs ? pn : p);
-    issue_first<K, MK_BATCH2>(n0, W + (2 * q) * K, lane, pn < pairs);
-    issue_first<K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane, pn < pairs);
-#pragma unroll
-    for (int i = 0; i < S::B; ++i) {
-      pre0[i] = n0[i];
-      pre1[i] = n1[i];
-    }
-    p = pn;
   }
 }
 

@@ -42,9 +42,9 @@ struct Params {
                                     //   (token_words.cuh); zeroed per launch
   int* flags;                       // [4]  [0] cancel seen (barrier path), [1] token from
                                     //   the slow sampler
-  unsigned* barrier;                // [32 * (1 + 2 WARPS)] zeroed per launch: [0] the monotonic
-                                    //   grid-barrier counter; [32 * (1 + s WARPS + w)] warp
-                                    //   slot w's ticket counter of set s (tickets.cuh)
+  unsigned* barrier;                // [32 * (1 + WARPS)] zeroed per launch: [0] the monotonic
+                                    //   grid-barrier counter; [32 * (1 + w)] warp slot w's
+                                    //   LM-head tickets (drawn_rows.cuh)
   const int* forced;                // [n_steps] input token of each step (teacher forcing) or null
   float* debug_logits;              // [n_steps, V] or null
   const int* stop_ids;              // [n_stop]

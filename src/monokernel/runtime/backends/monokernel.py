@@ -274,13 +274,11 @@ class MonokernelBackend:
         self.part_score = torch.zeros(2 * self.grid, dtype=f32, device=dev)
         self.part_id = torch.empty(self.grid, dtype=torch.int32, device=dev)  # [grid]
         self.flags = torch.zeros(4, dtype=torch.int32, device=dev)  # [4]
-        # [0] the grid barrier's counter, then the ticket counters of the LM head and of stage
-        # D, one a warp slot on a line of its own (csrc/tickets.cuh); zeroed per launch.
+        # [0] the grid barrier's counter, then the LM head's ticket counters, one a warp slot
+        # on a line of its own (csrc/drawn_rows.cuh); zeroed per launch.
         self.barrier = torch.zeros(
-            kbuild.TICKET_STRIDE * (1 + kbuild.TICKET_SETS * kbuild.WARPS),
-            dtype=torch.int32,
-            device=dev,
-        )  # [32 * (1 + 2 * WARPS)]
+            kbuild.TICKET_STRIDE * (1 + kbuild.WARPS), dtype=torch.int32, device=dev
+        )  # [32 * (1 + WARPS)]
         self.stop_ids = torch.zeros(_MAX_STOP_IDS, dtype=torch.int32, device=dev)
         self.host_out = launcher.HostMapped(2 + self.max_seq_len + 1)  # count, done, tokens
         self.host_cancel = launcher.HostMapped(1)
