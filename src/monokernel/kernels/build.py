@@ -177,12 +177,13 @@ class KernelDims:
     def lm_head_drawn_rows(self) -> int:
         """MK_F_DRAWN: LM-head rows a warp takes, on average, from the tail dealt by tickets
         at run time (csrc/drawn_rows.cuh; 0: every row dealt statically): 8 below hidden
-        2048, else 0 (the smaller shapes are unmeasured; the odd test shape, whose whole
-        vocabulary is a tail, keeps that path tested). Measured on an H100, one backend
+        2048 on one GPU, else 0 (the smaller shapes are unmeasured; the odd test shape, whose
+        whole vocabulary is a tail, keeps that path tested; the TP build, not run on two GPUs
+        since, keeps the static deal). Measured on an H100, one backend
         (docs/perf-notes.md step 59): Qwen2.5-Coder-1.5B 1,244.1 / 1,242.2 µs/token with 8
         against 1,246.5 / 1,244.7 without (16: 1,244.0 / 1,241.8; 4 1,242.6); Llama-3.2-1B
         927.2 against 926.0 (16: 927.4)."""
-        return 8 if self.hidden < 2048 else 0
+        return 8 if self.hidden < 2048 and self.tp == 1 else 0
 
     def _attn_scratch_floats(self) -> int:
         """MK_ATTN_SMEM: the larger scratch of stage B's two unit kinds (stage D's input

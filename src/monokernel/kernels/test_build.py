@@ -95,9 +95,10 @@ def test_gate_up_defines_per_shape_and_a_knob_replaces_them(
              (("llama", llama), ("qwen", qwen), ("small", small))}  # fmt: skip
     assert [short[n].gate_up_batch() for n in ("llama", "qwen", "small")] == [5, 3, 4]
     assert llama.gate_up_batch() == qwen.gate_up_batch() == 4
-    # The LM head's tail dealt by tickets (MK_F_DRAWN): below hidden 2048 only.
+    # The LM head's tail dealt by tickets (MK_F_DRAWN): below hidden 2048, on one GPU.
     assert "-DMK_F_DRAWN=0" in llama.defines()
     assert "-DMK_F_DRAWN=8" in qwen.defines() and "-DMK_F_DRAWN=8" in small.defines()
+    assert "-DMK_F_DRAWN=0" in dataclasses.replace(qwen, tp=2).defines()
     monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_D_PRE=1")
     cmd = kbuild.nvcc_command(llama, tmp_path / "decode.cubin")
     assert [f for f in cmd if f.startswith("-DMK_D_PRE")] == ["-DMK_D_PRE=1"]

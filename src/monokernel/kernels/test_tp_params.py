@@ -70,11 +70,19 @@ def test_rank_dims_and_defines() -> None:
 
 
 @needs_nvcc
-@pytest.mark.parametrize("shape", ["qwen2.5-coder-1.5b", "llama-3.2-1b"])
-def test_tp2_kernel_compiles(shape: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("shape", "flags"),
+    [
+        ("qwen2.5-coder-1.5b", ()),
+        ("llama-3.2-1b", ()),
+        # The LM head's tail by tickets, off in the TP build until measured on two GPUs.
+        ("qwen2.5-coder-1.5b", ("-DMK_F_DRAWN=8",)),
+    ],
+)
+def test_tp2_kernel_compiles(shape: str, flags: tuple[str, ...], tmp_path: Path) -> None:
     cfg = SHAPES[shape]
     dims = dataclasses.replace(
         kbuild.KernelDims.from_config(rank_config(shard_config(cfg, 0, 2))), tp=2
     )
-    proc = kbuild.compile_check(dims, tmp_path / "decode.o")
+    proc = kbuild.compile_check(dims, tmp_path / "decode.o", flags)
     assert proc.returncode == 0, proc.stderr
