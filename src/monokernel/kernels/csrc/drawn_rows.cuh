@@ -1,7 +1,7 @@
 // The LM head's last rows dealt at run time: whichever warp is free takes the next row.
 //
 // The SMs of one H100 stream at rates up to 13% apart (docs/perf-notes.md step 38), so with
-// the LM head's rows dealt equally the step waits for the slowest SMs (CTA 0 waits ~7.5 µs
+// the LM head's rows dealt equally the step waits for the slowest SMs (CTA 0 waited ~7.5 µs
 // on Qwen2.5-1.5B after step 58). The static deal keeps whole rounds of rows; the rest (the
 // tail) goes out by tickets. Step 49 lost with one counter and a ticket per pair of stage D
 // (thousands of atomics a layer on one address, each on a warp's path); here each warp slot
@@ -23,19 +23,10 @@
 // Words of `barrier` (params.cuh) before the first counter, and between two counters.
 #define MK_TICKET_STRIDE 32
 
-// The grid's size and this thread's warp, read where they are used (volatile asm), so the
-// values derived from them are not hoisted out of the step loop to hold registers across
-// the layer loop (the kind of spill that probes.cuh's profiling flag caused, step 59).
-__device__ __forceinline__ int fresh_ctas() {
-  unsigned n;
-  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
-  return (int)n;
-}
-__device__ __forceinline__ int fresh_warp() {
-  unsigned t;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-  return (int)(t / 32);
-}
+// The grid's size and this thread's warp, read where they are used (common.cuh read_*), so
+// nothing derived from them is held across the layer loop.
+__device__ __forceinline__ int fresh_ctas() { return (int)read_nctaid(); }
+__device__ __forceinline__ int fresh_warp() { return (int)(read_tid() / 32); }
 
 // Rows of W [rows, ...] dealt statically over `groups` units a CTA: whole rounds, leaving at
 // least MK_F_DRAWN rows a warp to the tickets.

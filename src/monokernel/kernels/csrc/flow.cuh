@@ -63,13 +63,11 @@ __device__ __forceinline__ void st_flow(float* p, float v, unsigned tag) {
 static_assert(MK_FLOW_COPIES >= 1, "MK_FLOW_COPIES: copies of each hand-off vector");
 
 // This CTA's copy of a hand-off vector whose copies lie n floats apart. The CTA index is read
-// where it is used (volatile asm): offsets hoisted out of the layer loop held registers
+// where it is used (read_ctaid): offsets hoisted out of the layer loop held registers
 // across it and spilled (Qwen2.5: 122 bytes instead of 26 at four copies).
 __device__ __forceinline__ const float* flow_copy(const float* v, size_t n) {
   if (MK_FLOW_COPIES == 1) return v;
-  unsigned cta;
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cta));
-  return v + (cta % MK_FLOW_COPIES) * n;
+  return v + (read_ctaid() % MK_FLOW_COPIES) * n;
 }
 
 // st_flow into every copy of a hand-off vector whose copies lie n floats apart.

@@ -9,9 +9,9 @@
 #define MK_PROF_CTA 0
 #endif
 
-// 1: the CTA and thread are read where a mark is (volatile asm): a flag computed once a step
-// and held across the layer loop took a register there, and spilled where registers ran
-// short, a local-memory load after every stage's barrier (docs/perf-notes.md step 59).
+// 1: the CTA and thread are read where a mark is (common.cuh read_*): a flag computed once
+// a step and held across the layer loop took a register there, and spilled where registers
+// ran short, a local-memory load after every stage's barrier (docs/perf-notes.md step 59).
 // 0: the flag as before.
 #ifndef MK_PROF_FRESH
 #define MK_PROF_FRESH 1
@@ -22,10 +22,7 @@ __device__ __forceinline__ bool profiling(const Params& p, int step) {
     const int cta = MK_PROF_CTA < 0 ? (int)gridDim.x + MK_PROF_CTA : MK_PROF_CTA;
     return p.timing && step == p.timing_step && (int)blockIdx.x == cta && threadIdx.x == 0;
   }
-  unsigned cta, tid, n;
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(cta));
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(n));
+  const unsigned cta = read_ctaid(), tid = read_tid(), n = read_nctaid();
   const int want = MK_PROF_CTA < 0 ? (int)n + MK_PROF_CTA : MK_PROF_CTA;
   return p.timing && step == p.timing_step && (int)cta == want && tid == 0;
 }
