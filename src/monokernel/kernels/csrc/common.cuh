@@ -104,21 +104,16 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 // value derived from them once and hoisted out of the step or layer loop holds a register
 // across that loop, and where registers run short it spills and is reloaded from local
 // memory on the way out of every stage (docs/perf-notes.md steps 45 and 59).
-__device__ __forceinline__ unsigned read_ctaid() {
-  unsigned v;
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(v));
-  return v;
-}
-__device__ __forceinline__ unsigned read_tid() {
-  unsigned v;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(v));
-  return v;
-}
-__device__ __forceinline__ unsigned read_nctaid() {
-  unsigned v;
-  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(v));
-  return v;
-}
+#define MK_READ_SREG(fn, reg)                      \
+  __device__ __forceinline__ unsigned fn() {       \
+    unsigned v;                                    \
+    asm volatile("mov.u32 %0, %%" reg ";" : "=r"(v)); \
+    return v;                                      \
+  }
+MK_READ_SREG(read_ctaid, "ctaid.x")
+MK_READ_SREG(read_tid, "tid.x")
+MK_READ_SREG(read_nctaid, "nctaid.x")
+#undef MK_READ_SREG
 
 __device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
