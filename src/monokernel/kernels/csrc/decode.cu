@@ -28,9 +28,12 @@
 #ifndef MK_SPLIT_E
 #define MK_SPLIT_E 4
 #endif
-// The LM head shares stage A's split (and register buffer): a buffer issued on one path
-// only would stay live through every layer and spill.
-#define MK_SPLIT_F MK_SPLIT_A
+// The LM head's split. Its first row goes into stage A's register buffer (the first entries
+// where its rows are shorter): a buffer issued on one path only would stay live through
+// every layer and spill.
+#ifndef MK_SPLIT_F
+#define MK_SPLIT_F 2
+#endif
 // 1: the LM head's rows alternate between two register buffers (gemv.cuh gemv_split's
 // PINGPONG), two rows in flight a warp instead of one (docs/perf-notes.md step 58).
 #ifndef MK_F_PINGPONG
@@ -203,6 +206,9 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
 
   // First batches held in registers across barriers, one buffer per stage shape.
   uint4 preA[SA::Shape::B], preC[SC::Shape::B], preE[SE::Shape::B];  // preA also serves F
+  using SF = Split<MK_H, MK_SPLIT_F>;
+  static_assert(SF::Shape::B <= SA::Shape::B, "the LM head's first batch must fit in preA");
+  uint4(&preF)[SF::Shape::B] = *reinterpret_cast<uint4(*)[SF::Shape::B]>(&preA);
   uint4 preG[RowShape<MK_H, MK_BATCH2>::B], preU[RowShape<MK_H, MK_BATCH2>::B];
   float* part = att;  // split-K partial sums [WARPS, SLOTS]; attention scratch is idle then
   stage_gain<MK_H>(gn, p.layers[0].attn_gain);
@@ -362,7 +368,10 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
               : split_first<MK_H, MK_SPLIT_F>(p.lm_head, MK_V, warp);
       handoff_arrive(flow, p.barrier, bar);
       stage_gain<MK_H>(gn, layer + 1 < MK_L ? p.layers[layer + 1].attn_gain : p.norm_gain);
-      issue_first<SA::KP, MK_BATCH>(preA, next_first, lane);
+      if (SF::KP == SA::KP || layer + 1 < MK_L)
+        issue_first<SA::KP, MK_BATCH>(preA, next_first, lane);
+      else
+        issue_first<SF::KP, MK_BATCH>(preF, next_first, lane);
       mark(p, step, mk++);
       handoff_wait(flow, p.barrier, bar);
       mark(p, step, mk++);
@@ -399,7 +408,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
       if (better(sc, r, best, best_id)) { best = sc; best_id = r; }
 #endif
     };
-    gemv_split<MK_H, MK_SPLIT_F, MK_F_PINGPONG>(p.lm_head, f_static, xs, part, warp, lane, preA,
+    gemv_split<MK_H, MK_SPLIT_F, MK_F_PINGPONG>(p.lm_head, f_static, xs, part, warp, lane, preF,
                                                  lm_out, (int)blockIdx.x, nullptr, rf);
     if (MK_F_DRAWN)
       gemv_drawn<MK_H, MK_F_DRAWN_BATCH ? MK_F_DRAWN_BATCH : (RowShape<MK_H, 1>::N + 1) / 2>(
