@@ -49,6 +49,8 @@ KNOBS_FLIPPED = (
         ("qwen2.5-coder-1.5b", KNOBS_FLIPPED),
         ("qwen3-0.6b", KNOBS_FLIPPED),
         ("odd", KNOBS_FLIPPED),
+        # Stage A at one warp a row, the LM head at two: F's rows in part of A's buffer.
+        ("qwen2.5-coder-1.5b", ("-DMK_SPLIT_A=1",)),
     ],
 )
 def test_cuda_sources_compile(shape: str, flags: tuple[str, ...], tmp_path) -> None:
