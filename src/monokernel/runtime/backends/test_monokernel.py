@@ -92,8 +92,10 @@ def _assert_within_tolerance(label: str, rel: torch.Tensor) -> None:
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("shape", ["llama-3.2-1b", "qwen2.5-coder-1.5b", "odd"])
+@pytest.mark.parametrize("shape", ["llama-3.2-1b", "qwen2.5-coder-1.5b", "odd", "smollm2-135m"])
 def test_teacher_forced_logits(shape: str) -> None:
+    """The issue's shapes, an odd one, and the default model's (random weights: the real
+    checkpoint is only tested where it can be fetched)."""
     cfg, weights, mk = _setup(shape)
     seq = _tokens(PROMPT + STEPS, cfg.vocab_size, seed=1)
     got = mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])  # [STEPS, V]
