@@ -394,7 +394,7 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     int best_id = 0x7fffffff;
     // Whole rounds of rows dealt statically, the rest by tickets (drawn_rows.cuh); this warp's
     // first ticket is drawn now, so its round trip hides behind the static rows.
-    const int f_static = static_rows(MK_V, Split<MK_H, MK_SPLIT_F>::GROUPS);
+    const int f_static = static_rows(MK_V, SF::GROUPS);
     const unsigned f_got = MK_F_DRAWN && lane == 0 ? draw_ticket(ticket_counter(p.barrier)) : 0u;
     auto lm_out = [&](int r, float logit) {
       p.logits[r] = logit;
@@ -411,9 +411,8 @@ extern "C" __global__ void __launch_bounds__(MK_THREADS, 1) mk_decode(const Para
     gemv_split<MK_H, MK_SPLIT_F, MK_F_PINGPONG>(p.lm_head, f_static, xs, part, warp, lane, preF,
                                                  lm_out, (int)blockIdx.x, nullptr, rf);
     if (MK_F_DRAWN)
-      gemv_drawn<MK_H, MK_F_DRAWN_BATCH ? MK_F_DRAWN_BATCH : (RowShape<MK_H, 1>::N + 1) / 2>(
-          p.lm_head, row_tickets(p.barrier, f_static, MK_V, step), f_got, xs, lane, lm_out,
-          rf);
+      gemv_drawn<MK_H>(p.lm_head, row_tickets(p.barrier, f_static, MK_V, step), f_got, xs,
+                       lane, lm_out, rf);
     warp_argmax(best, best_id);
     if (lane == 0) {
       red[warp] = best;

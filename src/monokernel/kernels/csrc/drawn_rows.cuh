@@ -16,10 +16,6 @@
 #ifndef MK_F_DRAWN
 #define MK_F_DRAWN 8
 #endif
-// Loads a lane issues per batch of a drawn row (0: half a row, so two batches a row).
-#ifndef MK_F_DRAWN_BATCH
-#define MK_F_DRAWN_BATCH 0
-#endif
 // Words of `barrier` (params.cuh) before the first counter, and between two counters.
 #define MK_TICKET_STRIDE 32
 
@@ -75,10 +71,11 @@ __device__ __forceinline__ unsigned draw_ticket(unsigned* counter) {
 }
 
 // Whole rows of W [rows, K] (one warp a row) from the tickets of tk, the first of which
-// (`got`, lane 0's) was drawn earlier. out(r, value) is called by lane 0. Each row's first
-// batch goes out before the row ahead of it is reduced; the two buffers take turns, so no
-// copy between them waits for loads in flight (gemv_split's PINGPONG, step 58).
-template <int K, int BATCH, class Out>
+// (`got`, lane 0's) was drawn earlier. out(r, value) is called by lane 0. A row goes out in
+// two batches (batches of 2 measured no different, step 59); each row's first batch goes out
+// before the row ahead of it is reduced, and the two buffers take turns, so no copy between
+// them waits for loads in flight (gemv_split's PINGPONG, step 58).
+template <int K, class Out, int BATCH = (RowShape<K, 1>::N + 1) / 2>
 __device__ __forceinline__ void gemv_drawn(const bf16* __restrict__ W, const RowTickets& tk,
                                            unsigned got, const float* __restrict__ xs, int lane,
                                            Out out, float scale) {
