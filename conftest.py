@@ -7,8 +7,8 @@ import os
 import pytest
 
 # The monokernel backend times a few places for its hand-off buffer at load (~2 s on a real
-# shape; runtime/backends/handoff_placement.py). Where the buffer lies changes no result, so
-# the suite's many backends skip it; the search's own tests ask for it.
+# shape; runtime/backends/monokernel/handoff_placement.py). Where the buffer lies changes no
+# result, so the suite's many backends skip it; the search's own tests ask for it.
 os.environ.setdefault("MONOKERNEL_HANDOFF_SEARCH", "0")
 
 

@@ -7,13 +7,13 @@
 # 500-token turn on a held 16k-token conversation: prefix-reuse TTFT; MK_TURN_RUNS picks the
 # shapes and settings), ttft (time to first token at 1,024 and 8,192 prompt
 # tokens, first token from the prefill and from the kernel), turnattn (the turn's attention
-# alone, split over 1..16 chunks of the cached keys: scripts/turn_attention.py; the first
-# token's LM-head GEMV: scripts/lm_head_gemv.py), prefill (where the
-# GPU time of an 8k prompt and of that turn goes: scripts/prefill_profile.py), stalls (where
-# the decode kernel's warps wait: ncu, scripts/stall_summary.py), variants
-# (scripts/kernel_variants.py with the MK_VARIANTS list, ';'-separated, e.g.
-# "a=;b=-DMK_X=1 -DMK_Y=2;c=MONOKERNEL_X=1"; MK_VARIANT_PROMPT / MK_VARIANT_GEN tokens,
-# MK_VARIANT_TAG names the output files).
+# alone, split over 1..16 chunks of the cached keys and in the Triton kernel's block shapes:
+# tools/turn_attention.py), prefill (where the GPU time of an 8k prompt and of that turn goes:
+# tools/prefill_profile.py), stalls (where the decode kernel's warps wait: ncu,
+# tools/stall_summary.py), variants (tools/kernel_variants.py with the MK_VARIANTS list,
+# ';'-separated, e.g. "a=;b=-DMK_X=1 -DMK_Y=2;c=MONOKERNEL_ATTN_GROUP_FROM=1";
+# MK_VARIANT_PROMPT / MK_VARIANT_GEN tokens, MK_VARIANT_TAG names the output files).
+# The tools themselves are described in tools/README.md.
 # Logs and JSON land in OUTDIR; a short table is printed last.
 set -u -o pipefail
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -92,11 +92,9 @@ fi
 
 if [[ $STAGES == *turnattn* ]]; then
   echo "== turn attention" >&2
-  timeout "${MK_TURNATTN_TIMEOUT:-120}" python3 scripts/turn_attention.py \
+  timeout "${MK_TURNATTN_TIMEOUT:-120}" python3 tools/turn_attention.py \
     >"$OUTDIR/turnattn.log" 2>&1 || status=1
   cat "$OUTDIR/turnattn.log"
-  timeout 120 python3 scripts/lm_head_gemv.py >"$OUTDIR/lmhead.log" 2>&1 || status=1
-  cat "$OUTDIR/lmhead.log"
 fi
 
 if [[ $STAGES == *variants* ]]; then
@@ -104,7 +102,7 @@ if [[ $STAGES == *variants* ]]; then
   args=()
   IFS=';' read -ra vs <<<"${MK_VARIANTS:-base=}"
   for v in "${vs[@]}"; do args+=(--variant "$v"); done
-  timeout "${MK_VARIANTS_TIMEOUT:-300}" python3 scripts/kernel_variants.py \
+  timeout "${MK_VARIANTS_TIMEOUT:-300}" python3 tools/kernel_variants.py \
     --shapes "${MK_VARIANT_SHAPES:-llama-3.2-1b,qwen2.5-coder-1.5b}" "${args[@]}" \
     --rounds "${MK_VARIANT_ROUNDS:-3}" --prompt-tokens "${MK_VARIANT_PROMPT:-64}" \
     --gen-tokens "${MK_VARIANT_GEN:-512}" \
@@ -116,7 +114,7 @@ fi
 
 if [[ $STAGES == *stalls* ]]; then
   # Nsight Compute's sampled warp states for one decode launch (MK_STALL_SHAPE; clocks left
-  # alone), per machine instruction, summarised by scripts/stall_summary.py.
+  # alone), per machine instruction, summarised by tools/stall_summary.py.
   shape=${MK_STALL_SHAPE:-qwen2.5-coder-1.5b}
   echo "== warp stalls ($shape)" >&2
   timeout "${MK_STALL_TIMEOUT:-240}" ncu --clock-control none -k mk_decode -c 1 \
@@ -126,13 +124,13 @@ if [[ $STAGES == *stalls* ]]; then
   ncu --import "$OUTDIR/stalls.ncu-rep" --page source --csv --print-source sass 2>>"$OUTDIR/stalls.log" |
     gzip >"$OUTDIR/stalls-src.csv.gz"
   rm -f "$OUTDIR/stalls.ncu-rep"  # 4 MB; the CSV holds what the summary reads
-  python3 scripts/stall_summary.py "$OUTDIR/stalls-src.csv.gz" | tee "$OUTDIR/stalls.txt" ||
+  python3 tools/stall_summary.py "$OUTDIR/stalls-src.csv.gz" | tee "$OUTDIR/stalls.txt" ||
     status=1
 fi
 
 if [[ $STAGES == *prefill* ]]; then
   echo "== prefill profile" >&2
-  timeout "${MK_PREFILL_TIMEOUT:-240}" python3 scripts/prefill_profile.py --shape llama-3.2-1b \
+  timeout "${MK_PREFILL_TIMEOUT:-240}" python3 tools/prefill_profile.py --shape llama-3.2-1b \
     >"$OUTDIR/prefill.log" 2>&1 || status=1
   grep -v Warning "$OUTDIR/prefill.log" | tail -n 40
 fi

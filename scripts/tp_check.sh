@@ -46,13 +46,14 @@ grep -E "^torch|NVLS|MULTICAST" "$OUTDIR/env.txt" >&2
 if want tests; then
   echo "== gpu tests (tensor parallel)" >&2
   timeout "${MK_TEST_TIMEOUT:-400}" python3 -m pytest -m gpu -v -s -p no:cacheprovider \
-    src/monokernel/parallel src/monokernel/weights/test_shard.py >"$OUTDIR/tests.log" 2>&1 || status=1
+    src/monokernel/parallel src/monokernel/runtime/backends/monokernel/test_peer.py \
+    src/monokernel/weights/test_shard.py >"$OUTDIR/tests.log" 2>&1 || status=1
 fi
 
 if want tp_tests; then
   echo "== gpu tests (TP decode kernel)" >&2
   timeout "${MK_TP_TEST_TIMEOUT:-400}" python3 -m pytest -m gpu -v -s -p no:cacheprovider \
-    src/monokernel/runtime/backends/test_monokernel_tp.py src/monokernel/kernels/test_tp_params.py \
+    src/monokernel/runtime/backends/monokernel/test_tp.py src/monokernel/kernels/test_tp_params.py \
     >"$OUTDIR/tp_tests.log" 2>&1 || status=1
 fi
 

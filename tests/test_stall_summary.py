@@ -1,4 +1,4 @@
-"""scripts/stall_summary.py against a small hand-written ncu source page."""
+"""tools/stall_summary.py against a small hand-written ncu source page."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "stall_summary.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "stall_summary.py"
 spec = importlib.util.spec_from_file_location("stall_summary", SCRIPT)
 assert spec and spec.loader
 stall_summary = importlib.util.module_from_spec(spec)

@@ -18,11 +18,12 @@ import torch
 
 from monokernel.bench.engines import BACKENDS, ENGINES, GPU_ONLY, EngineOptions
 from monokernel.bench.records import prompt_label
-from monokernel.bench.shapes import SHAPES, random_weights
 from monokernel.bench.sweep import EngineLimits, SweepConfig, run_benchmark
 from monokernel.bench.table import format_table
 from monokernel.models.config import ModelConfig
+from monokernel.models.shapes import SHAPES
 from monokernel.weights.names import Weights
+from monokernel.weights.random_weights import random_weights
 
 # The reference engine runs one eager op at a time: a short run tells its speed, and a
 # long one would take most of the bench's time (the behaviour before sweeps existed).

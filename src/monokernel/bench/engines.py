@@ -66,7 +66,7 @@ class BackendRunner:
     @property
     def info(self) -> dict[str, Any]:
         """Extra fields for the record: where the monokernel's load-time search put its
-        hand-off buffer (runtime/backends/handoff_placement.py)."""
+        hand-off buffer (runtime/backends/monokernel/handoff_placement.py)."""
         choice = getattr(self.backend, "handoff_choice", None)
         return {"handoff_search": choice.as_dict()} if choice is not None else {}
 

@@ -114,8 +114,8 @@ def test_endpoint_in_a_sweep_needs_no_weights(server: str) -> None:
     import torch
 
     from monokernel.bench.engines import EngineOptions
-    from monokernel.bench.shapes import SHAPES
     from monokernel.bench.sweep import SweepConfig, run_benchmark
+    from monokernel.models.shapes import SHAPES
 
     options = EngineOptions(endpoint_url=server, endpoint_transport="urllib")
     config = SweepConfig(("endpoint",), (4, 8), (3,), repeats=2, options=options)
@@ -133,8 +133,8 @@ def test_endpoint_turns_send_the_base_then_base_plus_new_ids(server: str) -> Non
     import torch
 
     from monokernel.bench.engines import EngineOptions
-    from monokernel.bench.shapes import SHAPES
     from monokernel.bench.sweep import SweepConfig, run_benchmark
+    from monokernel.models.shapes import SHAPES
 
     options = EngineOptions(endpoint_url=server, endpoint_transport="urllib")
     config = SweepConfig(("endpoint",), (6,), (3,), repeats=2, options=options, turn_tokens=4)

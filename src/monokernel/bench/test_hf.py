@@ -10,20 +10,21 @@ import pytest
 import torch
 
 from monokernel.bench.hf import HFRunner, build_hf_model, hf_config_dict
-from monokernel.bench.shapes import SHAPES, random_weights
 from monokernel.models.config import config_from_hf_dict
+from monokernel.models.shapes import DENSE_SHAPES, SHAPES
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.backends.reference import ReferenceBackend
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.testing.tiny_models import TINY_FAMILIES, make_tiny_checkpoint
 from monokernel.weights.loader import Checkpoint, load_checkpoint
+from monokernel.weights.random_weights import random_weights
 
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_config_round_trips_for_every_bench_shape(shape: str) -> None:
-    cfg = SHAPES[shape]
+@pytest.mark.parametrize("shape", sorted(DENSE_SHAPES))
+def test_config_round_trips_for_every_dense_catalogue_shape(shape: str) -> None:
+    cfg = DENSE_SHAPES[shape]
     assert config_from_hf_dict(hf_config_dict(cfg)) == cfg
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from monokernel.bench import plot, records
 from monokernel.bench.measure import RunTiming
-from monokernel.bench.shapes import SHAPES
+from monokernel.models.shapes import SHAPES
 
 pytest.importorskip("matplotlib")
 

@@ -113,9 +113,10 @@ class _PrefillStandIn:
 
 
 class _KernelStandIn:
-    """The monokernel backend's cache bookkeeping (``MonokernelBackend._run``) without the
-    GPU: the runtime's own CacheFiller and PrefixCache decide what a request reuses,
-    prefills and snapshots; the 'kernel' emits made-up tokens."""
+    """The monokernel backend's cache bookkeeping (``RequestDriver.run`` in
+    runtime/backends/monokernel/request.py) without the GPU: the runtime's own CacheFiller
+    and PrefixCache decide what a request reuses, prefills and snapshots; the 'kernel' emits
+    made-up tokens."""
 
     requests: ClassVar[list[dict[str, int]]] = []
 

@@ -1,3 +1,6 @@
-"""The monokernel's CUDA side: ``csrc/`` (the persistent decode kernel), ``build`` (nvcc JIT
-with an on-disk cache), ``launcher`` (driver-API load and cooperative launch), ``schedule``
-(the kernel's stages in PyTorch, for CPU tests) and ``prebuild`` (parallel builds)."""
+"""The monokernel's CUDA side: ``csrc/`` (the persistent decode kernel, one file a stage),
+``layout`` (every buffer shared with the kernel, described once; generates
+``csrc/layout.cuh``), ``build`` (nvcc JIT with an on-disk cache, the per-shape choices),
+``launcher`` (driver-API load and cooperative launch), ``schedule`` (the kernel's stages in
+PyTorch, for CPU tests), ``plan`` (stage B's plan on the host) and ``prebuild`` (parallel
+builds)."""

@@ -17,7 +17,7 @@ from monokernel.kernels.build import ARCH_FLAGS, CSRC, cache_dir, compile_cached
 from monokernel.kernels.launcher import KernelModule, set_current_context
 
 SOURCE = CSRC / "allreduce_bench.cu"
-HEADERS = (CSRC / "common.cuh",)  # what SOURCE includes: part of the cache key
+HEADERS = (CSRC / "common.cuh", CSRC / "tunables.cuh")  # what SOURCE includes: the cache key
 MAX_RANKS = 8  # AR_MAX_RANKS
 MAX_THREADS = 512  # AR_MAX_THREADS (the kernels' launch bound)
 UNIT_FLOATS = 2  # floats per 16-byte wire unit {float, tag, float, tag}

@@ -1,23 +1,26 @@
 """JIT build of the monokernel: nvcc -> cubin, specialised on the model's dimensions, cached.
 
-The cubin's cache key hashes the sources, the -D dimensions, the flags and the target arch,
+The cubin's cache key hashes the sources, the -D defines, the flags and the target arch,
 so any change rebuilds and nothing stale is ever loaded. Two processes building the same key
 at once are safe: a file lock serialises them, and the cubin is written to a temporary name
 then renamed into place (readers never see a half-written file).
 
-Environment: ``MONOKERNEL_CACHE`` (cache root, default ``~/.cache/monokernel``; cubins go in
-its ``kernels/``),
-``MONOKERNEL_VERBOSE_BUILD=1`` (print the nvcc command and the ptxas -v report),
-``MONOKERNEL_DEBUG_BUILD=1`` (-lineinfo -G and device asserts), ``MONOKERNEL_NVCC``
-(compiler path), ``MONOKERNEL_NVCC_FLAGS`` (extra flags, e.g. tuning -D defines).
+A build's -D defines are the model's dimensions, then the per-shape choices of ``CHOICES``:
+each a rule on the shape, documented once in its method below (``python -m
+monokernel.kernels.build --knobs`` prints them as docs/kernel-knobs.md). Everything else the
+kernel tunes is fixed (csrc/tunables.cuh), and every layout it shares with the host comes
+from kernels/layout.py. Settings (monokernel/envs.py): ``MONOKERNEL_NVCC``,
+``MONOKERNEL_NVCC_FLAGS`` (a ``-DMK_<choice>=N`` there replaces the shape's value, for tests
+and experiments), ``MONOKERNEL_VERBOSE_BUILD``, ``MONOKERNEL_DEBUG_BUILD``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
+import inspect
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -25,29 +28,28 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from monokernel import envs
 from monokernel.errors import BackendUnavailableError, UnsupportedModelError
+from monokernel.kernels import layout
 from monokernel.kernels.plan import head_units_fit
 from monokernel.models.config import ModelConfig
+from monokernel.weights.formats import FORMATS
 
 CSRC = Path(__file__).parent / "csrc"
 ENTRY = "decode.cu"
 KERNEL_NAME = "mk_decode"
 ARCH_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a",)
-THREADS = 512  # MK_THREADS in common.cuh
-WARPS = THREADS // 32
-TICKET_STRIDE = 32  # MK_TICKET_STRIDE in drawn_rows.cuh: words between ticket counters
-BATCH = 6  # MK_BATCH in gemv.cuh
-# Loads a lane keeps in flight per pipelined down-projection row (down_split): two rows of
-# 4 are 64 KB a SM at 16 warps.
+THREADS = layout.THREADS  # a CTA's threads, for the launch
+WARPS = layout.WARPS
+BATCH = 6  # kBatch in csrc/tunables.cuh: 16-byte loads a lane keeps in flight for one row
+# Loads a lane keeps in flight per pipelined down-projection row (down_split).
 MAX_DOWN_LOADS = 4
 # SMs of the GPUs the kernel is tuned on (H100 SXM, H200); only down_split's rows-per-unit
 # rule uses it: the grid itself is the device's SM count, read at launch.
 HOPPER_SMS = 132
-SPLIT_SLOTS = 32  # MK_SPLIT_SLOTS in gemv.cuh: split-K partials per warp
 MAX_HEAD_DIM = 256
-MAX_SMEM_BYTES = 227 * 1024  # dynamic shared memory one CTA may have on sm_90
-ATTN_STAGES = 2  # MK_ATTN_STAGES in attention_window.cuh: ring stages of the K/V window
-ATTN_PMAX = 256  # MK_ATTN_PMAX: positions per ring stage at most
+# KernelDims.weight_format -> the C++ format type (csrc/formats/): MK_WEIGHT_FORMAT.
+WEIGHT_FORMATS: dict[str, str] = {name: f.kernel_type for name, f in FORMATS.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,11 +68,11 @@ class KernelDims:
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool
-    # Tensor-parallel ranks (MK_TP); the other dims are then one rank's. 1 adds no define,
-    # so the single-GPU build (and its cache key) is exactly what it was.
+    # Tensor-parallel ranks (MK_TP); the other dims are then one rank's.
     tp: int = 1
     # False: the build without group units (MK_ATTN_GROUP=0), for contexts head units cover.
     group_units: bool = True
+    weight_format: str = "bf16"  # a key of WEIGHT_FORMATS
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> KernelDims:
@@ -91,15 +93,23 @@ class KernelDims:
         )
         if dims.attn_chunk() < 32:
             raise UnsupportedModelError(
-                f"the monokernel's shared memory ({MAX_SMEM_BYTES} bytes a CTA) cannot hold "
-                f"this shape's vectors and an attention window of 32 positions "
+                f"the monokernel's shared memory ({layout.MAX_SMEM_BYTES} bytes a CTA) cannot "
+                f"hold this shape's vectors and an attention window of 32 positions "
                 f"(hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, "
                 f"head_dim {cfg.head_dim})"
             )
         return dims
 
-    def defines(self) -> list[str]:
-        vals = {
+    def defines(self, flags: Sequence[str] | None = None) -> list[str]:
+        """The build's -D defines: the dimensions, then the per-shape choices (with the
+        overrides ``flags`` hold, by default MONOKERNEL_NVCC_FLAGS'), then the shared memory
+        layout.py computes for them."""
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise UnsupportedModelError(
+                f"weight format {self.weight_format!r}; the kernel has "
+                f"{', '.join(sorted(WEIGHT_FORMATS))}"
+            )
+        vals: dict[str, int | str] = {
             "MK_H": self.hidden,
             "MK_Q": self.q_size,
             "MK_KV": self.kv_size,
@@ -112,31 +122,34 @@ class KernelDims:
             "MK_QKV_BIAS": int(self.qkv_bias),
             "MK_O_BIAS": int(self.o_bias),
             "MK_QK_NORM": int(self.qk_norm),
-            "MK_SPLIT_E": self.down_split(),
-            "MK_BATCH2": self.gate_up_batch(),
-            "MK_D_PRE": self.gate_up_rows_before_input(),
-            "MK_F_DRAWN": self.lm_head_drawn_rows(),
-            "MK_ATTN_CHUNK": self.attn_chunk(),
-            "MK_ATTN_RANGE": self.attn_range(),
+            "MK_WEIGHT_FORMAT": WEIGHT_FORMATS[self.weight_format],
+            **(choices := self.choices(flags)),
+            "MK_SMEM_BYTES": layout.smem_bytes(self, choices["MK_ATTN_CHUNK"]),
         }
-        if self.tp > 1:
-            vals["MK_TP"] = self.tp
-        if not self.group_units:
-            vals["MK_ATTN_GROUP"] = 0
         return [f"-D{k}={v}" for k, v in vals.items()]
+
+    def choices(self, flags: Sequence[str] | None = None) -> dict[str, int]:
+        """Each per-shape choice's define and value: the rule's, unless ``flags`` (by default
+        MONOKERNEL_NVCC_FLAGS) set it (``-DMK_ATTN_CHUNK=32``: tests force small windows)."""
+        out = {c.define: c.rule(self) for c in CHOICES}
+        out.update(choice_overrides(flags))
+        chunk = out["MK_ATTN_CHUNK"]
+        if chunk % 32 or not 32 <= chunk <= self.attn_chunk():
+            raise ValueError(
+                f"MK_ATTN_CHUNK={chunk}: a multiple of 32 up to {self.attn_chunk()} "
+                "(what shared memory holds for this shape)"
+            )
+        return out
+
+    # ---- the per-shape choices (CHOICES); each docstring is the knob's documentation ----
 
     def down_split(self) -> int:
         """Warps per row of the down projection: the fewest that make each warp's slice one
-        batch of loads (<= BATCH per lane), so rows pipeline without a third buffer; but half
-        that where two such batches in flight (the pipelined rows) would hold more than
-        MAX_DOWN_LOADS loads a lane (beyond ~30 KB a SM, bytes in flight only queue:
-        docs/perf-notes.md step 39) and the wider slices still leave every unit two rows or
-        more on 132 SMs (fewer rows than units leave warps idle). Measured on an H100 (step
-        50): Qwen2.5-Coder-1.5B (intermediate 8,960; 5 loads a lane at 8 warps a row, 2.9 rows
-        a unit at 4) 1,259.1 / 1,260.1 / 1,264.9 µs/token with 4 against 1,277.5 / 1,279.1
-        with 8; Qwen3-0.6B (3,072; 6 loads at 2, 0.5 rows a unit at 1) 930.3 with 2 against
-        996.8 with 1, so it keeps 2; Llama-3.2-1B (8,192; 4 loads at 8) keeps 8 (935.8 / 935.9
-        with 4 against 932.9)."""
+        batch of loads (at most BATCH a lane), so rows pipeline without a third buffer; but
+        half that where two such batches in flight would hold more than MAX_DOWN_LOADS loads
+        a lane (bytes in flight beyond ~30 KB a SM only queue) and the wider slices still
+        leave every unit two rows or more on 132 SMs (fewer rows than units leave warps
+        idle)."""
         chunks = self.intermediate // 8
         for split in (1, 2, 4, 8, 16):
             loads = -(-chunks // split // 32)  # a lane's loads in one row slice
@@ -149,15 +162,10 @@ class KernelDims:
         return 16 if chunks % 16 == 0 else 1
 
     def gate_up_batch(self) -> int:
-        """Loads per lane in flight per gate/up row (MK_BATCH2): 5 for hidden >= 2048 in the
-        build without group units, 3 for hidden 1536-2047 there, else 4. Measured on an H100
-        (docs/perf-notes.md, step 22): Llama-3.2-1B 1,016 vs 1,032 and 1,021 vs 1,033 µs/token
-        with 5; Qwen2.5-Coder-1.5B (hidden 1536) 1,480 vs 1,456, its build spilling 52 bytes
-        with 5. Step 50, once D's whole first pair goes out before its hand-off: Qwen 1,259.0 /
-        1,258.8 and 1,258.6 / 1,258.6 with 3 against 1,262.2 / 1,261.6 and 1,261.8 / 1,260.9
-        with 4 (two processes); the smaller shapes are unmeasured and keep 4. The build with
-        group units carries more registers already (Llama's spills 52 -> 68 bytes with 5):
-        kept at 4."""
+        """Loads a lane keeps in flight per gate/up row (two rows stream together): 5 at
+        hidden >= 2048 and 3 at hidden 1536-2047 in the build without group units, else 4.
+        More loads in flight pay while they fit the registers; the build with group units
+        carries more registers already, and at 5 the smaller hidden sizes spill."""
         if self.group_units:
             return 4
         if self.hidden >= 2048:
@@ -165,83 +173,63 @@ class KernelDims:
         return 3 if self.hidden >= 1536 else 4
 
     def gate_up_rows_before_input(self) -> int:
-        """MK_D_PRE: rows of stage D's first gate/up pair issued before the hand-off C -> D
-        (csrc/decode.cu): 2 for hidden >= 1536, else 1 (the smaller shapes are unmeasured
-        and keep the old value). Measured on an H100 since D's input settles through
-        registers (docs/perf-notes.md step 47): Llama-3.2-1B -4, -8 and -8.5 µs/token with 2
-        against 1 (three machines); Qwen2.5-Coder-1.5B (hidden 1536) -1 to +7 then, and -4.8
-        in two processes once its down projection went to 4 warps a row (step 50); with 1
-        against 2 before step 46 (step 39) Qwen -13 to -16."""
+        """Rows of stage D's first gate/up pair issued before the hand-off C -> D: 2 at
+        hidden >= 1536, else 1 (the rest go out once D's input is in). Fewer bytes in flight
+        at a hand-off make its polls' L2 round trips shorter, at the price of D's first
+        loads starting later; since D's input settles through registers, both rows early
+        pay on the measured shapes. The smaller shapes are unmeasured."""
         return 2 if self.hidden >= 1536 else 1
 
     def lm_head_drawn_rows(self) -> int:
-        """MK_F_DRAWN: LM-head rows a warp takes, on average, from the tail dealt by tickets
-        at run time (csrc/drawn_rows.cuh; 0: every row dealt statically): 8 below hidden
-        2048 on one GPU, else 0 (the smaller shapes are unmeasured; the odd test shape, whose
-        whole vocabulary is a tail, keeps that path tested; the TP build, not run on two GPUs
-        since, keeps the static deal). Measured on an H100, one backend
-        (docs/perf-notes.md step 59): Qwen2.5-Coder-1.5B 1,244.1 / 1,242.2 µs/token with 8
-        against 1,246.5 / 1,244.7 without (16: 1,244.0 / 1,241.8; 4 1,242.6); Llama-3.2-1B
-        927.2 against 926.0 (16: 927.4)."""
+        """LM-head rows a warp takes, on average, from the tail dealt by tickets at run time
+        (csrc/drawn_rows.cuh; 0: every row dealt statically): 8 below hidden 2048 on one GPU,
+        else 0. The SMs stream at unequal rates, so a static deal waits for the slowest; the
+        tickets pay where the LM head is a large share of the step (Qwen2.5-1.5B), not on
+        Llama-3.2-1B. The TP build, unmeasured on two GPUs, keeps the static deal; the odd
+        test shape, whose whole vocabulary is a tail, keeps the ticket path tested."""
         return 8 if self.hidden < 2048 and self.tp == 1 else 0
-
-    def _attn_scratch_floats(self) -> int:
-        """MK_ATTN_SMEM: the larger scratch of stage B's two unit kinds (stage D's input
-        vector and the staged norm gain borrow it too)."""
-        d, group = self.head_dim, self.heads // self.kv_heads
-        gv = THREADS // (d // 8)
-        head_units = 3 * d + THREADS + gv * d + (THREADS // 32 + gv + 3) // 4 * 4
-        lsum = (THREADS // (d // 8) + 3) // 4 * 4
-        pmax = built_knob("MK_ATTN_PMAX", ATTN_PMAX)
-        group_units = 4 * group + 2 * d + lsum + max(group * (5 * d // 2 + pmax), 8 * THREADS)
-        # Stage D's normalised input sits after the split-K partials (decode.cu: xd), the
-        # next norm's staged gain after it (gn).
-        d_input = THREADS // 32 * SPLIT_SLOTS + 2 * self.hidden
-        return max(head_units, group_units, d_input)
-
-    def _fixed_smem_floats(self) -> int:
-        xs = max(self.hidden, self.q_size, self.intermediate)
-        return xs + self.hidden + self._attn_scratch_floats() + 64
 
     def attn_chunk(self) -> int:
         """Positions of one attention range held in shared memory (K and V, bf16): as many as
-        the CTA's shared memory leaves room for, a multiple of 32, at most 512."""
-        tail = 256 * 8 + 256 * 4 + 16 * 4 + 16  # sampling scratch, alignment
-        free = (MAX_SMEM_BYTES - tail) // 4 - self._fixed_smem_floats() - self.window_tail_floats()
-        return max(0, min(512, free // self.head_dim // 32 * 32))
-
-    def window_tail_floats(self) -> int:
-        """After the window's K and V rows: the RoPE row, one mbarrier (2 floats) and two
-        counters per ring stage."""
-        return self.head_dim + 4 * built_knob("MK_ATTN_STAGES", ATTN_STAGES)
-
-    def built_attn_chunk(self) -> int:
-        """The window the build really has: attn_chunk(), unless MONOKERNEL_NVCC_FLAGS
-        overrides MK_ATTN_CHUNK (tests do, to force small windows)."""
-        return built_knob("MK_ATTN_CHUNK", self.attn_chunk())
+        the CTA's shared memory leaves room for (layout.py's carve-up), a multiple of 32, at
+        most 512."""
+        return layout.max_attn_chunk(self)
 
     def attn_range(self) -> int:
-        """MK_ATTN_RANGE: positions per head-unit range at short context (attention_window.cuh):
-        4 x THREADS / CHP positions (CHP = the 16-byte chunks of a key row rounded up to a
-        power of two): one score pass of the unit's 4 chains (MK_ATTN_U), 256 at head_dim 64,
-        128 at 128. Measured on an H100 (docs/perf-notes.md, step 23): Qwen2.5-Coder-1.5B 1,418 /
-        1,449 µs/token with 128 against 1,469 / 1,473 with one range per window; Llama-3.2-1B
-        1,010 with 256 against 1,014 (neutral)."""
+        """Positions per head-unit range at short context (0: one range per window): two
+        score passes' worth, 4 x THREADS / CHP (CHP = a key row's 16-byte chunks rounded up to
+        a power of two): 256 at head_dim 64, 128 at 128. A head unit sits on the
+        latency-bound chain A -> B -> C, so shorter ranges on more units shorten the chain,
+        and stage C's input load merges them at no extra round trip."""
         chp = 2
         while chp < self.head_dim // 8:
             chp *= 2
         return 2 * (2 * THREADS // chp)
 
+    def attn_group_units(self) -> int:
+        """1: the build with group units (any context); 0: the build without, for contexts
+        head units cover (the backend loads both and picks by context): their code's
+        registers then weigh on nothing. A plan that needs group units traps there."""
+        return int(self.group_units)
+
+    def tp_ranks(self) -> int:
+        """Tensor-parallel ranks (1: the single-GPU kernel, every TP addition compiled away;
+        docs/tensor-parallel.md)."""
+        return self.tp
+
+    # ---- what the host needs of the build -------------------------------------------------
+
+    def built_attn_chunk(self) -> int:
+        """The window the build has (MONOKERNEL_NVCC_FLAGS may set a smaller one)."""
+        return self.choices()["MK_ATTN_CHUNK"]
+
     def built_attn_range(self) -> int:
-        """The range the build really has (MONOKERNEL_NVCC_FLAGS may override it)."""
-        return built_knob("MK_ATTN_RANGE", self.attn_range())
+        """The head-unit range the build has (MONOKERNEL_NVCC_FLAGS may set it)."""
+        return self.choices()["MK_ATTN_RANGE"]
 
     def merge_ranges(self) -> int:
-        """MK_MERGE_NS: head-unit ranges stage C's input load merges at most (partials
-        [ns, Q] in the input vector's shared memory, statistics [ns, heads, 4] in stage B's
-        scratch)."""
-        xs = max(self.hidden, self.q_size, self.intermediate)
-        return min(xs // self.q_size, self._attn_scratch_floats() // (4 * self.heads))
+        """Head-unit ranges stage C's input load merges at most (layout.py MERGE_NS)."""
+        return layout.merge_ranges(self)
 
     def head_units_cover(self, context: int, heads_splits: int) -> bool:
         """Whether stage B's plan (attention_window.cuh) uses head units only, up to
@@ -249,28 +237,111 @@ class KernelDims:
         return head_units_fit(context, self.built_attn_chunk(), heads_splits)
 
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of one CTA; mirrors the layout comment in decode.cu."""
-        window = self.attn_chunk() * self.head_dim + self.window_tail_floats()
-        floats_a = (self._fixed_smem_floats() + window + 3) & ~3
-        return floats_a * 4 + 256 * 8 + 256 * 4 + 16 * 4
+        """Dynamic shared memory of one CTA (layout.py's carve-up, this build's window)."""
+        return layout.smem_bytes(self, self.choices()["MK_ATTN_CHUNK"])
 
 
-def built_knob(name: str, default: int) -> int:
-    """A -D define's value as the build will see it: ``default`` unless MONOKERNEL_NVCC_FLAGS
-    overrides it (tests force small windows and ranges so; the knobs that change the
-    shared-memory layout, the window's ring stages MK_ATTN_STAGES and their size bound
-    MK_ATTN_PMAX, are sized from this)."""
-    m = re.search(rf"-D{name}=(\d+)", os.environ.get("MONOKERNEL_NVCC_FLAGS", ""))
-    return int(m.group(1)) if m else default
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """A per-shape choice: the -D ``define`` and the KernelDims method that computes it
+    (whose docstring documents it)."""
+
+    define: str
+    method: Callable[[KernelDims], int]
+
+    def rule(self, dims: KernelDims) -> int:
+        return self.method(dims)
+
+    @property
+    def doc(self) -> str:
+        return inspect.cleandoc(self.method.__doc__ or "")
 
 
-FLOW_COPIES = 2  # MK_FLOW_COPIES in csrc/flow.cuh
+CHOICES: tuple[Choice, ...] = (
+    Choice("MK_TP", KernelDims.tp_ranks),
+    Choice("MK_ATTN_GROUP", KernelDims.attn_group_units),
+    Choice("MK_SPLIT_E", KernelDims.down_split),
+    Choice("MK_BATCH2", KernelDims.gate_up_batch),
+    Choice("MK_D_PRE", KernelDims.gate_up_rows_before_input),
+    Choice("MK_F_DRAWN", KernelDims.lm_head_drawn_rows),
+    Choice("MK_ATTN_CHUNK", KernelDims.attn_chunk),
+    Choice("MK_ATTN_RANGE", KernelDims.attn_range),
+)
+# Choices the build's own fields decide (the host loads builds by them): never overridden.
+STRUCTURAL = ("MK_TP", "MK_ATTN_GROUP")
+# -D names the flags may carry besides the choices: the stage-skew probe build and the debug
+# build's asserts.
+BUILD_DEFINES = ("MK_SKEW", "MK_DEBUG")
 
 
-def flow_copies() -> int:
-    """Copies of each hand-off vector that every CTA reads (csrc/flow.cuh: x, delta, act,
-    attn_out, the reader merge's partials), which the host allocates back to back."""
-    return built_knob("MK_FLOW_COPIES", FLOW_COPIES)
+def _flag_defines(flags: Sequence[str]) -> dict[str, str]:
+    """The -DNAME=VALUE (or -DNAME) flags among ``flags``, by name."""
+    out = {}
+    for f in flags:
+        if f.startswith("-D"):
+            name, _, value = f[2:].partition("=")
+            out[name] = value
+    return out
+
+
+def choice_overrides(flags: Sequence[str] | None = None) -> dict[str, int]:
+    """The per-shape choices MONOKERNEL_NVCC_FLAGS (or ``flags``) sets. Refuses a -DMK_ name
+    that is neither an overridable choice nor one of BUILD_DEFINES: the dimensions and the
+    builds' structure come from the shape, and a retired knob would be silently ignored."""
+    if flags is None:
+        flags = envs.MONOKERNEL_NVCC_FLAGS.split()
+    names = {c.define for c in CHOICES} - set(STRUCTURAL)
+    out = {}
+    for name, value in _flag_defines(flags).items():
+        if not name.startswith("MK_") or name in BUILD_DEFINES:
+            continue
+        if name not in names:
+            raise ValueError(
+                f"-D{name}: not a kernel knob that flags may set (the per-shape choices are "
+                f"{', '.join(sorted(names))}; docs/kernel-knobs.md)"
+            )
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise ValueError(f"-D{name}={value}: expected an integer") from None
+    return out
+
+
+def knobs_markdown() -> str:
+    """docs/kernel-knobs.md: the per-shape choices, their values on the catalogue's shapes,
+    and the fixed tunables' header."""
+    from monokernel.models.shapes import SHAPES
+
+    dims = {name: KernelDims.from_config(cfg) for name, cfg in SHAPES.items()}
+    lines = [
+        "# Kernel knobs",
+        "",
+        "Generated by `python -m monokernel.kernels.build --knobs` from",
+        "`src/monokernel/kernels/build.py` (its `CHOICES` table); do not edit by hand (a test",
+        "checks it is current).",
+        "",
+        "The decode kernel is specialised on the model's dimensions and on the per-shape",
+        "choices below, each a rule on the shape that build.py passes as a `-D` define. Any",
+        "of them except `MK_TP` and `MK_ATTN_GROUP` (which pick the build the host loads) can",
+        "be replaced for an experiment with `MONOKERNEL_NVCC_FLAGS=-DMK_<NAME>=<value>`; the",
+        "host follows the override. Every other tunable is a fixed constant with its reason",
+        "in `src/monokernel/kernels/csrc/tunables.cuh`, and every layout the host shares with",
+        "the kernel comes from `src/monokernel/kernels/layout.py`. Where the two builds the",
+        "backend loads differ, the table shows the value with group units / without.",
+        "",
+        "| Define | " + " | ".join(f"`{n}`" for n in dims) + " |",
+        "|---|" + "---|" * len(dims),
+    ]
+    for c in CHOICES:
+        vals = []
+        for d in dims.values():
+            full, short = c.rule(d), c.rule(dataclasses.replace(d, group_units=False))
+            vals.append(str(full) if full == short else f"{full} / {short}")
+        lines.append(f"| `{c.define}` | {' | '.join(vals)} |")
+    lines.append("")
+    for c in CHOICES:
+        lines += [f"## `{c.define}` (`KernelDims.{c.method.__name__}`)", "", c.doc, ""]
+    return "\n".join(lines)
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -311,7 +382,7 @@ def cache_dir() -> Path:
 
 
 def find_nvcc() -> str:
-    cand = os.environ.get("MONOKERNEL_NVCC") or shutil.which("nvcc")
+    cand = envs.MONOKERNEL_NVCC or shutil.which("nvcc")
     if not cand:
         cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
         path = Path(cuda_home) / "bin" / "nvcc"
@@ -321,14 +392,14 @@ def find_nvcc() -> str:
             "the monokernel is built at first use with nvcc, which was not found "
             "(set MONOKERNEL_NVCC or CUDA_HOME, or put nvcc on PATH)"
         )
-    return cand
+    return str(cand)
 
 
 def _flags(debug: bool) -> list[str]:
     flags = ["-O3", "-std=c++17", *ARCH_FLAGS, "-cubin"]
-    # Tuning knobs for experiments, e.g. "-DMK_PF_PAIRS=1" or a smaller "-DMK_ATTN_CHUNK=64"
-    # (part of the cache key; they come after the dimensions, so they win).
-    flags += os.environ.get("MONOKERNEL_NVCC_FLAGS", "").split()
+    # Extra flags for experiments, e.g. a smaller "-DMK_ATTN_CHUNK=64" (part of the cache key;
+    # a choice's define here replaces the shape's, see KernelDims.choices).
+    flags += envs.MONOKERNEL_NVCC_FLAGS.split()
     if debug:
         flags += ["-lineinfo", "-G", "-DMK_DEBUG=1"]
     return flags
@@ -336,8 +407,8 @@ def _flags(debug: bool) -> list[str]:
 
 def _source_digest() -> str:
     h = hashlib.sha256()
-    for f in sorted(CSRC.glob("*.cu*")):
-        h.update(f.name.encode())
+    for f in sorted(CSRC.rglob("*.cu*")):
+        h.update(str(f.relative_to(CSRC)).encode())
         h.update(f.read_bytes())
     return h.hexdigest()
 
@@ -359,23 +430,25 @@ def nvcc_command(dims: KernelDims, out: Path, debug: bool = False) -> list[str]:
 
 
 def _defines(dims: KernelDims, knobs: Sequence[str]) -> list[str]:
-    """The shape's -D defines, then the knobs' -D defines; a knob replaces the shape's value
-    of the same define (tests force small windows, variant runs flip tuning choices)."""
-    names = {k.split("=")[0] for k in knobs}
-    return [*(d for d in dims.defines() if d.split("=")[0] not in names), *knobs]
+    """The shape's -D defines, a choice among ``knobs`` replacing the shape's value, then the
+    other knobs (the probe and debug builds')."""
+    shape = dims.defines(knobs)
+    names = {d.split("=")[0] for d in shape}
+    return [*shape, *(k for k in knobs if k.split("=")[0] not in names)]
 
 
 def compile_check(
     dims: KernelDims, out: Path, extra: Sequence[str] = ()
 ) -> subprocess.CompletedProcess[str]:
-    """Compile the decode kernel for ``dims`` to an object file (no cache, no -Xptxas report):
-    what the CI tests run to keep every shape's build green without a GPU. ``extra``: more
-    nvcc flags, e.g. a tuning knob's non-default -D define."""
+    """Compile the decode kernel for ``dims`` to an object file (no cache, no -Xptxas report,
+    MONOKERNEL_NVCC_FLAGS ignored): what the CI tests run to keep every build green without a
+    GPU. ``extra``: more nvcc flags; a choice's -D define there replaces the shape's value."""
+    knobs = [f for f in extra if f.startswith("-D")]
     cmd = [
         find_nvcc(),
         *ARCH_FLAGS,
         "-c",
-        *_defines(dims, [f for f in extra if f.startswith("-D")]),
+        *_defines(dims, knobs),
         *(f for f in extra if not f.startswith("-D")),
         "-o",
         str(out),
@@ -386,7 +459,7 @@ def compile_check(
 
 def cubin_path(dims: KernelDims, debug: bool | None = None) -> Path:
     if debug is None:
-        debug = os.environ.get("MONOKERNEL_DEBUG_BUILD") == "1"
+        debug = envs.MONOKERNEL_DEBUG_BUILD
     key = hashlib.sha256(
         "\n".join([_source_digest(), *dims.defines(), *_flags(debug)]).encode()
     ).hexdigest()[:24]
@@ -396,7 +469,7 @@ def cubin_path(dims: KernelDims, debug: bool | None = None) -> Path:
 def build(dims: KernelDims, debug: bool | None = None) -> Path:
     """The cubin for ``dims``, compiled now unless the cache already holds it."""
     if debug is None:
-        debug = os.environ.get("MONOKERNEL_DEBUG_BUILD") == "1"
+        debug = envs.MONOKERNEL_DEBUG_BUILD
     return compile_cached(
         cubin_path(dims, debug), lambda out: nvcc_command(dims, out, debug), "the monokernel"
     )
@@ -407,7 +480,7 @@ def compile_cached(target: Path, command: Callable[[Path], list[str]], what: str
     serialises concurrent builders; the result is renamed into place whole."""
     if target.is_file():
         return target
-    verbose = os.environ.get("MONOKERNEL_VERBOSE_BUILD") == "1"
+    verbose = envs.MONOKERNEL_VERBOSE_BUILD
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -427,3 +500,16 @@ def compile_cached(target: Path, command: Callable[[Path], list[str]], what: str
             )
         os.replace(tmp, target)
     return target
+
+
+def main(argv: list[str]) -> int:
+    """``--knobs``: print docs/kernel-knobs.md."""
+    if argv == ["--knobs"]:
+        sys.stdout.write(knobs_markdown())
+        return 0
+    print("usage: python -m monokernel.kernels.build --knobs", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

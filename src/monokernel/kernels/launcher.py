@@ -13,6 +13,7 @@ import ctypes
 from pathlib import Path
 
 from monokernel.errors import BackendUnavailableError
+from monokernel.kernels import layout
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_MEMHOSTALLOC_PORTABLE = 0x01
@@ -91,70 +92,10 @@ class HostMapped:
             self._host = ctypes.c_void_p()
 
 
-class KernelParams(ctypes.Structure):
-    """Mirror of ``struct Params`` in csrc/params.cuh (same order, same widths)."""
-
-    _fields_ = [
-        ("layers", ctypes.c_uint64),
-        ("embed", ctypes.c_uint64),
-        ("lm_head", ctypes.c_uint64),
-        ("norm_gain", ctypes.c_uint64),
-        ("rope_cos", ctypes.c_uint64),
-        ("rope_sin", ctypes.c_uint64),
-        ("k_cache", ctypes.c_uint64),
-        ("v_cache", ctypes.c_uint64),
-        ("x", ctypes.c_uint64),
-        ("qkv", ctypes.c_uint64),
-        ("attn", ctypes.c_uint64),
-        ("attn_ml", ctypes.c_uint64),
-        ("delta", ctypes.c_uint64),
-        ("attn_out", ctypes.c_uint64),
-        ("attn_count", ctypes.c_uint64),
-        ("act", ctypes.c_uint64),
-        ("logits", ctypes.c_uint64),
-        ("part_score", ctypes.c_uint64),
-        ("part_id", ctypes.c_uint64),
-        ("flags", ctypes.c_uint64),
-        ("barrier", ctypes.c_uint64),
-        ("forced", ctypes.c_uint64),
-        ("debug_logits", ctypes.c_uint64),
-        ("stop_ids", ctypes.c_uint64),
-        ("host_out", ctypes.c_uint64),
-        ("host_cancel", ctypes.c_uint64),
-        ("timing", ctypes.c_uint64),
-        ("max_len", ctypes.c_int32),
-        ("first_token", ctypes.c_int32),
-        ("start_pos", ctypes.c_int32),
-        ("n_steps", ctypes.c_int32),
-        ("n_stop", ctypes.c_int32),
-        ("top_k", ctypes.c_int32),
-        ("temperature", ctypes.c_float),
-        ("top_p", ctypes.c_float),
-        ("seed_lo", ctypes.c_uint32),
-        ("seed_hi", ctypes.c_uint32),
-        ("eps", ctypes.c_float),
-        ("timing_step", ctypes.c_int32),
-        ("attn_splits", ctypes.c_int32),
-        ("attn_group_splits", ctypes.c_int32),
-        ("attn_group_from", ctypes.c_int32),
-        ("pad_", ctypes.c_int32),
-    ]
-
-
-TP_MAX_RANKS = 8  # MK_TP_MAX in common.cuh
-
-
-class KernelParamsTP(KernelParams):
-    """``struct Params`` of a ``-DMK_TP=N`` build: the base fields, then the TP tail."""
-
-    _fields_ = [
-        ("tp_recv", ctypes.c_uint64 * TP_MAX_RANKS),
-        ("tp_mine", ctypes.c_uint64),
-        ("tp_rank", ctypes.c_int32),
-        ("vocab_start", ctypes.c_int32),
-        ("tp_tag", ctypes.c_uint32),
-        ("tp_pad_", ctypes.c_int32),
-    ]
+# The kernel's argument, built from kernels/layout.py (the source of csrc/layout.cuh's Params).
+KernelParams = layout.KernelParams
+KernelParamsTP = layout.KernelParamsTP  # a -DMK_TP=N build's: the base fields, then the TP tail
+TP_MAX_RANKS = layout.TP_MAX_RANKS
 
 
 class KernelModule:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-ATTN_MIN_RANGE = 64  # MK_ATTN_MIN_RANGE: group units' fewest positions per range
+ATTN_MIN_RANGE = 64  # kAttnMinRange (csrc/tunables.cuh): group units' fewest positions a range
 
 
 def head_units_fit(n: int, chunk: int, splits: int) -> bool:
@@ -25,8 +25,8 @@ def attn_units(
     """CTAs with an attention unit at position ``pos`` (CTAs 0 .. units - 1): head units
     (heads x ranges of ``chunk`` positions) while they fit the grid, else group units.
     ``head_range`` > 0 (MK_ATTN_RANGE): head units split a head into ranges of about that
-    many positions even where one fits the window, up to ``merge_ns`` (MK_MERGE_NS) and
-    grid // heads ranges."""
+    many positions even where one fits the window, up to ``merge_ns`` (kMergeNs, layout.py
+    MERGE_NS) and grid // heads ranges."""
     n = pos + 1
     splits = grid // heads
     if not head_units_fit(n, chunk, splits) or n >= group_from:

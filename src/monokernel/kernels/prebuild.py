@@ -2,7 +2,7 @@
 test run: ``python -m monokernel.kernels.prebuild llama-3.2-1b odd``.
 
 Both builds the backend loads (with and without group units) are made. ``--flags`` (once
-per set, written with "=" since a set starts with "-": ``--flags= --flags=-DMK_FLOW_SLEEP=300``)
+per set, written with "=" since a set starts with "-": ``--flags= --flags=-DMK_D_PRE=1``)
 builds each shape again with those tuning defines, as MONOKERNEL_NVCC_FLAGS would at run
 time: the cubins' cache keys do not depend on the machine, so a cache filled on a CPU
 machine with the same nvcc can travel to the GPU machine (``MONOKERNEL_CACHE``) and save it
@@ -18,8 +18,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from monokernel.bench.shapes import SHAPES
+from monokernel import envs
 from monokernel.kernels.build import KernelDims, build
+from monokernel.models.shapes import SHAPES
 
 
 def main(argv: list[str]) -> int:
@@ -32,11 +33,9 @@ def main(argv: list[str]) -> int:
     if unknown:
         ap.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(sorted(SHAPES))}")
     names = args.shapes or sorted(SHAPES)
-    os.environ.setdefault("MONOKERNEL_VERBOSE_BUILD", "1")
     dims = [KernelDims.from_config(SHAPES[n]) for n in names]
     jobs = [(n, dataclasses.replace(d, group_units=g)) for n, d in zip(names, dims, strict=True)
             for g in (True, False)]  # fmt: skip
-    saved = os.environ.get("MONOKERNEL_NVCC_FLAGS")
 
     def one(job: tuple[str, KernelDims]) -> str:
         t0 = time.perf_counter()
@@ -44,18 +43,15 @@ def main(argv: list[str]) -> int:
         kind = "group units" if job[1].group_units else "head units only"
         return f"{job[0]} ({kind}): {path} ({time.perf_counter() - t0:.1f} s)"
 
-    try:
-        for flags in args.flags or [saved or ""]:
-            os.environ["MONOKERNEL_NVCC_FLAGS"] = flags  # read by build(): one set at a time
+    # Verbose unless the caller said otherwise.
+    verbose = {} if envs.is_set("MONOKERNEL_VERBOSE_BUILD") else {"MONOKERNEL_VERBOSE_BUILD": "1"}
+    for flags in args.flags or [envs.MONOKERNEL_NVCC_FLAGS]:
+        # build() reads the flags from the environment: one set at a time.
+        with envs.overridden(MONOKERNEL_NVCC_FLAGS=flags, **verbose):
             print(f"flags: {flags!r}")
             with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
                 for line in pool.map(one, jobs):
                     print(line)
-    finally:
-        if saved is None:
-            os.environ.pop("MONOKERNEL_NVCC_FLAGS", None)
-        else:
-            os.environ["MONOKERNEL_NVCC_FLAGS"] = saved
     return 0
 
 

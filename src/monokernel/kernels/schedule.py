@@ -4,7 +4,8 @@ Same repacked weights (``weights/repack.py``), same stage order, same buffers (x
 act, logits), same arithmetic choices (fp32 activations, the new key/value used from the
 stage's own copy for the current position, the cache holding the weights' dtype). It runs
 on the CPU, so the repack and the kernel's plan are tested without a GPU; on the GPU it is
-the readable statement of what ``csrc/decode.cu`` computes. Two reassociations of the
+the readable statement of what ``csrc/decode.cu``'s stages compute (one ``csrc/stage_*.cuh``
+each: attn_norm_qkv, attention, o_proj, mlp_gate_up, mlp_down, lm_head). Two reassociations of the
 kernel are not mirrored: attention split over position ranges and merged (flash-decoding),
 and split-K row slices summed in shared memory; both compute the same sums. The rounding of
 the vectors stages hand to each other (``handoff_round``: their low mantissa byte carries a
@@ -78,18 +79,18 @@ class ScheduleInterpreter:
 
     @torch.inference_mode()
     def step(self, token: int, pos: int) -> torch.Tensor:
-        """One decode step (stages A-F); returns the logits [V] float32."""
+        """One decode step (the kernel's stages A-F); returns the logits [V] float32."""
         eps = self.cfg.rms_norm_eps
         x = self.p.embed[token].float()  # residual stream [h]
         r = handoff_round  # what one stage stores for the next
         for n, lp in enumerate(self.p.layers):
-            qkv = _normed_matvec(lp.wqkv, x, eps, lp.attn_gain)  # A  [q + 2kv]
+            qkv = _normed_matvec(lp.wqkv, x, eps, lp.attn_gain)  # A attn_norm_qkv [q + 2kv]
             if lp.bqkv is not None:
                 qkv = qkv + lp.bqkv
-            attn = r(self._attention(n, r(qkv), pos))  # B  [q]
-            o = lp.wo.float() @ attn  # C
+            attn = r(self._attention(n, r(qkv), pos))  # B attention [q]
+            o = lp.wo.float() @ attn  # C o_proj
             x = x + r(o + lp.bo if lp.bo is not None else o)
-            gu = _normed_matvec(lp.wgu, x, eps, lp.ffn_gain)  # D  [2i] interleaved
+            gu = _normed_matvec(lp.wgu, x, eps, lp.ffn_gain)  # D mlp_gate_up [2i] interleaved
             act = r(torch.nn.functional.silu(gu[0::2]) * gu[1::2])  # [i]
-            x = r(x + lp.wdown.float() @ act)  # E
-        return _normed_matvec(self.p.lm_head, x, eps, self.p.norm_gain)  # F  [V]
+            x = r(x + lp.wdown.float() @ act)  # E mlp_down
+        return _normed_matvec(self.p.lm_head, x, eps, self.p.norm_gain)  # F lm_head [V]

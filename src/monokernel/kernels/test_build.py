@@ -1,121 +1,204 @@
-"""The build's two specialisations (with and without group units) and the context rule that
-picks between them; the compile of the lighter one needs only nvcc."""
+"""The build: its defines per shape (the per-shape choices of build.py's CHOICES), the
+overrides tests and experiments use, the generated knob list, and the compiles CI keeps
+green without a GPU (every shape, TP=2, each choice's other side, the probe and debug
+builds)."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import shutil
 from pathlib import Path
 
 import pytest
 
-from monokernel.bench.shapes import SHAPES
 from monokernel.kernels import build as kbuild
+from monokernel.models.shapes import SHAPES
+from monokernel.weights.shard import shard_config
+
+KNOBS_DOC = Path(__file__).parents[3] / "docs" / "kernel-knobs.md"
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+
+
+def _dims(shape: str, **changes: object) -> kbuild.KernelDims:
+    return dataclasses.replace(kbuild.KernelDims.from_config(SHAPES[shape]), **changes)
+
+
+def _tp_dims(shape: str, tp: int = 2) -> kbuild.KernelDims:
+    """One rank's build under tensor parallelism (the backend's rank config)."""
+    sc = shard_config(SHAPES[shape], 0, tp)
+    cfg = dataclasses.replace(
+        sc.base,
+        num_heads=sc.heads,
+        num_kv_heads=sc.kv_heads,
+        intermediate_size=sc.intermediate,
+        vocab_size=sc.vocab_local,
+        tie_word_embeddings=False,
+    )
+    return dataclasses.replace(kbuild.KernelDims.from_config(cfg), tp=tp)
+
+
+def _define(dims: kbuild.KernelDims, name: str) -> str:
+    (value,) = [d.split("=", 1)[1] for d in dims.defines() if d.startswith(f"-D{name}=")]
+    return value
+
+
+@pytest.fixture(autouse=True)
+def _no_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MONOKERNEL_NVCC_FLAGS", raising=False)
+
+
+def test_every_choice_is_a_define_of_every_build() -> None:
+    dims = _dims("llama-3.2-1b")
+    names = [d.split("=")[0][2:] for d in dims.defines()]
+    assert [c.define for c in kbuild.CHOICES] == [n for n in names if n in dict(dims.choices())]
+    assert len(set(names)) == len(names)
+    assert _define(dims, "MK_WEIGHT_FORMAT") == "Bf16Rows"
+    assert _define(dims, "MK_SMEM_BYTES") == str(dims.smem_bytes())
+    assert all(c.doc for c in kbuild.CHOICES)
 
 
 def test_build_without_group_units_is_its_own_cubin() -> None:
-    dims = kbuild.KernelDims.from_config(SHAPES["llama-3.2-1b"])
+    dims = _dims("llama-3.2-1b")
     short = dataclasses.replace(dims, group_units=False)
-    assert "-DMK_ATTN_GROUP=0" in short.defines()
-    assert not any(d.startswith("-DMK_ATTN_GROUP") for d in dims.defines())
+    assert _define(short, "MK_ATTN_GROUP") == "0" and _define(dims, "MK_ATTN_GROUP") == "1"
     assert kbuild.cubin_path(dims) != kbuild.cubin_path(short)
 
 
-def test_head_units_cover_contexts_whose_ranges_fit_the_grid(
+def test_a_choice_set_in_the_flags_replaces_the_shapes_and_the_host_follows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delenv("MONOKERNEL_NVCC_FLAGS", raising=False)
-    dims = kbuild.KernelDims.from_config(SHAPES["llama-3.2-1b"])
+    dims = _dims("llama-3.2-1b")
     assert dims.built_attn_chunk() == dims.attn_chunk() == 512
     splits = 132 // 32  # H100 SMs // heads
-    assert dims.head_units_cover(1, splits)
     assert dims.head_units_cover(512 * splits, splits)
     assert not dims.head_units_cover(512 * splits + 1, splits)
     assert not dims.head_units_cover(1, 0)  # more heads than SMs: group units only
-    monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_ATTN_CHUNK=32")  # as a test forces it
+    monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_ATTN_CHUNK=32 -DMK_SKEW=1")
     assert dims.built_attn_chunk() == 32
+    assert _define(dims, "MK_ATTN_CHUNK") == "32"
+    assert dims.smem_bytes() < 195232  # the smaller window's shared memory
     assert dims.head_units_cover(128, splits)
     assert not dims.head_units_cover(129, splits)
+    cmd = kbuild.nvcc_command(dims, Path("decode.cubin"))
+    assert [f for f in cmd if f.startswith("-DMK_ATTN_CHUNK")] == ["-DMK_ATTN_CHUNK=32"]
+    assert "-DMK_SKEW=1" in cmd
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("shape", ["qwen2.5-coder-1.5b", "odd"])
-def test_build_without_group_units_compiles(shape: str, tmp_path: Path) -> None:
-    dims = dataclasses.replace(kbuild.KernelDims.from_config(SHAPES[shape]), group_units=False)
-    proc = kbuild.compile_check(dims, tmp_path / "decode.o")
-    assert proc.returncode == 0, proc.stderr
-
-
-def test_merge_ranges_mirror_the_kernels_rule() -> None:
-    """MK_MERGE_NS: ranges whose partials [ns, Q] fit the input vector's shared memory and
-    whose statistics [ns, heads, 4] fit stage B's scratch."""
-    want = {"llama-3.2-1b": 4, "qwen2.5-coder-1.5b": 5, "odd": 2}
-    for shape, ns in want.items():
-        assert kbuild.KernelDims.from_config(SHAPES[shape]).merge_ranges() == ns
-
-
-def test_flow_copies_mirror_the_kernels_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The host allocates as many copies of each hand-off vector as the kernel writes
-    (csrc/flow.cuh MK_FLOW_COPIES), also when a build overrides the define."""
-    src = (kbuild.CSRC / "flow.cuh").read_text()
-    m = re.search(r"#ifndef MK_FLOW_COPIES\n#define MK_FLOW_COPIES (\d+)\n", src)
-    assert m is not None, "flow.cuh no longer defines MK_FLOW_COPIES' default"
-    monkeypatch.delenv("MONOKERNEL_NVCC_FLAGS", raising=False)
-    assert kbuild.flow_copies() == kbuild.FLOW_COPIES == int(m.group(1))
-    monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_SKEW=1 -DMK_FLOW_COPIES=1")
-    assert kbuild.flow_copies() == 1
-
-
-def test_ticket_counters_mirror_the_kernels_stride() -> None:
-    """The host's barrier buffer holds the LM head's ticket counters where the kernel looks
-    for them: one a warp slot, MK_TICKET_STRIDE words apart (csrc/drawn_rows.cuh)."""
-    src = (kbuild.CSRC / "drawn_rows.cuh").read_text()
-    m = re.search(r"#define MK_TICKET_STRIDE (\d+)\n", src)
-    assert m is not None, "drawn_rows.cuh no longer defines MK_TICKET_STRIDE"
-    assert int(m.group(1)) == kbuild.TICKET_STRIDE
-    assert (kbuild.CSRC / "common.cuh").read_text().count(f"MK_THREADS {kbuild.THREADS}") == 1
-
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_gate_up_defines_per_shape_and_a_knob_replaces_them(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+@pytest.mark.parametrize(
+    "flags",
+    ["-DMK_FLOW=0", "-DMK_H=1024", "-DMK_TP=2", "-DMK_ATTN_GROUP=0", "-DMK_D_PRE=x"],
+)
+def test_flags_that_would_desync_the_host_or_do_nothing_are_refused(
+    flags: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """MK_D_PRE comes from the shape (2 at hidden >= 1536, else 1); a -D knob in
-    MONOKERNEL_NVCC_FLAGS or compile_check's extra flags replaces it instead of defining it
-    twice."""
-    llama = kbuild.KernelDims.from_config(SHAPES["llama-3.2-1b"])
-    qwen = kbuild.KernelDims.from_config(SHAPES["qwen2.5-coder-1.5b"])
-    assert "-DMK_D_PRE=2" in llama.defines()
-    assert "-DMK_D_PRE=2" in qwen.defines()
-    small = kbuild.KernelDims.from_config(SHAPES["qwen3-0.6b"])
-    assert "-DMK_D_PRE=1" in small.defines()
-    # Gate/up loads a lane per row (MK_BATCH2): the build without group units only.
-    short = {n: dataclasses.replace(d, group_units=False) for n, d in
-             (("llama", llama), ("qwen", qwen), ("small", small))}  # fmt: skip
-    assert [short[n].gate_up_batch() for n in ("llama", "qwen", "small")] == [5, 3, 4]
+    monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", flags)
+    with pytest.raises(ValueError, match=flags.split("=")[0][2:]):
+        _dims("llama-3.2-1b").defines()
+
+
+def test_a_window_larger_than_shared_memory_holds_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_ATTN_CHUNK=352")
+    with pytest.raises(ValueError, match="MK_ATTN_CHUNK=352"):
+        _dims("qwen2.5-coder-1.5b").smem_bytes()  # 320 positions fit
+
+
+def test_per_shape_choices() -> None:
+    """Each rule on the shapes it was measured on, and its other side where one exists."""
+    llama, qwen, small = _dims("llama-3.2-1b"), _dims("qwen2.5-coder-1.5b"), _dims("qwen3-0.6b")
+    assert [d.gate_up_rows_before_input() for d in (llama, qwen, small)] == [2, 2, 1]
+    short = [dataclasses.replace(d, group_units=False) for d in (llama, qwen, small)]
+    assert [d.gate_up_batch() for d in short] == [5, 3, 4]
     assert llama.gate_up_batch() == qwen.gate_up_batch() == 4
-    # The LM head's tail dealt by tickets (MK_F_DRAWN): below hidden 2048, on one GPU.
-    assert "-DMK_F_DRAWN=0" in llama.defines()
-    assert "-DMK_F_DRAWN=8" in qwen.defines() and "-DMK_F_DRAWN=8" in small.defines()
-    assert "-DMK_F_DRAWN=0" in dataclasses.replace(qwen, tp=2).defines()
-    monkeypatch.setenv("MONOKERNEL_NVCC_FLAGS", "-DMK_D_PRE=1")
-    cmd = kbuild.nvcc_command(llama, tmp_path / "decode.cubin")
-    assert [f for f in cmd if f.startswith("-DMK_D_PRE")] == ["-DMK_D_PRE=1"]
-    monkeypatch.delenv("MONOKERNEL_NVCC_FLAGS")
-    assert kbuild.cubin_path(llama) != kbuild.cubin_path(
-        dataclasses.replace(llama, hidden=small.hidden)
-    )
+    assert [d.lm_head_drawn_rows() for d in (llama, qwen, small)] == [0, 8, 8]
+    assert _tp_dims("qwen2.5-coder-1.5b").lm_head_drawn_rows() == 0
+    assert [d.attn_range() for d in (llama, qwen)] == [256, 128]
+    assert _define(_tp_dims("qwen2.5-coder-1.5b"), "MK_TP") == "2"
 
 
 def test_down_split_by_loads_in_flight_and_rows_a_unit() -> None:
-    """MK_SPLIT_E: the fewest warps a row that make a warp's slice one batch of loads, halved
-    where two such batches in flight would be more than MAX_DOWN_LOADS a lane, unless the
-    halved split leaves units with fewer than two rows (Qwen3-0.6B: 6 loads a lane at 2, but
-    1,024 rows on 2,112 one-warp units) (step 50)."""
+    """The fewest warps a row that make a warp's slice one batch of loads, halved where two
+    such batches in flight would be more than MAX_DOWN_LOADS a lane, unless the halved split
+    leaves units with fewer than two rows (Qwen3-0.6B: 6 loads a lane at 2, but 1,024 rows on
+    2,112 one-warp units)."""
     want = {"llama-3.2-1b": 8, "qwen2.5-coder-1.5b": 4, "qwen3-0.6b": 2, "odd": 1}
     for shape, split in want.items():
-        dims = kbuild.KernelDims.from_config(SHAPES[shape])
+        dims = _dims(shape)
         assert dims.down_split() == split, shape
-        assert f"-DMK_SPLIT_E={split}" in dims.defines()
+        assert _define(dims, "MK_SPLIT_E") == str(split)
         assert (dims.intermediate // 8) % split == 0
+
+
+def test_the_knob_list_is_current() -> None:
+    assert KNOBS_DOC.read_text() == kbuild.knobs_markdown(), (
+        "docs/kernel-knobs.md is stale: run "
+        "`python -m monokernel.kernels.build --knobs > docs/kernel-knobs.md`"
+    )
+
+
+def test_sources_in_subfolders_are_part_of_the_cache_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    csrc = tmp_path / "csrc"
+    shutil.copytree(kbuild.CSRC, csrc)
+    monkeypatch.setattr(kbuild, "CSRC", csrc)
+    dims = _dims("odd")
+    before = kbuild.cubin_path(dims)
+    fmt = csrc / "formats" / "bf16.cuh"
+    fmt.write_text(fmt.read_text() + "\n// changed\n")
+    assert kbuild.cubin_path(dims) != before
+
+
+# ---- compiles (nvcc only, no GPU) ----------------------------------------------------------
+
+COMPILES = [
+    # Every shape's two builds the backend loads (with and without group units).
+    ("llama-3.2-1b", True, ()),
+    ("llama-3.2-1b", False, ()),
+    ("qwen2.5-coder-1.5b", True, ()),
+    ("qwen2.5-coder-1.5b", False, ()),
+    ("qwen3-0.6b", True, ()),
+    ("odd", True, ()),
+    ("odd", False, ()),
+    ("smollm2-135m", True, ()),
+    # The per-shape choices' other sides: D's up row after its input and the LM head's tail
+    # by tickets (Llama), every LM-head row dealt statically (Qwen), one range per window.
+    ("llama-3.2-1b", True, ("-DMK_D_PRE=1", "-DMK_F_DRAWN=8")),
+    ("qwen2.5-coder-1.5b", True, ("-DMK_F_DRAWN=0", "-DMK_ATTN_RANGE=0")),
+    # The stage-skew probe build (tools/stage_skew.py).
+    ("qwen2.5-coder-1.5b", False, ("-DMK_SKEW=1",)),
+]
+
+
+@needs_nvcc
+@pytest.mark.parametrize(("shape", "group_units", "flags"), COMPILES)
+def test_kernel_compiles(
+    shape: str, group_units: bool, flags: tuple[str, ...], tmp_path: Path
+) -> None:
+    dims = _dims(shape, group_units=group_units)
+    proc = kbuild.compile_check(dims, tmp_path / "decode.o", flags)
+    assert proc.returncode == 0, proc.stderr
+
+
+@needs_nvcc
+@pytest.mark.parametrize(
+    ("shape", "flags"),
+    [
+        ("qwen2.5-coder-1.5b", ()),
+        ("llama-3.2-1b", ()),
+        # The LM head's tail by tickets, off in the TP build until measured on two GPUs.
+        ("qwen2.5-coder-1.5b", ("-DMK_F_DRAWN=8",)),
+    ],
+)
+def test_tp2_kernel_compiles(shape: str, flags: tuple[str, ...], tmp_path: Path) -> None:
+    proc = kbuild.compile_check(_tp_dims(shape), tmp_path / "decode.o", flags)
+    assert proc.returncode == 0, proc.stderr
+
+
+@needs_nvcc
+def test_debug_build_compiles(tmp_path: Path) -> None:
+    """MONOKERNEL_DEBUG_BUILD's flags: device code with -G and the kernel's asserts."""
+    dims = _dims("odd", group_units=False)
+    proc = kbuild.compile_check(dims, tmp_path / "decode.o", ("-G", "-DMK_DEBUG=1"))
+    assert proc.returncode == 0, proc.stderr

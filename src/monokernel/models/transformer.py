@@ -13,7 +13,10 @@ import torch.nn.functional as F
 
 from monokernel.models.config import ModelConfig
 from monokernel.models.rope import apply_rope, rope_tables
-from monokernel.weights.names import Weights
+
+# A model's tensors by our names ("embed", "layers.3.wq", ...): what the forward below reads.
+# weights/names.py maps checkpoint names onto these and checks their shapes.
+Weights = dict[str, torch.Tensor]
 
 
 @dataclass(slots=True)

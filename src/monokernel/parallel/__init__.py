@@ -1,3 +1,4 @@
-"""Tensor parallelism across the GPUs of one process: peer access (``peer``) and the in-kernel
-all-reduce microbenchmark against NCCL (``allreduce_bench``). The weight split lives in
-``monokernel.weights.shard``; the design is in docs/tensor-parallel.md."""
+"""Tensor parallelism's measurements: the in-kernel all-reduce against NCCL
+(``allreduce_bench``) and TP=1 against TP=N decode speed (``tp_speed``). The backend and its
+peer memory live in ``monokernel.runtime.backends.monokernel`` (``tp``, ``peer``), the weight
+split in ``monokernel.weights.shard``; the design is in docs/tensor-parallel.md."""

@@ -27,7 +27,11 @@ from typing import Any
 import torch
 
 from monokernel.kernels import allreduce as ar
-from monokernel.parallel.peer import DeviceBuffer, enable_peer_access, multicast_off
+from monokernel.runtime.backends.monokernel.peer import (
+    DeviceBuffer,
+    enable_peer_access,
+    multicast_off,
+)
 
 TARGET_BYTES, TARGET_TP, TARGET_US = 4096, 2, 3.0  # issue 7: 4 KB at TP=2 in <= 3 µs
 CHECK_ITERS = (1, 2, 3, 17)

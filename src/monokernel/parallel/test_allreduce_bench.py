@@ -112,7 +112,7 @@ def test_timing_is_reported() -> None:
 def test_a_missing_peer_times_out_instead_of_hanging() -> None:
     """Only GPU 0 runs: it must give up after timeout_ms and say so, not spin forever."""
     from monokernel.kernels import allreduce as ar
-    from monokernel.parallel.peer import DeviceBuffer, enable_peer_access
+    from monokernel.runtime.backends.monokernel.peer import DeviceBuffer, enable_peer_access
 
     enable_peer_access([0, 1])
     n = 1024

@@ -14,10 +14,11 @@ import time
 
 import torch
 
-from monokernel.bench.shapes import SHAPES, random_weights
-from monokernel.parallel.peer import multicast_off
+from monokernel.models.shapes import SHAPES
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
+from monokernel.runtime.backends.monokernel.peer import multicast_off
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.weights.random_weights import random_weights
 
 
 def _us_per_token(backend, prompt: list[int], tokens: int) -> float:
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
     from monokernel.runtime.backends.monokernel import MonokernelBackend
-    from monokernel.runtime.backends.monokernel_tp import MonokernelTPBackend
+    from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
 
     cfg = SHAPES[args.shape]
     dev = torch.device("cuda", 0)

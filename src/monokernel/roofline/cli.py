@@ -21,7 +21,7 @@ from monokernel.roofline.calc import (
     roofline,
 )
 from monokernel.roofline.gpus import GPUS, get_gpu
-from monokernel.roofline.presets import PRESET_NAMES, get_preset
+from monokernel.roofline.sources import PRESET_NAMES, get_preset, profile_from_ref
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,8 +65,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _profiles(args: argparse.Namespace) -> list[tuple[str, ModelProfile]]:
     """(reference as typed, profile) for every model asked for; all presets when none."""
-    from monokernel.roofline.sources import profile_from_ref
-
     out: list[tuple[str, ModelProfile]] = []
     if args.model:
         out.append((args.model, profile_from_ref(args.model)))

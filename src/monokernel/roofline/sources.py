@@ -1,4 +1,5 @@
-"""Model profiles from a raw HF ``config.json`` dict or a GGUF file's tensor table.
+"""Model profiles from the model catalogue (``models/shapes.py``), a raw HF ``config.json``
+dict or a GGUF file's tensor table.
 
 The engine's ``config_from_hf_dict`` refuses what it cannot run (MoE, MLA, windows); the
 roofline only counts bytes, so it reads those configs itself.
@@ -11,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from monokernel.models.shapes import CATALOGUE, find_model
 from monokernel.roofline.calc import (
     DENSE,
     EXPERTS,
@@ -24,6 +26,8 @@ from monokernel.roofline.calc import (
     profile_from_shape,
 )
 
+# The catalogue's real models (every entry that names its source repository).
+PRESET_NAMES: tuple[str, ...] = tuple(e.name for e in CATALOGUE.values() if e.source)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name, as the loader takes
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _TOPK_KEYS = ("num_experts_per_tok", "experts_per_token", "num_experts_per_token")
@@ -83,7 +87,7 @@ def shape_from_hf_dict(cfg: dict[str, Any], name: str = "model") -> ModelShape:
         intermediate_size=inter,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=model_type.startswith("qwen2") or bool(cfg.get("attention_bias")),
-        o_bias=bool(cfg.get("attention_bias")) and not model_type.startswith("qwen"),
+        o_bias=bool(cfg.get("attention_bias")) and not model_type.startswith("qwen2"),
         qk_norm=model_type.startswith("qwen3"),
         num_experts=experts,
         experts_per_token=int(_first(cfg, _TOPK_KEYS)) if experts else 0,
@@ -123,6 +127,14 @@ def native_precision(cfg: dict[str, Any]) -> Precision:
 
 def profile_from_hf_dict(cfg: dict[str, Any], name: str, source: str = "") -> ModelProfile:
     return profile_from_shape(shape_from_hf_dict(cfg, name), native_precision(cfg), source)
+
+
+def get_preset(name: str) -> ModelProfile:
+    """The catalogue's model ``name`` (any case, or an alias)."""
+    entry = find_model(name)
+    if entry is None or not entry.source:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESET_NAMES)}")
+    return profile_from_shape(entry.shape, entry.native, entry.source)
 
 
 # --------------------------------------------------------------------------- GGUF

@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 
+from monokernel.bench.hf import hf_config_dict
 from monokernel.errors import UnsupportedModelError
 from monokernel.models.config import config_from_hf_dict
+from monokernel.models.shapes import CATALOGUE, DENSE_SHAPES
 from monokernel.roofline.calc import (
     KVShape,
     ModelShape,
@@ -24,8 +26,13 @@ from monokernel.roofline.calc import (
     weight_groups,
 )
 from monokernel.roofline.cli import main
-from monokernel.roofline.presets import get_preset
-from monokernel.roofline.sources import profile_from_gguf, profile_from_hf_dict, shape_from_hf_dict
+from monokernel.roofline.sources import (
+    PRESET_NAMES,
+    get_preset,
+    profile_from_gguf,
+    profile_from_hf_dict,
+    shape_from_hf_dict,
+)
 
 # vocab 10, hidden 4, 2 layers, 2 heads of dim 2 sharing 1 KV head, MLP width 6.
 DENSE = ModelShape(
@@ -174,6 +181,44 @@ def test_presets_match_published_totals() -> None:
     assert ds.kv.elems_per_token_per_layer == 512 + 64
     q3 = get_preset("qwen3-coder-30b-a3b")
     assert q3.total_params == pytest.approx(30.5e9, rel=5e-3)
+
+
+@pytest.mark.parametrize("key", sorted(DENSE_SHAPES))
+def test_dense_catalogue_shapes_agree_with_their_config(key: str) -> None:
+    """The roofline's shape of a dense entry is what its raw config.json reads as, and both
+    parameter counts (the roofline's groups, ModelConfig's own) agree."""
+    entry, cfg = CATALOGUE[key], DENSE_SHAPES[key]
+    assert shape_from_hf_dict(hf_config_dict(cfg), entry.name) == entry.shape
+    profile = profile_from_shape(entry.shape, entry.native)
+    assert profile.total_params == cfg.num_parameters()
+    assert profile.kv.elems_per_token_per_layer == 2 * cfg.kv_size
+
+
+def test_presets_are_the_catalogues_real_models() -> None:
+    assert "odd" not in {n.lower() for n in PRESET_NAMES}  # synthetic: no source to cite
+    assert all(get_preset(n).source == CATALOGUE[n.lower()].source for n in PRESET_NAMES)
+    assert get_preset("llama-1b") == get_preset("LLAMA-3.2-1B")  # an alias, any case
+    with pytest.raises(ValueError, match="unknown preset 'odd'"):
+        get_preset("odd")
+
+
+@pytest.mark.parametrize(
+    ("name", "billions"),
+    # The model cards' parameter counts, embeddings included (Qwen2.5-Coder-32B: the hub's
+    # count of its safetensors; the card rounds to 32.5B).
+    [
+        ("llama-3.1-8b", 8.03),
+        ("mistral-7b", 7.25),
+        ("qwen2.5-coder-7b", 7.62),
+        ("qwen2.5-coder-14b", 14.7),
+        ("qwen2.5-coder-32b", 32.8),
+        ("qwen3-4b", 4.02),
+        ("qwen3-8b", 8.19),
+        ("qwen3-14b", 14.8),
+    ],
+)
+def test_issue_34_presets_match_their_model_cards(name: str, billions: float) -> None:
+    assert get_preset(name).total_params == pytest.approx(billions * 1e9, rel=5e-3)
 
 
 DEEPSEEK_V3_CONFIG: dict[str, Any] = {

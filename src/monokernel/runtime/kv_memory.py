@@ -13,10 +13,14 @@ from monokernel.errors import InvalidRequestError
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.prefill import workspace_bytes
 from monokernel.runtime.prefill_graphs import MAX_SUFFIX_BUCKET
+from monokernel.weights.formats import DEFAULT_FORMAT, get_format
 
 # Left free for what is allocated later and not counted here: cuBLAS and attention
 # workspaces, the kernel's module and buffers, allocator fragmentation.
 RESERVE_BYTES = 512 * 1024 * 1024
+# The backend's bf16 copy of a checkpoint that arrives in another dtype (every tensor: the
+# embedding and the norms too, not only a format's matrices).
+_CONVERT_BYTES = torch.bfloat16.itemsize
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
@@ -30,28 +34,34 @@ def rope_bytes_per_token(cfg: ModelConfig) -> int:
     return 3 * (cfg.head_dim // 2) * 4
 
 
-def repack_bytes(cfg: ModelConfig, fold: bool, convert: bool) -> int:
+def repack_bytes(cfg: ModelConfig, fold: bool, convert: bool, fmt: str = DEFAULT_FORMAT) -> int:
     """What ``weights.repack.repack`` allocates beyond the weights it is given (bf16) and the
-    RoPE tables: the fused QKV and gate/up copies, a folded LM head; plus a bf16 copy of
-    everything when the weights arrive in another dtype."""
-    h = cfg.hidden_size
-    per_layer = (cfg.q_size + 2 * cfg.kv_size) * h + 2 * cfg.intermediate_size * h
-    total = 2 * cfg.num_layers * per_layer
-    if fold:
-        total += 2 * cfg.vocab_size * h
+    RoPE tables, its matrices packed in the weight format ``fmt``: the fused QKV and gate/up
+    matrices, a folded LM head, and the other matrices where the format does not pack in
+    place; plus a bf16 copy of everything when the weights arrive in another dtype."""
+    f = get_format(fmt)
+    h, i, q = cfg.hidden_size, cfg.intermediate_size, cfg.q_size
+    per_layer = f.matrix_bytes(q + 2 * cfg.kv_size, h) + f.matrix_bytes(2 * i, h)
+    if not f.packs_in_place:
+        per_layer += f.matrix_bytes(h, q) + f.matrix_bytes(h, i)
+    total = cfg.num_layers * per_layer
+    if fold or not f.packs_in_place:
+        total += f.matrix_bytes(cfg.vocab_size, h)
     if convert:
-        total += 2 * cfg.num_parameters()
+        total += _CONVERT_BYTES * cfg.num_parameters()
     return total
 
 
-def graph_bytes(cfg: ModelConfig, max_len: int, chunk_tokens: int, precision: str) -> int:
+def graph_bytes(
+    cfg: ModelConfig, max_len: int, chunk_tokens: int, precision: str, fmt: str = DEFAULT_FORMAT
+) -> int:
     """The prefill graphs' memory pool (runtime/prefill_graphs.py), beside eager prefill's:
     a fresh prompt's largest chunk, and a turn's graph (its activations, the key rows it
     reads, its mask as bool and as the attention's float copy)."""
     largest, turn = min(chunk_tokens, max_len), min(MAX_SUFFIX_BUCKET, max_len)
     return (
-        workspace_bytes(cfg, largest, largest, precision)
-        + workspace_bytes(cfg, turn, max_len, precision)
+        workspace_bytes(cfg, largest, largest, precision, fmt)
+        + workspace_bytes(cfg, turn, max_len, precision, fmt)
         + 5 * turn * max_len
     )
 
@@ -63,16 +73,17 @@ def needed_bytes(
     precision: str,
     extra: int = 0,
     graphs: bool = False,
+    fmt: str = DEFAULT_FORMAT,
 ) -> int:
-    """The cache and RoPE tables for ``max_len`` positions, the prefill workspace, the
-    reserve, and ``extra`` (other allocations still to come that do not grow with the
-    context, e.g. ``repack_bytes``)."""
+    """The cache and RoPE tables for ``max_len`` positions, the prefill workspace (weights in
+    the format ``fmt``), the reserve, and ``extra`` (other allocations still to come that do
+    not grow with the context, e.g. ``repack_bytes``)."""
     return (
         (kv_bytes_per_token(cfg) + rope_bytes_per_token(cfg)) * max_len
-        + workspace_bytes(cfg, min(chunk_tokens, max_len), max_len, precision)
+        + workspace_bytes(cfg, min(chunk_tokens, max_len), max_len, precision, fmt)
         + RESERVE_BYTES
         + extra
-        + (graph_bytes(cfg, max_len, chunk_tokens, precision) if graphs else 0)
+        + (graph_bytes(cfg, max_len, chunk_tokens, precision, fmt) if graphs else 0)
     )
 
 
@@ -91,11 +102,12 @@ def max_len_that_fits(
     precision: str,
     extra: int = 0,
     graphs: bool = False,
+    fmt: str = DEFAULT_FORMAT,
 ) -> int:
     """The longest context whose cache and prefill fit in ``free`` bytes (0 if none)."""
 
     def fits(n: int) -> bool:
-        return needed_bytes(cfg, n, chunk_tokens, precision, extra, graphs) <= free
+        return needed_bytes(cfg, n, chunk_tokens, precision, extra, graphs, fmt) <= free
 
     lo, hi = 0, 1
     while fits(hi) and hi < 1 << 40:
@@ -115,16 +127,18 @@ def check_fits(
     where: str,
     extra: int = 0,
     graphs: bool = False,
+    fmt: str = DEFAULT_FORMAT,
 ) -> int:
     """Raise InvalidRequestError naming the bytes needed and free when a ``max_len`` cache
-    cannot fit; returns the bytes needed otherwise. ``extra``: as in ``needed_bytes``."""
-    need = needed_bytes(cfg, max_len, chunk_tokens, precision, extra, graphs)
+    cannot fit; returns the bytes needed otherwise. ``extra``, ``fmt``: as in
+    ``needed_bytes``."""
+    need = needed_bytes(cfg, max_len, chunk_tokens, precision, extra, graphs, fmt)
     if need <= free:
         return need
     cache = kv_bytes_per_token(cfg) * max_len
     rope = rope_bytes_per_token(cfg) * max_len
     work = need - cache - rope - RESERVE_BYTES - extra
-    fits = max_len_that_fits(cfg, free, chunk_tokens, precision, extra, graphs)
+    fits = max_len_that_fits(cfg, free, chunk_tokens, precision, extra, graphs, fmt)
     raise InvalidRequestError(
         f"a context of {max_len} tokens needs {need:,} bytes on {where} (KV cache "
         f"{cache:,} + prefill workspace {work:,} + weight repacking {extra:,} + RoPE tables "

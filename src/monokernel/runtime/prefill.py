@@ -1,10 +1,12 @@
 """Prefill for the monokernel: the prompt through every layer in chunks, K/V straight into the
 kernel's bf16 cache [layers, kv_heads, max_len, head_dim].
 
-It runs on the repacked tensors the kernel streams (``weights/repack.py``): one QKV GEMM, the
-interleaved gate/up matrix as two strided GEMMs, the norm gains as fp32 vectors or folded
-into the matrices, exactly as the kernel applies them. So prefill and decode read the same
-weights and the original checkpoint tensors need not stay on the GPU.
+It runs on the repacked matrices the kernel streams (``weights/repack.py``), each read as the
+dense matrix its weight format gives (``WeightFormat.dense``; for bf16 the streamed tensor
+itself): one QKV GEMM, the interleaved gate/up matrix as two strided GEMMs, the norm gains
+as fp32 vectors or folded into the matrices, exactly as the kernel applies them. So prefill
+and decode read the same weights and the original checkpoint tensors need not stay on the
+GPU.
 
 Precision (``precision``): activations are fp32 throughout (residual stream, norms, RoPE,
 q/k-norm, biases, SiLU, GEMM outputs); what differs is what the GEMMs see.
@@ -59,6 +61,7 @@ from monokernel.runtime.prefill_ops import (
     silu_mul_bf16,
 )
 from monokernel.runtime.prefill_qkv import ChunkRope, QkvEpilogue, fused_epilogue_ok
+from monokernel.weights.formats import DEFAULT_FORMAT, get_format
 from monokernel.weights.repack import LayerPack, Repacked
 
 PRECISIONS: tuple[str, ...] = ("split-qkv", "bf16", "fp32")
@@ -179,6 +182,7 @@ class Prefiller:
         if tuple(k_cache.shape) != want or tuple(v_cache.shape) != want:
             raise ValueError(f"KV cache shape {tuple(k_cache.shape)}; expected {want}")
         self.cfg, self.p = cfg, packed
+        self.fmt = get_format(packed.format)
         self.k, self.v = k_cache, v_cache
         self.max_len = k_cache.shape[2]
         self.chunk_tokens = chunk_tokens
@@ -283,11 +287,12 @@ class Prefiller:
     ) -> None:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         end = start + x.shape[0]
+        wqkv = self.fmt.dense(lp.matrices["wqkv"])
         if self.precision == "fp32":
-            qkv = gemm_fp32(F.rms_norm(x, (cfg.hidden_size,), lp.attn_gain, eps), lp.wqkv)
+            qkv = gemm_fp32(F.rms_norm(x, (cfg.hidden_size,), lp.attn_gain, eps), wqkv)
         else:  # the norm's output as the GEMM's bf16 operand(s): hi, or hi + lo (split-qkv)
             split = self.precision == "split-qkv"
-            qkv = gemm_parts(rms_norm_bf16(x, lp.attn_gain, eps, split), lp.wqkv)  # [T, Q + 2KV]
+            qkv = gemm_parts(rms_norm_bf16(x, lp.attn_gain, eps, split), wqkv)  # [T, Q + 2KV]
         dt = self._attn_dtype
         q = self._epilogue(qkv, lp, n, rope, dt)  # [T, heads, d]; K/V written to the cache
         # Flash on the cache past position 0 only: from 0, SDPA's causal kernel on expanded
@@ -306,7 +311,7 @@ class Prefiller:
             assert at.visible is not None
             keys, values = self.k[n, :, : at.keys], self.v[n, :, : at.keys]
             attn = masked_attention(q, keys.to(dt), values.to(dt), at.visible)
-        self._mm_acc(x, attn, lp.wo)  # x += O-projection [T, H]
+        self._mm_acc(x, attn, self.fmt.dense(lp.matrices["wo"]))  # x += O-projection [T, H]
         if lp.bo is not None:
             x += lp.bo
 
@@ -323,24 +328,32 @@ class Prefiller:
             (h,) = rms_norm_bf16(x, lp.ffn_gain, eps)  # rounded to bf16 once, used twice
         # wgu's rows interleave gate and up; strided views hand them to cuBLAS as two
         # matrices with a doubled leading dimension, so both outputs come out contiguous.
-        gate, up = self._mm(h, lp.wgu[0::2]), self._mm(h, lp.wgu[1::2])  # [T, I] fp32
+        wgu = self.fmt.dense(lp.matrices["wgu"])
+        gate, up = self._mm(h, wgu[0::2]), self._mm(h, wgu[1::2])  # [T, I] fp32
         if self.precision == "fp32":
             act = F.silu(gate, inplace=True)
             act *= up
         else:
             act = silu_mul_bf16(gate, up)  # [T, I] bf16, what the down GEMM reads
-        self._mm_acc(x, act, lp.wdown)
+        self._mm_acc(x, act, self.fmt.dense(lp.matrices["wdown"]))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         h = F.rms_norm(x, (self.cfg.hidden_size,), self.p.norm_gain, self.cfg.rms_norm_eps)
-        return self._mm(h, self.p.lm_head)  # [1, V] fp32
+        return self._mm(h, self.fmt.dense(self.p.matrices["lm_head"]))  # [1, V] fp32
 
 
-def workspace_bytes(cfg: ModelConfig, chunk_tokens: int, max_len: int, precision: str) -> int:
+def workspace_bytes(
+    cfg: ModelConfig,
+    chunk_tokens: int,
+    max_len: int,
+    precision: str,
+    fmt: str = DEFAULT_FORMAT,
+) -> int:
     """Peak transient device memory of one prefill chunk (an upper bound, bytes): the chunk's
     fp32 activations and their GEMM-input copies, the GQA-expanded keys and values of the
     longest prefix, the logits; in "fp32" mode also the fp32 copies of the cache prefix and
-    of the largest weight matrix."""
+    of the largest weight matrix; for a weight format that is not read in place
+    (``WeightFormat.packs_in_place``), the largest matrix's dense bf16 copy."""
     t, f32 = chunk_tokens, 4
     h, i, qkv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size + 2 * cfg.kv_size
     # x, norm out (+ GEMM copies: hi, lo, x - hi), qkv, q/k after norm and RoPE (2 copies),
@@ -351,8 +364,8 @@ def workspace_bytes(cfg: ModelConfig, chunk_tokens: int, max_len: int, precision
     heads = cfg.num_heads if cfg.num_heads != cfg.num_kv_heads else 0  # expanded copies
     kv = 2 * (heads + (cfg.num_kv_heads if precision == "fp32" else 0))
     prefix = kv * max_len * cfg.head_dim * attn_bytes
-    weight = 0
+    largest = max(cfg.vocab_size, 2 * i, qkv) * max(h, i)  # elements, an upper bound
+    weight = 0 if get_format(fmt).packs_in_place else torch.bfloat16.itemsize * largest
     if precision == "fp32":
-        head_rows = max(cfg.vocab_size, 2 * i, qkv)
-        weight = head_rows * max(h, i) * f32
+        weight += largest * f32
     return max(attn_side, mlp_side) + prefix + weight + f32 * cfg.vocab_size

@@ -23,13 +23,13 @@ Llama-3.2-1B turn, and it fills the GPU for few-head models without a split.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from monokernel import envs
 from monokernel.runtime.prefill_ops import lazy_triton, pow2_at_least, probed_once
 
 # FlashAttention-2's query block in the forward kernel (head_dim <= 128: 128 rows).
@@ -242,7 +242,7 @@ def flash_cache_attention_ok(device: torch.device) -> bool:
     math on a small case (GQA, a start past 0, the cache's strided layout). Probed once per
     device; False (or MONOKERNEL_PREFILL_FLASH=0) sends prefill to causal_attention /
     masked_attention."""
-    if device.type != "cuda" or os.environ.get("MONOKERNEL_PREFILL_FLASH", "1") == "0":
+    if device.type != "cuda" or not envs.MONOKERNEL_PREFILL_FLASH:
         return False
     return probed_once(_FLASH_OK, device, lambda: agrees_with_sdpa(device, flash_cache_attention))
 
@@ -253,7 +253,7 @@ def flash_split_ok(device: torch.device) -> bool:
     one call."""
     if not flash_cache_attention_ok(device):
         return False
-    if os.environ.get("MONOKERNEL_PREFILL_SPLIT", "1") == "0":
+    if not envs.MONOKERNEL_PREFILL_SPLIT:
         return False
     split3 = functools.partial(flash_cache_attention, splits=3)
     return probed_once(

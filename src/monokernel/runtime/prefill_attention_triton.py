@@ -11,11 +11,11 @@ device against SDPA's math; MONOKERNEL_PREFILL_TRITON=0 keeps FA2.
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import torch
 
+from monokernel import envs
 from monokernel.runtime.prefill_attention import agrees_with_sdpa
 from monokernel.runtime.prefill_ops import lazy_triton
 
@@ -125,7 +125,7 @@ def triton_attention_ok(device: torch.device, head_dim: int) -> bool:
     SDPA's math (prefill_attention.agrees_with_sdpa), probed once per device and head_dim."""
     if device.type != "cuda" or head_dim not in HEAD_DIMS:
         return False
-    if os.environ.get("MONOKERNEL_PREFILL_TRITON", "1") == "0":
+    if not envs.MONOKERNEL_PREFILL_TRITON:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, head_dim)

@@ -25,17 +25,18 @@ about two eager prefills of that size), and share one memory pool: they never ru
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from monokernel import envs
+
 MIN_BUCKET = 16
 
 
 def graphs_enabled(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get("MONOKERNEL_PREFILL_GRAPHS", "1") != "0"
+    return device.type == "cuda" and bool(envs.MONOKERNEL_PREFILL_GRAPHS)
 
 
 def bucket_for(tokens: int, largest: int) -> int | None:

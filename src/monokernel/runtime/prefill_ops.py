@@ -20,12 +20,13 @@ device against it before use.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from monokernel import envs
 
 _SILU_OK: dict[int, bool] = {}  # CUDA device index -> the Triton kernel runs and agrees
 _NORM_OK: dict[int, bool] = {}  # CUDA device index -> the Triton norm runs and agrees
@@ -33,13 +34,13 @@ _ADDMM_OK: dict[int, bool] = {}  # CUDA device index -> addmm(out_dtype=fp32, ou
 
 
 def fused_enabled() -> bool:
-    return os.environ.get("MONOKERNEL_PREFILL_FUSED", "1") != "0"
+    return bool(envs.MONOKERNEL_PREFILL_FUSED)
 
 
 def epilogue_enabled() -> bool:
     """The fused norms and QKV epilogue (rms_norm_bf16, prefill_qkv.py): off with the other
     fusions, or alone with MONOKERNEL_PREFILL_EPILOGUE=0."""
-    return fused_enabled() and os.environ.get("MONOKERNEL_PREFILL_EPILOGUE", "1") != "0"
+    return fused_enabled() and bool(envs.MONOKERNEL_PREFILL_EPILOGUE)
 
 
 def probed_once(cache: dict[int, bool], device: torch.device, probe: Callable[[], bool]) -> bool:

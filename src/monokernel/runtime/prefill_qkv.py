@@ -249,9 +249,9 @@ def qkv_epilogue_agrees(device: torch.device, head_dim: int = 24, t: int = 37) -
     def rnd(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=g).to(device)
 
-    lp = LayerPack(
-        wqkv=rnd(1, 1), bqkv=rnd(width), q_norm=rnd(head_dim).abs() + 0.5,
-        k_norm=rnd(head_dim).abs() + 0.5, wo=rnd(1, 1), bo=None, wgu=rnd(1, 1), wdown=rnd(1, 1),
+    lp = LayerPack(  # the epilogue reads no matrix
+        matrices={}, bqkv=rnd(width), q_norm=rnd(head_dim).abs() + 0.5,
+        k_norm=rnd(head_dim).abs() + 0.5, bo=None,
     )  # fmt: skip
     angles = rnd(max_len, head_dim // 2) * 3
     cos, sin = angles.cos(), angles.sin()

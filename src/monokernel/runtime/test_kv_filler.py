@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from monokernel.bench.shapes import random_weights
 from monokernel.models.transformer import KVCache
 from monokernel.runtime.kv_filler import CacheFiller
 from monokernel.runtime.kv_memory import kv_bytes_per_token
 from monokernel.runtime.prefill import Prefiller
 from monokernel.runtime.prefix_cache import PrefixCache, fed_tokens
 from monokernel.runtime.test_prefill import CONFIGS
+from monokernel.weights.random_weights import random_weights
 from monokernel.weights.repack import repack
 
 CFG = CONFIGS["qwen3"]

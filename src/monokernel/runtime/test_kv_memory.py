@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from monokernel.bench.shapes import SHAPES
 from monokernel.errors import InvalidRequestError
+from monokernel.models.shapes import SHAPES
 from monokernel.runtime import kv_memory
+from monokernel.weights.random_weights import random_weights
+from monokernel.weights.repack import repack
 
 LLAMA = SHAPES["llama-3.2-1b"]
 GIB = 1 << 30
@@ -77,3 +81,20 @@ def test_a_huge_context_names_the_longest_that_fits() -> None:
     fits = kv_memory.max_len_that_fits(LLAMA, 80 * GIB, 2048, "split-qkv", extra=extra)
     per_token = kv_memory.kv_bytes_per_token(LLAMA) + kv_memory.rope_bytes_per_token(LLAMA)
     assert 0 < fits < 80 * GIB // per_token
+
+
+@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("name", ["odd", "smollm2-135m"])
+def test_repack_bytes_is_what_repack_allocates(name: str, fold: bool) -> None:
+    """The streamed matrices repack makes anew (fused, folded or packed: not sharing the
+    checkpoint's storage), counted from the tensors themselves."""
+    cfg = SHAPES[name]
+    if name != "odd":  # a real shape, shrunk to two layers to stay quick on the CPU
+        cfg = dataclasses.replace(cfg, num_layers=2)
+    weights = random_weights(cfg, seed=5)  # bf16, as the backend hands them over
+    given = {t.untyped_storage().data_ptr() for t in weights.values()}
+    packed = repack(cfg, weights, 4, fold=fold)
+    mats = [m for lp in packed.layers for m in lp.matrices.values()]
+    mats += packed.matrices.values()
+    new = sum(m.data.nbytes for m in mats if m.data.untyped_storage().data_ptr() not in given)
+    assert kv_memory.repack_bytes(cfg, fold=fold, convert=False) == new

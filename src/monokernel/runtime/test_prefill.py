@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from monokernel.bench.shapes import SHAPES, random_weights
 from monokernel.models.config import ModelConfig, RopeScaling
+from monokernel.models.shapes import SHAPES
 from monokernel.models.transformer import KVCache, Transformer
 from monokernel.runtime.prefill import (
     PRECISIONS,
@@ -21,6 +21,7 @@ from monokernel.runtime.prefill import (
     workspace_bytes,
 )
 from monokernel.runtime.prefill_ops import bf16_parts
+from monokernel.weights.random_weights import random_weights
 from monokernel.weights.repack import repack
 
 _BASE = ModelConfig(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from monokernel.bench.shapes import SHAPES
+from monokernel.models.shapes import SHAPES
 from monokernel.runtime.prefill_qkv import (
     QkvEpilogue,
     fused_epilogue_ok,
@@ -30,8 +30,7 @@ def test_torch_form_rotates_by_the_tables_and_writes_only_its_positions() -> Non
     angles = torch.rand(40, d // 2, generator=g) * 6
     cos, sin = angles.cos(), angles.sin()
     qkv = torch.randn(5, (nh + 2 * nkv) * d, generator=g)
-    lp = LayerPack(torch.zeros(1, 1), None, None, None, torch.zeros(1, 1), None,
-                   torch.zeros(1, 1), torch.zeros(1, 1))  # fmt: skip
+    lp = LayerPack(matrices={}, bqkv=None, q_norm=None, k_norm=None, bo=None)  # no matrix read
 
     def rotate(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # [T, h, d]
         c, s = cos[pos][:, None], sin[pos][:, None]

@@ -3,12 +3,12 @@ tokens/s figure, and keep a screenshot as an artifact."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 
+from monokernel import envs
 from monokernel.serve.testing import SlowBackend
 
 CHROMIUM_ARGS = [
@@ -23,13 +23,13 @@ CHROMIUM_ARGS = [
 
 
 def find_chromium() -> str | None:
-    candidates = [os.environ.get("MONOKERNEL_CHROMIUM"), "/usr/bin/chromium"]
+    candidates = [envs.MONOKERNEL_CHROMIUM, "/usr/bin/chromium"]
     candidates += [shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")]
     return next((c for c in candidates if c and Path(c).is_file()), None)
 
 
 def save_artifact(source: Path) -> None:
-    folder = os.environ.get("MONOKERNEL_ARTIFACTS")
+    folder = envs.MONOKERNEL_ARTIFACTS
     if folder:
         Path(folder).mkdir(parents=True, exist_ok=True)
         shutil.copy(source, Path(folder) / source.name)

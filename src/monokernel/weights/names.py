@@ -30,6 +30,7 @@ import torch
 
 from monokernel.errors import MissingTensorError, TensorShapeError, UnexpectedTensorError
 from monokernel.models.config import ModelConfig
+from monokernel.models.transformer import Weights
 
 # HF per-layer suffix -> our per-layer name.
 HF_LAYER_NAMES: dict[str, str] = {
@@ -112,9 +113,6 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes |= {p + "q_norm": (d,), p + "k_norm": (d,)}
     return shapes
-
-
-Weights = dict[str, torch.Tensor]
 
 
 def check_weights(weights: Weights, cfg: ModelConfig, source: str = "checkpoint") -> Weights:

@@ -11,10 +11,10 @@ generates is meaningless.
 
 OUTDIR gets what a real HF directory of the shape's family holds and our loader reads:
 
-- ``config.json``: the shape's architecture (``bench/shapes.py``) with the fields a real
+- ``config.json``: the shape's architecture (``models/shapes.py``) with the fields a real
   config of that family has; ``vocab_size`` is the tokenizer's size (below);
 - ``generation_config.json``: the EOS ids (``<|im_end|>``, ``<|endoftext|>``);
-- ``model.safetensors``: random bf16 weights (``bench.shapes.random_weights``) under the HF
+- ``model.safetensors``: random bf16 weights (``weights/random_weights.py``) under the HF
   tensor names (``weights.names.ours_to_hf``). The LM head rows of the special tokens
   (the embedding rows when tied) are zero, so their logit is exactly 0, below the maximum
   of the random logits: a random model practically never emits EOS, and requests run to
@@ -43,9 +43,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from monokernel.bench.shapes import SHAPES, random_weights
 from monokernel.models.config import ModelConfig, config_from_hf_dict, hf_core_fields
+from monokernel.models.shapes import SHAPES
 from monokernel.weights.names import Weights, ours_to_hf
+from monokernel.weights.random_weights import random_weights
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BASE_VOCAB = 256 + len(SPECIAL_TOKENS)  # the bytes, then the specials

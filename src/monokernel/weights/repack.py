@@ -8,44 +8,70 @@ Done once per model, on any device, and tested on the CPU through the schedule i
   A tied LM head becomes a folded *copy*; the embedding table stays as it was.
 * Q, K and V become one matrix (rows: q heads, then k heads, then v heads), and gate/up one
   matrix with rows interleaved (2r = gate r, 2r+1 = up r) so one warp produces silu(g)*u.
-* Every matrix stays row-major [out, in] with the input dimension contiguous: the kernel
-  gives each warp whole rows and streams a row with 16-byte loads, lanes side by side.
+* Every streamed matrix (a layer's wqkv, wo, wgu, wdown; the LM head), logical [out, in],
+  is then packed by the weight format (``weights/formats``): for bf16 the matrix itself,
+  row-major with the input dimension contiguous. ``pack.wqkv`` etc. are the tensors the
+  kernel streams, ``pack.matrices`` the packed matrices with their format.
 * RoPE cos/sin tables come from ``monokernel.models.rope.rope_tables`` (llama3 scaling too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from monokernel.models.config import ModelConfig
 from monokernel.models.rope import rope_tables
+from monokernel.weights.formats import DEFAULT_FORMAT, PackedMatrix, get_format
 from monokernel.weights.names import Weights
+
+MATRICES: tuple[str, ...] = ("wqkv", "wo", "wgu", "wdown")  # a layer's streamed matrices
+
+
+def _streamed(name: str) -> property:
+    """``pack.<name>``: the tensor the kernel streams for ``pack.matrices[name]`` (the backend
+    puts its address in the kernel's weight table); assigning one moves that matrix's data."""
+
+    def get(pack: LayerPack | Repacked) -> torch.Tensor:
+        return pack.matrices[name].data
+
+    def put(pack: LayerPack | Repacked, data: torch.Tensor) -> None:
+        pack.matrices[name] = dataclasses.replace(pack.matrices[name], data=data)
+
+    return property(get, put)
 
 
 @dataclass(slots=True)
 class LayerPack:
-    wqkv: torch.Tensor  # [q + 2*kv, h]   attn_norm folded
+    # MATRICES -> packed (shapes logical, [out, in]): wqkv [q + 2*kv, h] attn_norm folded;
+    # wo [h, q]; wgu [2*i, h] rows interleaved gate/up, ffn_norm folded; wdown [h, i].
+    matrices: dict[str, PackedMatrix]
     bqkv: torch.Tensor | None  # [q + 2*kv] float32 (qkv_bias)
     q_norm: torch.Tensor | None  # [d] float32 (qk_norm)
     k_norm: torch.Tensor | None  # [d] float32 (qk_norm)
-    wo: torch.Tensor  # [h, q]
     bo: torch.Tensor | None  # [h] float32 (o_bias)
-    wgu: torch.Tensor  # [2*i, h]  rows interleaved gate/up, ffn_norm folded
-    wdown: torch.Tensor  # [h, i]
     attn_gain: torch.Tensor | None = None  # [h] float32, only when not folded
     ffn_gain: torch.Tensor | None = None  # [h] float32, only when not folded
+
+    wqkv = _streamed("wqkv")
+    wo = _streamed("wo")
+    wgu = _streamed("wgu")
+    wdown = _streamed("wdown")
 
 
 @dataclass(slots=True)
 class Repacked:
     layers: list[LayerPack]
-    embed: torch.Tensor  # [V, h]   unfolded
-    lm_head: torch.Tensor  # [V, h]   final norm folded
+    embed: torch.Tensor  # [V, h]   unfolded, the weights' dtype (a row gathered a token)
+    matrices: dict[str, PackedMatrix]  # "lm_head" -> [V, h], final norm folded
     rope_cos: torch.Tensor  # [max_len, d/2] float32
     rope_sin: torch.Tensor  # [max_len, d/2] float32
     norm_gain: torch.Tensor | None = None  # [h] float32, only when not folded
+    format: str = DEFAULT_FORMAT  # every streamed matrix's (weights/formats)
+
+    lm_head = _streamed("lm_head")
 
 
 def fold_gain(w: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
@@ -66,29 +92,41 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float().contiguous()
 
 
-def repack_layer(cfg: ModelConfig, w: Weights, n: int, fold: bool = True) -> LayerPack:
+def repack_layer(
+    cfg: ModelConfig, w: Weights, n: int, fold: bool = True, fmt: str = DEFAULT_FORMAT
+) -> LayerPack:
     p = f"layers.{n}."
     attn_g, ffn_g = w[p + "attn_norm"], w[p + "ffn_norm"]
-    fold_or_keep = fold_gain if fold else (lambda m, _g: m.contiguous())
+    fold_or_keep = fold_gain if fold else (lambda m, _g: m)
     bqkv = None
     if cfg.qkv_bias:
         bqkv = torch.cat((w[p + "bq"], w[p + "bk"], w[p + "bv"])).float().contiguous()
+    pack = get_format(fmt).pack
     return LayerPack(
-        wqkv=fold_or_keep(fuse_rows(w[p + "wq"], w[p + "wk"], w[p + "wv"]), attn_g),
+        matrices={
+            "wqkv": pack(fold_or_keep(fuse_rows(w[p + "wq"], w[p + "wk"], w[p + "wv"]), attn_g)),
+            "wo": pack(w[p + "wo"]),
+            "wgu": pack(fold_or_keep(interleave_rows(w[p + "w_gate"], w[p + "w_up"]), ffn_g)),
+            "wdown": pack(w[p + "w_down"]),
+        },
         bqkv=bqkv,
         q_norm=_f32(w.get(p + "q_norm")) if cfg.qk_norm else None,
         k_norm=_f32(w.get(p + "k_norm")) if cfg.qk_norm else None,
-        wo=w[p + "wo"].contiguous(),
         bo=_f32(w.get(p + "bo")) if cfg.o_bias else None,
-        wgu=fold_or_keep(interleave_rows(w[p + "w_gate"], w[p + "w_up"]), ffn_g),
-        wdown=w[p + "w_down"].contiguous(),
         attn_gain=None if fold else _f32(attn_g),
         ffn_gain=None if fold else _f32(ffn_g),
     )
 
 
-def repack(cfg: ModelConfig, weights: Weights, max_len: int, fold: bool = True) -> Repacked:
-    """All of the kernel's tensors, on the device and in the dtype of ``weights``.
+def repack(
+    cfg: ModelConfig,
+    weights: Weights,
+    max_len: int,
+    fold: bool = True,
+    fmt: str = DEFAULT_FORMAT,
+) -> Repacked:
+    """All of the kernel's tensors, on the device of ``weights``: the streamed matrices packed
+    in the weight format ``fmt`` (weights/formats), the rest in the dtype of ``weights``.
 
     ``fold=False`` keeps the norm gains as fp32 vectors the kernel applies itself: the same
     bytes per token (a gain is h floats), without rounding W*g to the weights' dtype.
@@ -96,11 +134,13 @@ def repack(cfg: ModelConfig, weights: Weights, max_len: int, fold: bool = True) 
     embed = weights["embed"]
     head = embed if cfg.tie_word_embeddings else weights["lm_head"]
     cos, sin = rope_tables(cfg, max_len, embed.device)
+    pack = get_format(fmt).pack
     return Repacked(
-        layers=[repack_layer(cfg, weights, n, fold) for n in range(cfg.num_layers)],
+        layers=[repack_layer(cfg, weights, n, fold, fmt) for n in range(cfg.num_layers)],
         embed=embed.contiguous(),
-        lm_head=fold_gain(head, weights["norm"]) if fold else head.contiguous(),
+        matrices={"lm_head": pack(fold_gain(head, weights["norm"]) if fold else head)},
         rope_cos=cos.contiguous(),
         rope_sin=sin.contiguous(),
         norm_gain=None if fold else _f32(weights["norm"]),
+        format=fmt,
     )

@@ -25,6 +25,10 @@ never replicated across ranks), which makes it divide num_attention_heads too. N
 divide intermediate_size. ``valid_tp_sizes`` lists what a model accepts.
 
 Row blocks are views of the input tensors (no copy); column blocks are contiguous copies.
+
+Sharding runs on the checkpoint's dense matrices, before ``weights/repack.py``: each rank
+packs its own shard in the weight format (``weights/formats``), so a format needs nothing
+here. (``WeightFormat.slice_rows`` / ``slice_cols`` cut matrices that are already packed.)
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from monokernel.bench.shapes import SHAPES
 from monokernel.models.config import ModelConfig, config_from_hf_dict, load_hf_config
+from monokernel.models.shapes import SHAPES
 from monokernel.weights.loader import load_checkpoint
 from monokernel.weights.random_checkpoint import (
     BASE_VOCAB,

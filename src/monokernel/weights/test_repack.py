@@ -7,11 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from monokernel.bench.shapes import SHAPES, random_weights
 from monokernel.kernels.schedule import ScheduleInterpreter
 from monokernel.models.config import ModelConfig, RopeScaling
+from monokernel.models.shapes import SHAPES
 from monokernel.models.transformer import Transformer
-from monokernel.weights.repack import fold_gain, interleave_rows, repack
+from monokernel.weights.formats import UnknownWeightFormatError
+from monokernel.weights.random_weights import random_weights
+from monokernel.weights.repack import MATRICES, fold_gain, interleave_rows, repack
 
 _BASE = ModelConfig(
     family="llama",
@@ -77,3 +79,31 @@ def test_tied_head_is_a_folded_copy() -> None:
     packed = repack(cfg, weights, 8)
     assert torch.equal(packed.embed, weights["embed"])  # the table stays unfolded
     assert torch.allclose(packed.lm_head, weights["embed"] * weights["norm"])
+
+
+def test_streamed_tensors_are_the_packed_matrices_data() -> None:
+    """``lp.wqkv`` etc. (what the backend hands the kernel) are the packed matrices' data, in
+    the format the repack names; assigning one (``use_weights``) moves only that data."""
+    cfg = CONFIGS["qwen2-bias"]
+    packed = repack(cfg, random_weights(cfg, seed=4), 8)
+    assert packed.format == "bf16"
+    lp = packed.layers[1]
+    for name in MATRICES:
+        m = lp.matrices[name]
+        assert getattr(lp, name) is m.data and m.format == "bf16"
+        assert m.shape == tuple(m.data.shape) and m.data.dtype == torch.bfloat16
+    assert lp.matrices["wqkv"].shape == (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
+    assert lp.matrices["wgu"].shape == (2 * cfg.intermediate_size, cfg.hidden_size)
+    assert packed.lm_head is packed.matrices["lm_head"].data
+    moved = lp.wo.clone()
+    lp.wo = moved
+    assert lp.matrices["wo"].data is moved and lp.matrices["wo"].shape == tuple(moved.shape)
+    head = packed.lm_head.clone()
+    packed.lm_head = head
+    assert packed.matrices["lm_head"].data is head
+
+
+def test_an_unknown_format_is_refused() -> None:
+    cfg = CONFIGS["odd"]
+    with pytest.raises(UnknownWeightFormatError, match="accepted formats: bf16"):
+        repack(cfg, random_weights(cfg), 8, fmt="int3")

@@ -13,12 +13,13 @@ import dataclasses
 import pytest
 import torch
 
-from monokernel.bench.shapes import SHAPES, random_weights
 from monokernel.models.config import ModelConfig, config_from_hf_dict
+from monokernel.models.shapes import SHAPES
 from monokernel.models.transformer import Transformer, linear, rms_norm
 from monokernel.runtime.sampling import SamplingParams, gumbel, sample
 from monokernel.testing.tiny_models import TINY_FAMILIES, make_tiny_checkpoint, tiny_hf_config
 from monokernel.weights.names import Weights
+from monokernel.weights.random_weights import random_weights
 from monokernel.weights.safetensors_loader import load_safetensors_weights
 from monokernel.weights.shard import (
     TensorParallelError,

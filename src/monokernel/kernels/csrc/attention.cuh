@@ -7,14 +7,6 @@
 #include "attention_window.cuh"
 #include "probes.cuh"
 
-// Independent score chains a thread runs per pass (each a key row's dot product and its
-// shuffle reduction): 4 make a short-context range (build.py attn_range) one pass instead of
-// two. Measured on an H100 against 2 (docs/perf-notes.md step 52): Qwen2.5-Coder-1.5B -2.0
-// µs/token on one backend, -0.9 and -3.8 on two; Llama-3.2-1B +0.4.
-#ifndef MK_ATTN_U
-#define MK_ATTN_U 4
-#endif
-
 // Query head hq over range `split` of a.ns. One range: writes the normalised output to
 // attn_out. Several: writes the unnormalised output sum_i exp(s_i - m) v_i and (m, l =
 // sum_i exp(s_i - m)), which stage C's input load merges (attn_reader_merges) or else the
@@ -26,8 +18,8 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
                                float* sm, float* red, float* win) {
   const int t = threadIdx.x;
   constexpr int HALF = MK_D / 2;
-  constexpr int CH = MK_ATTN_CH, GV = MK_ATTN_GV;
-  const int hq = blockIdx.x / a.ns, split = blockIdx.x % a.ns, kvh = hq / MK_GROUP;
+  constexpr int CH = kAttnCh, GV = kAttnGv;
+  const int hq = blockIdx.x / a.ns, split = blockIdx.x % a.ns, kvh = hq / kGroup;
   const bool reader = attn_reader_merges(a);
   const AttnRange r = attn_range(split, a.ns, pos);
   const int cnt = r.hi - r.lo;  // <= CHUNK <= THREADS: one position per thread
@@ -38,22 +30,21 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   float* kn = qs + MK_D;           // [D] the new key (position pos)
   float* vn = kn + MK_D;           // [D] the new value
   float* sc = vn + MK_D;           // [THREADS] probabilities
-  float* part = sc + MK_THREADS;   // [GV, D] per-group partial outputs
+  float* part = sc + kThreads;   // [GV, D] per-group partial outputs
   float* smax = part + GV * MK_D;  // [WARPS] each warp's largest score
-  float* lsum = smax + MK_WARPS;   // [GV] each P·V group's sum of exp(score - max)
+  float* lsum = smax + kWarps;   // [GV] each P·V group's sum of exp(score - max)
 
   const float* pq = p.qkv + hq * MK_D;
   const float* pk = p.qkv + MK_Q + kvh * MK_D;
   const float* pv = p.qkv + MK_Q + MK_KV + kvh * MK_D;
-  const int stages = max(1, (r.nc + MK_ATTN_P - 1) / MK_ATTN_P);  // filled by the prefetch
+  const int stages = max(1, (r.nc + kAttnP - 1) / kAttnP);  // filled by the prefetch
 #if !MK_QK_NORM
   // Thread t < HALF fetches the pairs (t, t + HALF) of q, k and v (all six words in flight
   // at once: one round trip; the window, which holds the RoPE row, is in by then, filled a
   // stage ahead) and rotates them itself: one barrier before the scores instead of the two
-  // a qk-norm needs (perf notes step 44).
+  // a qk-norm needs.
   for (int s = 0; s < stages; ++s) window_spin(win, s);
   if (t < HALF) {
-#if MK_SETTLE
     // The six words settle together: every stale one re-read in the same round.
     const float* src[6] = {pq + t, pq + t + HALF, pk + t, pk + t + HALF, pv + t, pv + t + HALF};
     unsigned u[6];
@@ -72,32 +63,13 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     kn[t + HALF] = w[3] * c + w[2] * s;
     vn[t] = w[4];
     vn[t + HALF] = w[5];
-#else
-    unsigned u[6];
-    u[0] = ld_flow_word(pq + t), u[1] = ld_flow_word(pq + t + HALF);
-    u[2] = ld_flow_word(pk + t), u[3] = ld_flow_word(pk + t + HALF);
-    u[4] = ld_flow_word(pv + t), u[5] = ld_flow_word(pv + t + HALF);
-    const float c = rope[t], s = rope[HALF + t];
-    const float scale = rsqrtf((float)MK_D);
-    const float q1 = flow_wait_value(pq + t, u[0], tag);
-    const float q2 = flow_wait_value(pq + t + HALF, u[1], tag);
-    qs[t] = (q1 * c - q2 * s) * scale;
-    qs[t + HALF] = (q2 * c + q1 * s) * scale;
-    const float k1 = flow_wait_value(pk + t, u[2], tag);
-    const float k2 = flow_wait_value(pk + t + HALF, u[3], tag);
-    kn[t] = k1 * c - k2 * s;
-    kn[t + HALF] = k2 * c + k1 * s;
-    vn[t] = flow_wait_value(pv + t, u[4], tag);
-    vn[t + HALF] = flow_wait_value(pv + t + HALF, u[5], tag);
-#endif
   }
   __syncthreads();
-  skew(p, pos - p.start_pos, layer, 9);
+  skew(p, pos - p.start_pos, layer, kSkewAttentionQkvIn);
   if (t == 0)
     for (int s = 0; s < stages; ++s) window_done(win, s);
 #else
   if (t < MK_D) {  // all three loads in flight before waiting for any: one round trip
-#if MK_SETTLE
     const float* src[3] = {pq + t, pk + t, pv + t};
     unsigned u[3] = {ld_flow_word(src[0]), ld_flow_word(src[1]), ld_flow_word(src[2])};
     const unsigned tags[3] = {tag, tag, tag};
@@ -105,16 +77,10 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     qs[t] = flow_untag(__uint_as_float(u[0]));
     kn[t] = flow_untag(__uint_as_float(u[1]));
     vn[t] = flow_untag(__uint_as_float(u[2]));
-#else
-    const unsigned uq = ld_flow_word(pq + t), uk = ld_flow_word(pk + t), uv = ld_flow_word(pv + t);
-    qs[t] = flow_wait_value(pq + t, uq, tag);
-    kn[t] = flow_wait_value(pk + t, uk, tag);
-    vn[t] = flow_wait_value(pv + t, uv, tag);
-#endif
   }
   for (int s = 0; s < stages; ++s) window_spin(win, s);
   __syncthreads();
-  skew(p, pos - p.start_pos, layer, 9);
+  skew(p, pos - p.start_pos, layer, kSkewAttentionQkvIn);
   if (t == 0)
     for (int s = 0; s < stages; ++s) window_done(win, s);
 #if MK_QK_NORM
@@ -137,18 +103,17 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
 #endif
   // The first query head of each group appends the new key/value; the others use the
   // shared-memory copies for this position, so no CTA waits on another's write.
-  if (hq % MK_GROUP == 0 && split == 0) append_kv(p, layer, kvh, pos, kn, vn);
-  skew_b(p, pos - p.start_pos, layer, 3);
+  if (hq % kGroup == 0 && split == 0) append_kv(p, layer, kvh, pos, kn, vn);
 
   // Scores: a group of CHP lanes reads one key row of the window (contiguous 16-byte chunks,
   // so no bank conflicts) and shuffle-reduces the dot product, U positions at a time
   // (independent chains: fewer dependent passes); the new position (jj == nc, when the
   // range ends at pos) is dotted the same way with the fp32 key. Lane k's chunk of the query
   // is the same in every pass: held in registers (read per pass, its strided 32-byte rows
-  // made the passes shared-memory bound: 0.33 µs each, perf notes step 21).
+  // would make the passes shared-memory bound).
   constexpr int CHP = CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
-  constexpr int PPP = MK_THREADS / CHP;  // positions per pass and chain
-  constexpr int U = MK_ATTN_U;           // chains
+  constexpr int PPP = kThreads / CHP;  // positions per pass and chain
+  constexpr int U = kAttnU;           // chains
   {
     const int k = t % CHP;
     float mw = -INFINITY;  // this lane's largest score (every lane of a group holds its sums)
@@ -165,7 +130,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
         d[u] = 0.f;
         if (k < CH) {
           if (jj < r.nc) {
-            d[u] = dot8x(ks[jj * CH + k], q0, q1);
+            d[u] = dot_bf16x8(ks[jj * CH + k], q0, q1);
           } else if (jj < cnt) {
             const float4* kp = reinterpret_cast<const float4*>(kn) + 2 * k;
             const float4 k0 = kp[0], k1 = kp[1];
@@ -188,21 +153,19 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
         }
       }
     }
-    skew_b(p, pos - p.start_pos, layer, 4);
     for (int o = CHP; o < 32; o <<= 1) mw = fmaxf(mw, __shfl_xor_sync(0xffffffffu, mw, o));
     if ((t & 31) == 0) smax[t >> 5] = mw;
   }
   __syncthreads();
-  skew(p, pos - p.start_pos, layer, 10);
+  skew(p, pos - p.start_pos, layer, kSkewAttentionScores);
   // Softmax statistics. The max: the warps' maxima from the score passes, combined by every
   // thread in the same order after the barrier the scores need anyway. The exp-sum: each P·V
   // group sums the weights it uses, and the final combine adds the groups' sums with their
-  // outputs. So no pass over the scores between the two barriers (every warp re-read all the
-  // scores for both before: perf notes step 44).
+  // outputs. So no pass over the scores between the two barriers.
   float m = -INFINITY, l = 0.f;
-  for (int w = 0; w < MK_WARPS; ++w) m = fmaxf(m, smax[w]);
+  for (int w = 0; w < kWarps; ++w) m = fmaxf(m, smax[w]);
   if (reader) m = flow_round(m);  // a reader merge weighs this range by the max as stored
-  skew(p, pos - p.start_pos, layer, 11);
+  skew(p, pos - p.start_pos, layer, kSkewAttentionSoftmax);
 
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   const int c = t % CH, g = t / CH;
@@ -229,10 +192,8 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     pp[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
     if (c == 0) lsum[g] = lg;
   }
-  skew_b(p, pos - p.start_pos, layer, 5);
   __syncthreads();
   for (int gg = 0; gg < GV; ++gg) l += lsum[gg];
-  skew_b(p, pos - p.start_pos, layer, 6);
   if (a.ns == 1) {
     if (t < MK_D) {
       float o = 0.f;
@@ -253,9 +214,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
       const float v = t == 0 ? m : t == 1 ? l : 0.f;
       st_flow_copies(p.attn_ml + 4 * slot + t, attn_slots(p) * 4, v, tag);
     }
-    skew_b(p, pos - p.start_pos, layer, 7);
     __syncthreads();
-    skew_b(p, pos - p.start_pos, layer, 8);
     return;
   }
   const int slot = hq * a.ns + split;

@@ -5,7 +5,7 @@
 // engine with the range's next positions while the others are computed on, so HBM streams
 // the cache while the SM works. Each cached key and value is read once for all G heads.
 //
-// Per ring stage of P positions (docs/perf-notes.md, step 18):
+// Per ring stage of P positions:
 // - scores [G, P]: CHP lanes share one key row, each converts its 16-byte chunk once and dots
 //   it with that chunk of all G queries (padded rows in shared memory: conflict-free), then a
 //   reduce-scatter butterfly leaves each head's sum in a pair of lanes (G - 1 + a few
@@ -18,32 +18,20 @@
 #pragma once
 #include "attention_window.cuh"
 
-// Timing probes (wrong results; scripts/kernel_variants.py only): bit 1 skips the scores, bit
-// 2 the P·V products, bit 4 the softmax update, so the stage's cost splits into its parts.
-#ifndef MK_ATTN_PROBE
-#define MK_ATTN_PROBE 0
-#endif
-// 1: each score lane holds its chunk of every query of the group in registers for the whole
-// unit (8 G floats) instead of re-reading it from shared memory in every pass: of the ~1,500
-// shared-memory wavefronts of a Llama-3.2-1B ring stage, ~1,000 were those re-reads
-// (docs/perf-notes.md step 32). Only where G <= 4 (32 registers): larger groups would spill.
-#ifndef MK_GROUP_QREG
-#define MK_GROUP_QREG 1
-#endif
 
 __device__ void attention_group(const Params& p, const LayerWeights& lw, int layer,
                                 const AttnPlan& a, int pos, unsigned done, unsigned tag,
                                 float* sm, float* red, float* win) {
-  constexpr int G = MK_GROUP, D = MK_D, CH = MK_ATTN_CH, HALF = D / 2;
-  constexpr int S = MK_ATTN_STAGES, P = MK_ATTN_P;
-  constexpr int NG = MK_THREADS / (CH * G);  // P·V position groups
+  constexpr int G = kGroup, D = MK_D, CH = kAttnCh, HALF = D / 2;
+  constexpr int S = kAttnStages, P = kAttnP;
+  constexpr int NG = kThreads / (CH * G);  // P·V position groups
   static_assert(NG >= 1, "a query group's outputs must fit one pass of the CTA's threads");
   constexpr int CHP = CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
-  constexpr int PPP = MK_THREADS / CHP;  // positions per score pass
+  constexpr int PPP = kThreads / CHP;  // positions per score pass
   constexpr int GP = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : G <= 8 ? 8 : 16;  // G, power of 2
   constexpr bool SCATTER = GP <= CHP;
   constexpr int QW = 12;                 // floats per padded query chunk (8 used)
-  constexpr int LP = (MK_THREADS / CH + 3) / 4 * 4;
+  constexpr int LP = (kThreads / CH + 3) / 4 * 4;
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const int kvh = blockIdx.x / a.ns, split = blockIdx.x % a.ns;
   const AttnRange r = attn_range(split, a.ns, pos);
@@ -60,7 +48,7 @@ __device__ void attention_group(const Params& p, const LayerWeights& lw, int lay
   const uint4* vs = ks + MK_ATTN_CHUNK * CH;
   const float* rope = win + MK_ATTN_CHUNK * D;
 
-  for (int i = t; i < (G + 2) * D; i += MK_THREADS) {
+  for (int i = t; i < (G + 2) * D; i += kThreads) {
     const int h = i / D, d = i % D;
     if (h < G) {
       qs[i] = ld_flow(p.qkv + (kvh * G + h) * D + d, tag);
@@ -78,12 +66,12 @@ __device__ void attention_group(const Params& p, const LayerWeights& lw, int lay
   __syncthreads();
   window_done(win, 0);
 #if MK_QK_NORM
-  for (int h = warp; h <= G; h += MK_WARPS)
+  for (int h = warp; h <= G; h += kWarps)
     head_rms(h < G ? qs + h * D : kn, h < G ? lw.q_norm : lw.k_norm, p.eps, lane);
   __syncthreads();
 #endif
   const float scale = rsqrtf((float)D);
-  for (int i = t; i < (G + 1) * HALF; i += MK_THREADS) {
+  for (int i = t; i < (G + 1) * HALF; i += kThreads) {
     const int h = i / HALF, j = i % HALF;
     const float c = rope[j], s = rope[HALF + j];
     const float f = h < G ? scale : 1.f;
@@ -111,7 +99,10 @@ __device__ void attention_group(const Params& p, const LayerWeights& lw, int lay
     if (SCATTER && (GP >> lv) > 1 && (k & (CHP >> (lv + 1)))) hk += (GP >> lv) / 2;
   const bool writer = SCATTER ? (k & (CHP / GP - 1)) == 0 && hk < G : k == 0;
   const float* qk = qp + k * QW;
-  constexpr bool QREG = MK_GROUP_QREG && G <= 4;
+  // Each score lane holds its chunk of every query of the group in registers for the whole
+  // unit (8 G floats) instead of re-reading it from shared memory in every pass (most of a
+  // ring stage's shared-memory traffic). Only where G <= 4: larger groups would spill.
+  constexpr bool QREG = G <= 4;
   float4 qr[QREG ? 2 * G : 1];
 #pragma unroll
   for (int h = 0; h < (QREG ? G : 0); ++h) {
@@ -135,7 +126,7 @@ __device__ void attention_group(const Params& p, const LayerWeights& lw, int lay
       float d[GP];
 #pragma unroll
       for (int h = 0; h < GP; ++h) d[h] = 0.f;
-      if (!(MK_ATTN_PROBE & 1) && k < CH && pp < np) {
+      if (k < CH && pp < np) {
         const uint4 u = ks[(row0 + pp) * CH + k];
         const float kf[8] = {bf_lo(u.x), bf_hi(u.x), bf_lo(u.y), bf_hi(u.y),
                              bf_lo(u.z), bf_hi(u.z), bf_lo(u.w), bf_hi(u.w)};
@@ -209,10 +200,10 @@ __device__ void attention_group(const Params& p, const LayerWeights& lw, int lay
     __syncthreads();
     if (j > 0) window_done(win, stage);
     // Probabilities against the new running max; G threads publish it for the next stage.
-    for (int i = t; i < G * P; i += MK_THREADS) {
+    for (int i = t; i < G * P; i += kThreads) {
       const int h = i / P, pp = i % P;
       const float mn = fmaxf(st_m[cur * G + h], ord_float(cm[h]));
-      if (pp < np) sc[i] = (MK_ATTN_PROBE & 4) ? 1.f : expf(sc[i] - mn);
+      if (pp < np) sc[i] = expf(sc[i] - mn);
       if (pp == 0) {
         st_m[(cur ^ 1) * G + h] = mn;
         cmax[(cur ^ 1) * G + h] = ord_key(-INFINITY);
@@ -226,7 +217,7 @@ __device__ void attention_group(const Params& p, const LayerWeights& lw, int lay
       for (int e = 0; e < 8; ++e) acc[e] *= al;
       lsum *= al;
 #pragma unroll 4
-      for (int pp = g; pp < ((MK_ATTN_PROBE & 2) ? 0 : np); pp += NG) {
+      for (int pp = g; pp < np; pp += NG) {
         const float wp = w[pp];
         const uint4 u = vs[(row0 + pp) * CH + c];
         lsum += wp;
@@ -243,7 +234,7 @@ __device__ void attention_group(const Params& p, const LayerWeights& lw, int lay
     }
   }
   if (has_pos) {  // the new position, from the fp32 key and value
-    for (int h = warp; h < G; h += MK_WARPS) {
+    for (int h = warp; h < G; h += kWarps) {
       float d = 0.f;
       for (int i = lane; i < D; i += 32) d = fmaf(qp[(h * CH + i / 8) * QW + i % 8], kn[i], d);
       d = warp_sum(d);
@@ -272,7 +263,7 @@ __device__ void attention_group(const Params& p, const LayerWeights& lw, int lay
   }
   __syncthreads();
   const int slot0 = (kvh * a.ns + split) * G;  // head h's partial: slot0 + h
-  for (int i = t; i < G * D; i += MK_THREADS) {
+  for (int i = t; i < G * D; i += kThreads) {
     const int h = i / D, d = i % D;
     float o = 0.f;
     for (int gg = 0; gg < NG; ++gg) o += part[(gg * G + h) * D + d];

@@ -1,7 +1,7 @@
 // Stage B's plan and its shared-memory window: which CTA attends over which cached positions
 // this step, and the ring the copy engine fills with those positions' keys and values.
 //
-// Two kinds of attention unit (docs/perf-notes.md, step 17):
+// Two kinds of attention unit:
 // - head units (attention.cuh): one query head over one position range that fits the window.
 //   Most parallel at short context (heads x ranges CTAs, no GQA sharing needed: the group's
 //   re-reads of a short range hit L2), and a range that fits is filled a whole stage ahead.
@@ -14,83 +14,23 @@
 #pragma once
 #include "flow.cuh"
 #include "gemv.cuh"
-#include "params.cuh"
+#include "layout.cuh"
 
-#define MK_GROUP (MK_NH / MK_NKV)                 // query heads per KV head
-#define MK_ATTN_CH (MK_D / 8)                     // 16-byte chunks in one key or value row
-#define MK_ATTN_GV (MK_THREADS / MK_ATTN_CH)      // head units' P·V position groups
-// Ring stages of the window and their size bound (build.py sizes shared memory from the
-// values MONOKERNEL_NVCC_FLAGS gives). Each stage a group unit computes costs ~0.78 µs of
-// fixed latency (three barriers, the max exchange, the mbarrier wait) whatever its length,
-// so two stages of 256 positions beat four of 128 although only one is in flight while the
-// other is computed: Llama-3.2-1B at 32k context 1,557-1,561 against 1,623-1,624 µs/token
-// on an H100 (docs/perf-notes.md step 34; eight stages: 1,821).
-#ifndef MK_ATTN_STAGES
-#define MK_ATTN_STAGES 2
-#endif
-#ifndef MK_ATTN_PMAX
-#define MK_ATTN_PMAX 256                          // positions per stage at most (CHUNK <= 512)
-#endif
-#define MK_ATTN_MIN_RANGE 64                      // group units: fewest positions per range
-// 0: a build without group units, for requests whose whole context head units cover (the
-// backend picks it for them, runtime/backends/monokernel.py): their code's registers then
-// weigh on nothing (measured: ~1% of a short-context step on one GPU, ~4% at TP=2). A plan
-// that needs group units traps in such a build.
-#ifndef MK_ATTN_GROUP
-#define MK_ATTN_GROUP 1
-#endif
-#if MK_NH % MK_NKV
-#error "query heads must be a multiple of KV heads"
-#endif
-
-// Scratch of stage B in floats (decode.cu's `att` region): the larger of the two unit kinds.
-// head:  q, k, v [3D] | probabilities [THREADS] | per-group partial outputs [GV, D] |
-//        per-warp score maxima [WARPS] + per-group exp-sums [GV], rounded to 4
-// group: running and stage max [4G] | k, v [2D] | exp-sums [THREADS / CH, rounded to 4] |
-//        q [G, D] + padded q [G, 3D/2] + probabilities [G, PMAX], all three reused as the
-//        per-group partial outputs [NG, G, D] (<= 8 * THREADS)
-#define MK_ATTN_SMEM_HEAD \
-  (3 * MK_D + MK_THREADS + MK_ATTN_GV * MK_D + (MK_WARPS + MK_ATTN_GV + 3) / 4 * 4)
-#define MK_ATTN_SMEM_GROUP                                                     \
-  (4 * MK_GROUP + 2 * MK_D + (MK_THREADS / MK_ATTN_CH + 3) / 4 * 4 +           \
-   MK_MAX2(MK_GROUP * (5 * MK_D / 2 + MK_ATTN_PMAX), 8 * MK_THREADS))
-#define MK_ATTN_SMEM MK_MAX2(MK_ATTN_SMEM_HEAD, MK_ATTN_SMEM_GROUP)
-
-// Positions the window holds (K and V rows, bf16). build.py passes the value it sized shared
-// memory for; this default serves a bare compile only.
-#ifndef MK_ATTN_CHUNK
-#define MK_ATTN_CHUNK \
-  ((152 * 1024 / (4 * MK_D)) / 32 * 32 < 512 ? (152 * 1024 / (4 * MK_D)) / 32 * 32 : 512)
-#endif
-#define MK_ATTN_P (MK_ATTN_CHUNK / MK_ATTN_STAGES)  // positions per ring stage
-#if MK_ATTN_CHUNK % 32 || MK_ATTN_CHUNK > 512 || MK_ATTN_P > MK_ATTN_PMAX
-#error "MK_ATTN_CHUNK must be a multiple of 32, at most 512"
-#endif
-// Window: K [CHUNK, D] bf16 | V [CHUNK, D] bf16 | RoPE cos, sin of the new position [D/2 +
-// D/2] fp32 | STAGES mbarriers (u64) | fills waited for per stage (u32; parity = the phase to
-// wait on) | fills issued per stage (u32). Ring stage s is rows [s*P, (s+1)*P) of K and V.
-#define MK_KVWIN_FLOATS (MK_ATTN_CHUNK * MK_D + MK_D + 4 * MK_ATTN_STAGES)
-
-// Head units' ranges at short context. A head's positions go to several head units (ranges
-// of about MK_ATTN_RANGE positions, at most grid / heads of them) even where one would fit
-// the window: the unit's work shrinks with its range and it sits on the latency-bound chain
-// A -> B -> C. The units write partial outputs and stage C's input load merges them
-// (load_attn_merged), so the split costs no extra round trip. 0: one range per window.
-// build.py passes two score passes' worth (KernelDims.attn_range).
-#ifndef MK_ATTN_RANGE
-#define MK_ATTN_RANGE 0
-#endif
-// 1: stage C merges head units' ranges while they fit its scratch; 0: the unit that
-// finishes a head's last range merges them (one more dependent round trip; an A/B knob).
-#ifndef MK_ATTN_READER_MERGE
-#define MK_ATTN_READER_MERGE 1
-#endif
-// Ranges a reader merge holds: partials [ns, Q] in xs, statistics [ns, NH, 4] in stage B's
-// scratch.
-#define MK_MERGE_NS MK_MIN2(MK_XS / MK_Q, MK_ATTN_SMEM / (4 * MK_NH))
+constexpr int kAttnP = MK_ATTN_CHUNK / kAttnStages;  // positions per ring stage
+static_assert(MK_ATTN_CHUNK % 32 == 0 && MK_ATTN_CHUNK <= 512 && kAttnP <= kAttnPmax,
+              "MK_ATTN_CHUNK must be a multiple of 32, at most 512");
+// The window (layout.py WINDOW): K [CHUNK, D] bf16 | V [CHUNK, D] bf16 | RoPE cos, sin of the
+// new position [D/2 + D/2] fp32 | STAGES mbarriers (u64) | fills waited for per stage (u32;
+// parity = the phase to wait on) | fills issued per stage (u32). Ring stage s is rows
+// [s*P, (s+1)*P) of K and V.
+//
+// Head units' ranges at short context (MK_ATTN_RANGE, build.py attn_range): a head's positions
+// go to several head units even where one range would fit the window, and stage C's input load
+// merges them (load_attn_merged) while they fit its scratch (kMergeNs, layout.py). MK_ATTN_GROUP
+// 0 (build.py's build without group units): a plan that needs group units traps.
 
 // Slots of p.attn / p.attn_ml (the host's allocation): NH x the most ranges a head or a KV
-// head's group can have; their copies (MK_FLOW_COPIES) lie that many slots apart.
+// head's group can have; their copies (kFlowCopies) lie that many slots apart.
 __device__ __forceinline__ size_t attn_slots(const Params& p) {
   return (size_t)MK_NH * (size_t)max(p.attn_splits, p.attn_group_splits);
 }
@@ -111,15 +51,15 @@ __device__ __forceinline__ AttnPlan attn_plan(const Params& p, int pos) {
   AttnPlan a;
   a.group = p.attn_splits == 0 || fit > p.attn_splits || n >= p.attn_group_from;
   if (a.group) {
-    const int want = (n + MK_ATTN_MIN_RANGE - 1) / MK_ATTN_MIN_RANGE;
+    const int want = (n + kAttnMinRange - 1) / kAttnMinRange;
     a.ns = want < p.attn_group_splits ? want : p.attn_group_splits;
     a.units = MK_NKV * a.ns;
   } else {
     a.ns = fit;
-#if MK_ATTN_RANGE > 0 && MK_ATTN_READER_MERGE
-    const int want = MK_MIN2(MK_MIN2((n + MK_ATTN_RANGE - 1) / MK_ATTN_RANGE, MK_MERGE_NS),
+#if MK_ATTN_RANGE > 0
+    const int want = cmin(cmin((n + MK_ATTN_RANGE - 1) / MK_ATTN_RANGE, kMergeNs),
                              p.attn_splits);
-    a.ns = MK_MAX2(a.ns, want);
+    a.ns = cmax(a.ns, want);
 #endif
     a.units = MK_NH * a.ns;
   }
@@ -128,7 +68,7 @@ __device__ __forceinline__ AttnPlan attn_plan(const Params& p, int pos) {
 
 // Whether stage C's input load merges this plan's ranges (else they arrive merged).
 __device__ __forceinline__ bool attn_reader_merges(const AttnPlan& a) {
-  return MK_ATTN_READER_MERGE && !a.group && a.ns > 1 && a.ns <= MK_MERGE_NS;
+  return !a.group && a.ns > 1 && a.ns <= kMergeNs;
 }
 
 // Where head unit (hq, range s) leaves its partial for a reader merge: the unnormalised
@@ -142,23 +82,22 @@ __device__ __forceinline__ int attn_part_slot(int hq, int split) { return split 
 // (deterministic). st: 4 * NH * ns floats of scratch. Each thread combines whole 8-float
 // chunks, inside which the swizzle moves values, so the combine runs in place without a
 // barrier inside it. Each combining thread also weighs its head's ranges itself (a few exps
-// a thread) instead of one thread a head doing it for all behind one more barrier (perf
-// notes step 44).
+// a thread) instead of one thread a head doing it for all behind one more barrier.
 __device__ __forceinline__ void load_attn_merged(const Params& p, int ns, unsigned tag,
                                                  float* xs, float* st) {
   const float* part = flow_copy(p.attn, attn_slots(p) * MK_D);
   const float* stats = flow_copy(p.attn_ml, attn_slots(p) * 4);
-  constexpr int NA = FlowChunks<MK_MERGE_NS * MK_Q>::N;
-  constexpr int NB = FlowChunks<4 * MK_MERGE_NS * MK_NH>::N;
+  constexpr int NA = FlowChunks<kMergeNs * MK_Q>::N;
+  constexpr int NB = FlowChunks<4 * kMergeNs * MK_NH>::N;
   flow_fetch<NA, NB>(xs, part, tag, ns * MK_Q / 4, st, stats, tag, ns * MK_NH);
   __syncthreads();
-  for (int c = threadIdx.x; c < MK_Q / 8; c += MK_THREADS) {
+  for (int c = threadIdx.x; c < MK_Q / 8; c += kThreads) {
     const int h = 8 * c / MK_D;  // D is a multiple of 8: a chunk lies in one head
     float mx = -INFINITY;
     for (int s = 0; s < ns; ++s) mx = fmaxf(mx, flow_untag(st[4 * attn_part_slot(h, s)]));
-    float w[MK_MERGE_NS], den = 0.f;
+    float w[kMergeNs], den = 0.f;
 #pragma unroll
-    for (int s = 0; s < MK_MERGE_NS; ++s) {
+    for (int s = 0; s < kMergeNs; ++s) {
       w[s] = 0.f;
       if (s < ns) {
         const float* e = st + 4 * attn_part_slot(h, s);
@@ -169,7 +108,7 @@ __device__ __forceinline__ void load_attn_merged(const Params& p, int ns, unsign
     }
     float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int s = 0; s < MK_MERGE_NS; ++s) {
+    for (int s = 0; s < kMergeNs; ++s) {
       if (s < ns) {
         const float ws = w[s] / den;
 #pragma unroll
@@ -200,7 +139,7 @@ __device__ __forceinline__ AttnRange attn_range(int split, int ns, int pos) {
 // The KV head whose cache this CTA's unit reads, and the unit's range index.
 __device__ __forceinline__ void attn_unit(const AttnPlan& a, int unit, int& kvh, int& split) {
   split = unit % a.ns;
-  kvh = a.group ? unit / a.ns : (unit / a.ns) / MK_GROUP;
+  kvh = a.group ? unit / a.ns : (unit / a.ns) / kGroup;
 }
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
@@ -212,17 +151,17 @@ __device__ __forceinline__ unsigned long long* window_mbar(float* win, int stage
 }
 
 __device__ __forceinline__ unsigned* window_waited(float* win) {
-  return reinterpret_cast<unsigned*>(window_mbar(win, MK_ATTN_STAGES));
+  return reinterpret_cast<unsigned*>(window_mbar(win, kAttnStages));
 }
 
 __device__ __forceinline__ unsigned* window_issued(float* win) {
-  return window_waited(win) + MK_ATTN_STAGES;
+  return window_waited(win) + kAttnStages;
 }
 
 // Once per launch, before the first fill.
 __device__ __forceinline__ void attention_window_init(float* win) {
   if (threadIdx.x == 0) {
-    for (int s = 0; s < MK_ATTN_STAGES; ++s) {
+    for (int s = 0; s < kAttnStages; ++s) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(window_mbar(win, s)))
                    : "memory");
       window_waited(win)[s] = 0u;
@@ -273,7 +212,7 @@ __device__ __forceinline__ void window_fill(const Params& p, int layer, int kvh,
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(mbar)),
                "r"(2 * kv_bytes + 2 * rope_bytes)
                : "memory");
-  bf16* kw = reinterpret_cast<bf16*>(win) + (size_t)stage * MK_ATTN_P * MK_D;
+  bf16* kw = reinterpret_cast<bf16*>(win) + (size_t)stage * kAttnP * MK_D;
   if (kv_bytes) {
     bulk_copy(kw, p.k_cache + row0, kv_bytes, mbar);
     bulk_copy(kw + MK_ATTN_CHUNK * MK_D, p.v_cache + row0, kv_bytes, mbar);
@@ -293,8 +232,8 @@ __device__ __forceinline__ void fence_window() {
 
 // Start filling the window with the first stages of this CTA's unit in stage B of `layer` at
 // `pos`, and the RoPE row of `pos` (with stage 0). Nothing here depends on the step's QKV
-// projection, so decode.cu issues it a stage ahead (during the previous layer's down
-// projection; for layer 0, after the barrier that ends the previous step, which orders that
+// projection, so it goes out a stage ahead (at stage D's hand-off, during the previous
+// layer's down projection; for layer 0, after the barrier that ends the previous step, which orders that
 // step's KV appends). Head units' ranges fit the window, so this fills all of them; group
 // units stream the rest of their range through the ring themselves.
 __device__ __forceinline__ void attention_prefetch(const Params& p, int layer, int pos,
@@ -305,10 +244,10 @@ __device__ __forceinline__ void attention_prefetch(const Params& p, int layer, i
   attn_unit(a, blockIdx.x, kvh, split);
   const AttnRange r = attn_range(split, a.ns, pos);
   fence_window();
-  const int stages = max(1, min(MK_ATTN_STAGES, (r.nc + MK_ATTN_P - 1) / MK_ATTN_P));
+  const int stages = max(1, min(kAttnStages, (r.nc + kAttnP - 1) / kAttnP));
   for (int s = 0; s < stages; ++s) {
-    const int cnt = max(0, min(MK_ATTN_P, r.nc - s * MK_ATTN_P));
-    window_fill(p, layer, kvh, r.lo + s * MK_ATTN_P, cnt, s, s == 0 ? pos : -1, win);
+    const int cnt = max(0, min(kAttnP, r.nc - s * kAttnP));
+    window_fill(p, layer, kvh, r.lo + s * kAttnP, cnt, s, s == 0 ? pos : -1, win);
   }
 }
 
@@ -337,7 +276,7 @@ __device__ __forceinline__ void window_done(float* win, int stage) {
 // must land first.
 __device__ __forceinline__ void attention_window_drain(float* win) {
   __syncthreads();
-  for (int s = 0; s < MK_ATTN_STAGES; ++s) {
+  for (int s = 0; s < kAttnStages; ++s) {
     if (window_waited(win)[s] != window_issued(win)[s]) window_spin(win, s);
   }
   __syncthreads();
@@ -351,7 +290,7 @@ __device__ __forceinline__ void attention_window_drain(float* win) {
 __device__ __forceinline__ void attn_merge(const Params& p, int nh, int ns, int base, int ss,
                                            int sh, int out0, unsigned tag, float* scratch) {
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  for (int h = warp; h < nh; h += MK_WARPS) {
+  for (int h = warp; h < nh; h += kWarps) {
     float mx = -INFINITY;
     for (int s = lane; s < ns; s += 32) mx = fmaxf(mx, __ldcg(p.attn_ml + 2 * (base + s * ss + h * sh)));
     mx = warp_max(mx);
@@ -367,7 +306,7 @@ __device__ __forceinline__ void attn_merge(const Params& p, int nh, int ns, int 
     for (int s = lane; s < ns; s += 32) scratch[h * ns + s] /= den;
   }
   __syncthreads();
-  for (int i = t; i < nh * MK_D; i += MK_THREADS) {
+  for (int i = t; i < nh * MK_D; i += kThreads) {
     const int h = i / MK_D, d = i % MK_D;
     float acc = 0.f;
 #pragma unroll 4

@@ -1,54 +1,14 @@
-// Shared helpers of the persistent decode kernel: loads, reductions, the grid barrier.
-//
-// Model dimensions arrive as -D defines (build.py): MK_H hidden, MK_Q = heads*head_dim,
-// MK_KV = kv_heads*head_dim, MK_I intermediate, MK_V vocab, MK_L layers, MK_D head_dim,
-// MK_NH heads, MK_NKV kv heads, and the 0/1 feature flags MK_QKV_BIAS, MK_O_BIAS, MK_QK_NORM.
+// Shared helpers of the persistent decode kernel: loads, reductions, the grid barrier. Free
+// of the model's dimensions (dims.cuh), so the all-reduce benchmark includes it too.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#ifndef MK_H
-// A bare `nvcc -c decode.cu` (CI's compile check) gets the Llama-3.2-1B shape; build.py
-// always passes every dimension, so a real build never falls back to these.
-#define MK_H 2048
-#define MK_Q 2048
-#define MK_KV 512
-#define MK_I 8192
-#define MK_V 128256
-#define MK_L 16
-#define MK_D 64
-#define MK_NH 32
-#define MK_NKV 8
-#define MK_QKV_BIAS 0
-#define MK_O_BIAS 0
-#define MK_QK_NORM 0
-#define MK_SPLIT_E 8
-#endif
+#include "tunables.cuh"
 
-// Tensor-parallel ranks (docs/tensor-parallel.md). 1: the single-GPU kernel, and every TP
-// addition below compiles away, so that kernel stays exactly as tuned.
-#ifndef MK_TP
-#define MK_TP 1
-#endif
-#define MK_TP_MAX 8  // peer pointers in Params (the all-reduce benchmark's limit too)
-#if MK_TP < 1 || MK_TP > MK_TP_MAX
-#error "MK_TP must be in [1, 8]"
-#endif
-
-#define MK_MAX2(a, b) ((a) > (b) ? (a) : (b))
-#define MK_MIN2(a, b) ((a) < (b) ? (a) : (b))
-// Floats of a stage's input vector in shared memory (decode.cu's xs): the longest of them.
-#define MK_XS MK_MAX2(MK_MAX2(MK_H, MK_Q), MK_I)
-#define MK_THREADS 512
-#define MK_WARPS (MK_THREADS / 32)
-
-#if (MK_H % 8) || (MK_Q % 8) || (MK_I % 8) || (MK_D % 8)
-#error "hidden, q, intermediate sizes and head_dim must be multiples of 8 (16-byte loads)"
-#endif
-#if MK_D > 256
-#error "head_dim above 256 is not supported"
-#endif
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+__host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
 typedef __nv_bfloat16 bf16;
 
@@ -77,11 +37,7 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
 // 32-byte chunk, so a buffer that starts on a 32-byte boundary keeps all of its data.
 // swz_off: the move in floats (-4, 0 or 4). Addresses 128 bytes apart move alike, so a loop
 // whose stride is a multiple of 32 floats computes it once.
-#ifndef MK_SWZ
-#define MK_SWZ 1  // 0: no swizzle (for A/B timing)
-#endif
 __device__ __forceinline__ int swz_off(const float* p) {
-  if (!MK_SWZ) return 0;
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
   return (a >> 7 & 1u) ? ((a & 16u) ? -4 : 4) : 0;
 }
@@ -103,7 +59,7 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 // The CTA index, thread index and grid size, read where they are used (volatile asm): a
 // value derived from them once and hoisted out of the step or layer loop holds a register
 // across that loop, and where registers run short it spills and is reloaded from local
-// memory on the way out of every stage (docs/perf-notes.md steps 45 and 59).
+// memory on the way out of every stage.
 #define MK_READ_SREG(fn, reg)                      \
   __device__ __forceinline__ unsigned fn() {       \
     unsigned v;                                    \
@@ -118,6 +74,20 @@ MK_READ_SREG(read_nctaid, "nctaid.x")
 __device__ __forceinline__ float bf_lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
 
+// Dot of 8 bf16 values (one 16-byte load) with the 8 floats (a, b), in order, fp32: the bf16
+// weight format's dot (formats/bf16.cuh) and the attention's dot with a cached key.
+__device__ __forceinline__ float dot_bf16x8(const uint4 u, const float4 a, const float4 b) {
+  float acc = bf_lo(u.x) * a.x;
+  acc = fmaf(bf_hi(u.x), a.y, acc);
+  acc = fmaf(bf_lo(u.y), a.z, acc);
+  acc = fmaf(bf_hi(u.y), a.w, acc);
+  acc = fmaf(bf_lo(u.z), b.x, acc);
+  acc = fmaf(bf_hi(u.z), b.y, acc);
+  acc = fmaf(bf_lo(u.w), b.z, acc);
+  acc = fmaf(bf_hi(u.w), b.w, acc);
+  return acc;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -130,7 +100,7 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Block-wide sum in a fixed order (deterministic). red: >= MK_WARPS + 1 floats of smem.
+// Block-wide sum in a fixed order (deterministic). red: >= kWarps + 1 floats of smem.
 __device__ __forceinline__ float block_sum(float v, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   v = warp_sum(v);
@@ -138,12 +108,12 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   if (lane == 0) red[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    float t = lane < MK_WARPS ? red[lane] : 0.f;
+    float t = lane < kWarps ? red[lane] : 0.f;
     t = warp_sum(t);
-    if (lane == 0) red[MK_WARPS] = t;
+    if (lane == 0) red[kWarps] = t;
   }
   __syncthreads();
-  return red[MK_WARPS];
+  return red[kWarps];
 }
 
 __device__ __forceinline__ float block_max(float v, float* red) {
@@ -153,12 +123,12 @@ __device__ __forceinline__ float block_max(float v, float* red) {
   if (lane == 0) red[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    float t = lane < MK_WARPS ? red[lane] : -INFINITY;
+    float t = lane < kWarps ? red[lane] : -INFINITY;
     t = warp_max(t);
-    if (lane == 0) red[MK_WARPS] = t;
+    if (lane == 0) red[kWarps] = t;
   }
   __syncthreads();
-  return red[MK_WARPS];
+  return red[kWarps];
 }
 
 // (score, id) pairs: larger score wins, ties to the lower id (the sampling rule's tie-break).
@@ -172,19 +142,6 @@ __device__ __forceinline__ void warp_argmax(float& s, int& i) {
     float os = __shfl_xor_sync(0xffffffffu, s, o);
     int oi = __shfl_xor_sync(0xffffffffu, i, o);
     if (better(os, oi, s, i)) { s = os; i = oi; }
-  }
-}
-
-// A barrier for the WARPS warps of one team (hardware barrier `id`, 1..15; 0 is
-// __syncthreads): one warp needs only __syncwarp, the whole CTA __syncthreads.
-template <int WARPS>
-__device__ __forceinline__ void team_sync(int id) {
-  if constexpr (WARPS == 1) {
-    __syncwarp();
-  } else if constexpr (WARPS == MK_WARPS) {
-    __syncthreads();
-  } else {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(WARPS * 32) : "memory");
   }
 }
 

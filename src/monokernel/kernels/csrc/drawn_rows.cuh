@@ -1,23 +1,16 @@
 // The LM head's last rows dealt at run time: whichever warp is free takes the next row.
 //
-// The SMs of one H100 stream at rates up to 13% apart (docs/perf-notes.md step 38), so with
-// the LM head's rows dealt equally the step waits for the slowest SMs (CTA 0 waited ~7.5 µs
-// on Qwen2.5-1.5B after step 58). The static deal keeps whole rounds of rows; the rest (the
-// tail) goes out by tickets. Step 49 lost with one counter and a ticket per pair of stage D
-// (thousands of atomics a layer on one address, each on a warp's path); here each warp slot
-// of a CTA has its own counter on its own 128-byte line, a ticket is drawn a whole row before
-// it is needed, and the tail is a few rows a warp once a token. (Stage D's last pairs dealt
-// so, with these counters, measured slower again: step 60.)
+// The SMs of one H100 stream at unequal rates, so with the LM head's rows dealt equally the
+// step waits for the slowest SMs. The static deal keeps whole rounds of rows; the rest (the
+// tail) goes out by tickets. Each warp slot of a CTA has its own counter on its own 128-byte
+// line (one counter for the grid makes every draw a round trip to one contended address), a
+// ticket is drawn a whole row before it is needed, and the tail is a few rows a warp once a
+// token.
 #pragma once
 #include "gemv.cuh"
 
-// Rows a warp takes from the tail, on average (0: the LM head is dealt statically only);
-// build.py picks it per shape (lm_head_drawn_rows).
-#ifndef MK_F_DRAWN
-#define MK_F_DRAWN 8
-#endif
-// Words of `barrier` (params.cuh) before the first counter, and between two counters.
-#define MK_TICKET_STRIDE 32
+// MK_F_DRAWN (build.py lm_head_drawn_rows): rows a warp takes from the tail, on average (0:
+// the LM head is dealt statically only).
 
 // The grid's size and this thread's warp, read where they are used (common.cuh read_*), so
 // nothing derived from them is held across the layer loop.
@@ -29,15 +22,15 @@ __device__ __forceinline__ int fresh_warp() { return (int)(read_tid() / 32); }
 __device__ __forceinline__ int static_rows(int rows, int groups) {
   if (MK_F_DRAWN == 0) return rows;
   const int ctas = fresh_ctas(), units = ctas * groups;
-  return (rows - min(rows, MK_F_DRAWN * ctas * MK_WARPS)) / units * units;
+  return (rows - min(rows, MK_F_DRAWN * ctas * kWarps)) / units * units;
 }
 
 // This warp slot's counter.
 __device__ __forceinline__ unsigned* ticket_counter(unsigned* barrier) {
-  return barrier + MK_TICKET_STRIDE * (1 + fresh_warp());
+  return barrier + kTicketStride * (1 + fresh_warp());
 }
 
-// One warp slot's share of a tail: counter w deals rows first + w, first + w + MK_WARPS, ...
+// One warp slot's share of a tail: counter w deals rows first + w, first + w + kWarps, ...
 // Every warp that draws from it stops at its first ticket past the end, so a step's draws
 // are exactly rows_w + gridDim.x whatever the timing: the counter counts on from step to step
 // (zeroed per launch only), and step s's tickets start at s * (rows_w + gridDim.x).
@@ -50,7 +43,7 @@ struct RowTickets {
   // The row of a ticket, or -1 past the tail.
   __device__ __forceinline__ int row(unsigned ticket) const {
     const unsigned t = ticket - base;
-    return t < count ? first + (int)t * MK_WARPS : -1;
+    return t < count ? first + (int)t * kWarps : -1;
   }
 };
 
@@ -58,7 +51,7 @@ __device__ __forceinline__ RowTickets row_tickets(unsigned* barrier, int first, 
                                                   int step) {
   const int w = fresh_warp();
   const int left = rows - first - w;
-  const unsigned count = left > 0 ? (unsigned)((left + MK_WARPS - 1) / MK_WARPS) : 0u;
+  const unsigned count = left > 0 ? (unsigned)((left + kWarps - 1) / kWarps) : 0u;
   return {ticket_counter(barrier), first + w, count, (unsigned)step * (count + fresh_ctas())};
 }
 
@@ -72,25 +65,26 @@ __device__ __forceinline__ unsigned draw_ticket(unsigned* counter) {
 
 // Whole rows of W [rows, K] (one warp a row) from the tickets of tk, the first of which
 // (`got`, lane 0's) was drawn earlier. out(r, value) is called by lane 0. A row goes out in
-// two batches (batches of 2 measured no different, step 59); each row's first batch goes out
-// before the row ahead of it is reduced, and the two buffers take turns, so no copy between
-// them waits for loads in flight (gemv_split's PINGPONG, step 58).
-template <int K, class Out, int BATCH = (RowShape<K, 1>::N + 1) / 2>
-__device__ __forceinline__ void gemv_drawn(const bf16* __restrict__ W, const RowTickets& tk,
-                                           unsigned got, const float* __restrict__ xs, int lane,
-                                           Out out, float scale) {
-  using S = RowShape<K, BATCH>;
+// two batches; each row's first batch goes out before the row ahead of it is reduced, and the
+// two buffers take turns, so no copy between them waits for loads in flight (gemv_split's
+// PINGPONG).
+template <int K, class F, class Out, int BATCH = (RowShape<F, K, 1>::N + 1) / 2>
+__device__ __forceinline__ void gemv_drawn(Matrix<F> M, const RowTickets& tk, unsigned got,
+                                           const float* __restrict__ xs, int lane, Out out,
+                                           float scale) {
+  using S = RowShape<F, K, BATCH>;
+  const typename F::Elem* __restrict__ W = M.rows;
   uint4 a[S::B], b[S::B];
   int r = tk.row(__shfl_sync(0xffffffffu, got, 0));
   if (r < 0) return;
-  issue_first<K, BATCH>(a, W + (size_t)r * K, lane);
+  issue_first<F, K, BATCH>(a, W + (size_t)r * K, lane);
   if (lane == 0) got = draw_ticket(tk.counter);
   // Row r from cur; the next row's first batch into nxt. False once the tail is done.
   auto one = [&](uint4(&cur)[S::B], uint4(&nxt)[S::B]) {
     const int rn = tk.row(__shfl_sync(0xffffffffu, got, 0));  // drawn a row ago
     if (rn >= 0 && lane == 0) got = draw_ticket(tk.counter);
-    issue_first<K, BATCH>(nxt, W + (size_t)(rn >= 0 ? rn : r) * K, lane, rn >= 0);
-    const float d = warp_sum(row_partial<K, BATCH>(cur, W + (size_t)r * K, xs, lane));
+    issue_first<F, K, BATCH>(nxt, W + (size_t)(rn >= 0 ? rn : r) * K, lane, rn >= 0);
+    const float d = warp_sum(row_partial<F, K, BATCH>(cur, W + (size_t)r * K, xs, lane));
     if (lane == 0) out(r, d * scale);
     r = rn;
     return rn >= 0;

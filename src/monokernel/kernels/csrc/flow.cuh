@@ -28,13 +28,9 @@
 //
 // Ordering that does need a fence stays on the grid barrier that ends each step (after the
 // LM head): KV-cache rows appended in stage B are read by other CTAs' window copies only after
-// it (decode.cu issues the copies for layer 0 after that barrier).
+// it (the LM head or the sampler issues the copies for layer 0 after that barrier).
 #pragma once
 #include "gemv.cuh"
-
-#ifndef MK_FLOW
-#define MK_FLOW 1  // 0: grid barrier at every hand-off (for A/B timing)
-#endif
 
 #define MK_TAG_BITS 0xffu
 
@@ -50,30 +46,24 @@ __device__ __forceinline__ void st_flow(float* p, float v, unsigned tag) {
 
 // Copies of the hand-off vectors that every CTA reads (x, delta, act, attn_out and the reader
 // merge's partials; not qkv, which only the attention units read): the producers write each
-// element into every copy and CTA c reads copy c % MK_FLOW_COPIES, so the L2 lines of one
-// vector see that fraction of the grid's polls. A hand-off's last round trip is a poll of
-// lines that up to 131 other SMs poll too; two copies made the hand-offs shorter (perf notes
-// step 45, H100, five processes: -3 to -8 µs/token on Llama-3.2-1B, 0 to -10 on
-// Qwen2.5-Coder-1.5B); three or four about the same, eight slower. The chain argument above
-// holds copy by copy. The host allocates the copies back to back (kernels/build.py
-// FLOW_COPIES).
-#ifndef MK_FLOW_COPIES
-#define MK_FLOW_COPIES 2
-#endif
-static_assert(MK_FLOW_COPIES >= 1, "MK_FLOW_COPIES: copies of each hand-off vector");
+// element into every copy and CTA c reads copy c % kFlowCopies (tunables.cuh), so the L2
+// lines of one vector see that fraction of the grid's polls: a hand-off's last round trip is
+// a poll of lines that up to 131 other SMs poll too. The chain argument above holds copy by
+// copy. The host allocates the copies back to back (kernels/layout.py handoff_regions).
+static_assert(kFlowCopies >= 1, "kFlowCopies: copies of each hand-off vector");
 
 // This CTA's copy of a hand-off vector whose copies lie n floats apart. The CTA index is read
 // where it is used (read_ctaid): offsets hoisted out of the layer loop held registers
 // across it and spilled (Qwen2.5: 122 bytes instead of 26 at four copies).
 __device__ __forceinline__ const float* flow_copy(const float* v, size_t n) {
-  if (MK_FLOW_COPIES == 1) return v;
-  return v + (read_ctaid() % MK_FLOW_COPIES) * n;
+  if (kFlowCopies == 1) return v;
+  return v + (read_ctaid() % kFlowCopies) * n;
 }
 
 // st_flow into every copy of a hand-off vector whose copies lie n floats apart.
 __device__ __forceinline__ void st_flow_copies(float* p, size_t n, float v, unsigned tag) {
 #pragma unroll
-  for (int k = 0; k < MK_FLOW_COPIES; ++k) st_flow(p + k * n, v, tag);
+  for (int k = 0; k < kFlowCopies; ++k) st_flow(p + k * n, v, tag);
 }
 
 __device__ __forceinline__ unsigned ld_flow_word(const float* p) {
@@ -103,16 +93,6 @@ __device__ __forceinline__ float flow_wait_value(const float* p, unsigned u, uns
 __device__ __forceinline__ float ld_flow(const float* p, unsigned tag) {
   return flow_wait_value(p, ld_flow_word(p), tag);
 }
-
-// 1: the inputs of one 16-byte chunk a thread (A's x, D's x and delta, C's unmerged attention
-// output) come in through registers and settle with flow_settle, and an attention unit's q,
-// k and v words settle together (attention.cuh); 0: cp.async into shared memory (flow_fetch)
-// and the unit's words waited for one after another, as before (for A/B timing). Measured on
-// an H100 (docs/perf-notes.md step 46), both together, on four machines: Qwen2.5-Coder-1.5B
-// -9 to -16 µs/token, Llama-3.2-1B -2 to -6; either one alone was slower than neither.
-#ifndef MK_SETTLE
-#define MK_SETTLE 1
-#endif
 
 __device__ __forceinline__ uint4 ld_flow_chunk(const float* p) {
   uint4 u;
@@ -149,8 +129,7 @@ __device__ __forceinline__ void flow_take(uint4& got, uint4 v, unsigned m) {
 // another pays a round trip for each item still stale when its turn comes). Words only go
 // from stale to fresh while a reader waits (the chain argument above), so a fresh word is
 // kept from whichever round brought it. A producer that never writes means a bug: trap after
-// ~10 s rather than hang. (Two or three rounds in flight, spaced 250-400 cycles, measured
-// worse on an H100: perf notes step 46.)
+// ~10 s rather than hang.
 template <int N, typename T, typename Addr>
 __device__ __forceinline__ void flow_settle(T (&got)[N], Addr addr, const unsigned (&tags)[N]) {
   constexpr int W = sizeof(T) / 4;
@@ -196,12 +175,11 @@ __device__ __forceinline__ void flow_settle(T (&got)[N], Addr addr, const unsign
 template <int K>
 struct FlowChunks {
   static_assert(K % 4 == 0, "flow vectors are fetched in 16-byte chunks");
-  static constexpr int N = (K / 4 + MK_THREADS - 1) / MK_THREADS;
+  static constexpr int N = (K / 4 + kThreads - 1) / kThreads;
   static_assert(N <= 32, "a pending mask holds one bit per chunk of a thread");
 };
 
-// The chunks are dealt over a team of STRIDE threads (the CTA, or the warps that share one
-// K slice of a split GEMV: load_flow_team); `idx` is the thread's index in its team.
+// The chunks are dealt over STRIDE threads (the CTA); `idx` is the thread's index among them.
 // Bit j: chunk idx + j * STRIDE is among the first `chunks`.
 template <int N, int STRIDE>
 __device__ __forceinline__ unsigned flow_mask(int idx, int chunks) {
@@ -261,7 +239,7 @@ __device__ __forceinline__ float flow_round(float v) {
 // both are there; tags left in place. NA / NB bound the chunks per thread (0: no b). SW: a is
 // a GEMV input, stored swizzled. A producer that never writes means a bug: trap after ~10 s
 // rather than hang.
-template <int NA, int NB, int STRIDE = MK_THREADS, bool SW = false>
+template <int NA, int NB, int STRIDE = kThreads, bool SW = false>
 __device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigned tag_a, int ca,
                                            float* b = nullptr, const float* src_b = nullptr,
                                            unsigned tag_b = 0u, int cb = 0,
@@ -281,26 +259,23 @@ __device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigne
 // A norm's gain (K floats, global; null: folded into the next matrix) copied into shared
 // memory `dst` with cp.async, not waited for. Issued before a stage's first weight loads go
 // out at the end of the stage before it: read after the hand-off instead, the gain's L2 hits
-// queued behind those loads (0.7 µs at D's input on an H100, scripts/stage_skew.py). Each
+// queued behind those loads (tools/stage_skew.py shows it at D's input). Each
 // thread copies the chunks it later fetches of the norm's input (the same deal as
 // flow_fetch's), so the deferred norm's readers wait only for their own copies (the
 // cp.async.wait_all in flow_fetch or embed_norm); tensor parallelism's rms_scale waits and
 // publishes them to the CTA.
-#ifndef MK_GAIN_STAGE
-#define MK_GAIN_STAGE 1  // 0: the norms read their gains from global memory (for A/B timing)
-#endif
 template <int K>
 __device__ __forceinline__ void stage_gain(float* dst, const float* gain) {
-  if (!MK_GAIN_STAGE || !gain) return;
+  if (!gain) return;
   constexpr int N = FlowChunks<K>::N;
-  flow_issue<N, MK_THREADS>((int)threadIdx.x, dst, gain,
-                            flow_mask<N, MK_THREADS>((int)threadIdx.x, K / 4));
+  flow_issue<N, kThreads>((int)threadIdx.x, dst, gain,
+                            flow_mask<N, kThreads>((int)threadIdx.x, K / 4));
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
 // Where a norm reads its gain: stage_gain's copy in dst, or global memory when not staged.
 __device__ __forceinline__ const float* staged_gain(const float* dst, const float* gain) {
-  return MK_GAIN_STAGE && gain ? dst : gain;
+  return gain ? dst : gain;
 }
 
 __device__ __forceinline__ void cp_async_wait_all() {
@@ -320,25 +295,23 @@ __device__ __forceinline__ float rms_scale(float ss, float* red, float eps) {
 // (W (g * x)) / rms(x). The stage's input is then g * x, which each thread writes for the
 // elements it fetched itself (the gain chunks it staged are the same ones, stage_gain), and
 // the scale multiplies each row's dot product. The norm costs the one barrier that publishes
-// the input, instead of block_sum's three, a pass over the vector and another barrier
-// (docs/perf-notes.md step 44: -4 to -5 µs/token on an H100). Tensor parallelism's residual
-// (tp.cuh) still normalises in place with rms_scale.
-// red[MK_NORM_RED ..+ WARPS): the warps' sums of squares. Read right after the barrier that
+// the input, instead of block_sum's three, a pass over the vector and another barrier.
+// Tensor parallelism's residual (tp.cuh) still normalises in place with rms_scale.
+// red[kNormRed ..+ WARPS): the warps' sums of squares. Read right after the barrier that
 // follows their writes; the next writes are the next norm's, with the stages' barriers in
 // between; no other user of red touches them.
-#define MK_NORM_RED 40
-static_assert(MK_NORM_RED + MK_WARPS <= 64, "red holds 64 floats (decode.cu)");
+static_assert(kNormRed + kWarps <= 64, "red holds 64 floats (layout.py)");
 
 // 1/rms of K values of which this thread's squares sum to ss; publishes shared memory written
 // before it (one barrier). All threads must call.
 template <int K>
 __device__ __forceinline__ float norm_scale(float ss, float* red, float eps) {
   ss = warp_sum(ss);
-  if ((threadIdx.x & 31) == 0) red[MK_NORM_RED + (threadIdx.x >> 5)] = ss;
+  if ((threadIdx.x & 31) == 0) red[kNormRed + (threadIdx.x >> 5)] = ss;
   __syncthreads();
   float s = 0.f;
 #pragma unroll
-  for (int w = 0; w < MK_WARPS; ++w) s += red[MK_NORM_RED + w];  // one order in every thread
+  for (int w = 0; w < kWarps; ++w) s += red[kNormRed + w];  // one order in every thread
   return rsqrtf(s / K + eps);
 }
 
@@ -355,13 +328,16 @@ __device__ __forceinline__ float flow_untag_chunks(float* v, unsigned idx, int l
   for (int j = 0; j < N; ++j) {
     const int i = 4 * (idx + j * STRIDE);
     if (i < len) {
-      float* c = v + i + so;
+      float4* c = reinterpret_cast<float4*>(v + i + so);  // one 16-byte chunk
+      const float4 u = *c;
+      const float x[4] = {flow_untag(u.x), flow_untag(u.y), flow_untag(u.z), flow_untag(u.w)};
+      float y[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const float x = flow_untag(c[k]);
-        c[k] = gain ? x * gain[i + k] : x;
-        ss += x * x;
+        y[k] = gain ? x[k] * gain[i + k] : x[k];
+        ss += x[k] * x[k];
       }
+      *c = make_float4(y[0], y[1], y[2], y[3]);
     }
   }
   return ss;
@@ -375,7 +351,7 @@ template <int K>
 __device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned tag,
                                            const float* gain = nullptr) {
   constexpr int N = FlowChunks<K>::N;
-  if constexpr (MK_SETTLE && N == 1) {
+  if constexpr (N == 1) {
     // One chunk a thread: through registers (flow_settle), then untagged into xs.
     const int i = 4 * threadIdx.x;
     float ss = 0.f;
@@ -395,8 +371,8 @@ __device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned
     }
     return ss;
   } else {
-    flow_fetch<N, 0, MK_THREADS, true>(xs, src, tag, K / 4);
-    return flow_untag_chunks<N, MK_THREADS>(xs, threadIdx.x, K, gain);
+    flow_fetch<N, 0, kThreads, true>(xs, src, tag, K / 4);
+    return flow_untag_chunks<N, kThreads>(xs, threadIdx.x, K, gain);
   }
 }
 
@@ -411,7 +387,7 @@ __device__ __forceinline__ float load_flow_sum(float* a, const float* src_a, uns
                                                float* scaled = nullptr,
                                                const float* gain = nullptr) {
   constexpr int N = FlowChunks<K>::N;
-  if constexpr (MK_SETTLE && N == 1) {
+  if constexpr (N == 1) {
     // One chunk of each a thread: both through registers (flow_settle).
     const int i = 4 * threadIdx.x;
     float ss = 0.f;
@@ -439,7 +415,7 @@ __device__ __forceinline__ float load_flow_sum(float* a, const float* src_a, uns
   const int so = scaled ? swz_off(scaled + 4 * threadIdx.x) : 0;  // same for every chunk
 #pragma unroll
   for (int j = 0; j < N; ++j) {
-    const int i = 4 * (threadIdx.x + j * MK_THREADS);
+    const int i = 4 * (threadIdx.x + j * kThreads);
     if (i < K) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
@@ -453,25 +429,18 @@ __device__ __forceinline__ float load_flow_sum(float* a, const float* src_a, uns
   return ss;
 }
 
-// One K slice of a split GEMV's input, fetched by the team of warps that reads it
-// (Split<K, SPLIT>: warps s, S + s, 2S + s, ... share slice s): xs[s KP .. (s+1) KP) <- src
-// (tag), tags cleared, then the team meets at its own barrier. A warp so starts its rows as
-// soon as its slice is in and its partners are done with the previous stage, while other
-// warps of the CTA may still be finishing theirs. The caller keeps every other warp's
-// reads off this slice's shared memory.
-template <int K, int SPLIT>
-__device__ __forceinline__ void load_flow_team(float* xs, const float* src, unsigned tag,
-                                               int warp, int lane) {
-  using P = Split<K, SPLIT>;
-  constexpr int TEAM = P::GROUPS * 32;
-  constexpr int C = P::KP / 4;  // 16-byte chunks in the slice
-  constexpr int N = (C + TEAM - 1) / TEAM;
-  static_assert(N <= 32, "a pending mask holds one bit per chunk of a thread");
-  const int s = warp % P::S, idx = (warp / P::S) * 32 + lane;
-  float* dst = xs + s * P::KP;
-  flow_fetch<N, 0, TEAM, true>(dst, src + s * P::KP, tag, C, nullptr, nullptr, 0u, 0, idx);
-  flow_untag_chunks<N, TEAM>(dst, (unsigned)idx, P::KP);  // no norm here: the sum goes unused
-  team_sync<P::GROUPS>(1 + s);
+// xs[0..K) <- src (fp32, written by other CTAs with `tag`, above), swizzled as every GEMV
+// input is (common.cuh); optionally RMS-normalised, the 1/rms deferred to the dot products
+// (norm_scale). gain (may be null): the norm's gain when it was not folded into the next
+// matrix, in global or (staged) shared memory. Returns the scale the stage's dot products
+// still need: the norm's 1/rms, or 1.
+template <int K>
+__device__ __forceinline__ float load_vec(float* xs, const float* src, unsigned tag, bool norm,
+                                          float eps, float* red, const float* gain = nullptr) {
+  if (norm) return norm_scale<K>(load_flow<K>(xs, src, tag, gain), red, eps);
+  load_flow<K>(xs, src, tag);
+  __syncthreads();
+  return 1.f;
 }
 
 // Whether every CTA owns a row of the stages whose outputs order the buffers' reuse (see the
@@ -480,7 +449,7 @@ __device__ __forceinline__ void load_flow_team(float* xs, const float* src, unsi
 template <int GROUPS_C, int GROUPS_E>
 __device__ __forceinline__ bool flow_possible() {
   const int last = (int)gridDim.x - 1;
-  return MK_FLOW && last * GROUPS_C < MK_H && last * MK_WARPS < MK_I &&
+  return last * GROUPS_C < MK_H && last * kWarps < MK_I &&
          last * GROUPS_E < MK_H;
 }
 

@@ -2,7 +2,7 @@
 // counter-based uniforms u = ((fmix32(key ^ id*0x9E3779B1) >> 8) + 0.5) / 2^24, Gumbel-max,
 // top-k and top-p thresholds with ties kept, argmax ties to the lowest id.
 #pragma once
-#include "params.cuh"
+#include "layout.cuh"
 
 __device__ __forceinline__ uint32_t fmix32(uint32_t x) {
   x ^= x >> 16;
@@ -36,7 +36,7 @@ struct SampleScratch {
   unsigned long long* h64;  // [256] fixed-point probability mass per radix bin
   unsigned* h32;            // [256] counts per radix bin
   int* misc;                // [16]
-  float* red;               // [MK_WARPS + 1]
+  float* red;               // [kWarps + 1]
 };
 
 #define MK_PFIX 1099511627776.0  // 2^40: probabilities in fixed point, so sums are exact
@@ -53,9 +53,9 @@ __device__ int sample_filtered(const Params& p, uint32_t key, SampleScratch s) {
     uint32_t prefix = 0, mask = 0;
     int need = p.top_k;
     for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int b = t; b < 256; b += MK_THREADS) s.h32[b] = 0;
+      for (int b = t; b < 256; b += kThreads) s.h32[b] = 0;
       __syncthreads();
-      for (int i = t; i < MK_V; i += MK_THREADS) {
+      for (int i = t; i < MK_V; i += kThreads) {
         const uint32_t k = order_key(ld_act(p.logits + i) / temp);
         if ((k & mask) == prefix) atomicAdd(&s.h32[(k >> shift) & 255u], 1u);
       }
@@ -82,13 +82,13 @@ __device__ int sample_filtered(const Params& p, uint32_t key, SampleScratch s) {
   const bool use_p = p.top_p < 1.f;
   if (use_p) {
     float lm = -INFINITY;
-    for (int i = t; i < MK_V; i += MK_THREADS) {
+    for (int i = t; i < MK_V; i += kThreads) {
       const float z = ld_act(p.logits + i) / temp;
       if (order_key(z) >= kth) lm = fmaxf(lm, z);
     }
     zmax = block_max(lm, s.red);
     float ls = 0.f;
-    for (int i = t; i < MK_V; i += MK_THREADS) {
+    for (int i = t; i < MK_V; i += kThreads) {
       const float z = ld_act(p.logits + i) / temp;
       if (order_key(z) >= kth) ls += expf(z - zmax);
     }
@@ -98,9 +98,9 @@ __device__ int sample_filtered(const Params& p, uint32_t key, SampleScratch s) {
     unsigned long long above = 0;
     bool found = true;
     for (int shift = 24; shift >= 0 && found; shift -= 8) {
-      for (int b = t; b < 256; b += MK_THREADS) s.h64[b] = 0;
+      for (int b = t; b < 256; b += kThreads) s.h64[b] = 0;
       __syncthreads();
-      for (int i = t; i < MK_V; i += MK_THREADS) {
+      for (int i = t; i < MK_V; i += kThreads) {
         const float z = ld_act(p.logits + i) / temp;
         if (order_key(z) < kth) continue;
         const float pr = expf(z - zmax) / denom;
@@ -136,7 +136,7 @@ __device__ int sample_filtered(const Params& p, uint32_t key, SampleScratch s) {
   // --- Gumbel-max over the kept set ---
   float best = -INFINITY;
   int best_id = 0x7fffffff;
-  for (int i = t; i < MK_V; i += MK_THREADS) {
+  for (int i = t; i < MK_V; i += kThreads) {
     const float z = ld_act(p.logits + i) / temp;
     if (order_key(z) < kth) continue;
     if (use_p && expf(z - zmax) / denom < pstar) continue;
@@ -153,7 +153,7 @@ __device__ int sample_filtered(const Params& p, uint32_t key, SampleScratch s) {
   if (t == 0) {
     float b = s.red[0];
     int bi = (int)s.h32[0];
-    for (int w = 1; w < MK_WARPS; ++w)
+    for (int w = 1; w < kWarps; ++w)
       if (better(s.red[w], (int)s.h32[w], b, bi)) { b = s.red[w]; bi = (int)s.h32[w]; }
     s.misc[1] = bi;
   }

@@ -1,7 +1,7 @@
 // The step's end without a grid barrier: each CTA publishes its best (score, id) as one tagged
 // 64-bit word, and every CTA polls the grid's words directly (one L2 round trip where the
 // barrier took two: its counter, then the partials). Greedy and Gumbel-max draws only; top-k /
-// top-p need every logit and keep the barrier (decode.cu).
+// top-p need every logit and keep the barrier (stage_sample.cuh).
 //
 // Word: score bits [63:32] | id [31:14] | cancel [13] | tag [12:0]. The tag is the step's
 // (1-based, mod 2^13; the buffer is zeroed per launch, so step 0's tag 1 never matches). A
@@ -11,19 +11,17 @@
 // acquire (then a CTA barrier, as grid_wait) order this step's KV appends before the next
 // step's window copies, as the barrier did.
 #pragma once
-#include "params.cuh"
+#include "layout.cuh"
 
-// 0: the grid barrier and the partials read after it, as before (-DMK_TOKEN_WORDS=0).
-#ifndef MK_TOKEN_WORDS
-#if MK_TP == 1 && MK_V <= (1 << 18)
-#define MK_TOKEN_WORDS 1
-#else
-#define MK_TOKEN_WORDS 0  // TP exchanges tokens across ranks (tp.cuh); a larger vocabulary
-                          // does not fit the id field
-#endif
-#endif
-static_assert(!MK_TOKEN_WORDS || (MK_TP == 1 && MK_V <= (1 << 18)),
-              "token words: one GPU, ids below 2^18");
+// Where token words apply; elsewhere the step ends on the grid barrier and the partials read
+// after it: TP exchanges tokens across ranks (tp.cuh), and a larger vocabulary does not fit
+// the id field.
+constexpr bool kTokenWords = MK_TP == 1 && MK_V <= (1 << 18);
+
+// The words: one a CTA, in Params::part_score (layout.py token_words).
+__device__ __forceinline__ unsigned long long* token_words(const Params& p) {
+  return reinterpret_cast<unsigned long long*>(p.part_score);
+}
 
 constexpr unsigned kTokenTagMask = 0x1fffu;  // bits [12:0]
 constexpr unsigned kTokenIdMask = 0x3ffffu;  // 18 bits from bit 14

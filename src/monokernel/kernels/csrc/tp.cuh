@@ -19,11 +19,75 @@
 // global id), and rank 0's cancel bit stops every rank at the same step.
 #pragma once
 #include "flow.cuh"
-#include "params.cuh"
+#include "layout.cuh"
+
+// The two ways a layer's partial results become everyone's: Net is SingleGpu or, in a
+// -DMK_TP=N build, TensorParallel (picked once, at the end of this file). The stages call Net
+// only where the two differ: the residual's all-reduces after the O and down projections, the
+// LM head's vocabulary slice, and the token exchange.
+
+// One GPU: every CTA's rows go straight into the tagged hand-off vectors (flow.cuh).
+struct SingleGpu {
+  // top-k / top-p draw from the whole distribution (CTA 0, behind a grid barrier).
+  __device__ static __forceinline__ bool filtered(const Params& p, bool greedy) {
+    return !greedy && ((p.top_k > 0 && p.top_k < MK_V) || p.top_p < 1.f);
+  }
+  // The generation of a layer's first all-reduce: none here.
+  __device__ static __forceinline__ unsigned reduce_tag(const Params&, int, int) { return 0u; }
+  // xs <- the residual x after a down projection (tag_x), RMS-normalised, the 1/rms deferred
+  // to the dot products: returns it. The input of stage A (after layer 0) and of the LM head.
+  __device__ static __forceinline__ float residual_input(const Params& p, float* xs,
+                                                         const float*, unsigned, unsigned tag_x,
+                                                         float* red, const float* gain) {
+    return load_vec<MK_H>(xs, flow_copy(p.x, MK_H), tag_x, true, p.eps, red, gain);
+  }
+  // Row r of the O projection: into delta, with its bias (gemv_split adds o_proj_bias).
+  __device__ static __forceinline__ void o_proj_row(const Params& p, unsigned, unsigned tag,
+                                                    int r, float d) {
+    st_flow_copies(p.delta + r, MK_H, d, tag);
+  }
+  __device__ static __forceinline__ const float* o_proj_bias(const LayerWeights& lw) {
+    return MK_O_BIAS ? lw.bo : nullptr;
+  }
+  // Stage D's input: x and delta in one round trip (xs is scratch for delta); xres <- x +
+  // delta and, the norm deferred, xd <- (x + delta) * gain. Returns this thread's sum of
+  // squares.
+  __device__ static __forceinline__ float mlp_residual(const Params& p, const LayerWeights&,
+                                                       float* xs, float* xres, float* xd,
+                                                       const float* gain, unsigned,
+                                                       unsigned tag, unsigned tag_x) {
+    return load_flow_sum<MK_H>(xres, flow_copy(p.x, MK_H), tag_x, xs, flow_copy(p.delta, MK_H),
+                               tag, xd, gain);
+  }
+  // Stage D's norm: the 1/rms its dot products still need; publishes xd and xres.
+  __device__ static __forceinline__ float mlp_norm(const Params& p, float s2, const float*,
+                                                   float*, float* red, const float*) {
+    return norm_scale<MK_H>(s2, red, p.eps);
+  }
+  // Row r of the down projection plus the residual: into x.
+  __device__ static __forceinline__ void down_row(const Params& p, const float* xres, unsigned,
+                                                  unsigned tag, int r, float d) {
+    st_flow_copies(p.x + r, MK_H, xres[r] + d, tag);
+  }
+  // The token id of LM-head row r (it keys the sampling noise and the tie-break).
+  __device__ static __forceinline__ int token_id(const Params&, int r) { return r; }
+  // Thread 0, with this CTA's reduced best: nothing to exchange.
+  __device__ static __forceinline__ void exchange(const Params&, int, float&, int&, int*) {}
+  // The cancel bit after the exchange: the one the token words carried.
+  __device__ static __forceinline__ bool exchanged_cancel(const int*, bool seen) { return seen; }
+  // Whether the host asked to stop: the token words' cancel bit, or the flag the host CTA set
+  // before the step's barrier.
+  __device__ static __forceinline__ bool stop_asked(const Params& p, bool words, bool seen) {
+    return words ? seen : __ldcg(p.flags + kFlagCancel) != 0;
+  }
+  // Whether this GPU reports tokens to the host.
+  __device__ static __forceinline__ bool speaks(const Params&) { return true; }
+};
 
 #if MK_TP > 1
 
-#define MK_TP_RED_WORDS (2 * 2 * MK_TP * MK_H)  // u32 words of the reduction area
+// u32 words of the reduction area, before the token units (layout.py tp_recv_bytes).
+constexpr int kTpRedWords = 2 * 2 * MK_TP * MK_H;
 
 __device__ __forceinline__ void tp_st2(unsigned* a, unsigned x, unsigned y) {
   asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(a), "r"(x), "r"(y) : "memory");
@@ -97,7 +161,7 @@ __device__ __forceinline__ void tp_load_residual(const Params& p, float* xs, con
                                                  float* red, const float* gain) {
   float ss = 0.f;
   const int so = swz_off(xs + threadIdx.x);  // xs is a GEMV input (common.cuh); same for every i
-  for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) {
+  for (int i = threadIdx.x; i < MK_H; i += kThreads) {
     const float v = xres[i] + tp_sum(p, tag, i);
     xs[i + so] = v;
     ss += v * v;
@@ -105,9 +169,9 @@ __device__ __forceinline__ void tp_load_residual(const Params& p, float* xs, con
   }
   const float r = rms_scale<MK_H>(ss, red, eps);
   if (gain) {
-    for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) xs[i + so] *= r * gain[i];
+    for (int i = threadIdx.x; i < MK_H; i += kThreads) xs[i + so] *= r * gain[i];
   } else {
-    for (int i = threadIdx.x; i < MK_H; i += MK_THREADS) xs[i + so] *= r;
+    for (int i = threadIdx.x; i < MK_H; i += kThreads) xs[i + so] *= r;
   }
   __syncthreads();
 }
@@ -122,9 +186,10 @@ __device__ __forceinline__ int tp_pick_token(const Params& p, int step, float& b
     const unsigned cancel = p.tp_rank == 0 && __ldcg(p.flags) != 0 ? 1u : 0u;
     const uint4 w = make_uint4(__float_as_uint(b), tag, (unsigned)bi * 2u + cancel, tag);
 #pragma unroll
-    for (int k = 0; k < MK_TP; ++k) tp_st4(p.tp_recv[k] + MK_TP_RED_WORDS + 4 * (par + p.tp_rank), w);
+    for (int k = 0; k < MK_TP; ++k)
+      tp_st4(p.tp_recv[k] + kTpRedWords + 4 * (par + p.tp_rank), w);
   }
-  const unsigned* mine = p.tp_mine + MK_TP_RED_WORDS + 4 * par;
+  const unsigned* mine = p.tp_mine + kTpRedWords + 4 * par;
   int cancel = 0;
   const long long t0 = clock64();
 #pragma unroll
@@ -149,4 +214,82 @@ __device__ __forceinline__ int tp_pick_token(const Params& p, int step, float& b
   return cancel;
 }
 
+// Several GPUs: each rank holds a slice of every matrix (heads, intermediate, vocabulary);
+// the residual's partial sums are all-reduced over the peers, and the ranks agree on a token.
+struct TensorParallel {
+  // The vocabulary is split over ranks, so the host refuses top-k / top-p under TP.
+  __device__ static __forceinline__ bool filtered(const Params&, bool) { return false; }
+  // Generations of a layer's two all-reduces (after O-proj, after down): tag and tag + 1.
+  __device__ static __forceinline__ unsigned reduce_tag(const Params& p, int step, int layer) {
+    return p.tp_tag + 2u * (unsigned)(step * MK_L + layer);
+  }
+  // The residual after the previous down projection's all-reduce (generation red - 1),
+  // normalised in place: no scale left for the dot products.
+  __device__ static __forceinline__ float residual_input(const Params& p, float* xs,
+                                                         const float* xres, unsigned red,
+                                                         unsigned tag_x, float* red_smem,
+                                                         const float* gain) {
+    tp_load_residual(p, xs, xres, red - 1u, tag_x, p.eps, red_smem, gain);
+    return 1.f;
+  }
+  // Partial and bias-free: the o-bias is added once after the sum (mlp_residual).
+  __device__ static __forceinline__ void o_proj_row(const Params& p, unsigned red, unsigned,
+                                                    int r, float d) {
+    tp_send(p, red, r, d);
+  }
+  __device__ static __forceinline__ const float* o_proj_bias(const LayerWeights&) {
+    return nullptr;
+  }
+  __device__ static __forceinline__ float mlp_residual(const Params& p, const LayerWeights& lw,
+                                                       float*, float* xres, float*,
+                                                       const float*, unsigned red, unsigned,
+                                                       unsigned tag_x) {
+    float s2 = 0.f;
+    for (int i = threadIdx.x; i < MK_H; i += kThreads) {
+      float dl = tp_sum(p, red, i);
+      if (MK_O_BIAS) dl += lw.bo[i];
+      const float v = ld_flow(flow_copy(p.x, MK_H) + i, tag_x) + dl;
+      xres[i] = v;
+      s2 += v * v;
+    }
+    return s2;
+  }
+  // Normalised in place (times the gain): no scale left for the dot products.
+  __device__ static __forceinline__ float mlp_norm(const Params& p, float s2, const float* xres,
+                                                   float* xd, float* red, const float* g) {
+    const float r = rms_scale<MK_H>(s2, red, p.eps);
+    const int t = threadIdx.x;
+    const int so = swz_off(xd + t);  // xd is a GEMV input (common.cuh)
+    for (int i = t; i < MK_H; i += kThreads) xd[i + so] = xres[i] * (g ? r * g[i] : r);
+    __syncthreads();
+    return 1.f;
+  }
+  // Summed at the next stage A or the LM head.
+  __device__ static __forceinline__ void down_row(const Params& p, const float*, unsigned red,
+                                                  unsigned, int r, float d) {
+    tp_send(p, red + 1u, r, d);
+  }
+  // Noise and tie-break keyed by the global id.
+  __device__ static __forceinline__ int token_id(const Params& p, int r) {
+    return p.vocab_start + r;
+  }
+  // Every rank's best: misc[1] <- rank 0's cancel bit, (b, bi) <- the winner over all ranks.
+  __device__ static __forceinline__ void exchange(const Params& p, int step, float& b, int& bi,
+                                                  int* misc) {
+    misc[1] = tp_pick_token(p, step, b, bi);
+  }
+  // Rank 0's cancel word, as exchanged with the token: every rank stops at the same step.
+  __device__ static __forceinline__ bool exchanged_cancel(const int* misc, bool) {
+    return misc[1] != 0;
+  }
+  __device__ static __forceinline__ bool stop_asked(const Params&, bool, bool seen) {
+    return seen;
+  }
+  // One rank speaks to the host.
+  __device__ static __forceinline__ bool speaks(const Params& p) { return p.tp_rank == 0; }
+};
+
+using Net = TensorParallel;
+#else
+using Net = SingleGpu;
 #endif  // MK_TP > 1

@@ -80,7 +80,7 @@ def create_backend(
             raise BackendUnavailableError(
                 f"--tp {tp} needs engine 'monokernel' (Hopper GPUs with nvcc); got {name!r}"
             )
-        from monokernel.runtime.backends.monokernel_tp import MonokernelTPBackend
+        from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
 
         return MonokernelTPBackend(cfg, weights, max_seq_len, device, tp)
     module, cls = _CLASSES[resolve_engine(name, device)]

@@ -14,9 +14,9 @@ import functools
 import pytest
 import torch
 
-from monokernel.bench.shapes import SHAPES, random_weights
 from monokernel.errors import InvalidRequestError
 from monokernel.models.config import ModelConfig
+from monokernel.models.shapes import SHAPES
 from monokernel.models.transformer import KVCache, Transformer
 from monokernel.runtime.prefill import PRECISIONS, Prefiller
 from monokernel.runtime.prefill_attention import (
@@ -32,6 +32,7 @@ from monokernel.runtime.prefill_attention_triton import (
     triton_cache_attention,
 )
 from monokernel.weights.names import Weights
+from monokernel.weights.random_weights import random_weights
 from monokernel.weights.repack import repack
 
 LONG = 4100  # > 2 chunks of 2048: the bottom-right causal path runs too
@@ -194,13 +195,13 @@ def test_backend_prefill_logits_with_reuse() -> None:
     try:
         first = mk.prefill_logits(tokens[:2500])
         starts: list[int] = []
-        run = mk.prefill.run
+        run = mk.kv.prefill.run
 
         def spy(ids, start, logits=False):  # type: ignore[no-untyped-def]
             starts.append(start)
             return run(ids, start, logits=logits)
 
-        mk.prefill.run = spy  # type: ignore[method-assign]
+        mk.kv.prefill.run = spy  # type: ignore[method-assign]
         reused = mk.prefill_logits(tokens)
         assert starts == [2500], "the cached 2,500 tokens should not be prefilled again"
         mk.set_prefix_reuse(False)

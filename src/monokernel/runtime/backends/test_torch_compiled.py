@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from monokernel.bench.shapes import SHAPES, random_weights
+from monokernel.models.shapes import SHAPES
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.backends.reference import ReferenceBackend
 from monokernel.runtime.backends.torch_compiled import TorchBackend
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.weights.random_weights import random_weights
 from monokernel.weights.test_repack import CONFIGS
 
 

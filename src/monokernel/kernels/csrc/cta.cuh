@@ -1,0 +1,131 @@
+// What one CTA of the decode kernel carries from stage to stage: where each stage's data lives
+// in shared memory (layout.cuh's carve-up), the thread's ranks, the grid-wide choices made once
+// a launch, the barrier and completion counters, and the first batch of each stage's weights,
+// held in registers across the hand-off before it (gemv.cuh). The stages take it by reference;
+// everything is inlined, so these are the kernel's registers, as plain locals would be.
+#pragma once
+#include "flow.cuh"
+#include "gemv.cuh"
+#include "sampling.cuh"
+#include "token_words.cuh"
+#include "tp.cuh"
+
+// The split GEMVs' shapes, one register buffer each (F's shares A's).
+using SA = Split<WeightFormat, MK_H, kSplitA>;     // A: QKV
+using SC = Split<WeightFormat, MK_Q, kSplitC>;     // C: O projection
+using SE = Split<WeightFormat, MK_I, MK_SPLIT_E>;  // E: down projection
+using SF = Split<WeightFormat, MK_H, kSplitF>;     // F: the LM head
+using GateUp = RowShape<WeightFormat, MK_H, MK_BATCH2>;  // D: one gate or up row
+// A buffer issued on one path only would stay live through every layer and spill: the LM
+// head's first row goes into A's buffer (its first entries where its rows are shorter).
+static_assert(SF::Shape::B <= SA::Shape::B, "the LM head's first batch must fit in preA");
+
+struct Cta {
+  // Shared memory.
+  float* xs;     // the current stage's input vector (a GEMV input: swizzled, common.cuh)
+  float* xres;   // [H] the residual after attention, from D to E
+  float* att;    // stage B's scratch; the split-K partials (part) between attention units
+  float* red;    // [64] reductions
+  float* xd;     // [H] stage D's normalised input: E's slices overwrite xs while D reads this
+  float* gn;     // [H] the next norm's gain, staged at the end of the stage before it
+  float* kvwin;  // the K/V window ring (attention_window.cuh)
+  SampleScratch ss;
+  // Ranks.
+  int t, lane, warp;
+  int gw;     // this warp's first gate/up pair in stage D, then every tw-th
+  int tw;     // warps in the grid
+  int c_cta;  // this CTA's rank in stage C's row order
+  // Choices of the launch, the same for every step.
+  bool greedy;    // temperature 0
+  bool host_cta;  // the CTA that talks to the host (cancel word, token words)
+  bool flow;      // hand-offs as tagged data (flow.cuh); else a grid barrier each
+  bool filtered;  // top-k / top-p: CTA 0 draws from the whole distribution
+  bool words;     // the step ends on token words (token_words.cuh), not a grid barrier
+  // Counters every CTA advances alike.
+  unsigned bar;        // grid barriers passed (the monotonic counter's target)
+  unsigned attn_done;  // attention ranges finished so far, per head and per KV head group
+  unsigned attn_done_g;
+  // First batches held in registers across hand-offs, one buffer per stage shape.
+  uint4 preA[SA::Shape::B], preC[SC::Shape::B], preE[SE::Shape::B];
+  uint4 preG[GateUp::B], preU[GateUp::B];
+
+  __device__ __forceinline__ uint4 (&preF())[SF::Shape::B] {
+    return *reinterpret_cast<uint4(*)[SF::Shape::B]>(&preA);
+  }
+  // The split-K partial sums [WARPS, SLOTS]: the attention scratch is idle during the GEMVs.
+  __device__ __forceinline__ float* part() const { return att; }
+
+  __device__ __forceinline__ void init(const Params& p, float* smem) {
+    xs = smem + kSmemXs;
+    xres = smem + kSmemXres;
+    att = smem + kSmemAtt;
+    red = smem + kSmemRed;
+    xd = att + kAttXd;
+    gn = att + kAttGain;
+    kvwin = smem + kSmemWindow;  // 16-byte aligned: every region above is 4k floats
+    ss.h64 = reinterpret_cast<unsigned long long*>(smem + kSmemSample);
+    ss.h32 = reinterpret_cast<unsigned*>(ss.h64 + 256);
+    ss.misc = reinterpret_cast<int*>(ss.h32 + 256);
+    ss.red = red;
+
+    t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    // Ranks across CTAs first, so a last, partial round of pairs (Qwen2.5-1.5B: 8,960 pairs
+    // on 2,112 warps) spreads over every SM instead of filling the first CTAs.
+    gw = warp * gridDim.x + blockIdx.x;
+    tw = gridDim.x * kWarps;
+    // Rows numbered from the last CTA: the units with a row more sit on the CTAs without an
+    // attention unit (the first ones), which reach C's input first.
+    c_cta = (int)gridDim.x - 1 - (int)blockIdx.x;
+    greedy = p.temperature == 0.f;
+    // The last CTA has the fewest LM-head and QKV rows (they go out CTA by CTA), so it has
+    // the slack to absorb the host's PCIe round trips.
+    host_cta = blockIdx.x == gridDim.x - 1;
+    flow = flow_possible<SC::GROUPS, SE::GROUPS>();
+    filtered = Net::filtered(p, greedy);
+    words = kTokenWords && !filtered;
+    bar = 0;
+    attn_done = 0, attn_done_g = 0;
+  }
+};
+
+// One layer of one step: its weights (a reference into global memory, re-read at each use:
+// fewer live registers than holding the pointers) and the tags of its hand-offs (flow.cuh).
+struct Layer {
+  const LayerWeights& w;
+  int index;
+  unsigned tag;    // this layer's outputs
+  unsigned tag_x;  // the residual x as this layer reads it (the previous layer's, or the embedding)
+  unsigned red;    // the generation of this layer's first all-reduce (tensor parallelism)
+};
+
+// One decode step. Its position and input token are derived where used, not held across
+// the layer loop, where each would take a register.
+struct Step {
+  int index;
+  int start;  // Params::start_pos
+  int token;  // the last token drawn (Params::first_token before the first step)
+  // The position of this step's input token.
+  __device__ __forceinline__ int pos() const { return start + index; }
+  // This step's input token: the last one drawn, or the one the host forces (debug runs).
+  __device__ __forceinline__ int input(const Params& p) const {
+    return p.forced ? p.forced[index] : token;
+  }
+};
+
+// A clock64 mark of one layer's stage in the profiled step (probes.cuh).
+__device__ __forceinline__ void mark(const Params& p, const Step& s, const Layer& l, LayerMark m) {
+  mark(p, s.index, mark_slot(m, l.index));
+}
+
+// The hand-off from a stage to the next (flow.cuh): `next` issues the next stage's first
+// loads between the arrival and the wait, so HBM streams while this CTA waits for its input.
+// The stage's marks: `work` once those loads are out, `wait` once its successor may start.
+template <class Next>
+__device__ __forceinline__ void hand_off(const Params& p, Cta& c, const Step& s, const Layer& l,
+                                         LayerMark work, LayerMark wait, Next next) {
+  handoff_arrive(c.flow, p.barrier, c.bar);
+  next();
+  mark(p, s, l, work);
+  handoff_wait(c.flow, p.barrier, c.bar);
+  mark(p, s, l, wait);
+}

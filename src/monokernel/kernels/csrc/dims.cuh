@@ -1,0 +1,33 @@
+// The build's -D defines, all from kernels/build.py (KernelDims.defines): the model's
+// dimensions, then the per-shape choices of build.py's CHOICES table, each documented there
+// (docs/kernel-knobs.md lists them).
+//
+// Dimensions: MK_H hidden, MK_Q = heads * head_dim, MK_KV = kv_heads * head_dim, MK_I
+// intermediate, MK_V vocabulary, MK_L layers, MK_D head_dim, MK_NH heads, MK_NKV KV heads,
+// the 0/1 features MK_QKV_BIAS, MK_O_BIAS, MK_QK_NORM, MK_TP tensor-parallel ranks (1: the
+// single-GPU kernel, every TP addition compiled away), MK_WEIGHT_FORMAT the weights' format
+// type (formats/format.cuh) and MK_SMEM_BYTES the dynamic shared memory layout.py computed.
+#pragma once
+#include "common.cuh"
+
+#if !defined(MK_H) || !defined(MK_Q) || !defined(MK_KV) || !defined(MK_I) || !defined(MK_V) || \
+    !defined(MK_L) || !defined(MK_D) || !defined(MK_NH) || !defined(MK_NKV) ||                 \
+    !defined(MK_QKV_BIAS) || !defined(MK_O_BIAS) || !defined(MK_QK_NORM) || !defined(MK_TP) || \
+    !defined(MK_WEIGHT_FORMAT) || !defined(MK_SMEM_BYTES)
+#error "kernels/build.py passes every dimension (-D): build through it"
+#endif
+#if !defined(MK_SPLIT_E) || !defined(MK_BATCH2) || !defined(MK_D_PRE) || !defined(MK_F_DRAWN) || \
+    !defined(MK_ATTN_CHUNK) || !defined(MK_ATTN_RANGE) || !defined(MK_ATTN_GROUP)
+#error "kernels/build.py passes every per-shape choice (-D, its CHOICES table)"
+#endif
+
+#define MK_TP_MAX 8  // peer pointers in Params
+static_assert(MK_TP >= 1 && MK_TP <= MK_TP_MAX, "MK_TP must be in [1, 8]");
+static_assert(MK_H % 8 == 0 && MK_Q % 8 == 0 && MK_I % 8 == 0 && MK_D % 8 == 0,
+              "hidden, q, intermediate sizes and head_dim must be multiples of 8 (16-byte loads)");
+static_assert(MK_D <= 256, "head_dim above 256 is not supported");
+static_assert(MK_NH % MK_NKV == 0, "query heads must be a multiple of KV heads");
+static_assert(MK_D_PRE >= 0 && MK_D_PRE <= 2, "MK_D_PRE: 0, 1 or 2 rows");
+
+constexpr int kQkv = MK_Q + 2 * MK_KV;  // rows of the fused QKV projection
+constexpr int kGroup = MK_NH / MK_NKV;  // query heads per KV head

@@ -1,0 +1,14 @@
+// bf16 weights, row-major: a 16-byte load holds 8 consecutive weights of one row, which
+// widen to fp32 exactly, so a load's dot product is 8 fused multiply-adds.
+#pragma once
+#include "../common.cuh"
+
+struct Bf16Rows {
+  using Elem = bf16;                  // storage element: a row of K weights is K of them
+  static constexpr int kPerLoad = 8;  // weights in one 16-byte load
+
+  // The 8 weights of one load dotted with the 8 floats (a, b), fp32 accumulation.
+  __device__ static __forceinline__ float dot(const uint4 u, const float4 a, const float4 b) {
+    return dot_bf16x8(u, a, b);
+  }
+};

@@ -1,0 +1,57 @@
+// Stage A: the attention block's RMSNorm and the fused QKV projection -> qkv [Q + 2KV].
+// Layer 0's input is the token's embedding; later layers' the residual stage E left in x.
+#pragma once
+#include "cta.cuh"
+#include "probes.cuh"
+
+// A's first loads, issued by the stage before it ahead of the hand-off wait: the norm's gain
+// staged into shared memory and this warp's first QKV row slice.
+__device__ __forceinline__ void attn_norm_qkv_first(const Params& p, Cta& c,
+                                                    const LayerWeights& lw) {
+  stage_gain<MK_H>(c.gn, lw.attn_gain);
+  issue_split_first<MK_H, kSplitA>(c.preA, lw.wqkv, kQkv, c.warp, c.lane);
+}
+
+// Layer 0's input: the token's embedding row times the norm's gain into xs (swizzled, a GEMV
+// input) and, by CTA 0, the row into x (tag_x) for the residual. Each thread takes whole
+// 4-float chunks, the ones whose gain it staged (stage_gain), so it reads its gain without a
+// barrier. Returns the norm's 1/rms, deferred to the dot products (norm_scale).
+__device__ __forceinline__ float embed_norm(const Params& p, float* xs, int tok, unsigned tag_x,
+                                            const float* gain, float* red) {
+  const bf16* row = p.embed + (size_t)tok * MK_H;
+  const int so = swz_off(xs + 4 * threadIdx.x);  // the same for every chunk of this thread
+  cp_async_wait_all();                           // this thread's staged gain chunks
+  float ss = 0.f;
+  for (int i = 4 * threadIdx.x; i < MK_H; i += 4 * kThreads) {
+    const uint2 u = *reinterpret_cast<const uint2*>(row + i);
+    const float v[4] = {bf_lo(u.x), bf_hi(u.x), bf_lo(u.y), bf_hi(u.y)};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      xs[i + so + k] = gain ? v[k] * gain[i + k] : v[k];
+      ss += v[k] * v[k];
+      if (blockIdx.x == 0) st_flow_copies(p.x + i + k, MK_H, v[k], tag_x);
+    }
+  }
+  return norm_scale<MK_H>(ss, red, p.eps);
+}
+
+__device__ __forceinline__ void attn_norm_qkv(const Params& p, Cta& c, const Step& s,
+                                              const Layer& l) {
+  // The norm's 1/rms where it is deferred to the dot products.
+  const float ra =
+      l.index == 0
+          ? embed_norm(p, c.xs, s.input(p), l.tag_x, staged_gain(c.gn, l.w.attn_gain), c.red)
+          : Net::residual_input(p, c.xs, c.xres, l.red, l.tag_x, c.red,
+                                staged_gain(c.gn, l.w.attn_gain));
+  skew(p, s.index, l.index, kSkewAttnNormQkvInput);
+  gemv_split<MK_H, kSplitA>(
+      l.w.wqkv, kQkv, c.xs, c.part(), c.warp, c.lane, c.preA,
+      [&](int r, float d) { st_flow(p.qkv + r, d, l.tag); }, (int)blockIdx.x,
+      MK_QKV_BIAS ? l.w.bqkv : nullptr, ra);
+  mark(p, s, l, kMarkAttnNormQkvWork);
+  skew(p, s.index, l.index, kSkewAttnNormQkvDone);
+  // Stage B's first loads (the K/V window) went out a stage ahead: nothing to issue here.
+  handoff_arrive(c.flow, p.barrier, c.bar);
+  handoff_wait(c.flow, p.barrier, c.bar);
+  mark(p, s, l, kMarkAttnNormQkvWait);
+}

@@ -1,0 +1,67 @@
+// Stage F: the final RMSNorm, the LM head, and this CTA's best (score, id) draw: the logits'
+// argmax, or with a temperature their Gumbel-max (sampling.cuh), published for every CTA.
+#pragma once
+#include "cta.cuh"
+#include "drawn_rows.cuh"
+#include "probes.cuh"
+#include "stage_attn_norm_qkv.cuh"
+
+// Returns the step's draw key (sampling.cuh), which the sampler uses too.
+__device__ __forceinline__ uint32_t lm_head(const Params& p, Cta& c, const Step& s) {
+  // The host's cancel word: one PCIe round trip a token, read before the LM head and used
+  // after it, so it hides behind the LM head.
+  const bool cancel_early = c.host_cta && c.t == 0 && *p.host_cancel != 0;
+  // The last layer's residual; the norm's 1/rms where it is deferred to the dot products.
+  const float rf = Net::residual_input(p, c.xs, c.xres, Net::reduce_tag(p, s.index + 1, 0),
+                                       flow_tag(s.index, MK_L - 1), c.red,
+                                       staged_gain(c.gn, p.norm_gain));
+  const uint32_t key = draw_key(p.seed_lo, p.seed_hi, s.pos() + 1);  // the new token's position
+  float best = -INFINITY;
+  int best_id = 0x7fffffff;
+  // Whole rounds of rows dealt statically, the rest by tickets (drawn_rows.cuh); this warp's
+  // first ticket is drawn now, so its round trip hides behind the static rows.
+  const int f_static = static_rows(MK_V, SF::GROUPS);
+  const unsigned f_got = MK_F_DRAWN && c.lane == 0 ? draw_ticket(ticket_counter(p.barrier)) : 0u;
+  auto out = [&](int r, float logit) {
+    p.logits[r] = logit;
+    if (p.debug_logits) p.debug_logits[(size_t)s.index * MK_V + r] = logit;
+    const int id = Net::token_id(p, r);
+    const float sc = c.greedy ? logit : logit / p.temperature + gumbel(key, id);
+    if (better(sc, id, best, best_id)) { best = sc; best_id = id; }
+  };
+  // The rows alternate between two register buffers (PINGPONG): two rows in flight a warp.
+  gemv_split<MK_H, kSplitF, true>(p.lm_head, f_static, c.xs, c.part(), c.warp, c.lane,
+                                  c.preF(), out, (int)blockIdx.x, nullptr, rf);
+  if (MK_F_DRAWN)
+    gemv_drawn<MK_H>(p.lm_head, row_tickets(p.barrier, f_static, MK_V, s.index), f_got, c.xs,
+                     c.lane, out, rf);
+  warp_argmax(best, best_id);
+  if (c.lane == 0) {
+    c.red[c.warp] = best;
+    c.ss.h32[c.warp] = (unsigned)best_id;
+  }
+  __syncthreads();
+  if (c.t == 0) {
+    float b = c.red[0];
+    int bi = (int)c.ss.h32[0];
+    for (int w = 1; w < kWarps; ++w)
+      if (better(c.red[w], (int)c.ss.h32[w], b, bi)) { b = c.red[w]; bi = (int)c.ss.h32[w]; }
+    if (c.words) {
+      publish_token_word(token_words(p), b, bi, cancel_early, s.index);
+    } else {
+      p.part_score[blockIdx.x] = b;
+      p.part_id[blockIdx.x] = bi;
+      if (c.host_cta) p.flags[kFlagCancel] = cancel_early;
+    }
+  }
+  if (!c.words) grid_arrive(p.barrier, c.bar);
+  attn_norm_qkv_first(p, c, p.layers[0]);  // the next step's
+  mark(p, s.index, kMarkLmHeadWork);
+  if (!c.words) {
+    grid_wait(p.barrier, c.bar);
+    if (s.index + 1 < p.n_steps)  // every KV append of this step is visible now
+      attention_prefetch(p, 0, s.pos() + 1, c.kvwin);
+  }
+  mark(p, s.index, kMarkLmHeadWait);
+  return key;
+}

@@ -1,0 +1,236 @@
+"""The monokernel backend: one persistent CUDA kernel per request runs every decode step.
+
+It composes the parts, one job each: the kernel's builds, buffers and launch (kernel.py), the
+KV cache with its prefill and prefix reuse (kv.py), the request driver (request.py), the
+hand-off buffer's placement search (handoff_placement.py) and the debug probes (probes.py).
+The cache is sized at load time against the GPU's free memory (``runtime/kv_memory.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from monokernel import envs
+from monokernel.errors import BackendUnavailableError, InvalidRequestError
+from monokernel.models.config import ModelConfig
+from monokernel.runtime import kv_memory
+from monokernel.runtime.backends.base import CancelToken, DecodeRequest
+from monokernel.runtime.backends.monokernel.handoff_placement import (
+    HandoffChoice,
+    choose_handoff,
+    handoff_places,
+)
+from monokernel.runtime.backends.monokernel.kernel import (
+    DecodeKernel,
+    KernelBuild,
+    kernel_dims,
+    monokernel_supported,
+)
+from monokernel.runtime.backends.monokernel.kv import KVStore
+from monokernel.runtime.backends.monokernel.probes import Probes
+from monokernel.runtime.backends.monokernel.request import FIRST_TOKEN_SOURCES, RequestDriver
+from monokernel.runtime.prefill_graphs import graphs_enabled
+from monokernel.runtime.prefix_cache import PrefixCache
+from monokernel.weights.names import Weights
+from monokernel.weights.repack import repack
+
+
+class MonokernelBackend:
+    name = "monokernel"
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        max_seq_len: int,
+        device: torch.device,
+        fold_norms: bool = False,
+        prefix_reuse: bool | None = None,
+        snapshot_bytes: int | None = None,
+        prefill_chunk: int | None = None,
+        prefill_precision: str | None = None,
+        first_token: str | None = None,
+        handoff_search: int | None = None,
+    ) -> None:
+        """Knobs (docs/long-context.md; each ``None`` takes its setting in monokernel/envs.py):
+
+        ``prefix_reuse``: reuse the K/V of earlier requests' matching prefixes
+        (MONOKERNEL_PREFIX_REUSE). ``snapshot_bytes``: budget for snapshots of earlier
+        conversations (default: twice the cache, at most a quarter of the memory left after
+        loading; 0 keeps only the live cache). ``prefill_chunk`` / ``prefill_precision``: see
+        runtime/prefill.py (MONOKERNEL_PREFILL_CHUNK / MONOKERNEL_PREFILL_PRECISION).
+        ``first_token``: where a request's first token comes from (FIRST_TOKEN_SOURCES;
+        MONOKERNEL_FIRST_TOKEN). ``handoff_search``: fresh places for the hand-off buffer
+        timed against its own at load, the fastest kept (handoff_placement.py;
+        MONOKERNEL_HANDOFF_SEARCH; 0: off).
+        """
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        ok, why = monokernel_supported(device)
+        if not ok:
+            raise BackendUnavailableError(f"engine 'monokernel' cannot run here: {why}")
+        if max_seq_len < 1:
+            raise InvalidRequestError(f"max_seq_len must be at least 1; got {max_seq_len}")
+        self.cfg, self.device, self.max_seq_len = cfg, device, max_seq_len
+        places = handoff_places(handoff_search)
+        source = first_token or envs.MONOKERNEL_FIRST_TOKEN
+        if source not in FIRST_TOKEN_SOURCES:
+            raise InvalidRequestError(
+                f"first token source {source!r}; choose from {', '.join(FIRST_TOKEN_SOURCES)}"
+            )
+        self.first_from_prefill = source == "prefill"
+        dims = kernel_dims(cfg)  # refuses unsupported shapes first
+        chunk = prefill_chunk or envs.MONOKERNEL_PREFILL_CHUNK
+        precision = prefill_precision or envs.MONOKERNEL_PREFILL_PRECISION
+        # Refuse a context that cannot fit before allocating anything for it.
+        convert = weights["embed"].dtype != torch.bfloat16
+        free = kv_memory.free_device_bytes(device)
+        extra = kv_memory.repack_bytes(cfg, fold_norms, convert)
+        need = kv_memory.check_fits(
+            cfg, max_seq_len, free, chunk, precision, str(device), extra, graphs_enabled(device)
+        )
+        if convert:
+            weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+        # Prefill and decode both run on the repacked tensors, so nothing here keeps the
+        # checkpoint's own (fused-away) matrices alive.
+        packed = repack(cfg, weights, max_seq_len, fold=fold_norms)
+        del weights
+        if snapshot_bytes is None:
+            snapshot_bytes = KVStore.default_snapshot_bytes(cfg, max_seq_len, free - need)
+        if prefix_reuse is None:
+            prefix_reuse = envs.MONOKERNEL_PREFIX_REUSE
+        self.kv = KVStore(
+            cfg, packed, max_seq_len, device, chunk, precision, prefix_reuse, snapshot_bytes
+        )
+        self.kernel = DecodeKernel(cfg, dims, packed, self.kv.cache, max_seq_len, device)
+        self.driver = RequestDriver(self.kernel, self.kv)
+        self.probes = Probes(self.driver)
+        self.closed = False
+        # What the search timed (None: it did not run).
+        self.handoff_choice: HandoffChoice | None = choose_handoff(self, cfg.vocab_size, places)
+
+    # ---- the Backend contract -------------------------------------------------------------
+
+    def stream(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[int]:
+        yield from self.driver.run(
+            request.prompt_ids,
+            request.max_new_tokens,
+            request.sampling,
+            sorted(request.stop_token_ids),
+            cancel,
+            first_from_prefill=self.first_from_prefill,
+        )
+
+    def teacher_forced_logits(
+        self, prompt_ids: Sequence[int], next_ids: Sequence[int]
+    ) -> torch.Tensor:
+        """Debug mode: logits [len(next_ids), V] float32, where step s feeds the kernel the
+        given token (the last prompt token, then next_ids[s-1]) instead of its own sample."""
+        return self.probes.teacher_forced_logits(prompt_ids, next_ids)
+
+    def close(self) -> None:
+        """Free the device memory; the backend is unusable afterwards (a second call does
+        nothing)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.kernel.close()
+        self.kv.close()
+        # Nothing of the closed backend keeps the weights, the cache or the buffers alive.
+        del self.probes, self.driver, self.kernel, self.kv
+
+    # ---- prefill and prefix reuse ---------------------------------------------------------
+
+    @property
+    def prefix(self) -> PrefixCache:
+        """What the KV cache holds for reuse (runtime/prefix_cache.py); its ``plan`` tells
+        what a prompt would reuse (bench/measure.py asks it)."""
+        return self.kv.prefix
+
+    def set_prefix_reuse(self, enabled: bool) -> None:
+        """Turn prefix reuse on or off (off: every request prefills its whole prompt). Either
+        way the snapshots are freed and the live cache's contents forgotten, so what a
+        request reuses next was computed under the new setting."""
+        self.kv.set_prefix_reuse(enabled)
+
+    def prefill_logits(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        """Prefill ``prompt_ids`` (reusing a cached prefix like a request would) and return
+        the last token's logits [V] float32, from the prefill path alone (no kernel)."""
+        return self.kv.prefill_logits(prompt_ids)
+
+    # ---- probes ---------------------------------------------------------------------------
+
+    def timed_run(
+        self, prompt_ids: Sequence[int], n_steps: int, step: int, skew: bool = False
+    ) -> list[int]:
+        """The raw timing slots of step ``step`` of a greedy run (kernels/layout.py names
+        them; ``skew``: room for a -DMK_SKEW=1 build's per-CTA points; probes.py)."""
+        return self.probes.timed_run(prompt_ids, n_steps, step, skew)
+
+    def profile_step(self, prompt_ids: Sequence[int], n_steps: int, step: int) -> dict[str, float]:
+        """Time the stages of one decode step (greedy run of ``n_steps``), as CTA 0 sees them.
+
+        Returns µs per stage kind summed over layers: ``<stage>.work`` (CTA 0's own work) and
+        ``<stage>.wait`` (its wait at the grid barrier that ends the stage); stages A-E per
+        layer, F the LM head, S sampling and the token hand-off.
+        """
+        return self.probes.profile_step(prompt_ids, n_steps, step)
+
+    def timed_decode(self, forced: torch.Tensor, start_pos: int) -> float:
+        """Seconds a decode step takes in one launch of len(forced) teacher-forced greedy
+        steps from ``start_pos``, on whatever the cache holds below it: for timing only
+        (handoff_placement.py). The cache's contents are forgotten afterwards."""
+        self.kv.prefix.invalidate()
+        return self.kernel.timed_decode(forced, start_pos)
+
+    # ---- where the kernel's data lies, and which build runs (tools/) ------------------------
+
+    @property
+    def grid(self) -> int:
+        """CTAs a launch runs: one per SM."""
+        return self.kernel.grid
+
+    @property
+    def handoff(self) -> torch.Tensor:
+        """The buffer the tagged hand-off vectors lie in (float32)."""
+        return self.kernel.handoff
+
+    def use_handoff(self, buf: torch.Tensor) -> None:
+        """Put the tagged hand-off vectors in ``buf`` (float32, as many elements as
+        ``self.handoff``). Where they lie moves decode speed by up to ~1% on an H100, so
+        builds timed side by side share one buffer (tools/kernel_variants.py); launches zero
+        it, so sharing between backends that never run at once is safe."""
+        self.kernel.use_handoff(buf)
+
+    def streamed_weights(self) -> list[torch.Tensor]:
+        """The matrices the kernel streams every token: each layer's wqkv, wo, wgu and wdown,
+        then the LM head (the order ``use_weights`` takes)."""
+        return self.kernel.streamed_weights()
+
+    def use_weights(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Stream ``tensors`` (the values of ``streamed_weights()``, in its order, wherever
+        they lie) from now on; the prefill reads them too. For measuring whether where they
+        lie moves decode speed. Not once the prefill has captured CUDA graphs: those keep the
+        old addresses."""
+        if not self.kv.weights_movable():
+            raise RuntimeError("the weights cannot move once the prefill's graphs hold them")
+        self.kernel.use_weights(tensors)
+
+    @property
+    def kernels(self) -> KernelBuild:
+        """The build this backend launches."""
+        return self.kernel.build
+
+    def load_kernels(self) -> KernelBuild:
+        """Build (or find cached) and load this backend's kernels under the build flags in
+        force now, without switching to them: variants of a build then run on the same
+        weights, cache and buffers (tools/kernel_variants.py). The caller unloads a build
+        it no longer uses; ``close`` unloads the one in use."""
+        return self.kernel.load_build()
+
+    def use_kernels(self, build: KernelBuild) -> None:
+        """Launch ``build`` (from ``load_kernels``) from now on."""
+        self.kernel.use_build(build)

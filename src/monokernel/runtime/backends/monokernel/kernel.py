@@ -1,0 +1,406 @@
+"""The decode kernel on one GPU: its builds, the device buffers it works in, its Params, and
+the one launch path.
+
+Every size and order the host shares with the kernel comes from kernels/layout.py (the
+Params struct, the layer table, the hand-off regions, the barrier, flag, token and host
+words); this file is where the backend uses it, with the build (kernels/build.py) and the
+driver calls (kernels/launcher.py).
+
+A launch is ``prepare`` (zero what the kernel counts from zero, queued behind the caller's
+work) then ``start`` (fill the Params, clear the host words, cooperative launch): requests
+and timed decodes go through both; tensor-parallel ranks through ``prepare``, ``params`` and
+``launch``, so that all N kernels start back to back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from monokernel import envs
+from monokernel.errors import BackendUnavailableError, InvalidRequestError
+from monokernel.kernels import build as kbuild
+from monokernel.kernels import launcher, layout
+from monokernel.kernels.plan import head_units_fit
+from monokernel.models.config import ModelConfig
+from monokernel.models.transformer import KVCache
+from monokernel.runtime.sampling import SamplingParams
+from monokernel.weights.repack import Repacked
+
+MAX_STOP_IDS = 256  # the stop-id buffer the kernel scans each step
+STALL_SECONDS = 120.0  # no token for this long while the kernel runs: report, don't hang
+
+
+def monokernel_supported(device: torch.device) -> tuple[bool, str]:
+    """Whether the monokernel can run on ``device``; the reason when it cannot."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False, "the monokernel needs an NVIDIA GPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        name = torch.cuda.get_device_name(device)
+        return False, (
+            f"the monokernel is built for Hopper (sm_90: H100/H200); {name} is sm_{major}{minor}"
+        )
+    try:
+        kbuild.find_nvcc()
+    except BackendUnavailableError as e:
+        return False, str(e)
+    return True, "ok"
+
+
+def kernel_dims(cfg: ModelConfig, tp: int = 1) -> kbuild.KernelDims:
+    """The build's dimensions for ``cfg`` (one rank's config under tensor parallelism);
+    refuses a shape the kernel cannot run, before anything is allocated for it."""
+    dims = kbuild.KernelDims.from_config(cfg)
+    return dims if tp == 1 else dataclasses.replace(dims, tp=tp)
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def layer_table(packed: Repacked) -> torch.Tensor:
+    """Each layer's pointers in the kernel's LayerWeights order, on the host: [L, 10] int64."""
+    return torch.tensor([layout.layer_pointers(lp) for lp in packed.layers], dtype=torch.int64)
+
+
+# ---- what one launch is given -------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One launch's request: ``n_steps`` decode steps, the first fed ``first_token`` at
+    ``start_pos`` (the positions below it are in the cache), drawing by ``sampling``, stopping
+    at one of the first ``n_stop`` stop ids."""
+
+    first_token: int
+    start_pos: int
+    n_steps: int
+    sampling: SamplingParams
+    n_stop: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What a debug or profiling launch adds: ``forced`` [n_steps] int32, the token each step
+    is fed instead of its own sample; ``debug_logits`` [n_steps, V] float32, where each
+    step's logits go; ``timing`` int64 (layout.timing_words), filled by step
+    ``timing_step``."""
+
+    forced: torch.Tensor | None = None
+    debug_logits: torch.Tensor | None = None
+    timing: torch.Tensor | None = None
+    timing_step: int = -1
+
+
+NO_PROBE = Probe()
+
+
+@dataclass(frozen=True, slots=True)
+class TPLink:
+    """A tensor-parallel rank's place among its peers: every rank's receive buffer (device
+    addresses, valid on every peer under unified addressing), its own, its rank, its first
+    vocabulary row, and the launch's first tag."""
+
+    recv: Sequence[int]
+    mine: int
+    rank: int
+    vocab_start: int
+    tag: int
+
+
+@dataclass(slots=True)
+class KernelBuild:
+    """The two loaded specialisations of one build: with group units (any context) and
+    without (contexts head units cover: lighter on registers)."""
+
+    full: launcher.KernelModule
+    short: launcher.KernelModule
+    attn_chunk: int  # the K/V window the build has (its flags may set it)
+
+    def unload(self) -> None:
+        self.full.unload()
+        self.short.unload()
+
+
+class DecodeKernel:
+    """The kernel's builds and buffers on one GPU, over ``packed`` weights and ``cache``."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dims: kbuild.KernelDims,
+        packed: Repacked,
+        cache: KVCache,
+        max_seq_len: int,
+        device: torch.device,
+    ) -> None:
+        self.cfg, self.dims, self.packed, self.cache = cfg, dims, packed, cache
+        self.max_seq_len, self.device = max_seq_len, device
+        self.grid = torch.cuda.get_device_properties(device).multi_processor_count
+        if cfg.num_kv_heads > self.grid:
+            raise BackendUnavailableError(
+                f"the monokernel needs at least one SM per KV head: {cfg.num_kv_heads} KV heads, "
+                f"{self.grid} SMs"
+            )
+        self.attn_splits = self.grid // cfg.num_heads
+        self.attn_group_splits = self.grid // cfg.num_kv_heads
+        # Context length from which group units are used even where head units would fit
+        # (tests and tuning); by default only the plan's own rule decides.
+        self.attn_group_from = envs.MONOKERNEL_ATTN_GROUP_FROM or 1 << 30
+        with torch.cuda.device(device):
+            self.build = self.load_build()
+            self._alloc_buffers()
+            self.stream = torch.cuda.Stream(device)
+
+    def load_build(self) -> KernelBuild:
+        """Build (or find cached) and load this kernel's two specialisations under the build
+        flags in force now (MONOKERNEL_NVCC_FLAGS)."""
+        launcher.set_current_context(self.device.index)
+        full, short = (
+            launcher.KernelModule(
+                kbuild.build(d), kbuild.KERNEL_NAME, d.smem_bytes(), kbuild.THREADS
+            )
+            for d in (self.dims, dataclasses.replace(self.dims, group_units=False))
+        )
+        return KernelBuild(full, short, self.dims.built_attn_chunk())
+
+    def use_build(self, build: KernelBuild) -> None:
+        """Launch ``build``'s kernels from now on."""
+        self.build = build
+
+    def module_for(self, context: int) -> launcher.KernelModule:
+        """The kernel for a launch whose positions stay below ``context``."""
+        build = self.build
+        covered = head_units_fit(context, build.attn_chunk, self.attn_splits)
+        return build.short if covered and context < self.attn_group_from else build.full
+
+    def _alloc_buffers(self) -> None:
+        cfg, dev, f32, i32 = self.cfg, self.device, torch.float32, torch.int32
+        self.layer_table = layer_table(self.packed).to(dev)  # [L, 10]
+        # Every tagged vector in one buffer, zeroed per launch (one memset).
+        self.handoff_regions = layout.handoff_regions(cfg, self.grid)
+        total = sum(r.total for r in self.handoff_regions)
+        self.use_handoff(torch.empty(total, dtype=f32, device=dev))
+        self.attn_count = torch.zeros(cfg.num_heads + cfg.num_kv_heads, dtype=i32, device=dev)
+        self.logits = torch.empty(cfg.vocab_size, dtype=f32, device=dev)  # [V]
+        # Each CTA's best (score, id) (top-k / top-p, TP), or in part_score the CTAs' tagged
+        # 64-bit token words (kernels/csrc/token_words.cuh), zeroed per launch.
+        scores, ids = layout.token_words(self.grid)
+        self.part_score = torch.zeros(scores, dtype=f32, device=dev)
+        self.part_id = torch.empty(ids, dtype=i32, device=dev)
+        self.flags = torch.zeros(layout.FLAG_WORDS, dtype=i32, device=dev)
+        self.barrier = torch.zeros(layout.barrier_words(), dtype=i32, device=dev)
+        self.stop_ids = torch.zeros(MAX_STOP_IDS, dtype=i32, device=dev)
+        # Count, done, one word a token, and one more that stays 0 (token_reader.py).
+        self.host_out = launcher.HostMapped(layout.host_out_words(self.max_seq_len + 1))
+        self.host_cancel = launcher.HostMapped(1)
+
+    # ---- where the buffers lie ------------------------------------------------------------
+
+    def use_handoff(self, buf: torch.Tensor) -> None:
+        """Put the tagged hand-off vectors in ``buf`` (float32, as many elements as
+        ``self.handoff``): ``self.regions`` maps each region's name (a Params field) to its
+        first copy; the kernel finds the others from the sizes."""
+        total = sum(r.total for r in self.handoff_regions)
+        if buf.dtype != torch.float32 or buf.numel() != total or buf.device != self.device:
+            raise ValueError(
+                f"hand-off buffer: {total} float32 elements on {self.device} needed; "
+                f"got {buf.numel()} {buf.dtype} on {buf.device}"
+            )
+        self.handoff = buf
+        parts = torch.split(buf, [r.total for r in self.handoff_regions])
+        self.regions = {
+            r.name: part[: r.floats] for r, part in zip(self.handoff_regions, parts, strict=True)
+        }
+
+    def streamed_weights(self) -> list[torch.Tensor]:
+        """The matrices the kernel streams every token: each layer's wqkv, wo, wgu and wdown,
+        then the LM head."""
+        pk = self.packed
+        return [
+            *(t for lp in pk.layers for t in (lp.wqkv, lp.wo, lp.wgu, lp.wdown)),
+            pk.lm_head,
+        ]
+
+    def use_weights(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Stream ``tensors`` (the values of ``streamed_weights()``, in its order) from now
+        on: the repacked weights (which the prefill shares) and the layer table point there."""
+        old = self.streamed_weights()
+        if len(tensors) != len(old) or any(
+            t.shape != o.shape or t.dtype != o.dtype or t.device != o.device
+            for t, o in zip(tensors, old, strict=True)
+        ):
+            raise ValueError("weights: the shapes, dtypes and device of streamed_weights() needed")
+        pk = self.packed
+        for i, lp in enumerate(pk.layers):
+            lp.wqkv, lp.wo, lp.wgu, lp.wdown = tensors[4 * i : 4 * i + 4]
+        pk.lm_head = tensors[-1]
+        self.layer_table.copy_(layer_table(pk), non_blocking=False)
+
+    # ---- one launch -----------------------------------------------------------------------
+
+    def make_current(self) -> None:
+        """Make this GPU's primary context current for the driver calls that follow."""
+        launcher.set_current_context(self.device.index)
+
+    def prepare(self, stop_ids: Sequence[int]) -> None:
+        """Before a launch, on the current stream (behind whatever the caller queued there):
+        copy the stop ids and zero what the kernel counts on from zero: the barrier and
+        per-head counters, the flags, and the tags of the hand-off vectors and token words
+        (kernels/csrc/flow.cuh, token_words.cuh: a stale tag must never match one the launch
+        waits for). The kernel's stream then waits for all of it."""
+        with torch.cuda.device(self.device):
+            if stop_ids:
+                self.stop_ids[: len(stop_ids)].copy_(
+                    torch.tensor(sorted(stop_ids), dtype=torch.int32)
+                )
+            for buf in (self.barrier, self.attn_count, self.flags, self.handoff, self.part_score):
+                buf.zero_()
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def params(
+        self, launch: Launch, probe: Probe = NO_PROBE, tp: TPLink | None = None
+    ) -> launcher.KernelParams:
+        """The kernel's Params for ``launch`` (csrc/params.cuh; with ``tp``, a TP build's)."""
+        pk, sampling = self.packed, launch.sampling
+        seed = 0 if sampling.greedy else sampling.seed
+        if seed is None:
+            raise InvalidRequestError("sampling needs a fixed seed (SamplingParams.with_seed)")
+        fields: dict[str, object] = dict(
+            layers=_ptr(self.layer_table),
+            embed=_ptr(pk.embed),
+            lm_head=_ptr(pk.lm_head),
+            norm_gain=_ptr(pk.norm_gain),
+            rope_cos=_ptr(pk.rope_cos),
+            rope_sin=_ptr(pk.rope_sin),
+            k_cache=_ptr(self.cache.k),
+            v_cache=_ptr(self.cache.v),
+            **{name: _ptr(region) for name, region in self.regions.items()},
+            attn_count=_ptr(self.attn_count),
+            logits=_ptr(self.logits),
+            part_score=_ptr(self.part_score),
+            part_id=_ptr(self.part_id),
+            flags=_ptr(self.flags),
+            barrier=_ptr(self.barrier),
+            forced=_ptr(probe.forced),
+            debug_logits=_ptr(probe.debug_logits),
+            stop_ids=_ptr(self.stop_ids),
+            host_out=self.host_out.device_ptr,
+            host_cancel=self.host_cancel.device_ptr,
+            timing=_ptr(probe.timing),
+            max_len=self.max_seq_len,
+            first_token=launch.first_token,
+            start_pos=launch.start_pos,
+            n_steps=launch.n_steps,
+            n_stop=launch.n_stop,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0,
+            temperature=float(sampling.temperature),
+            top_p=float(sampling.top_p),
+            seed_lo=seed & 0xFFFFFFFF,
+            seed_hi=(seed >> 32) & 0xFFFFFFFF,
+            eps=float(self.cfg.rms_norm_eps),
+            timing_step=probe.timing_step,
+            attn_splits=self.attn_splits,
+            attn_group_splits=self.attn_group_splits,
+            attn_group_from=self.attn_group_from,
+            pad_=0,
+        )
+        if tp is None:
+            return launcher.KernelParams(**fields)
+        recv = (ctypes.c_uint64 * launcher.TP_MAX_RANKS)(*tp.recv)
+        return launcher.KernelParamsTP(
+            **fields,
+            tp_recv=recv,
+            tp_mine=tp.mine,
+            tp_rank=tp.rank,
+            vocab_start=tp.vocab_start,
+            tp_tag=tp.tag,
+            tp_pad_=0,
+        )
+
+    def clear_host_words(self, n_steps: int) -> None:
+        """Before a launch of ``n_steps``: zero the host-mapped words the kernel reports
+        through (count, done, one per token: token_reader.py) and lower the cancel word."""
+        ctypes.memset(ctypes.addressof(self.host_out.words), 0, 4 * (3 + n_steps))
+        self.host_cancel.words[0] = 0
+
+    def launch(self, params: launcher.KernelParams, context: int) -> None:
+        """Cooperative launch on this kernel's stream, with the build for positions below
+        ``context``."""
+        self.module_for(context).launch(self.grid, params, self.stream.cuda_stream)
+
+    def start(
+        self,
+        launch: Launch,
+        probe: Probe = NO_PROBE,
+        timed: tuple[torch.cuda.Event, torch.cuda.Event] | None = None,
+    ) -> None:
+        """After ``prepare``: fill the Params, clear the host words, launch. ``timed``: events
+        recorded right before and after the launch."""
+        params = self.params(launch, probe)
+        self.clear_host_words(launch.n_steps)
+        if timed is not None:
+            timed[0].record(self.stream)
+        self.launch(params, launch.start_pos + launch.n_steps)
+        if timed is not None:
+            timed[1].record(self.stream)
+
+    @property
+    def token_words(self) -> ctypes.Array[ctypes.c_int32]:
+        """The host-mapped words the running kernel writes (token_reader.py)."""
+        return self.host_out.words
+
+    def finished(self) -> bool:
+        """Whether the kernel's stream is idle (raises on a kernel fault); the context must
+        be current."""
+        return launcher.stream_done(self.stream.cuda_stream)
+
+    def cancel(self) -> None:
+        """Raise the cancel word: the kernel reads it once per token."""
+        self.host_cancel.words[0] = 1
+
+    def wait(self) -> None:
+        """Until the kernel's stream is idle."""
+        self.make_current()
+        while not launcher.stream_done(self.stream.cuda_stream):
+            time.sleep(1e-4)
+
+    def timed_decode(self, forced: torch.Tensor, start_pos: int) -> float:
+        """Seconds a decode step takes in one launch of len(forced) teacher-forced greedy
+        steps from ``start_pos`` (CUDA events around the launch), on whatever the cache holds
+        below it: for timing only."""
+        if forced.dtype != torch.int32 or forced.device != self.device or forced.dim() != 1:
+            raise ValueError(f"forced tokens: a 1-D int32 tensor on {self.device} needed")
+        n = int(forced.numel())  # forced: [n]
+        if n < 1 or not 0 <= start_pos <= self.max_seq_len - n:
+            raise InvalidRequestError(
+                f"a timed decode of {n} steps from position {start_pos} must fit the cache "
+                f"of {self.max_seq_len} positions"
+            )
+        greedy = SamplingParams(temperature=0.0, max_tokens=n)
+        self.make_current()
+        with torch.cuda.device(self.device):
+            self.prepare(())
+            begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self.start(Launch(0, start_pos, n, greedy), Probe(forced=forced), (begin, end))
+            t0 = time.monotonic()
+            while not end.query():
+                if time.monotonic() - t0 > STALL_SECONDS:
+                    raise RuntimeError(f"a timed decode did not finish in {STALL_SECONDS} s")
+                time.sleep(1e-4)
+        ran = int(self.token_words[0])
+        if ran != n:
+            raise RuntimeError(f"the kernel ran {ran} of {n} timed steps")
+        return begin.elapsed_time(end) * 1e-3 / n
+
+    def close(self) -> None:
+        """Unload the build in use and free the host words (idempotent)."""
+        self.build.unload()
+        self.host_out.free()
+        self.host_cancel.free()

@@ -1,0 +1,163 @@
+"""One request through the kernel: the prompt checks, the prefill hand-off, the first token,
+then the tokens the kernel publishes, streamed until a stop, the budget or a cancel.
+
+The prefill's last logits give the first token (FIRST_TOKEN_SOURCES); the kernel then starts
+from it and produces the rest by itself; each lands in pinned host-mapped memory where the
+driver picks it up and yields it while the kernel goes on. A host-mapped cancel word (raised
+when the CancelToken is set or the iterator is closed) stops it within a token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from monokernel.errors import InvalidRequestError
+from monokernel.runtime.backends.base import CancelToken
+from monokernel.runtime.backends.monokernel.kernel import (
+    MAX_STOP_IDS,
+    NO_PROBE,
+    STALL_SECONDS,
+    DecodeKernel,
+    Launch,
+    Probe,
+)
+from monokernel.runtime.backends.monokernel.kv import KVStore
+from monokernel.runtime.backends.monokernel.token_reader import read_tokens
+from monokernel.runtime.prefix_cache import fed_tokens
+from monokernel.runtime.sampling import SamplingParams, sample
+
+# Where a request's first token comes from. "prefill": the prompt's last logits, computed by
+# the prefill that fills the cache anyway (one LM-head GEMV); the kernel then starts at the
+# next position, so time to first token loses one whole decode step. "kernel": the kernel's
+# first step computes the last prompt position and draws it (as the debug paths always do).
+FIRST_TOKEN_SOURCES: tuple[str, ...] = ("prefill", "kernel")
+
+
+def ids_in_vocab(ids: Sequence[int], vocab_size: int) -> bool:
+    """Whether every id is in [0, vocab_size): min and max run in C, a Python loop over a
+    16k-token prompt does not."""
+    return not ids or (min(ids) >= 0 and max(ids) < vocab_size)
+
+
+def checked_steps(
+    prompt_ids: Sequence[int],
+    stop_ids: Sequence[int],
+    max_new_tokens: int,
+    max_seq_len: int,
+    vocab_size: int,
+    known_valid: int = 0,
+) -> int:
+    """Refuse a request one launch cannot take (InvalidRequestError); else the decode steps
+    it runs: the input of step s sits at position len(prompt)-1+s, inside the cache.
+    ``known_valid``: leading token ids already checked (the live cache's tokens that the
+    prompt repeats): an agent's 16k-token turn is then not a 16k-step Python loop (~1-2 ms,
+    all of it inside the time to first token)."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise InvalidRequestError("the prompt must hold at least one token")
+    if n > max_seq_len:
+        raise InvalidRequestError(f"the prompt ({n} tokens) exceeds max_seq_len={max_seq_len}")
+    if not ids_in_vocab(prompt_ids[known_valid:] if known_valid else prompt_ids, vocab_size):
+        raise InvalidRequestError("a prompt token id is outside the vocabulary")
+    if len(stop_ids) > MAX_STOP_IDS:
+        raise InvalidRequestError(f"at most {MAX_STOP_IDS} stop token ids are supported")
+    return min(max_new_tokens, max_seq_len - n + 1)
+
+
+class RequestDriver:
+    """Runs requests on ``kernel`` over the cache of ``kv``."""
+
+    def __init__(self, kernel: DecodeKernel, kv: KVStore) -> None:
+        self.kernel, self.kv = kernel, kv
+        self.max_seq_len, self.vocab_size = kernel.max_seq_len, kernel.cfg.vocab_size
+        self.device = kernel.device
+
+    def run(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: Sequence[int],
+        cancel: CancelToken | None,
+        probe: Probe = NO_PROBE,
+        forced_ids: Sequence[int] | None = None,
+        first_from_prefill: bool = False,
+    ) -> Iterator[int]:
+        """The generated ids of one launch. ``probe``: a debug or profiling launch's extra
+        inputs; ``forced_ids``: the host copy of ``probe.forced``, so the prefix bookkeeping
+        knows which tokens the kernel's steps wrote into the cache. ``first_from_prefill``:
+        the prefill covers the whole prompt and its last logits give the first token (sampled
+        on the host side by the same rule, runtime/sampling.py); the kernel starts one
+        position later from that token. Else the kernel's first step computes the last prompt
+        position and draws the first token itself (the debug and profiling paths, whose step
+        numbers and logits are the kernel's)."""
+        kernel, prefix = self.kernel, self.kv.prefix
+        n = len(prompt_ids)
+        # What the cache already holds of the prompt (live cache or snapshot) is checked ids
+        # and in-vocabulary outputs: only the rest needs checking. The fill follows this plan.
+        plan = prefix.plan(prompt_ids)
+        n_steps = checked_steps(
+            prompt_ids, stop_ids, max_new_tokens, self.max_seq_len, self.vocab_size, plan.reuse
+        )
+        if not sampling.greedy and sampling.seed is None:
+            raise InvalidRequestError("sampling needs a fixed seed (SamplingParams.with_seed)")
+        kernel.make_current()
+        first: int | None = None
+        with torch.cuda.device(self.device):
+            if first_from_prefill:
+                logits = self.kv.filler.fill(prompt_ids, n, logits=True, plan=plan)
+                assert logits is not None
+            else:
+                # Positions [0, n-1); the kernel's first step computes position n-1 itself.
+                self.kv.filler.fill(prompt_ids, n - 1, plan=plan)
+            # The launch's setup is queued behind the prefill before the host waits for the
+            # first token, so only the launch itself sits between that token and the kernel.
+            kernel.prepare(stop_ids)
+            if first_from_prefill:
+                first = sample(logits, sampling, n)  # the token at position n: one host sync
+        # Positions the cache holds before the kernel's first step, and that step's input.
+        held, step_in = n - 1, prompt_ids[-1]
+        if first is not None:
+            held, step_in = n, first
+            n_steps -= 1
+            if first in stop_ids:
+                n_steps = 0
+        launched = n_steps > 0
+        out = kernel.token_words
+        if launched:
+            kernel.start(Launch(step_in, held, n_steps, sampling, len(stop_ids)), probe)
+        finished = failed = False
+
+        def check(stalled_s: float) -> None:
+            if kernel.finished() and not out[1]:
+                raise RuntimeError("the monokernel exited without finishing")
+            if stalled_s > STALL_SECONDS:
+                raise RuntimeError(f"the monokernel made no progress for {STALL_SECONDS} s")
+
+        try:
+            if first is not None and not (cancel is not None and cancel.is_set()):
+                yield first  # the kernel is already running on the next one
+            if launched:
+                finished = yield from read_tokens(out, cancel, check)
+        except GeneratorExit:  # the consumer closed the stream: a normal early end
+            raise
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            if launched:
+                if not finished:
+                    kernel.cancel()
+                kernel.wait()
+            if failed:
+                prefix.invalidate()
+            else:
+                # The kernel has stopped: out[0] counts its completed steps, each of which
+                # wrote the K/V of the token it was fed (more than were yielded, if the
+                # consumer stopped early).
+                steps = int(out[0]) if launched else 0
+                generated = [w - 1 for w in out[2 : 2 + max(0, steps - 1)]]  # id + 1
+                ran = (*prompt_ids[:held], step_in)
+                prefix.finish(ran, fed_tokens(ran, generated, steps, forced_ids))

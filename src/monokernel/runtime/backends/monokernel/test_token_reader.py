@@ -1,0 +1,71 @@
+import pytest
+
+from monokernel.runtime.backends.base import CancelToken
+from monokernel.runtime.backends.monokernel.token_reader import CHECK_EVERY, read_tokens
+
+
+def _drain(gen):  # type: ignore[no-untyped-def]
+    """All yielded tokens and the generator's return value."""
+    tokens = []
+    while True:
+        try:
+            tokens.append(next(gen))
+        except StopIteration as stop:
+            return tokens, stop.value
+
+
+def test_reads_published_tokens_until_done() -> None:
+    out = [3, 1, 8, 1, 10, 0]  # count 3, done; tokens 7, 0, 9 stored as id + 1
+    assert _drain(read_tokens(out, None, lambda _s: None)) == ([7, 0, 9], True)
+
+
+def test_tokens_published_while_polling_are_read_and_checks_run_when_idle() -> None:
+    out = [0, 0, 0, 0, 0]
+    checks: list[float] = []
+
+    def check(stalled: float) -> None:
+        checks.append(stalled)
+        if len(checks) == 1:  # the "kernel" publishes one token, then stops
+            out[2], out[0] = 6, 1
+        elif len(checks) == 2:
+            out[3], out[0], out[1] = 7, 2, 1
+
+    assert _drain(read_tokens(out, None, check)) == ([5, 6], True)
+    assert len(checks) == 2 and all(s >= 0 for s in checks)
+
+
+def test_a_token_word_seen_after_the_done_flag_is_still_read() -> None:
+    """The reader may pass the last token's word just before it lands and see `done` (which
+    the kernel fences after every token) on its next look: it reads the word again."""
+    out = [0, 0, 4, 0, 0]
+    reads = {"done": 0}
+
+    class Words(list):
+        def __getitem__(self, i):  # type: ignore[no-untyped-def]
+            if i == 1 and super().__getitem__(1) == 0:
+                reads["done"] += 1
+                super().__setitem__(3, 9)  # token 8 lands, then done
+                super().__setitem__(1, 1)
+                return 1
+            return super().__getitem__(i)
+
+    assert _drain(read_tokens(Words(out), None, lambda _s: None)) == ([3, 8], True)
+    assert reads["done"] == 1
+
+
+def test_cancel_ends_the_stream_without_done() -> None:
+    cancel = CancelToken()
+    out = [2, 0, 2, 3, 0]
+    gen = read_tokens(out, cancel, lambda _s: None)
+    assert next(gen) == 1
+    cancel.set()
+    assert _drain(gen) == ([], False)
+
+
+def test_a_failing_check_raises_to_the_consumer() -> None:
+    def dead(_stalled: float) -> None:
+        raise RuntimeError("the monokernel exited without finishing")
+
+    with pytest.raises(RuntimeError, match="exited"):
+        _drain(read_tokens([0, 0, 0], None, dead))
+    assert CHECK_EVERY > 1
