@@ -13,7 +13,7 @@ import pytest
 
 from monokernel.kernels import build as kbuild
 from monokernel.models.shapes import SHAPES
-from monokernel.weights.shard import shard_config
+from monokernel.weights.shard import rank_config, shard_config
 
 KNOBS_DOC = Path(__file__).parents[3] / "docs" / "kernel-knobs.md"
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -25,15 +25,7 @@ def _dims(shape: str, **changes: object) -> kbuild.KernelDims:
 
 def _tp_dims(shape: str, tp: int = 2) -> kbuild.KernelDims:
     """One rank's build under tensor parallelism (the backend's rank config)."""
-    sc = shard_config(SHAPES[shape], 0, tp)
-    cfg = dataclasses.replace(
-        sc.base,
-        num_heads=sc.heads,
-        num_kv_heads=sc.kv_heads,
-        intermediate_size=sc.intermediate,
-        vocab_size=sc.vocab_local,
-        tie_word_embeddings=False,
-    )
+    cfg = rank_config(shard_config(SHAPES[shape], 0, tp))
     return dataclasses.replace(kbuild.KernelDims.from_config(cfg), tp=tp)
 
 

@@ -229,3 +229,17 @@ def shard_weights(cfg: ModelConfig, weights: Weights, rank: int, tp: int) -> Wei
     for n in range(cfg.num_layers):
         out |= _shard_layer(weights, sc, n)
     return out
+
+
+def rank_config(sc: ShardConfig) -> ModelConfig:
+    """The ModelConfig one rank's kernel is built and repacked for: the rank's heads, KV
+    heads, intermediate rows and vocabulary rows. The o-bias stays on (the kernel adds it once
+    after the reduction), and the LM head is the shard's own slice (never tied)."""
+    return dataclasses.replace(
+        sc.base,
+        num_heads=sc.heads,
+        num_kv_heads=sc.kv_heads,
+        intermediate_size=sc.intermediate,
+        vocab_size=sc.vocab_local,
+        tie_word_embeddings=False,
+    )

@@ -267,7 +267,7 @@ class DecodeKernel:
     def params(
         self, launch: Launch, probe: Probe = NO_PROBE, tp: TPLink | None = None
     ) -> launcher.KernelParams:
-        """The kernel's Params for ``launch`` (csrc/params.cuh; with ``tp``, a TP build's)."""
+        """The kernel's Params for ``launch`` (kernels/layout.py; with ``tp``, a TP build's)."""
         pk, sampling = self.packed, launch.sampling
         seed = 0 if sampling.greedy else sampling.seed
         if seed is None:

@@ -17,7 +17,6 @@ and are refused); NVLink multicast is never used.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -47,7 +46,13 @@ from monokernel.runtime.backends.monokernel.token_reader import read_tokens
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.weights.names import Weights
 from monokernel.weights.repack import repack
-from monokernel.weights.shard import ShardConfig, check_tp, shard_config, shard_weights
+from monokernel.weights.shard import (
+    ShardConfig,
+    check_tp,
+    rank_config,
+    shard_config,
+    shard_weights,
+)
 
 _TAG_LIMIT = 2**32 - 1  # tags are u32 and never 0 (the zeroed buffers' value)
 
@@ -67,20 +72,6 @@ class _Float32View(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._w)
-
-
-def rank_config(sc: ShardConfig) -> ModelConfig:
-    """The ModelConfig one rank's kernel is built and repacked for: the rank's heads, KV
-    heads, intermediate rows and vocabulary rows. The o-bias stays on (the kernel adds it once
-    after the reduction), and the LM head is the shard's own slice (never tied)."""
-    return dataclasses.replace(
-        sc.base,
-        num_heads=sc.heads,
-        num_kv_heads=sc.kv_heads,
-        intermediate_size=sc.intermediate,
-        vocab_size=sc.vocab_local,
-        tie_word_embeddings=False,
-    )
 
 
 def refuse_filtered(sampling: SamplingParams, tp: int) -> None:
