@@ -8,7 +8,10 @@ import json
 import sys
 from collections.abc import Sequence
 
+from monokernel.cli import validate
 from monokernel.errors import MonokernelError
+
+_MAX_TOKENS = 256
 
 _SUBCOMMANDS = {
     # name -> module with `main(argv) -> int`, imported only when used
@@ -31,31 +34,66 @@ def _run_parser() -> argparse.ArgumentParser:
         help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, downloaded once)",
     )
     p.add_argument("--engine", default="auto", choices=["auto", "reference", "torch", "monokernel"])
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument(
+        "--device", default="auto", type=validate.device_spec, help="auto | cpu | cuda | cuda:N"
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument(
         "--tp",
-        type=int,
+        type=validate.positive_int,
         default=1,
         help="tensor-parallel GPUs for one request (monokernel engine, N Hopper GPUs)",
     )
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=None, help="context size to allocate")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--max-tokens", type=validate.positive_int, default=_MAX_TOKENS)
+    p.add_argument(
+        "--max-model-len",
+        type=validate.positive_int,
+        default=None,
+        help="context size to allocate",
+    )
+    p.add_argument(
+        "--temperature", type=validate.non_negative_float, default=0.0, help="0 = greedy (default)"
+    )
+    p.add_argument("--top-p", type=validate.probability, default=1.0, help="in (0, 1]")
+    p.add_argument("--top-k", type=validate.top_k, default=0, help="0 or -1 = off")
+    p.add_argument("--seed", type=validate.non_negative_int, default=None)
+    p.add_argument(
+        "--stop",
+        action="append",
+        type=validate.non_empty,
+        default=[],
+        help="stop string (repeatable)",
+    )
     p.add_argument("--chat", action="store_true", help="wrap PROMPT in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     return p
 
 
+def _parse_run(argv: Sequence[str]) -> argparse.Namespace:
+    """The parsed flags, or exit 2 naming the bad one: everything the user can get wrong is
+    refused here, before the model load (tens of seconds) that would otherwise find it."""
+    parser = _run_parser()
+    args = parser.parse_args(argv)
+    if not args.prompt and not args.chat:
+        # Engine.encode's rule: a plain prompt must not be empty (a chat turn may be).
+        parser.error("argument prompt: must not be empty")
+    if args.max_model_len is not None and args.max_tokens >= args.max_model_len:
+        parser.error(
+            f"argument --max-tokens: {args.max_tokens} leaves no room for the prompt in "
+            f"--max-model-len {args.max_model_len}; lower --max-tokens (default {_MAX_TOKENS}) "
+            "or raise --max-model-len"
+        )
+    error = validate.machine_error(args.device, args.engine, args.tp)
+    if error is not None:
+        parser.error(error)
+    return args
+
+
 def cmd_run(argv: Sequence[str]) -> int:
+    args = _parse_run(argv)
     from monokernel.runtime.engine import Engine, EngineConfig
     from monokernel.runtime.sampling import SamplingParams
 
-    args = _run_parser().parse_args(argv)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -118,12 +156,29 @@ def cmd_run(argv: Sequence[str]) -> int:
     return 0
 
 
+def version() -> str:
+    """The installed distribution's version; the package's own when run from a source tree
+    that was never installed (no metadata to read)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("monokernel")
+    except PackageNotFoundError:
+        import monokernel
+
+        return str(getattr(monokernel, "__version__", "unknown"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = ["run", *_SUBCOMMANDS]
+    if argv and argv[0] == "--version":
+        print(f"monokernel {version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
         print(
-            "usage: monokernel {" + ",".join(commands) + "} ...\n\n"
+            "usage: monokernel [--version] {" + ",".join(commands) + "} ...\n\n"
             "  run     generate text from a prompt\n"
             "  bench   measure decode speed and TTFT per engine\n"
             "  serve   OpenAI-compatible HTTP server with a playground\n"

@@ -70,23 +70,11 @@ def test_run_streams_text_and_timings(model: Path) -> None:
     assert "TTFT" in proc.stderr and "tok/s" in proc.stderr
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--temperature", "-1"], "temperature must be >= 0"),
-        (["--top-p", "0"], "top_p must be in (0, 1]"),
-        (["--model", "/does/not/exist"], "does not exist"),
-        (["--engine", "monokernel", "--device", "cpu"], "needs an NVIDIA GPU"),
-    ],
-)
-def test_bad_input_is_a_clear_error(
-    model: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    argv = ["run", "--model", str(model), *args, "hi"]
-    if args[0] == "--model":
-        argv = ["run", *args, "hi"]
-    assert main(argv) == 1
-    assert message in capsys.readouterr().err
+def test_missing_model_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    # Bad flag values exit 2 before loading (test_validate.py); a model that cannot be
+    # opened is only known when loading it, and exits 1.
+    assert main(["run", "--model", "/does/not/exist", "hi"]) == 1
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from monokernel.cli import validate
 from monokernel.serve.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, ServerSettings
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -24,21 +25,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, downloaded once)",
     )
     p.add_argument("--engine", default="auto", choices=["auto", "reference", "torch", "monokernel"])
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument(
+        "--device", type=validate.device_spec, default="auto", help="auto | cpu | cuda | cuda:N"
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument(
         "--tp",
-        type=int,
+        type=validate.positive_int,
         default=1,
         help="tensor-parallel GPUs for one request (monokernel engine, N Hopper GPUs)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=validate.port, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    p.add_argument("--max-model-len", type=int, default=None, help="context size to allocate")
+    p.add_argument(
+        "--max-model-len",
+        type=validate.positive_int,
+        default=None,
+        help="context size to allocate",
+    )
     p.add_argument(
         "--max-queue",
-        type=int,
+        type=validate.non_negative_int,
         default=DEFAULT_MAX_QUEUE,
         help=f"requests that may wait behind the running one; more get 503 "
         f"(default {DEFAULT_MAX_QUEUE})",
@@ -51,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=validate.positive_int,
         default=DEFAULT_MAX_BODY_BYTES,
         help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES})",
     )
@@ -67,10 +75,12 @@ def served_name(model: str | None, explicit: str | None) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    args = build_parser().parse_args(list(argv))
-    if args.max_queue < 0:
-        print("monokernel serve: --max-queue must be >= 0", file=sys.stderr)
-        return 2
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    # What this machine cannot run is refused before the server listens, not in its load.
+    error = validate.machine_error(args.device, args.engine, args.tp)
+    if error:
+        parser.error(error)
     try:
         import uvicorn
 
