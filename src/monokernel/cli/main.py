@@ -33,24 +33,8 @@ def _run_parser() -> argparse.ArgumentParser:
         default=None,
         help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, downloaded once)",
     )
-    p.add_argument("--engine", default="auto", choices=["auto", "reference", "torch", "monokernel"])
-    p.add_argument(
-        "--device", default="auto", type=validate.device_spec, help="auto | cpu | cuda | cuda:N"
-    )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument(
-        "--tp",
-        type=validate.positive_int,
-        default=1,
-        help="tensor-parallel GPUs for one request (monokernel engine, N Hopper GPUs)",
-    )
+    validate.add_engine_flags(p)
     p.add_argument("--max-tokens", type=validate.positive_int, default=_MAX_TOKENS)
-    p.add_argument(
-        "--max-model-len",
-        type=validate.positive_int,
-        default=None,
-        help="context size to allocate",
-    )
     p.add_argument(
         "--temperature", type=validate.non_negative_float, default=0.0, help="0 = greedy (default)"
     )

@@ -151,3 +151,20 @@ def machine_error(device: str, engine: str, tp: int) -> str | None:
             f"--engine {engine} runs {name!r} here"
         )
     return None
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The flags `run` and `serve` share: which engine, on which device, in which dtype, over
+    how many GPUs, with how much context. ``machine_error`` checks them against the machine."""
+    p.add_argument("--engine", default="auto", choices=["auto", "reference", "torch", "monokernel"])
+    p.add_argument("--device", type=device_spec, default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument(
+        "--tp",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel GPUs for one request (monokernel engine, N Hopper GPUs)",
+    )
+    p.add_argument(
+        "--max-model-len", type=positive_int, default=None, help="context size to allocate"
+    )

@@ -24,26 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="HF directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, downloaded once)",
     )
-    p.add_argument("--engine", default="auto", choices=["auto", "reference", "torch", "monokernel"])
-    p.add_argument(
-        "--device", type=validate.device_spec, default="auto", help="auto | cpu | cuda | cuda:N"
-    )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument(
-        "--tp",
-        type=validate.positive_int,
-        default=1,
-        help="tensor-parallel GPUs for one request (monokernel engine, N Hopper GPUs)",
-    )
+    validate.add_engine_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=validate.port, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    p.add_argument(
-        "--max-model-len",
-        type=validate.positive_int,
-        default=None,
-        help="context size to allocate",
-    )
     p.add_argument(
         "--max-queue",
         type=validate.non_negative_int,

@@ -8,6 +8,15 @@ import torch
 from monokernel.serve import cli
 
 
+def _assert_refused(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}:" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [
@@ -26,12 +35,7 @@ from monokernel.serve import cli
 def test_bad_flag_is_refused_at_parse_time(
     argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert f"argument {flag}:" in err
-    assert "Traceback" not in err
+    _assert_refused(argv, flag, capsys)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
@@ -46,9 +50,4 @@ def test_bad_flag_is_refused_at_parse_time(
 def test_what_this_machine_cannot_run_is_refused_before_listening(
     argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert f"argument {flag}:" in err
-    assert "Traceback" not in err
+    _assert_refused(argv, flag, capsys)
