@@ -2,11 +2,13 @@
 # One call on the GPU machine: build the kernel, run the `gpu` tests, run the benchmark.
 #   scripts/gpu_check.sh OUTDIR            (stages from $MK_STAGES, default "build test bench")
 #   MK_STAGES="build test" scripts/gpu_check.sh "$OUT"
-# Stages: build, test, bench (64-token prompt, MK_GEN_TOKENS generated, per MK_BENCH_SHAPES),
-# long (decode after an MK_LONG_PROMPT-token prompt, Llama-3.2-1B shape), turn (an agent's
+# Stages: build (MK_BUILD_SHAPES, default every shape), test, bench (64-token prompt,
+# MK_GEN_TOKENS generated, per MK_BENCH_SHAPES), sizes (the 4B-32B presets, MK_SIZE_SHAPES:
+# 64-token prompt, 256 generated, the torch engine beside),
+# long (decode after an MK_LONG_PROMPT-token prompt, MK_LONG_SHAPE, default Llama-3.2-1B), turn (an agent's
 # 500-token turn on a held 16k-token conversation: prefix-reuse TTFT; MK_TURN_RUNS picks the
 # shapes and settings), ttft (time to first token at 1,024 and 8,192 prompt
-# tokens, first token from the prefill and from the kernel), turnattn (the turn's attention
+# tokens on MK_TTFT_SHAPE, first token from the prefill and from the kernel), turnattn (the turn's attention
 # alone, split over 1..16 chunks of the cached keys and in the Triton kernel's block shapes:
 # tools/turn_attention.py), prefill (where the GPU time of an 8k prompt and of that turn goes:
 # tools/prefill_profile.py), stalls (where the decode kernel's warps wait: ncu,
@@ -32,8 +34,8 @@ status=0
 
 if [[ $STAGES == *build* ]]; then
   echo "== build" >&2
-  timeout 300 python3 -m monokernel.kernels.prebuild llama-3.2-1b qwen2.5-coder-1.5b odd \
-    smollm2-135m qwen3-0.6b >"$OUTDIR/build.log" 2>&1 || status=1
+  timeout 300 python3 -m monokernel.kernels.prebuild ${MK_BUILD_SHAPES:-} >"$OUTDIR/build.log" \
+    2>&1 || status=1
   grep -E "registers|spill|stack|: /" "$OUTDIR/build.log" >&2
 fi
 
@@ -53,10 +55,22 @@ if [[ $STAGES == *bench* ]]; then
   done
   grep -E "^(device:|engine|monokernel|torch|reference)|error" "$OUTDIR/bench.log" | grep -v Warning
 fi
+if [[ " $STAGES " == *" sizes "* ]]; then
+  # The 4B-32B presets (issue 34), each in its own process with the torch engine beside it.
+  for shape in ${MK_SIZE_SHAPES:-qwen3-4b qwen2.5-coder-7b mistral-7b llama-3.1-8b qwen3-8b \
+    qwen2.5-coder-14b qwen3-14b qwen2.5-coder-32b}; do
+    echo "== bench $shape" >&2
+    timeout "${MK_SIZE_TIMEOUT:-240}" python3 -m monokernel.bench --shape "$shape" \
+      --engines "${MK_ENGINES:-monokernel,torch}" --prompt-tokens 64 --gen-tokens 256 \
+      --json "$OUTDIR/size-$shape.json" >"$OUTDIR/size-$shape.log" 2>&1 || status=1
+    grep -E "^(engine|monokernel|torch)|rror" "$OUTDIR/size-$shape.log" | grep -v Warning
+  done
+fi
+
 if [[ $STAGES == *long* ]]; then
   echo "== long-context decode" >&2
-  timeout "${MK_LONG_TIMEOUT:-240}" python3 -m monokernel.bench --shape llama-3.2-1b \
-    --engines monokernel --prompt-tokens "${MK_LONG_PROMPT:-32768}" --gen-tokens 128 --repeats 2 \
+  timeout "${MK_LONG_TIMEOUT:-240}" python3 -m monokernel.bench --shape "${MK_LONG_SHAPE:-llama-3.2-1b}" \
+    --engines "${MK_LONG_ENGINES:-monokernel}" --prompt-tokens "${MK_LONG_PROMPT:-32768}" --gen-tokens 128 --repeats 2 \
     --profile --json "$OUTDIR/long.json" >"$OUTDIR/long.log" 2>&1 || status=1
   grep -E "^(device:|engine|monokernel)|stage profile|error" "$OUTDIR/long.log" | grep -v Warning
 fi
@@ -82,7 +96,8 @@ if [[ $STAGES == *ttft* ]]; then
   echo "== time to first token" >&2
   for src in prefill kernel; do
     MONOKERNEL_FIRST_TOKEN=$src timeout "${MK_TTFT_TIMEOUT:-240}" python3 -m monokernel.bench \
-      --shape llama-3.2-1b --engines monokernel --prompt-tokens 64,1024,8192 --gen-tokens 32 \
+      --shape "${MK_TTFT_SHAPE:-llama-3.2-1b}" --engines monokernel --prompt-tokens 64,1024,8192 \
+      --gen-tokens 32 \
       --repeats "${MK_TTFT_REPEATS:-7}" \
       --json "$OUTDIR/ttft-$src.json" >"$OUTDIR/ttft-$src.log" 2>&1 || status=1
     echo "first token from the $src:"

@@ -11,18 +11,18 @@ this run. Prints a table; ``--json`` writes every number, ``--plot`` draws the f
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import Any
 
 import torch
 
-from monokernel.bench.engines import BACKENDS, ENGINES, GPU_ONLY, EngineOptions
+from monokernel.bench.engines import BACKENDS, ENGINES, GPU_ONLY, EngineOptions, WeightSource
 from monokernel.bench.records import prompt_label
 from monokernel.bench.sweep import EngineLimits, SweepConfig, run_benchmark
 from monokernel.bench.table import format_table
 from monokernel.models.config import ModelConfig
 from monokernel.models.shapes import SHAPES
-from monokernel.weights.names import Weights
 from monokernel.weights.random_weights import random_weights
 
 # The reference engine runs one eager op at a time: a short run tells its speed, and a
@@ -133,7 +133,7 @@ def _device(spec: str) -> torch.device:
 
 def _load(
     args: argparse.Namespace, device: torch.device, dtype: torch.dtype, need_weights: bool
-) -> tuple[ModelConfig, Weights | None, str]:
+) -> tuple[ModelConfig, WeightSource | None, str]:
     if args.model:
         from monokernel.weights.loader import load_checkpoint
 
@@ -143,10 +143,14 @@ def _load(
             weights = {k: v.to(device=device, dtype=dtype) for k, v in ckpt.weights.items()}
         return ckpt.config, weights, args.model
     cfg = SHAPES[args.shape]
-    weights = (
-        random_weights(cfg, device=device, dtype=dtype, seed=args.seed) if need_weights else None
+    # Made afresh for each engine (a second of GPU time at 32B), so no engine's copy of the
+    # model lives beside another's.
+    fresh = functools.partial(random_weights, cfg, device=device, dtype=dtype, seed=args.seed)
+    return (
+        cfg,
+        fresh if need_weights else None,
+        f"{args.shape} (random {str(dtype).removeprefix('torch.')})",
     )
-    return cfg, weights, f"{args.shape} (random {str(dtype).removeprefix('torch.')})"
 
 
 def _engines(args: argparse.Namespace) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,6 +20,11 @@ import torch
 from monokernel.bench.measure import RunTiming, time_request
 from monokernel.models.config import ModelConfig
 from monokernel.weights.names import Weights
+
+# The weights every engine runs, or a function that makes them afresh for each engine opened
+# (random weights in a named shape): the monokernel then repacks them in place, so a model
+# the GPU holds once but not twice (a 32B one on 80 GB) is benchmarked too.
+WeightSource = Weights | Callable[[], Weights]
 
 BACKENDS: dict[str, tuple[str, str]] = {
     "monokernel": ("monokernel.runtime.backends.monokernel", "MonokernelBackend"),
@@ -55,12 +61,20 @@ class BackendRunner:
     """One of our backends; timings come from ``measure.time_request``."""
 
     def __init__(
-        self, name: str, cfg: ModelConfig, weights: Weights, max_len: int, device: torch.device
+        self,
+        name: str,
+        cfg: ModelConfig,
+        weights: Weights,
+        max_len: int,
+        device: torch.device,
+        owned: bool = False,
     ) -> None:
+        """``owned``: no one else holds ``weights``, so the monokernel may consume them."""
         module, cls = BACKENDS[name]
         self.name = name
+        extra = {"consume_weights": True} if owned and name == "monokernel" else {}
         self.backend: Any = getattr(importlib.import_module(module), cls)(
-            cfg, weights, max_len, device
+            cfg, weights, max_len, device, **extra
         )
 
     @property
@@ -87,7 +101,7 @@ class BackendRunner:
 def open_runner(
     name: str,
     cfg: ModelConfig,
-    weights: Weights | None,
+    weights: WeightSource | None,
     max_len: int,
     device: torch.device,
     options: EngineOptions,
@@ -106,6 +120,9 @@ def open_runner(
         )
     if weights is None:
         raise ValueError(f"engine {name!r} needs the model's weights")
+    owned = callable(weights)
+    if callable(weights):
+        weights = weights()
     if name in ("torch", "hf") and device.type == "cuda":
         fresh_compile_state()
     if name == "hf":
@@ -113,7 +130,7 @@ def open_runner(
 
         return HFRunner(cfg, weights, max_len, device, cache=options.hf_cache)
     if name in BACKENDS:
-        return BackendRunner(name, cfg, weights, max_len, device)
+        return BackendRunner(name, cfg, weights, max_len, device, owned)
     raise ValueError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
 
 

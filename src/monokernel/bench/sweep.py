@@ -28,11 +28,10 @@ from typing import Any
 import torch
 
 from monokernel.bench import records
-from monokernel.bench.engines import EngineOptions, Runner, open_runner, release
+from monokernel.bench.engines import EngineOptions, Runner, WeightSource, open_runner, release
 from monokernel.bench.environment import environment, gpu_info
 from monokernel.bench.measure import RunTiming, copy_bandwidth
 from monokernel.models.config import ModelConfig
-from monokernel.weights.names import Weights
 
 Log = Callable[[str], None]
 
@@ -179,7 +178,7 @@ def _check_reuse(rec: dict[str, Any], log: Log) -> None:
 def _measure_cell(
     name: str,
     cfg: ModelConfig,
-    weights: Weights | None,
+    weights: WeightSource | None,
     sweep: SweepConfig,
     device: torch.device,
     bandwidth: float | None,
@@ -225,7 +224,7 @@ def _measure_cell(
 
 def run_sweep(
     cfg: ModelConfig,
-    weights: Weights | None,
+    weights: WeightSource | None,
     sweep: SweepConfig,
     device: torch.device,
     bandwidth: float | None,
@@ -292,7 +291,7 @@ def write_json(doc: dict[str, Any], path: str | Path) -> None:
 
 def run_benchmark(
     cfg: ModelConfig,
-    weights: Weights | None,
+    weights: WeightSource | None,
     label: str,
     sweep: SweepConfig,
     device: torch.device,

@@ -95,6 +95,8 @@ def cmd_run(argv: Sequence[str]) -> int:
         tp=args.tp,
     )
     engine = Engine(args.model, config)
+    for note in engine.startup_notes:  # the engine fallback, if any, and the context chosen
+        print(note, file=sys.stderr)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     ids = engine.encode(prompt)
     parts: list[str] = []

@@ -68,6 +68,8 @@ def test_run_streams_text_and_timings(model: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "TTFT" in proc.stderr and "tok/s" in proc.stderr
+    # The startup line: the context chosen and why (the CPU default, capped by the model).
+    assert "context: " in proc.stderr and "tokens (the CPU default; model max" in proc.stderr
 
 
 def test_missing_model_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -154,6 +154,12 @@ COMPILES = [
     ("odd", True, ()),
     ("odd", False, ()),
     ("smollm2-135m", True, ()),
+    # Hidden > 4096: the 8B and 32B presets' sizes, and the odd one at that width.
+    ("llama-3.1-8b", True, ()),
+    ("llama-3.1-8b", False, ()),
+    ("qwen2.5-coder-32b", False, ()),
+    ("odd-wide", True, ()),
+    ("odd-wide", False, ()),
     # The per-shape choices' other sides: D's up row after its input and the LM head's tail
     # by tickets (Llama), every LM-head row dealt statically (Qwen), one range per window.
     ("llama-3.2-1b", True, ("-DMK_D_PRE=1", "-DMK_F_DRAWN=8")),

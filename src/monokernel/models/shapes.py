@@ -7,9 +7,9 @@ engine runs, and their roofline ``ModelShape`` is derived from it; the others (m
 experts, latent attention, sliding windows), which the engine refuses, carry only their
 ``ModelShape``.
 
-``SHAPES`` holds the dense shapes the monokernel builds today (``kernel=True``): benchmarks,
-prebuild and the GPU tests iterate it, so a shape the kernel cannot build yet (hidden above
-2048, issue 34) stays in ``DENSE_SHAPES`` only until it can.
+``SHAPES`` holds the dense shapes the monokernel builds (``kernel=True``; today every dense
+one): benchmarks, prebuild and the kernel tests read it. A dense shape the kernel cannot
+build would stay in ``DENSE_SHAPES`` only, which the torch and reference engines run.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ _ENTRIES: tuple[NamedModel, ...] = (
         ),
         kernel=True,
     ),
-    # Issue 34's sizes: the torch engine runs them, the monokernel does not build them yet.
+    # The sizes coding agents run (issue 34).
     _dense(
         "Qwen3-4B",
         "Qwen/Qwen3-4B",
@@ -150,6 +150,7 @@ _ENTRIES: tuple[NamedModel, ...] = (
             tie_word_embeddings=True,
             qk_norm=True,
         ),
+        kernel=True,
     ),
     _dense(
         "Qwen2.5-Coder-7B",  # untied, unlike the 1.5B
@@ -169,6 +170,7 @@ _ENTRIES: tuple[NamedModel, ...] = (
             tie_word_embeddings=False,
             qkv_bias=True,
         ),
+        kernel=True,
         aliases=("qwen-7b",),
     ),
     _dense(
@@ -188,6 +190,7 @@ _ENTRIES: tuple[NamedModel, ...] = (
             max_position_embeddings=32768,
             tie_word_embeddings=False,
         ),
+        kernel=True,
     ),
     _dense(
         "Llama-3.1-8B",
@@ -207,6 +210,7 @@ _ENTRIES: tuple[NamedModel, ...] = (
             tie_word_embeddings=False,
             rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
         ),
+        kernel=True,
         aliases=("llama-8b",),
     ),
     _dense(
@@ -227,6 +231,7 @@ _ENTRIES: tuple[NamedModel, ...] = (
             tie_word_embeddings=False,
             qk_norm=True,
         ),
+        kernel=True,
     ),
     _dense(
         "Qwen2.5-Coder-14B",
@@ -246,6 +251,7 @@ _ENTRIES: tuple[NamedModel, ...] = (
             tie_word_embeddings=False,
             qkv_bias=True,
         ),
+        kernel=True,
     ),
     _dense(
         "Qwen3-14B",
@@ -265,6 +271,7 @@ _ENTRIES: tuple[NamedModel, ...] = (
             tie_word_embeddings=False,
             qk_norm=True,
         ),
+        kernel=True,
     ),
     _dense(
         "Qwen2.5-Coder-32B",
@@ -284,6 +291,7 @@ _ENTRIES: tuple[NamedModel, ...] = (
             tie_word_embeddings=False,
             qkv_bias=True,
         ),
+        kernel=True,
     ),
     NamedModel(
         # Every layer MoE (decoder_sparse_step 1, no mlp_only_layers), 128 experts, 8 per
@@ -374,6 +382,30 @@ _ENTRIES: tuple[NamedModel, ...] = (
             num_heads=5,
             num_kv_heads=1,
             head_dim=104,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            qkv_bias=True,
+            o_bias=True,
+            qk_norm=True,
+        ),
+        kernel=True,
+    ),
+    # The same at hidden > 4096 (the sizes of 8B-32B models): rows of 513 16-byte chunks,
+    # an intermediate size no split divides evenly, head_dim 152, groups of 9 query heads.
+    _dense(
+        "odd-wide",
+        "",
+        ModelConfig(
+            family="qwen3",
+            vocab_size=5003,
+            hidden_size=4104,
+            intermediate_size=11080,
+            num_layers=2,
+            num_heads=27,
+            num_kv_heads=3,
+            head_dim=152,
             rms_norm_eps=1e-6,
             rope_theta=10000.0,
             max_position_embeddings=4096,

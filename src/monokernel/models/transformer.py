@@ -6,6 +6,7 @@ favours clarity over speed. Weights are a flat dict in our names (``weights/name
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,24 @@ def rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, w, b)
+
+
+class Float32View(Mapping[str, torch.Tensor]):
+    """``weights`` read as float32, one tensor at a time: the reference then computes in
+    float32 on bf16 weights with one layer's float32 matrices alive, not a float32 copy of
+    the model (59 GB for a 14B one)."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self._w = weights
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._w[name].float()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._w)
+
+    def __len__(self) -> int:
+        return len(self._w)
 
 
 class Transformer:

@@ -9,6 +9,7 @@ The one API everything else (CLI, server, benchmarks) wraps::
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -17,19 +18,31 @@ from pathlib import Path
 
 import torch
 
+from monokernel import envs
 from monokernel.errors import InvalidRequestError
 from monokernel.models.config import ModelConfig
-from monokernel.runtime.backends import create_backend, resolve_engine
+from monokernel.runtime import kv_memory
+from monokernel.runtime.backends import create_backend, fallback_engine, resolve_engine
 from monokernel.runtime.backends.base import Backend, CancelToken, DecodeRequest
+from monokernel.runtime.memory_plan import (
+    ContextPlan,
+    ContextTooLargeError,
+    PlanSettings,
+    gib,
+    plan_context,
+)
+from monokernel.runtime.prefill_graphs import graphs_enabled
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.tokenizer.detokenize import IncrementalDetokenizer
 from monokernel.tokenizer.stop_strings import StopStringMatcher
 from monokernel.tokenizer.tokenizer import Prompt, Tokenizer
 from monokernel.weights.loader import Checkpoint, load_checkpoint
+from monokernel.weights.names import expected_shapes
 from monokernel.weights.safetensors_loader import cast_weights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DEFAULT_MAX_MODEL_LEN = 8192
+# torch's caching allocator hands out blocks in multiples of this: what a tensor really takes.
+_ALLOC_ROUND = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +50,9 @@ class EngineConfig:
     engine: str = "auto"  # auto | reference | torch | monokernel
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
-    max_model_len: int | None = None  # default: min(model's maximum, 8192)
+    # None: on a GPU the longest that fits up to the model's maximum (torch and reference:
+    # at most 8192), on the CPU min(model's maximum, 8192); see runtime/memory_plan.py.
+    max_model_len: int | None = None
     progress: bool = True  # download progress bars on stderr
     tp: int = 1  # tensor-parallel GPUs (monokernel only): cuda:0..tp-1, or from --device cuda:N
     # Reuse the KV cache of earlier requests' common prefix (backends that can: monokernel).
@@ -92,6 +107,16 @@ def _pick_device(name: str) -> torch.device:
     return device
 
 
+def device_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """What the weights of ``cfg`` take on a GPU in ``dtype`` (each tensor rounded up as
+    torch's allocator rounds it), known before any of them is read."""
+    total = 0
+    for shape in expected_shapes(cfg).values():
+        n = math.prod(shape) * dtype.itemsize
+        total += -(-n // _ALLOC_ROUND) * _ALLOC_ROUND
+    return total
+
+
 def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -111,26 +136,131 @@ class Engine:
         self.config = config or EngineConfig()
         self.device = _pick_device(self.config.device)
         self.dtype = _pick_dtype(self.config.dtype, self.device)
+        # The engine that runs: resolve_engine's pick until a fallback replaces it.
         self.engine_name = resolve_engine(self.config.engine, self.device)
-        ckpt = (
-            model
-            if isinstance(model, Checkpoint)
-            else load_checkpoint(model, progress=self.config.progress)
-        )
-        self.model_config: ModelConfig = ckpt.config
+        # Set when `auto` could not run the monokernel: the one line saying why.
+        self.engine_note: str | None = None
+        # A checkpoint loaded here is the engine's own: its tensors go straight to the device
+        # in the engine's dtype, and the monokernel may repack them in place. One the caller
+        # passes stays whole.
+        owned = self._owned = not isinstance(model, Checkpoint)
+        if owned:
+            ckpt = load_checkpoint(
+                model,
+                progress=self.config.progress,
+                device=self.device,
+                dtype=self.dtype,
+                before_weights=self._plan_memory,
+            )
+        else:
+            ckpt = model
+            self._plan_memory(ckpt.config)
         self.source = ckpt.source
         self.eos_token_ids = frozenset(ckpt.eos_token_ids)
         self.tokenizer = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file)
-        limit = ckpt.config.max_position_embeddings
-        self.max_model_len = min(self.config.max_model_len or DEFAULT_MAX_MODEL_LEN, limit)
-        weights = cast_weights(dict(ckpt.weights), self.dtype, self.device)
+        # cast_weights empties the dict it is given: the checkpoint's own when owned, so no
+        # second reference keeps a tensor alive once the monokernel has repacked it.
+        weights = cast_weights(
+            ckpt.weights if owned else dict(ckpt.weights), self.dtype, self.device
+        )
+        auto = self.config.engine == "auto" and self.engine_name == "monokernel"
         self.backend: Backend = create_backend(
-            self.engine_name, ckpt.config, weights, self.max_model_len, self.device, self.config.tp
+            self.config.engine if auto else self.engine_name,
+            ckpt.config,
+            weights,
+            self.max_model_len,
+            self.device,
+            self.config.tp,
+            on_fallback=self._fall_back if auto else None,
+            owned=owned,
         )
         set_reuse = getattr(self.backend, "set_prefix_reuse", None)
         if self.config.prefix_reuse is not None and callable(set_reuse):
             set_reuse(self.config.prefix_reuse)
         self._busy = threading.Lock()
+
+    @property
+    def startup_notes(self) -> tuple[str, ...]:
+        """What the CLI says on stderr once the model is loaded: the engine fallback, if
+        any, then the context line."""
+        return (*([self.engine_note] if self.engine_note else []), self.context_note)
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def _plan_memory(self, cfg: ModelConfig) -> None:
+        """Once the config is known and before any weight reaches the device: a model or
+        context that cannot fit is refused now, with numbers (runtime/memory_plan.py), and
+        the context is chosen; ``context_note`` says which and why (the CLI prints it)."""
+        self.model_config: ModelConfig = cfg
+        self._free = (
+            kv_memory.free_device_bytes(self.device) if self.device.type == "cuda" else None
+        )
+        self._weight_bytes = device_weight_bytes(cfg, self.dtype)
+        plan = self._plan_with_fallback()
+        self.max_model_len = plan.max_model_len
+        self.context_note = plan.note
+
+    def _plan(self, engine: str) -> ContextPlan:
+        first = self.device.index or 0
+        gpus = torch.cuda.device_count() - first if self.device.type == "cuda" else 0
+        settings = PlanSettings(
+            chunk_tokens=envs.MONOKERNEL_PREFILL_CHUNK,
+            precision=envs.MONOKERNEL_PREFILL_PRECISION,
+            graphs=graphs_enabled(self.device),
+            dtype_bytes=self.dtype.itemsize,
+            gpus=gpus,
+            where=str(self.device),
+            consume=self._owned,
+        )
+        return plan_context(
+            self.model_config,
+            self._free,
+            self._weight_bytes,
+            engine,
+            self.config.max_model_len,
+            self.config.tp,
+            settings,
+        )
+
+    def _plan_with_fallback(self) -> ContextPlan:
+        """The plan for the resolved engine; for `auto` on one GPU, the fallback engine's
+        when the monokernel's repacking leaves no room (its error if neither fits)."""
+        try:
+            return self._plan(self.engine_name)
+        except ContextTooLargeError as e:
+            if not self._may_fall_back():
+                raise
+            error = e
+        other = fallback_engine()
+        try:
+            plan = self._plan(other)
+        except ContextTooLargeError:
+            raise error from None  # the monokernel's numbers and its --max-model-len advice
+        self._note_fallback(
+            other,
+            f"its load needs {gib(error.need_bytes)} for a {error.tokens}-token context, "
+            f"weight repacking included, and {gib(error.free_bytes)} is free",
+        )
+        return plan
+
+    def _may_fall_back(self) -> bool:
+        return (
+            self.config.engine == "auto"
+            and self.engine_name == "monokernel"
+            and self.config.tp == 1
+        )
+
+    def _note_fallback(self, other: str, reason: str) -> None:
+        self.engine_note = f"monokernel: cannot run this model ({reason}); using the {other} engine"
+        self.engine_name = other
+
+    def _fall_back(self, other: str, reason: str) -> int:
+        """create_backend's hook when the monokernel failed to build: plan the other
+        engine's context (its default differs) and record why."""
+        self._note_fallback(other, reason)
+        plan = self._plan(other)
+        self.max_model_len, self.context_note = plan.max_model_len, plan.note
+        return plan.max_model_len
 
     # -- requests ------------------------------------------------------------------------------
 

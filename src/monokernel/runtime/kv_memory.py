@@ -7,6 +7,8 @@ long prompt. Prefill needs transient memory on top (``prefill.workspace_bytes``)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from monokernel.errors import InvalidRequestError
@@ -34,17 +36,21 @@ def rope_bytes_per_token(cfg: ModelConfig) -> int:
     return 3 * (cfg.head_dim // 2) * 4
 
 
-def repack_bytes(cfg: ModelConfig, fold: bool, convert: bool, fmt: str = DEFAULT_FORMAT) -> int:
+def repack_bytes(
+    cfg: ModelConfig, fold: bool, convert: bool, fmt: str = DEFAULT_FORMAT, consume: bool = False
+) -> int:
     """What ``weights.repack.repack`` allocates beyond the weights it is given (bf16) and the
     RoPE tables, its matrices packed in the weight format ``fmt``: the fused QKV and gate/up
     matrices, a folded LM head, and the other matrices where the format does not pack in
-    place; plus a bf16 copy of everything when the weights arrive in another dtype."""
+    place; plus a bf16 copy of everything when the weights arrive in another dtype.
+    ``consume`` (repack's): each layer's sources are freed once packed, so one layer's
+    matrices are the most held twice."""
     f = get_format(fmt)
     h, i, q = cfg.hidden_size, cfg.intermediate_size, cfg.q_size
     per_layer = f.matrix_bytes(q + 2 * cfg.kv_size, h) + f.matrix_bytes(2 * i, h)
     if not f.packs_in_place:
         per_layer += f.matrix_bytes(h, q) + f.matrix_bytes(h, i)
-    total = cfg.num_layers * per_layer
+    total = (1 if consume else cfg.num_layers) * per_layer
     if fold or not f.packs_in_place:
         total += f.matrix_bytes(cfg.vocab_size, h)
     if convert:
@@ -74,12 +80,14 @@ def needed_bytes(
     extra: int = 0,
     graphs: bool = False,
     fmt: str = DEFAULT_FORMAT,
+    kv_dtype_bytes: int = 2,
 ) -> int:
     """The cache and RoPE tables for ``max_len`` positions, the prefill workspace (weights in
     the format ``fmt``), the reserve, and ``extra`` (other allocations still to come that do
-    not grow with the context, e.g. ``repack_bytes``)."""
+    not grow with the context, e.g. ``repack_bytes``). ``kv_dtype_bytes``: the cache's element
+    size (the monokernel's is bf16; the torch engine's is the model's dtype)."""
     return (
-        (kv_bytes_per_token(cfg) + rope_bytes_per_token(cfg)) * max_len
+        (kv_bytes_per_token(cfg, kv_dtype_bytes) + rope_bytes_per_token(cfg)) * max_len
         + workspace_bytes(cfg, min(chunk_tokens, max_len), max_len, precision, fmt)
         + RESERVE_BYTES
         + extra
@@ -106,13 +114,19 @@ def max_len_that_fits(
 ) -> int:
     """The longest context whose cache and prefill fit in ``free`` bytes (0 if none)."""
 
-    def fits(n: int) -> bool:
-        return needed_bytes(cfg, n, chunk_tokens, precision, extra, graphs, fmt) <= free
+    return longest_fitting(
+        lambda n: needed_bytes(cfg, n, chunk_tokens, precision, extra, graphs, fmt) <= free
+    )
 
+
+def longest_fitting(fits: Callable[[int], bool], limit: int = 1 << 40) -> int:
+    """The largest n in [1, limit] with ``fits(n)`` (0 if none), for a ``fits`` that stays
+    false once false: every byte count here grows with the context, so bisection is exact."""
     lo, hi = 0, 1
-    while fits(hi) and hi < 1 << 40:
+    while hi <= limit and fits(hi):
         lo, hi = hi, hi * 2
-    while hi - lo > 1:  # needed_bytes grows with max_len: bisect
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo

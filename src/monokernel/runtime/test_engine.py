@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
+import torch
 
 from monokernel import Engine, EngineConfig, SamplingParams
-from monokernel.errors import InvalidRequestError
+from monokernel.errors import InvalidRequestError, UnsupportedModelError
+from monokernel.models.config import ModelConfig
+from monokernel.runtime import backends
+from monokernel.runtime import engine as engine_mod
 from monokernel.runtime.backends.base import CancelToken
+from monokernel.runtime.memory_plan import ContextPlan, ContextTooLargeError
 from monokernel.testing.tiny_models import make_tiny_model_dir
 
 
@@ -94,3 +100,106 @@ def test_prompt_over_the_context_is_refused(engine: Engine) -> None:
         engine.generate("hello", SamplingParams(max_tokens=200))
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.generate("", SamplingParams())
+
+
+def test_the_startup_line_names_the_context(engine: Engine) -> None:
+    limit = engine.model_config.max_position_embeddings
+    assert engine.engine_note is None
+    assert engine.startup_notes == (
+        f"context: 128 tokens (--max-model-len 128; model max {limit})",
+    )
+
+
+# -- `--engine auto` where the monokernel cannot run: stand-in monokernels, real torch -------
+
+
+class UnbuildableMonokernel:
+    """Refuses the model as the real backend does for a shape its kernel lacks."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise UnsupportedModelError("head_dim 104 is not supported by the kernel")
+
+
+class NeverBuiltMonokernel:
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError("the plan said the monokernel cannot fit; it must not be built")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir("qwen2", tmp_path_factory.mktemp("fb") / "tiny")
+
+
+def _monokernel_resolves(monkeypatch: pytest.MonkeyPatch, stand_in: str) -> None:
+    """The CPU resolves like a Hopper GPU would, with ``stand_in`` as the monokernel."""
+
+    def resolve(name: str, device: torch.device) -> str:
+        return "monokernel" if name in ("auto", "monokernel") else name
+
+    monkeypatch.setattr(engine_mod, "resolve_engine", resolve)
+    monkeypatch.setattr(backends, "resolve_engine", resolve)
+    monkeypatch.setitem(backends._CLASSES, "monokernel", (__name__, stand_in))
+
+
+def test_auto_runs_torch_when_the_monokernel_cannot_build(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _monokernel_resolves(monkeypatch, "UnbuildableMonokernel")
+    eng = Engine(model_dir, EngineConfig(device="cpu", max_model_len=64, progress=False))
+    assert eng.engine_name == "torch" and type(eng.backend).__name__ == "TorchBackend"
+    assert eng.engine_note == (
+        "monokernel: cannot run this model (head_dim 104 is not supported by the kernel); "
+        "using the torch engine"
+    )
+    assert eng.startup_notes[0] == eng.engine_note and eng.max_model_len == 64
+    out = eng.complete("def f", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out.token_ids) == 4
+
+
+def test_a_named_monokernel_that_cannot_build_fails(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _monokernel_resolves(monkeypatch, "UnbuildableMonokernel")
+    config = EngineConfig(engine="monokernel", device="cpu", max_model_len=64, progress=False)
+    with pytest.raises(UnsupportedModelError, match="head_dim 104"):
+        Engine(model_dir, config)
+
+
+def test_auto_runs_torch_when_only_torch_fits_in_memory(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _monokernel_resolves(monkeypatch, "NeverBuiltMonokernel")
+    asked: list[str] = []
+
+    def plan(
+        cfg: ModelConfig, free: int | None, weights: int, engine: str, *rest: object
+    ) -> ContextPlan:
+        asked.append(engine)
+        if engine == "monokernel":
+            raise ContextTooLargeError("too large", 2048, 90 * 2**30, 80 * 2**30)
+        return ContextPlan(48, "context: 48 tokens (planned for torch)")
+
+    monkeypatch.setattr(engine_mod, "plan_context", plan)
+    eng = Engine(model_dir, EngineConfig(device="cpu", progress=False))
+    assert asked == ["monokernel", "torch"]
+    assert eng.engine_name == "torch" and eng.max_model_len == 48
+    assert eng.startup_notes == (
+        "monokernel: cannot run this model (its load needs 90.0 GiB for a 2048-token context, "
+        "weight repacking included, and 80.0 GiB is free); using the torch engine",
+        "context: 48 tokens (planned for torch)",
+    )
+
+
+def test_when_nothing_fits_the_monokernel_error_stands(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _monokernel_resolves(monkeypatch, "NeverBuiltMonokernel")
+
+    def plan(
+        cfg: ModelConfig, free: int | None, weights: int, engine: str, *rest: object
+    ) -> ContextPlan:
+        raise ContextTooLargeError(f"{engine} does not fit", 1, 2, 1)
+
+    monkeypatch.setattr(engine_mod, "plan_context", plan)
+    with pytest.raises(ContextTooLargeError, match=r"^monokernel does not fit$"):
+        Engine(model_dir, EngineConfig(device="cpu", progress=False))

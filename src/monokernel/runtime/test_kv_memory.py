@@ -98,3 +98,26 @@ def test_repack_bytes_is_what_repack_allocates(name: str, fold: bool) -> None:
     mats += packed.matrices.values()
     new = sum(m.data.nbytes for m in mats if m.data.untyped_storage().data_ptr() not in given)
     assert kv_memory.repack_bytes(cfg, fold=fold, convert=False) == new
+
+
+@pytest.mark.parametrize(("edge", "limit"), [(0, 10), (1, 10), (7, 10), (10, 10), (33, 1 << 40)])
+def test_longest_fitting_finds_the_edge_within_the_limit(edge: int, limit: int) -> None:
+    calls: list[int] = []
+
+    def fits(n: int) -> bool:
+        calls.append(n)
+        return n <= edge
+
+    assert kv_memory.longest_fitting(fits, limit) == min(edge, limit)
+    assert all(1 <= n <= limit for n in calls)  # never asks outside [1, limit]
+
+
+def test_longest_fitting_stops_at_the_limit_when_everything_fits() -> None:
+    assert kv_memory.longest_fitting(lambda n: True, 5) == 5
+    assert kv_memory.longest_fitting(lambda n: True, 0) == 0
+
+
+def test_the_cache_element_size_scales_only_the_cache() -> None:
+    bf16 = kv_memory.needed_bytes(LLAMA, 4096, 2048, "bf16")
+    fp32 = kv_memory.needed_bytes(LLAMA, 4096, 2048, "bf16", kv_dtype_bytes=4)
+    assert fp32 - bf16 == kv_memory.kv_bytes_per_token(LLAMA) * 4096

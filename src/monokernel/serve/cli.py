@@ -101,7 +101,13 @@ def main(argv: Sequence[str]) -> int:
         if server is not None:
             server.should_exit = True
 
-    app = create_app(settings, lambda: Engine(args.model, config), stop_on_load_error)
+    def load_engine() -> Engine:
+        engine = Engine(args.model, config)
+        for note in engine.startup_notes:  # the engine fallback, if any, and the context
+            print(f"monokernel serve: {note}", file=sys.stderr)
+        return engine
+
+    app = create_app(settings, load_engine, stop_on_load_error)
     server = uvicorn.Server(
         # After Ctrl-C, open streams get 5 s; then their tasks are cancelled, which
         # cancels their generations.

@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from monokernel.errors import ModelNotFoundError
 from monokernel.models.config import ModelConfig, load_hf_config
 from monokernel.weights.names import Weights
+
+# load_checkpoint's hook: called with the config before any weight is read.
+BeforeWeights = Callable[[ModelConfig], None] | None
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
@@ -26,7 +32,9 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     config: ModelConfig
-    weights: Weights  # our names, the checkpoint's dtype (float32 for dequantised GGUF), CPU
+    # Our names. Safetensors: on the device and in the dtype load_checkpoint was given, else
+    # the checkpoint's dtype on the CPU. GGUF: always float32 (dequantised) on the CPU.
+    weights: Weights
     tokenizer_dir: Path
     gguf_file: str | None  # set when the tokenizer lives inside a GGUF file
     eos_token_ids: tuple[int, ...]  # config's and generation_config's, deduplicated
@@ -67,7 +75,7 @@ def _eos_ids(model_dir: Path, cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
-def _load_gguf(path: Path) -> Checkpoint:
+def _load_gguf(path: Path, before_weights: BeforeWeights = None) -> Checkpoint:
     from monokernel.weights.gguf_loader import (
         gguf_generation_eos_ids,
         load_gguf_config,
@@ -75,6 +83,8 @@ def _load_gguf(path: Path) -> Checkpoint:
     )
 
     cfg = load_gguf_config(path)
+    if before_weights is not None:
+        before_weights(cfg)
     eos = tuple(dict.fromkeys((*cfg.eos_token_ids, *gguf_generation_eos_ids(path))))
     return Checkpoint(
         config=cfg,
@@ -86,13 +96,23 @@ def _load_gguf(path: Path) -> Checkpoint:
     )
 
 
-def _load_hf_dir(model_dir: Path) -> Checkpoint:
+def _load_hf_dir(
+    model_dir: Path,
+    progress: bool,
+    device: torch.device | str | None,
+    dtype: torch.dtype | None,
+    before_weights: BeforeWeights = None,
+) -> Checkpoint:
     from monokernel.weights.safetensors_loader import load_safetensors_weights
 
     cfg = load_hf_config(model_dir)
+    if before_weights is not None:
+        before_weights(cfg)
     return Checkpoint(
         config=cfg,
-        weights=load_safetensors_weights(model_dir, cfg),
+        weights=load_safetensors_weights(
+            model_dir, cfg, device=device, dtype=dtype, progress=progress
+        ),
         tokenizer_dir=model_dir,
         gguf_file=None,
         eos_token_ids=_eos_ids(model_dir, cfg),
@@ -117,19 +137,35 @@ def resolve_model_path(ref: str | Path | None, progress: bool = True) -> Path:
     )
 
 
-def load_checkpoint(ref: str | Path | None, progress: bool = True) -> Checkpoint:
+def load_checkpoint(
+    ref: str | Path | None,
+    progress: bool = True,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    before_weights: BeforeWeights = None,
+) -> Checkpoint:
+    """Config, weights and tokenizer location of ``ref``.
+
+    ``before_weights`` is called with the config once it is read and before any weight is
+    (the engine's memory plan refuses a model that cannot fit before copying it).
+
+    ``progress``: download bars, and a loading bar for safetensors when stderr is a
+    terminal. ``device``/``dtype``: where safetensors weights are read to, tensor by tensor,
+    so a large model never sits on the CPU whole; GGUF weights stay on the CPU (their
+    dequantisation runs there).
+    """
     path = resolve_model_path(ref, progress=progress)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelNotFoundError(
                 f"{path} is a file but not a .gguf; pass a .gguf file or a directory"
             )
-        return _load_gguf(path)
+        return _load_gguf(path, before_weights)
     if (path / "config.json").is_file():
-        return _load_hf_dir(path)
+        return _load_hf_dir(path, progress, device, dtype, before_weights)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
-        return _load_gguf(ggufs[0])
+        return _load_gguf(ggufs[0], before_weights)
     raise ModelNotFoundError(
         f"{path} has no config.json"
         + (f" and several .gguf files ({[g.name for g in ggufs]}); name one" if ggufs else "")

@@ -124,19 +124,29 @@ def repack(
     max_len: int,
     fold: bool = True,
     fmt: str = DEFAULT_FORMAT,
+    consume: bool = False,
 ) -> Repacked:
     """All of the kernel's tensors, on the device of ``weights``: the streamed matrices packed
     in the weight format ``fmt`` (weights/formats), the rest in the dtype of ``weights``.
 
     ``fold=False`` keeps the norm gains as fp32 vectors the kernel applies itself: the same
     bytes per token (a gain is h floats), without rounding W*g to the weights' dtype.
+    ``consume``: each layer's tensors are popped from ``weights`` once packed, so where the
+    caller holds no other reference the repacking needs one layer's memory on top of the
+    model, not a second copy (a 32B model's 65 GB fit an 80 GB GPU once, not twice).
     """
     embed = weights["embed"]
     head = embed if cfg.tie_word_embeddings else weights["lm_head"]
     cos, sin = rope_tables(cfg, max_len, embed.device)
     pack = get_format(fmt).pack
+    layers = []
+    for n in range(cfg.num_layers):
+        layers.append(repack_layer(cfg, weights, n, fold, fmt))
+        if consume:
+            for name in [k for k in weights if k.startswith(f"layers.{n}.")]:
+                del weights[name]
     return Repacked(
-        layers=[repack_layer(cfg, weights, n, fold, fmt) for n in range(cfg.num_layers)],
+        layers=layers,
         embed=embed.contiguous(),
         matrices={"lm_head": pack(fold_gain(head, weights["norm"]) if fold else head)},
         rope_cos=cos.contiguous(),

@@ -57,6 +57,16 @@ def test_sharded_checkpoint(tmp_path: Path) -> None:
     assert torch.equal(ckpt.weights["embed"], tensors["model.embed_tokens.weight"])
 
 
+def test_loads_to_the_device_and_dtype_asked(tiny: Path) -> None:
+    as_stored = load_checkpoint(tiny, progress=False)
+    cast = load_checkpoint(tiny, progress=False, device="cpu", dtype=torch.bfloat16)
+    assert {t.dtype for t in cast.weights.values()} == {torch.bfloat16}
+    assert set(cast.weights) == set(as_stored.weights)
+    for name, t in as_stored.weights.items():
+        assert t.dtype == torch.float32  # what save_pretrained wrote
+        assert torch.equal(cast.weights[name], t.to(torch.bfloat16)), name
+
+
 def test_missing_tensor_is_named(tiny: Path) -> None:
     _edit_tensors(tiny, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(MissingTensorError, match=r"layers\.1\.w_up"):

@@ -107,3 +107,19 @@ def test_an_unknown_format_is_refused() -> None:
     cfg = CONFIGS["odd"]
     with pytest.raises(UnknownWeightFormatError, match="accepted formats: bf16"):
         repack(cfg, random_weights(cfg), 8, fmt="int3")
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_consume_packs_the_same_and_empties_the_layers(fold: bool) -> None:
+    """repack(consume=True) gives the same tensors and leaves only what it still uses (the
+    embedding, the LM head, the final norm) in the caller's dict."""
+    cfg = SHAPES["odd"]
+    weights = random_weights(cfg, seed=4)
+    want = repack(cfg, dict(weights), 64, fold=fold)
+    got = repack(cfg, weights, 64, fold=fold, consume=True)
+    assert not [k for k in weights if k.startswith("layers.")]
+    assert set(weights) == {"embed", "lm_head", "norm"}
+    for a, b in zip(want.layers, got.layers, strict=True):
+        for name in MATRICES:
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.equal(want.lm_head, got.lm_head)

@@ -7,11 +7,13 @@ never breaks another.
 
 from __future__ import annotations
 
+import gc
 import importlib
+from collections.abc import Callable
 
 import torch
 
-from monokernel.errors import BackendUnavailableError
+from monokernel.errors import BackendUnavailableError, MonokernelError
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.backends.base import Backend
 from monokernel.weights.names import Weights
@@ -66,6 +68,54 @@ def resolve_engine(name: str, device: torch.device) -> str:
     return name
 
 
+# What building the monokernel for a model raises when it cannot serve it: an unsupported
+# shape (UnsupportedModelError), no nvcc or a failed build (BackendUnavailableError), a
+# context that does not fit (InvalidRequestError), CUDA errors and out-of-memory
+# (RuntimeError). `auto` falls back on these; anything else is a bug and propagates.
+FALLBACK_ERRORS: tuple[type[BaseException], ...] = (MonokernelError, RuntimeError)
+_REASON_CHARS = 200
+
+# Called with (the engine that runs instead, why the monokernel could not); returns the
+# context to build it for (the caller may plan a different one for the other engine).
+OnFallback = Callable[[str, str], int]
+
+
+def fallback_reason(error: BaseException) -> str:
+    """One short line from ``error`` (an nvcc failure carries its whole log)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = text or type(error).__name__
+    return text if len(text) <= _REASON_CHARS else text[: _REASON_CHARS - 1] + "…"
+
+
+def fallback_engine() -> str:
+    """What ``auto`` runs on a GPU where the monokernel cannot."""
+    return "torch" if _available("torch") else "reference"
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Hand what a half-built backend allocated back to the driver before another backend
+    is built: its tensors are freed once the frames of the failed constructor are (they
+    may sit in reference cycles, hence the collection), then torch's cache is emptied."""
+    gc.collect()
+    if device.type == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _construct(
+    name: str,
+    cfg: ModelConfig,
+    weights: Weights,
+    max_seq_len: int,
+    device: torch.device,
+    owned: bool = False,
+) -> Backend:
+    module, cls = _CLASSES[name]
+    backend_cls = getattr(importlib.import_module(module), cls)
+    extra = {"consume_weights": True} if owned and name == "monokernel" else {}
+    backend: Backend = backend_cls(cfg, weights, max_seq_len, device, **extra)
+    return backend
+
+
 def create_backend(
     name: str,
     cfg: ModelConfig,
@@ -73,16 +123,37 @@ def create_backend(
     max_seq_len: int,
     device: torch.device,
     tp: int = 1,
+    on_fallback: OnFallback | None = None,
+    owned: bool = False,
 ) -> Backend:
+    """Build the backend for engine ``name``. For ``auto`` a monokernel that cannot serve
+    this model (see FALLBACK_ERRORS) gives way to ``fallback_engine()``; ``on_fallback``
+    hears why and picks that engine's context. A named engine fails with its own error.
+    ``owned``: the caller holds no other reference to ``weights``, so the monokernel repacks
+    them in place (a model the GPU holds once but not twice)."""
+    resolved = resolve_engine(name, device)
     if tp > 1:
         # Only the monokernel splits a request over GPUs (docs/tensor-parallel.md).
-        if resolve_engine(name, device) != "monokernel":
+        if resolved != "monokernel":
             raise BackendUnavailableError(
                 f"--tp {tp} needs engine 'monokernel' (Hopper GPUs with nvcc); got {name!r}"
             )
         from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
 
         return MonokernelTPBackend(cfg, weights, max_seq_len, device, tp)
-    module, cls = _CLASSES[resolve_engine(name, device)]
-    backend_cls = getattr(importlib.import_module(module), cls)
-    return backend_cls(cfg, weights, max_seq_len, device)
+    if name != "auto" or resolved != "monokernel":
+        return _construct(resolved, cfg, weights, max_seq_len, device, owned)
+    names = set(weights)
+    try:
+        return _construct(resolved, cfg, weights, max_seq_len, device, owned)
+    except FALLBACK_ERRORS as e:
+        if set(weights) != names:
+            raise  # it took the weights apart (repack's `consume`): nothing left to fall back on
+        reason = fallback_reason(e)
+    # Outside the except block: the exception and its traceback (which holds the failed
+    # constructor's frame and its tensors) are gone by now.
+    release_device_memory(device)
+    other = fallback_engine()
+    if on_fallback is not None:
+        max_seq_len = on_fallback(other, reason)
+    return _construct(other, cfg, weights, max_seq_len, device)

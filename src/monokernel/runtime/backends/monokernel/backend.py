@@ -8,12 +8,14 @@ The cache is sized at load time against the GPU's free memory (``runtime/kv_memo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from monokernel import envs
 from monokernel.errors import BackendUnavailableError, InvalidRequestError
+from monokernel.kernels import build as kbuild
 from monokernel.models.config import ModelConfig
 from monokernel.runtime import kv_memory
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
@@ -53,6 +55,7 @@ class MonokernelBackend:
         prefill_precision: str | None = None,
         first_token: str | None = None,
         handoff_search: int | None = None,
+        consume_weights: bool = False,
     ) -> None:
         """Knobs (docs/long-context.md; each ``None`` takes its setting in monokernel/envs.py):
 
@@ -64,7 +67,9 @@ class MonokernelBackend:
         ``first_token``: where a request's first token comes from (FIRST_TOKEN_SOURCES;
         MONOKERNEL_FIRST_TOKEN). ``handoff_search``: fresh places for the hand-off buffer
         timed against its own at load, the fastest kept (handoff_placement.py;
-        MONOKERNEL_HANDOFF_SEARCH; 0: off).
+        MONOKERNEL_HANDOFF_SEARCH; 0: off). ``consume_weights``: each layer's tensors are
+        popped from ``weights`` as they are repacked (weights.repack), for callers that hold
+        no other reference and a model the GPU holds once but not twice.
         """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -83,12 +88,16 @@ class MonokernelBackend:
             )
         self.first_from_prefill = source == "prefill"
         dims = kernel_dims(cfg)  # refuses unsupported shapes first
+        # Compiled (or found cached) before the weights are touched: a failed build leaves
+        # them whole, for the engine `auto` falls back to, even when repacking consumes them.
+        for d in (dims, dataclasses.replace(dims, group_units=False)):
+            kbuild.build(d)
         chunk = prefill_chunk or envs.MONOKERNEL_PREFILL_CHUNK
         precision = prefill_precision or envs.MONOKERNEL_PREFILL_PRECISION
         # Refuse a context that cannot fit before allocating anything for it.
         convert = weights["embed"].dtype != torch.bfloat16
         free = kv_memory.free_device_bytes(device)
-        extra = kv_memory.repack_bytes(cfg, fold_norms, convert)
+        extra = kv_memory.repack_bytes(cfg, fold_norms, convert, consume=consume_weights)
         need = kv_memory.check_fits(
             cfg, max_seq_len, free, chunk, precision, str(device), extra, graphs_enabled(device)
         )
@@ -96,7 +105,7 @@ class MonokernelBackend:
             weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
         # Prefill and decode both run on the repacked tensors, so nothing here keeps the
         # checkpoint's own (fused-away) matrices alive.
-        packed = repack(cfg, weights, max_seq_len, fold=fold_norms)
+        packed = repack(cfg, weights, max_seq_len, fold=fold_norms, consume=consume_weights)
         del weights
         if snapshot_bytes is None:
             snapshot_bytes = KVStore.default_snapshot_bytes(cfg, max_seq_len, free - need)

@@ -19,6 +19,7 @@ from monokernel.errors import InvalidRequestError
 from monokernel.models.shapes import SHAPES
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.testing.oracle import peaked
 from monokernel.weights.random_weights import random_weights
 
 
@@ -40,10 +41,7 @@ def _backend():  # type: ignore[no-untyped-def]
 
     cfg = SHAPES["llama-3.2-1b"]
     dev = torch.device("cuda")
-    weights = random_weights(cfg, device=dev, seed=12)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    row_scale = torch.exp(1.5 * torch.randn(cfg.vocab_size, 1, generator=gen, device=dev))
-    weights["embed"] = (weights["embed"].float() * row_scale).to(torch.bfloat16)
+    weights = peaked(cfg, random_weights(cfg, device=dev, seed=12))
     return cfg, MonokernelBackend(cfg, weights, MAX_LEN, dev)
 
 

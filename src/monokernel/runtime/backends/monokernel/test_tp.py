@@ -13,9 +13,10 @@ import torch
 
 from monokernel.errors import BackendUnavailableError, InvalidRequestError
 from monokernel.models.shapes import SHAPES
-from monokernel.models.transformer import Transformer
+from monokernel.models.transformer import Float32View, Transformer
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.testing.oracle import peaked
 from monokernel.weights.random_weights import random_weights
 from monokernel.weights.shard import TensorParallelError
 
@@ -42,14 +43,9 @@ def _request(prompt: list[int], n: int, sampling: SamplingParams, stops=()) -> D
 
 
 def _peaked(cfg, seed: int) -> dict[str, torch.Tensor]:
-    """Random weights whose (tied) LM-head rows have heavy-tailed norms: clear argmaxes, so
-    greedy runs of kernels with different summation orders agree (test_backend's trick)."""
+    """Random weights whose LM-head rows have heavy-tailed norms (testing.oracle.peaked)."""
     dev = torch.device("cuda", 0)
-    w = random_weights(cfg, device=dev, seed=seed)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    row_scale = torch.exp(1.5 * torch.randn(cfg.vocab_size, 1, generator=gen, device=dev))
-    w["embed"] = (w["embed"].float() * row_scale).to(torch.bfloat16)
-    return w
+    return peaked(cfg, random_weights(cfg, device=dev, seed=seed))
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,7 +63,7 @@ def test_tp2_teacher_forced_logits() -> None:
     cfg, weights, tp = _tp_setup("qwen2.5-coder-1.5b")
     seq = _tokens(PROMPT + STEPS, cfg.vocab_size, seed=1)
     got = tp.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])  # [STEPS, V], shards joined
-    ref = Transformer(cfg, {k: v.float() for k, v in weights.items()}, PROMPT + STEPS)
+    ref = Transformer(cfg, Float32View(weights), PROMPT + STEPS)
     tokens = torch.tensor(seq, device="cuda:0")
     want = ref.forward(tokens, 0, ref.new_cache(PROMPT + STEPS))[PROMPT - 1 : -1]  # [STEPS, V]
     assert got.shape == want.shape

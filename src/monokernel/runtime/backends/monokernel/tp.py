@@ -17,14 +17,14 @@ and are refused); NVLink multicast is never used.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from monokernel.errors import BackendUnavailableError, InvalidRequestError
 from monokernel.kernels import layout
 from monokernel.models.config import ModelConfig
-from monokernel.models.transformer import KVCache, Transformer
+from monokernel.models.transformer import Float32View, KVCache, Transformer
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.backends.monokernel.kernel import (
     NO_PROBE,
@@ -55,23 +55,6 @@ from monokernel.weights.shard import (
 )
 
 _TAG_LIMIT = 2**32 - 1  # tags are u32 and never 0 (the zeroed buffers' value)
-
-
-class _Float32View(Mapping[str, torch.Tensor]):
-    """The weights, each upcast to fp32 when read (one tensor at a time): the unsharded
-    prefill then fills the KV cache from fp32 activations, like the kernel's own steps."""
-
-    def __init__(self, weights: Weights) -> None:
-        self._w = weights
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._w[name].float()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._w)
-
-    def __len__(self) -> int:
-        return len(self._w)
 
 
 def refuse_filtered(sampling: SamplingParams, tp: int) -> None:
@@ -139,7 +122,7 @@ class MonokernelTPBackend:
             weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
         weights = {k: v.to(self.device) for k, v in weights.items()}
         # Unsharded fp32 prefill on rank 0 (as the single-GPU backend does).
-        self.ref = Transformer(cfg, _Float32View(weights), max_seq_len)
+        self.ref = Transformer(cfg, Float32View(weights), max_seq_len)
         self.ranks: list[Rank] = []
         for r, dev in enumerate(self.devices):
             shard = {k: v.to(dev) for k, v in shard_weights(cfg, weights, r, tp).items()}

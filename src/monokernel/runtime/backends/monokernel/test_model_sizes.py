@@ -1,0 +1,83 @@
+"""The monokernel at the sizes coding agents run (8B-32B shapes, hidden > 4096) against the
+float32 reference on the same bf16 weights: teacher-forced logits and free-running greedy.
+
+GPU tests (marker ``gpu``): a Hopper GPU with room for the shape's weights twice (the
+checkpoint's and the kernel's repacked copy); the reference reads the weights through
+``Float32View``, one layer's float32 matrices at a time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from monokernel.models.shapes import SHAPES
+from monokernel.models.transformer import Float32View, Transformer
+from monokernel.runtime.backends.base import CancelToken, DecodeRequest
+from monokernel.runtime.sampling import SamplingParams
+from monokernel.testing.oracle import assert_greedy_matches, peaked
+from monokernel.weights.random_weights import random_weights
+
+PROMPT, STEPS = 64, 256
+
+
+def _hopper_with(gib: float) -> bool:
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        return False
+    return torch.cuda.mem_get_info()[1] >= gib * 2**30
+
+
+def _needs(shape: str) -> pytest.MarkDecorator:
+    """Skip unless a Hopper GPU holds the shape's bf16 weights twice and 8 GiB more."""
+    gib = 2 * 2 * SHAPES[shape].num_parameters() / 2**30 + 8
+    why = f"needs a Hopper GPU with {gib:.0f} GiB"
+    return pytest.mark.skipif(not _hopper_with(gib), reason=why)
+
+
+def _tokens(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape", [pytest.param(s, marks=_needs(s)) for s in ("llama-3.1-8b", "qwen3-14b", "odd-wide")]
+)
+def test_teacher_forced_logits(shape: str) -> None:
+    """Rel L2 of the logits <= 1e-2 at every one of 256 steps after a 64-token prompt."""
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+
+    cfg, dev = SHAPES[shape], torch.device("cuda")
+    weights = random_weights(cfg, device=dev, seed=21)
+    seq = _tokens(PROMPT + STEPS, cfg.vocab_size, seed=22)
+    mk = MonokernelBackend(cfg, weights, PROMPT + STEPS, dev)
+    got = mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])  # [STEPS, V]
+    mk.close()
+    del mk
+    ref = Transformer(cfg, Float32View(weights), PROMPT + STEPS)
+    tokens = torch.tensor(seq, device=dev)
+    want = ref.forward(tokens, 0, ref.new_cache(PROMPT + STEPS))[PROMPT - 1 : -1]
+    assert torch.isfinite(got).all(), "unwritten or non-finite logits"
+    rel = (got - want).norm(dim=-1) / want.norm(dim=-1)  # [STEPS]
+    print(f"{shape}: rel L2 max {rel.max():.2e} mean {rel.mean():.2e}")
+    assert float(rel.max()) <= 1e-2, f"step {int(rel.argmax())}: rel L2 {float(rel.max()):.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "shape", [pytest.param(s, marks=_needs(s)) for s in ("llama-3.1-8b", "odd-wide")]
+)
+def test_greedy_matches_reference(shape: str) -> None:
+    """Free-running greedy on peaked random weights: the reference's argmax at every step
+    but rare near ties (oracle.assert_greedy_matches)."""
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+
+    cfg, dev = SHAPES[shape], torch.device("cuda")
+    weights = peaked(cfg, random_weights(cfg, device=dev, seed=23))
+    prompt = _tokens(PROMPT, cfg.vocab_size, seed=24)
+    mk = MonokernelBackend(cfg, weights, PROMPT + STEPS, dev)
+    request = DecodeRequest(tuple(prompt), SamplingParams(temperature=0.0), STEPS, frozenset())
+    got = list(mk.stream(request, CancelToken()))
+    mk.close()
+    del mk
+    assert len(got) == STEPS
+    assert_greedy_matches(cfg, weights, prompt, got, shape)
