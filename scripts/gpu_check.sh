@@ -4,12 +4,13 @@
 #   MK_STAGES="build test" scripts/gpu_check.sh "$OUT"
 # Stages: build (MK_BUILD_SHAPES, default every shape), test, bench (64-token prompt,
 # MK_GEN_TOKENS generated, per MK_BENCH_SHAPES), sizes (the 4B-32B presets, MK_SIZE_SHAPES:
-# 64-token prompt, 256 generated, the torch engine beside),
-# long (decode after an MK_LONG_PROMPT-token prompt, MK_LONG_SHAPE, default Llama-3.2-1B), turn (an agent's
+# 64-token prompt, 256 generated, the torch engine beside), long (decode after an
+# MK_LONG_PROMPT-token prompt on MK_LONG_SHAPE, default Llama-3.2-1B), turn (an agent's
 # 500-token turn on a held 16k-token conversation: prefix-reuse TTFT; MK_TURN_RUNS picks the
-# shapes and settings), ttft (time to first token at 1,024 and 8,192 prompt
-# tokens on MK_TTFT_SHAPE, first token from the prefill and from the kernel), turnattn (the turn's attention
-# alone, split over 1..16 chunks of the cached keys and in the Triton kernel's block shapes:
+# shapes and settings), ttft (time to first token at 1,024 and 8,192 prompt tokens on
+# MK_TTFT_SHAPE, first token from the prefill and from the kernel), turnattn (the turn's
+# attention alone, split over 1..16 chunks of the cached keys and in the Triton kernel's
+# block shapes:
 # tools/turn_attention.py), prefill (where the GPU time of an 8k prompt and of that turn goes:
 # tools/prefill_profile.py), stalls (where the decode kernel's warps wait: ncu,
 # tools/stall_summary.py), variants (tools/kernel_variants.py with the MK_VARIANTS list,

@@ -53,7 +53,7 @@ fi
 if want tp_tests; then
   echo "== gpu tests (TP decode kernel)" >&2
   timeout "${MK_TP_TEST_TIMEOUT:-400}" python3 -m pytest -m gpu -v -s -p no:cacheprovider \
-    src/monokernel/runtime/backends/monokernel/test_tp.py src/monokernel/kernels/test_tp_params.py \
+    src/monokernel/runtime/backends/monokernel/test_tp.py \
     >"$OUTDIR/tp_tests.log" 2>&1 || status=1
 fi
 

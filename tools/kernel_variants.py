@@ -90,12 +90,17 @@ def main(argv: list[str]) -> int:
         backends: dict[str, MonokernelBackend] = {}
         kernels: dict[str, KernelBuild] = {}  # the kernels of each variant
         shared: MonokernelBackend | None = None
+        # One backend for every variant: it may repack the weights in place (a 32B model
+        # fits an 80 GB GPU once, not twice).
+        one = not args.own_weights and not any("MONOKERNEL_" in f for _, f in variants)
         for name, flags in variants:
             env = dict(f.split("=", 1) for f in flags.split() if f.startswith("MONOKERNEL_"))
             nvcc = " ".join(f for f in flags.split() if not f.startswith("MONOKERNEL_"))
             with envs.overridden(**{**env, "MONOKERNEL_NVCC_FLAGS": nvcc}):
                 if env or args.own_weights or shared is None:
-                    b = MonokernelBackend(cfg, weights, max_len, device, handoff_search=0)
+                    b = MonokernelBackend(
+                        cfg, weights, max_len, device, handoff_search=0, consume_weights=one
+                    )
                     backends[name], kernels[name] = b, b.kernels
                     if not (env or args.own_weights):
                         shared = b
