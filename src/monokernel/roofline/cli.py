@@ -60,6 +60,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--measured", type=Path, help="JSON list of {model, gpu, tp, tok_s}")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--stage-profile",
+        type=Path,
+        help="a monokernel bench --profile --json file of MODEL at TP=1: project the "
+        "per-token time at --tp from its stages and --allreduce-us instead",
+    )
+    p.add_argument(
+        "--allreduce-us",
+        type=float,
+        help="one in-kernel all-reduce, µs (python -m monokernel.parallel.allreduce_bench)",
+    )
     return p
 
 
@@ -180,8 +191,31 @@ def _table(rows: list[tuple[Roofline, float | None]], args: argparse.Namespace) 
     return "\n".join([*fmt, note])
 
 
+def _tp_projection(args: argparse.Namespace) -> str:
+    from monokernel.models.shapes import find_model
+    from monokernel.roofline.tp_projection import format_projection, from_bench_json
+
+    entry = find_model(args.model or "")
+    if entry is None or entry.config is None:
+        raise ValueError(
+            f"--stage-profile needs MODEL to name a dense shape of the catalogue; got "
+            f"{args.model!r}"
+        )
+    if args.tp > 1 and args.allreduce_us is None:
+        raise ValueError("--stage-profile with --tp > 1 needs --allreduce-us (measured)")
+    proj, _cell = from_bench_json(args.stage_profile, entry.config, args.tp, args.allreduce_us or 0)
+    return format_projection(proj, entry.name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.stage_profile is not None:
+        try:
+            print(_tp_projection(args))
+        except (ValueError, OSError, KeyError) as e:
+            print(f"monokernel roofline: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         gpus = [get_gpu(g) for arg in (args.gpu or ["h100"]) for g in arg.split(",") if g]
         measured = _load_measured(args.measured)

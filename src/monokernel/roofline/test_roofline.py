@@ -408,3 +408,53 @@ def test_dense_layer_counts_from_config() -> None:
     shape = shape_from_hf_dict(qwen)
     assert (shape.num_dense_layers, shape.moe_layers) == (3, 1)
     assert (shape.num_shared_experts, shape.shared_intermediate_size) == (1, 8)
+
+
+# ---- TP projection from a measured stage profile (tp_projection.py) -----------------------
+
+
+def _profile(us: dict[str, float]) -> dict[str, float]:
+    return {f"{s}.work": v for s, v in us.items()} | {"A.wait": 1.0}
+
+
+def test_tp_projection_keeps_the_fixed_cost_and_splits_the_bytes() -> None:
+    from monokernel.models.shapes import SHAPES
+    from monokernel.roofline.tp_projection import project, stage_bytes
+
+    cfg = SHAPES["odd"]
+    bw = 1e12
+    sizes = stage_bytes(cfg, context=100)
+    # Each stage: its bytes' time at bw plus 5 µs (A: 4 + its 1 µs wait), S 2 µs of work.
+    us = {s: b / bw * 1e6 + 5.0 for s, b in sizes.items()} | {"S": 2.0}
+    us["A"] -= 1.0
+    one = project(cfg, _profile(us), bw, 1, 3.0, 100)
+    assert one.total_us == pytest.approx(one.measured_tp1_us) and one.collective_us == 0
+    two = project(cfg, _profile(us), bw, 2, 3.0, 100)
+    streamed = sum(sizes.values()) / bw * 1e6
+    fixed = 5.0 * 6 + 2.0
+    assert two.allreduces == 2 * cfg.num_layers + 1
+    assert two.total_us == pytest.approx(fixed + streamed / 2 + 3.0 * two.allreduces)
+    assert two.speedup == pytest.approx((fixed + streamed) / two.total_us)
+    # A stage faster than its bytes allow (clock noise) has no fixed cost, not a negative one.
+    fast = project(cfg, _profile(us | {"D": 0.0}), bw, 2, 0.0, 100)
+    assert {s.stage: s.fixed_us for s in fast.stages}["D"] == 0.0
+
+
+def test_tp_projection_reads_a_bench_json_and_refuses_one_without_a_profile(
+    tmp_path: Path,
+) -> None:
+    from monokernel.models.shapes import SHAPES
+    from monokernel.roofline.tp_projection import from_bench_json
+
+    cfg = SHAPES["odd"]
+    prof = _profile({s: 10.0 for s in "ABCDEFS"})
+    cell = {"engine": "monokernel", "prompt_tokens": 64, "gen_tokens": 32}
+    doc = {"runs": [{"copy_bw_GBps": 3000.0}], "cells": [cell | {"stage_profile_us": prof}]}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(doc))
+    proj, got = from_bench_json(path, cfg, 2, 1.0)
+    assert got["stage_profile_us"] == prof and proj.measured_tp1_us == pytest.approx(71.0)
+    path.write_text(json.dumps({"runs": doc["runs"], "cells": [cell]}))
+    with pytest.raises(ValueError, match="no monokernel cell with a stage profile"):
+        from_bench_json(path, cfg, 2, 1.0)
+    assert main(["odd", "--tp", "2", "--stage-profile", str(path)]) == 2  # no --allreduce-us
