@@ -10,7 +10,6 @@ the context the cell needs and not at the sweep's largest.
 from __future__ import annotations
 
 import gc
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -19,6 +18,7 @@ import torch
 
 from monokernel.bench.measure import RunTiming, time_request
 from monokernel.models.config import ModelConfig
+from monokernel.runtime.backends import BACKEND_CLASSES, construct_backend
 from monokernel.weights.names import Weights
 
 # The weights every engine runs, or a function that makes them afresh for each engine opened
@@ -26,11 +26,7 @@ from monokernel.weights.names import Weights
 # the GPU holds once but not twice (a 32B one on 80 GB) is benchmarked too.
 WeightSource = Weights | Callable[[], Weights]
 
-BACKENDS: dict[str, tuple[str, str]] = {
-    "monokernel": ("monokernel.runtime.backends.monokernel", "MonokernelBackend"),
-    "torch": ("monokernel.runtime.backends.torch_compiled", "TorchBackend"),
-    "reference": ("monokernel.runtime.backends.reference", "ReferenceBackend"),
-}
+BACKENDS = BACKEND_CLASSES  # our engines, by name (runtime/backends)
 ENGINES: tuple[str, ...] = (*BACKENDS, "hf", "endpoint")
 GPU_ONLY: frozenset[str] = frozenset({"monokernel"})
 
@@ -70,12 +66,8 @@ class BackendRunner:
         owned: bool = False,
     ) -> None:
         """``owned``: no one else holds ``weights``, so the monokernel may consume them."""
-        module, cls = BACKENDS[name]
         self.name = name
-        extra = {"consume_weights": True} if owned and name == "monokernel" else {}
-        self.backend: Any = getattr(importlib.import_module(module), cls)(
-            cfg, weights, max_len, device, **extra
-        )
+        self.backend: Any = construct_backend(name, cfg, weights, max_len, device, owned)
 
     @property
     def info(self) -> dict[str, Any]:

@@ -138,7 +138,7 @@ def _monokernel_resolves(monkeypatch: pytest.MonkeyPatch, stand_in: str) -> None
 
     monkeypatch.setattr(engine_mod, "resolve_engine", resolve)
     monkeypatch.setattr(backends, "resolve_engine", resolve)
-    monkeypatch.setitem(backends._CLASSES, "monokernel", (__name__, stand_in))
+    monkeypatch.setitem(backends.BACKEND_CLASSES, "monokernel", (__name__, stand_in))
 
 
 def test_auto_runs_torch_when_the_monokernel_cannot_build(

@@ -8,7 +8,12 @@ import sys
 from collections.abc import Sequence
 
 from monokernel.cli import validate
-from monokernel.serve.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, ServerSettings
+from monokernel.serve.settings import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    ServerSettings,
+)
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 
@@ -47,8 +52,49 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_BODY_BYTES,
         help=f"larger request bodies get 413 (default {DEFAULT_MAX_BODY_BYTES})",
     )
+    p.add_argument(
+        "--allowed-origins",
+        type=origins,
+        default=(),
+        metavar="ORIGINS",
+        help="comma-separated browser origins allowed to call the API (CORS), e.g. "
+        "'https://app.example.com' or '*' for any; default: none (no CORS headers)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=seconds,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        metavar="S",
+        help="on SIGTERM or Ctrl-C, new requests get 503 and running ones have S seconds to "
+        "finish; then open streams end with an error event and [DONE] and queued requests "
+        f"get 503 (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def origins(text: str) -> tuple[str, ...]:
+    """'*' or origins as browsers send them (scheme://host[:port]), comma-separated."""
+    items = tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+    if not items:
+        raise argparse.ArgumentTypeError("give at least one origin, or '*'")
+    for o in items:
+        scheme, _, host = o.partition("://")
+        if o != "*" and (scheme not in ("http", "https") or not host or "/" in host):
+            raise argparse.ArgumentTypeError(
+                f"{o!r} is not an origin like https://app.example.com (or '*')"
+            )
+    return items
 
 
 def served_name(model: str | None, explicit: str | None) -> str:
@@ -69,6 +115,7 @@ def main(argv: Sequence[str]) -> int:
         import uvicorn
 
         from monokernel.serve.app import create_app
+        from monokernel.serve.server import DrainingServer
     except ModuleNotFoundError as e:
         print(
             f"monokernel serve: {e.name} is missing; install the server extras with "
@@ -91,6 +138,8 @@ def main(argv: Sequence[str]) -> int:
         api_key=args.api_key,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
+        allowed_origins=args.allowed_origins,
+        shutdown_timeout_s=args.shutdown_timeout,
     )
     failed: list[BaseException] = []
     server: uvicorn.Server | None = None
@@ -108,16 +157,17 @@ def main(argv: Sequence[str]) -> int:
         return engine
 
     app = create_app(settings, load_engine, stop_on_load_error)
-    server = uvicorn.Server(
-        # After Ctrl-C, open streams get 5 s; then their tasks are cancelled, which
-        # cancels their generations.
+    server = DrainingServer(
+        # The drain has ended every request before uvicorn's own shutdown starts; its
+        # timeout only bounds writing their last bytes to slow clients.
         uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
             timeout_graceful_shutdown=5,
-        )
+        ),
+        app.state.monokernel,
     )
     print(
         f"monokernel serve: http://{args.host}:{args.port}/ (playground), "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,21 +50,11 @@ def slow(engine: Engine) -> Iterator[SlowBackend]:
     backend.fail_after = None
 
 
-def wait_ready(base_url: str, timeout_s: float = 20.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while httpx.get(base_url + "/health").status_code != 200:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the server never became ready")
-        time.sleep(0.02)
-
-
 @pytest.fixture(scope="session")
 def base_url(engine: Engine) -> Iterator[str]:
     """The shared server: queue of 1 (so tests can fill it), 64 KiB body limit."""
     from monokernel.serve.app import create_app
-    from monokernel.serve.testing import live_server
+    from monokernel.serve.testing import live_server, wait_ready
 
     settings = ServerSettings(MODEL_NAME, max_queue=1, max_body_bytes=MAX_BODY_BYTES)
     with live_server(create_app(settings, lambda: engine)) as url:

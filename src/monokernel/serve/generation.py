@@ -21,6 +21,7 @@ from starlette.requests import Request
 
 from monokernel.runtime.backends.base import CancelToken
 from monokernel.runtime.engine import Engine, TokenEvent
+from monokernel.serve.errors import APIError
 from monokernel.serve.metrics import Metrics
 from monokernel.serve.params import Prepared
 from monokernel.serve.scheduler import Abandoned, Ticket
@@ -48,10 +49,26 @@ class Generation:
         self.admitted = time.perf_counter()  # validated, tokenised, in line
         self.queue_s = 0.0
         self._started = False
+        self.shutting_down = False
 
     @property
     def prompt_n(self) -> int:
         return len(self.prepared.prompt_ids)
+
+    def stop_for_shutdown(self) -> None:
+        """The server is going down: end this request now, with a 503 (in-band for a
+        stream whose headers are out), whether it runs or waits."""
+        self.shutting_down = True
+        self.abandon()
+
+    def _shutdown_error(self) -> APIError:
+        state = "running" if self._started else "queued"
+        return APIError(
+            503,
+            f"the server is shutting down and this request was still {state} at the end of "
+            "its grace period (--shutdown-timeout); retry it on another instance",
+            code="shutting_down",
+        )
 
     def abandon(self) -> None:
         """The client is gone (or the response ended): stop generating, leave the queue.
@@ -68,8 +85,12 @@ class Generation:
             try:
                 await self.ticket.wait()
             except Abandoned:
+                if self.shutting_down:
+                    raise self._shutdown_error() from None
                 return
-            if self.cancel.is_set():  # the client left just as the slot came free
+            if self.cancel.is_set():  # the client left (or shutdown came) as the slot freed
+                if self.shutting_down:
+                    raise self._shutdown_error()
                 return
             self.queue_s = time.perf_counter() - self.admitted
             queue: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
@@ -80,6 +101,8 @@ class Generation:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.finish_reason == "cancelled" and self.shutting_down:
+                    raise self._shutdown_error()
                 yield item
                 if item.finish_reason is not None:
                     return

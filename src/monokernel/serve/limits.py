@@ -6,8 +6,12 @@ messages pass through untouched.
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
+import ctypes.util
 import hmac
 import json
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -40,20 +44,36 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+def bearer_token(header: str | None) -> bytes:
+    """The credentials of ``Authorization: Bearer X``; the scheme name is
+    case-insensitive (RFC 9110), so ``bearer X`` counts too."""
+    scheme, _, token = (header or "").strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return b""
+    return token.strip().encode("latin-1")
+
+
+# Paths outside /v1 that are API calls all the same (vLLM's), so they need the key too.
+_KEYED_PATHS = ("/tokenize", "/detokenize")
+
+
 class ApiKeyMiddleware:
-    """``Authorization: Bearer KEY`` on /v1/*; the page, /health and /metrics stay open."""
+    """``Authorization: Bearer KEY`` on /v1/*, /tokenize and /detokenize; the page,
+    /health and /metrics stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = (_header(scope, b"authorization") or "").encode("latin-1")
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1") or path in _KEYED_PATHS):
+            header = _header(scope, b"authorization")
+            given = bearer_token(header)
             if not hmac.compare_digest(given, self.expected):
                 message = (
                     "missing API key: send 'Authorization: Bearer KEY'"
-                    if not given
+                    if not header
                     else "incorrect API key"
                 )
                 await send_error(
@@ -61,6 +81,30 @@ class ApiKeyMiddleware:
                 )
                 return
         await self.app(scope, receive, send)
+
+
+# Bodies at least this big are followed by a malloc_trim once their request is over.
+TRIM_AFTER_BYTES = 1 << 20
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim  # glibc only
+    except (OSError, AttributeError, TypeError):
+        return None
+    return trim
+
+
+_malloc_trim = _find_malloc_trim()
+
+
+async def give_memory_back() -> None:
+    """Return freed heap to the OS. glibc raises its mmap threshold after a big block is
+    freed, so later multi-MiB bodies land on the heap and their pages stay in the
+    process after the request; trimming after each big body keeps RSS where it was."""
+    if _malloc_trim is not None:
+        await asyncio.to_thread(_malloc_trim, 0)
 
 
 class BodyLimitMiddleware:
@@ -96,7 +140,9 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
+                chunks.clear()
                 await send_error(scope, send, 413, too_big, "request_too_large")
+                await give_memory_back()
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -108,7 +154,13 @@ class BodyLimitMiddleware:
             if not replayed:
                 replayed = True
                 body: dict[str, Any] = {"type": "http.request", "body": b"".join(chunks)}
+                chunks.clear()  # the app holds the joined copy; do not keep two
                 return body | {"more_body": False}
             return await receive()
 
-        await self.app(scope, replay, send)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            chunks.clear()
+            if size >= TRIM_AFTER_BYTES:
+                await give_memory_back()

@@ -6,16 +6,26 @@ never waits behind a good one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel
 
 from monokernel.errors import InvalidRequestError
 from monokernel.runtime.engine import Engine
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.serve.body import clip, echo
 from monokernel.serve.errors import APIError
-from monokernel.serve.protocol import ChatCompletionRequest, CompletionRequest
+from monokernel.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+# The longest token, in characters, of a tokenizer that cannot list its vocabulary: far
+# above any real vocabulary's, so the bound below still never refuses a prompt that fits.
+_UNKNOWN_TOKEN_CHARS = 1024
+# Normalisers may compose characters (NFC/NFKC turn "e" + U+0301 into one character), so
+# a token may stand for more input characters than its vocabulary string shows.
+_NORMALISATION_SLACK = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +42,141 @@ def check_model(name: str | None, served: str) -> None:
     if name is not None and name != served:
         raise APIError(
             404,
-            f"the model {name!r} does not exist; this server serves {served!r}",
+            f"the model {echo(name)} does not exist; this server serves {served!r}",
             param="model",
             code="model_not_found",
         )
+
+
+def _is_none(v: Any) -> bool:
+    return v is None
+
+
+def _is_false(v: Any) -> bool:
+    return v is None or v is False
+
+
+def _is_true(v: Any) -> bool:
+    return v is None or v is True
+
+
+def _is_number(target: float) -> Callable[[Any], bool]:
+    def neutral(v: Any) -> bool:
+        return v is None or (type(v) in (int, float) and v == target)
+
+    return neutral
+
+
+def _is_empty(v: Any) -> bool:
+    return v is None or v == [] or v == {}
+
+
+# Fields clients send (OpenAI's, and vLLM's extras) that this server does not implement:
+# the value that asks for nothing is accepted, any other is refused naming the field.
+_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "repetition_penalty": _is_number(1.0),
+    "length_penalty": _is_number(1.0),
+    "min_p": _is_number(0.0),
+    "min_tokens": _is_number(0),
+    "use_beam_search": _is_false,
+    "continue_final_message": _is_false,
+    "add_generation_prompt": _is_true,
+    "include_stop_str_in_output": _is_false,
+    "skip_special_tokens": _is_true,  # the engine decodes without special tokens
+    "spaces_between_special_tokens": _is_true,
+    "truncate_prompt_tokens": _is_none,
+    "prompt_logprobs": _is_none,
+    "allowed_token_ids": _is_none,
+    "bad_words": _is_empty,
+    "documents": _is_none,
+    "chat_template": _is_none,
+    "chat_template_kwargs": _is_empty,
+    "mm_processor_kwargs": _is_empty,
+    "guided_json": _is_none,
+    "guided_regex": _is_none,
+    "guided_choice": _is_none,
+    "guided_grammar": _is_none,
+    "guided_decoding_backend": _is_none,
+    "guided_whitespace_pattern": _is_none,
+    "structured_outputs": _is_none,
+    "structural_tag": _is_none,
+    "logits_processors": _is_none,
+    "return_tokens_as_token_ids": _is_false,
+    "return_token_ids": _is_false,
+    "cache_salt": _is_none,
+    "kv_transfer_params": _is_none,
+    "vllm_xargs": _is_none,
+    "priority": _is_number(0),
+    "functions": _is_none,
+    "function_call": _is_none,
+    "audio": _is_none,
+    "modalities": lambda v: v is None or v == ["text"],
+    "prediction": _is_none,
+    "reasoning_effort": _is_none,
+    "verbosity": _is_none,
+    "web_search_options": _is_none,
+    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),  # tools are refused
+}
+# Per endpoint: chat's `echo` and `add_special_tokens` are vLLM extras with their own
+# defaults (the template writes the special tokens), unlike the completion fields.
+_NEUTRAL_CHAT: dict[str, Callable[[Any], bool]] = {
+    "echo": _is_false,
+    "add_special_tokens": _is_false,
+}
+_NEUTRAL_COMPLETION: dict[str, Callable[[Any], bool]] = {"add_special_tokens": _is_true}
+# Fields that never change what is generated (bookkeeping and routing hints): taken and
+# not used, as a server with one model and no storage has nothing to do with them.
+_HINTS = frozenset(
+    {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+    | {"request_id"}
+)
+_STREAM_NEUTRAL: dict[str, Callable[[Any], bool]] = {"continuous_usage_stats": _is_false}
+# OpenAI's roles; a template renders any string it is given, so an unknown one (a typo,
+# or a role of another API) would be rendered literally instead of being refused.
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+def _check_extras(
+    extras: dict[str, Any], neutral: dict[str, Callable[[Any], bool]], where: str = ""
+) -> None:
+    for field, value in extras.items():
+        name = where + field
+        test = neutral.get(field)
+        if test is None:
+            if not where and field in _HINTS:
+                continue
+            raise bad(
+                f"unrecognized request argument supplied: {clip(name)}", name, "unknown_field"
+            )
+        if not test(value):
+            raise bad(f"{name}={echo(value)} is not supported by this server", name, "unsupported")
+
+
+def check_request(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """Everything that can be judged without the tokenizer, so a bad request is answered
+    at once; raises APIError(400) naming the field."""
+    unsupported_fields(req)
+    extra_neutral = _NEUTRAL_CHAT if isinstance(req, ChatCompletionRequest) else _NEUTRAL_COMPLETION
+    _check_extras(req.model_extra or {}, _NEUTRAL | extra_neutral)
+    if req.stream_options is not None:
+        if not req.stream:
+            raise bad("stream_options is only allowed when stream is true", "stream_options")
+        _check_extras(req.stream_options.model_extra or {}, _STREAM_NEUTRAL, "stream_options.")
+    if isinstance(req, ChatCompletionRequest):
+        check_roles(req.messages)
+    asked = req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        asked = req.max_completion_tokens
+    _range_checks(req, asked)
+
+
+def check_roles(messages: list[ChatMessage]) -> None:
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise bad(
+                f"messages[{i}].role is {echo(m.role)}; expected one of {', '.join(ROLES)}",
+                f"messages[{i}].role",
+            )
 
 
 def unsupported_fields(req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -62,26 +203,113 @@ def unsupported_fields(req: CompletionRequest | ChatCompletionRequest) -> None:
         if not refused:
             continue
         if field == "n":
-            raise bad(f"n must be 1 (one choice per request), got {req.n}", "n")
+            raise bad(f"n must be 1 (one choice per request), got {echo(req.n)}", "n")
         value = getattr(req, field)
-        raise bad(f"{field}={value!r} is not supported by this server", field, "unsupported")
+        raise bad(f"{field}={echo(value)} is not supported by this server", field, "unsupported")
+
+
+def longest_token_chars(engine: Engine) -> int:
+    """The longest vocabulary entry in characters. Byte-level BPE writes one character per
+    byte and SentencePiece one per character, so no token covers more input than this."""
+    try:
+        vocab = engine.tokenizer.hf.get_vocab()
+        return max(8, max(len(piece) for piece in vocab))
+    except Exception:  # a tokenizer without get_vocab: a bound that is safe, if loose
+        return _UNKNOWN_TOKEN_CHARS
+
+
+def prompt_char_limit(engine: Engine) -> int:
+    """More characters than this cannot fit ``max_model_len`` tokens whatever they say:
+    each token covers at most ``longest_token_chars`` of them. Checked before tokenising,
+    so an oversized prompt costs a length check, not seconds of tokenizer time."""
+    return engine.max_model_len * longest_token_chars(engine) * _NORMALISATION_SLACK
+
+
+def text_chars(value: Any) -> int:
+    """Characters in every string of a message (content, name, tool calls...), without
+    the whitespace around each, which chat templates may trim."""
+    total = 0
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            total += len(node.strip())
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+        elif isinstance(node, BaseModel):
+            stack.append(node.__dict__)
+            stack.append(node.__pydantic_extra__ or {})
+    return total
+
+
+def check_prompt_size(
+    req: CompletionRequest | ChatCompletionRequest, char_limit: int, max_model_len: int
+) -> None:
+    """Refuse, without tokenising, a prompt that cannot fit the context."""
+    if isinstance(req, ChatCompletionRequest):
+        field, chars = "messages", text_chars(req.messages)
+    else:
+        field, prompt = "prompt", req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            ids = max((len(p) for p in prompt if isinstance(p, list)), default=0)
+            if ids >= max_model_len:
+                raise bad(
+                    f"the prompt is {ids} tokens, which leaves no room to generate in the "
+                    f"context of {max_model_len} tokens; shorten the prompt",
+                    field,
+                    "context_length_exceeded",
+                )
+            return
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            if len(prompt) >= max_model_len:
+                raise bad(
+                    f"the prompt is {len(prompt)} tokens, which leaves no room to generate "
+                    f"in the context of {max_model_len} tokens; shorten the prompt",
+                    field,
+                    "context_length_exceeded",
+                )
+            return
+        chars = text_chars(prompt)
+    check_chars(chars, char_limit, max_model_len, field)
+
+
+def check_chars(chars: int, char_limit: int, max_model_len: int, field: str) -> None:
+    if chars > char_limit:
+        raise bad(
+            f"the prompt is {chars} characters; no prompt over {char_limit} characters can "
+            f"fit the context of {max_model_len} tokens (--max-model-len), so it was refused "
+            "before tokenising",
+            field,
+            "context_length_exceeded",
+        )
+
+
+_MAX_SEED = 2**64 - 1  # the sampler's hash keys on 64 bits; larger seeds would be cut
+_MAX_TOP_K = 2**63 - 1
 
 
 def _range_checks(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> None:
-    # SamplingParams checks these too; checking here first lets the error carry `param`.
+    # SamplingParams checks some of these too; checking here first lets the error carry
+    # `param`, and answers before the prompt is tokenised.
     if max_tokens is not None and max_tokens < 1:
         param = "max_tokens"
         if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
             param = "max_completion_tokens"
-        raise bad(f"{param} must be an integer >= 1, got {max_tokens}", param)
-    if req.temperature is not None and not req.temperature >= 0:
-        raise bad(f"temperature must be >= 0, got {req.temperature}", "temperature")
+        raise bad(f"{param} must be an integer >= 1, got {echo(max_tokens)}", param)
+    t = req.temperature
+    if t is not None and not 0 <= t <= 2:  # also refuses NaN and the infinities
+        raise bad(f"temperature must be in [0, 2], got {echo(t)}", "temperature")
     if req.top_p is not None and not 0 < req.top_p <= 1:
-        raise bad(f"top_p must be in (0, 1], got {req.top_p}", "top_p")
-    if req.top_k is not None and req.top_k < -1:
-        raise bad(f"top_k must be an integer >= -1 (0 or -1 turn it off), got {req.top_k}", "top_k")
-    if req.seed is not None and req.seed < 0:
-        raise bad(f"seed must be a non-negative integer, got {req.seed}", "seed")
+        raise bad(f"top_p must be in (0, 1], got {echo(req.top_p)}", "top_p")
+    if req.top_k is not None and not -1 <= req.top_k <= _MAX_TOP_K:
+        raise bad(
+            f"top_k must be an integer in [-1, 2^63) (0 or -1 turn it off), got {echo(req.top_k)}",
+            "top_k",
+        )
+    if req.seed is not None and not 0 <= req.seed <= _MAX_SEED:
+        raise bad(f"seed must be an integer in [0, 2^64), got {echo(req.seed)}", "seed")
 
 
 def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -93,10 +321,10 @@ def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     return stops
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template wants them: content flattened to one string."""
     out: list[dict[str, Any]] = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
             texts: list[str] = []
@@ -118,15 +346,24 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 def encode_prompt(engine: Engine, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
     """Tokenise (blocking: call it off the event loop)."""
     if isinstance(req, ChatCompletionRequest):
-        try:
-            return engine.encode(chat_messages(req))
-        except InvalidRequestError as e:
-            raise bad(str(e), "messages") from e
-        except APIError:
-            raise
-        except Exception as e:  # a template may raise anything (e.g. jinja's raise_exception)
-            raise bad(f"the chat template refused these messages: {e}", "messages") from e
-    prompt = req.prompt
+        return encode_chat(engine, req.messages)
+    return encode_text(engine, req.prompt)
+
+
+def encode_chat(engine: Engine, messages: list[ChatMessage]) -> list[int]:
+    """Through the chat template (blocking: call it off the event loop)."""
+    try:
+        return engine.encode(chat_messages(messages))
+    except InvalidRequestError as e:
+        raise bad(str(e), "messages") from e
+    except APIError:
+        raise
+    except Exception as e:  # a template may raise anything (e.g. jinja's raise_exception)
+        raise bad(f"the chat template refused these messages: {clip(str(e))}", "messages") from e
+
+
+def encode_text(engine: Engine, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
+    """A completion prompt: text or token ids (blocking: call it off the event loop)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise bad(f"prompt holds {len(prompt)} prompts; send one prompt per request", "prompt")
@@ -136,6 +373,8 @@ def encode_prompt(engine: Engine, req: CompletionRequest | ChatCompletionRequest
             return engine.encode(prompt)
         except InvalidRequestError as e:
             raise bad(str(e), "prompt") from e
+        except Exception as e:  # e.g. a lone surrogate ("\ud800"), which no tokenizer takes
+            raise bad(f"the prompt could not be tokenised: {clip(str(e))}", "prompt") from e
     ids = list(prompt)
     vocab = engine.tokenizer.vocab_size
     if not ids:
@@ -155,7 +394,6 @@ def prepare(
     asked = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         asked = req.max_completion_tokens
-    _range_checks(req, asked)
     room = engine.max_model_len - len(prompt_ids)
     if asked is None:
         if room < 1:
@@ -168,6 +406,16 @@ def prepare(
         max_tokens = min(room, max_tokens_cap)
     else:
         max_tokens = asked
+        if max_tokens > engine.max_model_len:  # before check_fits prints a 4,000-digit number
+            param = "max_tokens"
+            if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+                param = "max_completion_tokens"
+            raise bad(
+                f"{param} {echo(max_tokens)} is over the context limit of "
+                f"{engine.max_model_len} tokens",
+                param,
+                "context_length_exceeded",
+            )
         try:
             engine.check_fits(len(prompt_ids), max_tokens)
         except InvalidRequestError as e:

@@ -1,9 +1,10 @@
 """The OpenAI wire format: request bodies (pydantic) and response/chunk builders.
 
+Request fields are strictly typed (``"5"`` is not an integer, ``"yes"`` not a boolean).
 Fields that change the output but that this engine does not implement (``logprobs``,
-``tools``, penalties, ...) are accepted only at their neutral value and refused otherwise
-(see ``params.unsupported_fields``), so nothing a client asks for is silently dropped.
-Unknown extra fields are ignored, as OpenAI's API does.
+``tools``, penalties, vLLM's ``min_p``...) are accepted only at their neutral value and
+refused otherwise, and a field the server does not know is refused as OpenAI's API
+refuses it (see ``params.check_request``), so nothing a client asks for is dropped.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from monokernel.runtime.engine import Timings
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # extra="allow": params.check_request judges the extras (continuous_usage_stats...).
+    model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -55,14 +57,14 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
     # Extra keys (name, tool_calls, ...) reach the chat template unchanged.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[TextPart] | None = None
 
@@ -73,6 +75,34 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` with a prompt."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` with chat messages, through the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]
 
 
 # ---- responses ------------------------------------------------------------------------------

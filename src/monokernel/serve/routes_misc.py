@@ -26,6 +26,8 @@ async def playground() -> HTMLResponse:
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     state = get_state(request)
+    if state.draining:  # so that a load balancer stops sending here
+        return JSONResponse({"status": "shutting_down"}, status_code=503)
     if state.engine is not None:
         return JSONResponse({"status": "ok", "model": state.settings.served_model_name})
     if state.load_error is not None:

@@ -34,9 +34,7 @@ log = logging.getLogger("monokernel.serve")
 router = APIRouter()
 
 
-@router.get("/v1/models")
-async def list_models(request: Request) -> dict[str, Any]:
-    state = get_state(request)
+def _model_card(state: ServerState) -> dict[str, Any]:
     card: dict[str, Any] = {
         "id": state.settings.served_model_name,
         "object": "model",
@@ -45,7 +43,20 @@ async def list_models(request: Request) -> dict[str, Any]:
     }
     if state.engine is not None:
         card |= {"max_model_len": state.engine.max_model_len, "root": state.engine.source}
-    return {"object": "list", "data": [card]}
+    return card
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(get_state(request))]}
+
+
+# `:path`: served names are often hub ids with a slash (HuggingFaceTB/SmolLM2-135M-Instruct).
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
+    state = get_state(request)
+    P.check_model(model_id, state.settings.served_model_name)
+    return _model_card(state)
 
 
 @router.post("/v1/completions", response_model=None)
@@ -62,18 +73,23 @@ async def _admit(
     state: ServerState, body: CompletionRequest | ChatCompletionRequest, arrival: float
 ) -> Generation:
     """Validate, tokenise and take a place in the queue; every refusal raises APIError."""
+    state.check_admitting()
     engine = state.require_engine()
     P.check_model(body.model, state.settings.served_model_name)
-    P.unsupported_fields(body)
+    P.check_request(body)
+    P.check_prompt_size(body, state.prompt_char_limit, engine.max_model_len)
     # Tokenising a long prompt takes milliseconds: keep it off the event loop.
-    ids = await asyncio.to_thread(P.encode_prompt, engine, body)
+    loop = asyncio.get_running_loop()
+    ids = await loop.run_in_executor(state.tokenize_thread, P.encode_prompt, engine, body)
     prepared = P.prepare(engine, body, ids, state.settings.default_max_tokens_cap)
     try:
         ticket = state.scheduler.enter()
     except QueueFullError as e:
         retry = {"Retry-After": str(state.settings.retry_after_s)}
         raise APIError(503, str(e), code="queue_full", headers=retry) from e
-    return Generation(engine, prepared, ticket, state.metrics, arrival, state.engine_thread)
+    gen = Generation(engine, prepared, ticket, state.metrics, arrival, state.engine_thread)
+    state.generations.add(gen)  # until its response is over: the drain waits for it
+    return gen
 
 
 async def _serve(request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
@@ -86,7 +102,7 @@ async def _serve(request: Request, body: CompletionRequest | ChatCompletionReque
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = ChunkMaker(chat, rid, model)
-        return GenerationStream(gen, _sse(gen, request, chunks, include_usage))
+        return GenerationStream(gen, _sse(gen, request, chunks, include_usage), state)
     try:
         parts: list[str] = []
         final: TokenEvent | None = None
@@ -96,6 +112,7 @@ async def _serve(request: Request, body: CompletionRequest | ChatCompletionReque
                 final = event
     finally:
         gen.abandon()
+        state.generations.discard(gen)
     if final is None or final.timings is None or final.finish_reason == "cancelled":
         # Only reached when the client has gone: nobody reads this.
         return JSONResponse(error_body(499, "the client closed the request"), status_code=499)
@@ -127,6 +144,8 @@ async def _sse(
             if include_usage:
                 completion_n = event.timings.generated_tokens
                 yield _data(chunks.usage(gen.prompt_n, completion_n, timings=timings))
+    except APIError as e:  # the server is shutting down
+        yield _data(e.body())
     except Exception as e:
         # Headers are out already; report in-band so the client does not hang or guess.
         log.exception("streamed generation failed")
@@ -138,13 +157,15 @@ class GenerationStream(StreamingResponse):
     """An SSE response that always releases its generation, even when the client leaves
     before the first byte and the body iterator is never started."""
 
-    def __init__(self, gen: Generation, content: AsyncIterator[bytes]) -> None:
+    def __init__(self, gen: Generation, content: AsyncIterator[bytes], state: ServerState) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(content, media_type="text/event-stream", headers=headers)
         self.gen = gen
+        self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.gen.abandon()
+            self.state.generations.discard(self.gen)

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 
 from monokernel.runtime.engine import Engine
 from monokernel.serve.errors import APIError
 from monokernel.serve.metrics import Metrics
+from monokernel.serve.params import prompt_char_limit
 from monokernel.serve.scheduler import Scheduler
 from monokernel.serve.settings import ServerSettings
 
+if TYPE_CHECKING:
+    from monokernel.serve.generation import Generation
+
 log = logging.getLogger("monokernel.serve")
+# After the grace period, how long ended streams get to write their last events.
+_FINAL_WRITE_S = 2.0
 
 
 class ServerState:
@@ -35,6 +43,13 @@ class ServerState:
         # per-thread state (CUDA streams, graphs), and CPU torch keeps one OpenMP team warm
         # instead of starting one per request.
         self.engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="monokernel")
+        # Tokenising runs off the event loop, one request at a time: HF's fast tokenizers
+        # may fail with "Already borrowed" when called from two threads at once, and one
+        # thread also caps the CPU that prompts being admitted take from a running stream.
+        self.tokenize_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.prompt_char_limit = 0  # set once the engine is loaded
+        self.draining = False  # set on SIGTERM: no request is admitted any more
+        self.generations: set[Generation] = set()  # admitted and not yet over
 
     def start_loading(self) -> None:
         """Load off the event loop so the server answers /health (503) meanwhile."""
@@ -49,6 +64,7 @@ class ServerState:
             if self._on_load_error is not None:
                 self._on_load_error(e)
             return
+        self.prompt_char_limit = prompt_char_limit(engine)
         self.engine = engine
         log.info(
             "model %r ready: %s engine on %s, context %d tokens",
@@ -57,6 +73,37 @@ class ServerState:
             engine.device,
             engine.max_model_len,
         )
+
+    def check_admitting(self) -> None:
+        if self.draining:
+            raise APIError(
+                503,
+                "the server is shutting down; send the request to another instance",
+                code="shutting_down",
+                headers={"Connection": "close"},
+            )
+
+    async def drain(self) -> None:
+        """Stop admitting (``draining``), give admitted requests ``shutdown_timeout_s`` to
+        finish, then end the rest: streams with an error event and ``[DONE]``, queued
+        and non-streamed requests with a 503. Returns once they have answered, or after
+        a bound."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.shutdown_timeout_s
+        while self.generations and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.generations:
+            log.warning(
+                "ending %d request(s) still open after %.0f s",
+                len(self.generations),
+                self.settings.shutdown_timeout_s,
+            )
+        for gen in list(self.generations):
+            gen.stop_for_shutdown()
+        deadline = loop.time() + _FINAL_WRITE_S
+        while self.generations and loop.time() < deadline:
+            await asyncio.sleep(0.02)
 
     def require_engine(self) -> Engine:
         if self.engine is not None:

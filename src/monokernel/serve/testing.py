@@ -8,10 +8,14 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
 from monokernel.runtime.backends.base import Backend, CancelToken, DecodeRequest
+
+if TYPE_CHECKING:
+    from monokernel.serve.server import DrainingServer
 
 
 class SlowBackend:
@@ -40,17 +44,38 @@ class SlowBackend:
         self.inner.close()
 
 
+def wait_ready(base_url: str, timeout_s: float = 20.0) -> None:
+    """Poll /health until the model is loaded."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(base_url + "/health").status_code != 200:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the server never became ready")
+        time.sleep(0.02)
+
+
 @contextmanager
 def live_server(app: FastAPI, timeout_s: float = 20.0) -> Iterator[str]:
     """Run ``app`` on 127.0.0.1 at a free port; yields its base URL."""
+    with serving(app, timeout_s) as (url, _):
+        yield url
+
+
+@contextmanager
+def serving(app: FastAPI, timeout_s: float = 20.0) -> Iterator[tuple[str, DrainingServer]]:
+    """As ``live_server``, also yielding the server, whose ``handle_exit`` is what a
+    SIGTERM calls (signals reach only the main thread, and this one runs in another)."""
     import uvicorn
+
+    from monokernel.serve.server import DrainingServer
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.monokernel)
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True
     )
@@ -61,7 +86,7 @@ def live_server(app: FastAPI, timeout_s: float = 20.0) -> Iterator[str]:
             raise RuntimeError("the test server did not start")
         time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
         thread.join(timeout=10)

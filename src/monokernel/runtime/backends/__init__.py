@@ -19,7 +19,8 @@ from monokernel.runtime.backends.base import Backend
 from monokernel.weights.names import Weights
 
 ENGINES: tuple[str, ...] = ("auto", "reference", "torch", "monokernel")
-_CLASSES: dict[str, tuple[str, str]] = {
+# Each engine's backend class, imported when chosen (bench reads the same table).
+BACKEND_CLASSES: dict[str, tuple[str, str]] = {
     "reference": ("monokernel.runtime.backends.reference", "ReferenceBackend"),
     "torch": ("monokernel.runtime.backends.torch_compiled", "TorchBackend"),
     "monokernel": ("monokernel.runtime.backends.monokernel", "MonokernelBackend"),
@@ -28,7 +29,7 @@ _CLASSES: dict[str, tuple[str, str]] = {
 
 def _available(name: str) -> bool:
     try:
-        importlib.import_module(_CLASSES[name][0])
+        importlib.import_module(BACKEND_CLASSES[name][0])
     except ImportError:
         return False
     return True
@@ -40,7 +41,7 @@ def monokernel_status(device: torch.device) -> tuple[bool, str]:
         return False, "the monokernel needs an NVIDIA GPU"
     if not _available("monokernel"):
         return False, "the monokernel engine is not part of this build yet"
-    mod = importlib.import_module(_CLASSES["monokernel"][0])
+    mod = importlib.import_module(BACKEND_CLASSES["monokernel"][0])
     ok, why = mod.monokernel_supported(device)
     return bool(ok), str(why)
 
@@ -101,7 +102,7 @@ def release_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _construct(
+def construct_backend(
     name: str,
     cfg: ModelConfig,
     weights: Weights,
@@ -109,7 +110,8 @@ def _construct(
     device: torch.device,
     owned: bool = False,
 ) -> Backend:
-    module, cls = _CLASSES[name]
+    """Engine ``name``'s backend; ``owned``: as in create_backend."""
+    module, cls = BACKEND_CLASSES[name]
     backend_cls = getattr(importlib.import_module(module), cls)
     extra = {"consume_weights": True} if owned and name == "monokernel" else {}
     backend: Backend = backend_cls(cfg, weights, max_seq_len, device, **extra)
@@ -142,10 +144,10 @@ def create_backend(
 
         return MonokernelTPBackend(cfg, weights, max_seq_len, device, tp)
     if name != "auto" or resolved != "monokernel":
-        return _construct(resolved, cfg, weights, max_seq_len, device, owned)
+        return construct_backend(resolved, cfg, weights, max_seq_len, device, owned)
     names = set(weights)
     try:
-        return _construct(resolved, cfg, weights, max_seq_len, device, owned)
+        return construct_backend(resolved, cfg, weights, max_seq_len, device, owned)
     except FALLBACK_ERRORS as e:
         if set(weights) != names:
             raise  # it took the weights apart (repack's `consume`): nothing left to fall back on
@@ -156,4 +158,4 @@ def create_backend(
     other = fallback_engine()
     if on_fallback is not None:
         max_seq_len = on_fallback(other, reason)
-    return _construct(other, cfg, weights, max_seq_len, device)
+    return construct_backend(other, cfg, weights, max_seq_len, device)

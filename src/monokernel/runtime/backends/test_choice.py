@@ -66,8 +66,8 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> None:
     gc.collect()
     monkeypatch.setattr(backends, "monokernel_status", lambda device: (True, ""))
     monkeypatch.setattr(backends, "_available", lambda name: True)
-    monkeypatch.setitem(backends._CLASSES, "monokernel", (__name__, "FakeMonokernel"))
-    monkeypatch.setitem(backends._CLASSES, "torch", (__name__, "FakeTorch"))
+    monkeypatch.setitem(backends.BACKEND_CLASSES, "monokernel", (__name__, "FakeMonokernel"))
+    monkeypatch.setitem(backends.BACKEND_CLASSES, "torch", (__name__, "FakeTorch"))
 
 
 def _fail_with(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> None:
