@@ -105,8 +105,9 @@ _SETTINGS: tuple[Setting, ...] = (
         "path",
         "~/.cache/monokernel",
         "Root of the on-disk cache: the default model's GGUF goes in `models/`, the built "
-        "kernels' cubins in `kernels/`. A cache filled on one machine with the same nvcc can "
-        "travel to another (kernels/prebuild.py) and save it the compile time.",
+        "kernels' cubins in `kernels/`, the tokenizers converted from GGUF files in "
+        "`tokenizers/` (keyed by the file's header). A cache filled on one machine with the "
+        "same nvcc can travel to another (kernels/prebuild.py) and save it the compile time.",
         _BUILD,
     ),
     Setting(
@@ -173,6 +174,16 @@ _SETTINGS: tuple[Setting, ...] = (
         "Capture each prefill chunk's calls in a CUDA graph (runtime/prefill_graphs.py) on "
         "CUDA devices; 0 runs them eagerly, which costs launch overhead in the time to first "
         "token.",
+        _PREFILL,
+    ),
+    Setting(
+        "MONOKERNEL_PREFILL_WARMUP",
+        "bool",
+        True,
+        "With prefill graphs on, capture the graph of every fresh prompt's bucket (16 tokens "
+        "up to the chunk) when the monokernel loads, so no request pays a capture or a Triton "
+        "compile in its time to first token; 0 captures each the first time it is needed "
+        "(a faster load).",
         _PREFILL,
     ),
     Setting(

@@ -18,8 +18,11 @@ number of cache rows under a mask built from the positions), so one graph serves
 up to that many rows. Later
 chunks of a prompt longer than the chunk stay eager (GPU-bound at that size anyway).
 
-Graphs are captured lazily, one per bucket the first time it is needed (a capture costs
-about two eager prefills of that size), and share one memory pool: they never run at once.
+A fresh prompt's graphs can all be captured up front (``warm``: the monokernel does at load,
+``MONOKERNEL_PREFILL_WARMUP``), so no request pays a capture, nor the first-use compile of
+the Triton kernels inside; a suffix's graphs, one per (bucket, key rows), are too many for
+that and are captured the first time each is needed (a capture costs about two eager
+prefills of that size). All share one memory pool: they never run at once.
 ``MONOKERNEL_PREFILL_GRAPHS=0`` turns them off.
 """
 
@@ -131,6 +134,17 @@ class PrefillGraphs:
         entry = _Graph(graph, tokens, pos, x)
         self._graphs[(bucket, keys)] = entry
         return entry
+
+    def warm(self) -> int:
+        """Capture the graph of every fresh prompt's bucket not captured yet (on the current
+        device; writes K/V into cache rows no request has yet); returns how many."""
+        n, b = 0, MIN_BUCKET
+        while b <= self.largest:
+            if (b, 0) not in self._graphs:
+                self._capture(b, 0)
+                n += 1
+            b *= 2
+        return n
 
     def captured(self) -> bool:
         """Whether any graph holds the addresses of what it ran on."""

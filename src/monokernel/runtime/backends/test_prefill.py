@@ -182,6 +182,30 @@ def test_graphed_prefill_matches_eager(shape: str) -> None:
 
 
 @pytest.mark.gpu
+def test_warm_captures_every_fresh_bucket_and_requests_then_capture_none() -> None:
+    """warm() (the monokernel's load) captures buckets 16..chunk; a fresh prompt of any
+    length up to the chunk then replays one of them, with the eager prefill's logits."""
+    cfg, weights = _cfg("odd"), _weights("odd")
+    max_len = 1024
+    packed = repack(cfg, weights, max_len, fold=False)
+    graphed_cache = KVCache.allocate(cfg, max_len, torch.bfloat16, "cuda")
+    eager_cache = KVCache.allocate(cfg, max_len, torch.bfloat16, "cuda")
+    graphed = Prefiller(cfg, packed, graphed_cache.k, graphed_cache.v, 512, graphs=True)
+    eager = Prefiller(cfg, packed, eager_cache.k, eager_cache.v, 512, graphs=False)
+    assert graphed.graphs is not None
+    assert graphed.graphs.warm() == 6  # 16, 32, ..., 512
+    assert graphed.graphs.warm() == 0
+    keys = sorted(graphed.graphs._graphs)
+    assert keys == [(b, 0) for b in (16, 32, 64, 128, 256, 512)]
+    for i, n in enumerate([3, 200, 512]):
+        tokens = _tokens(n, cfg.vocab_size, seed=30 + i)
+        got = graphed.run(tokens, 0, logits=True)
+        want = eager.run(tokens, 0, logits=True)
+        assert got is not None and want is not None and _rel(got, want) <= 2e-3
+    assert sorted(graphed.graphs._graphs) == keys
+
+
+@pytest.mark.gpu
 @needs_hopper
 def test_backend_prefill_logits_with_reuse() -> None:
     """The backend's prefill_logits: from scratch, then extending the cached prompt (only

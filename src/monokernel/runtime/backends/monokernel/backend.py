@@ -9,6 +9,7 @@ The cache is sized at load time against the GPU's free memory (``runtime/kv_memo
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -120,6 +121,16 @@ class MonokernelBackend:
         self.closed = False
         # What the search timed (None: it did not run).
         self.handoff_choice: HandoffChoice | None = choose_handoff(self, cfg.vocab_size, places)
+        # After the search (a captured graph pins the weights' addresses): every fresh
+        # prompt's prefill graph now, so no request's first token waits for one.
+        self.warmup_s = 0.0
+        graphs = self.kv.prefill.graphs
+        if graphs is not None and envs.MONOKERNEL_PREFILL_WARMUP:
+            t0 = time.perf_counter()
+            with torch.cuda.device(device):
+                graphs.warm()
+                torch.cuda.synchronize(device)
+            self.warmup_s = time.perf_counter() - t0
 
     # ---- the Backend contract -------------------------------------------------------------
 
