@@ -70,6 +70,9 @@ def _parse_run(argv: Sequence[str]) -> argparse.Namespace:
     error = validate.machine_error(args.device, args.engine, args.tp)
     if error is not None:
         parser.error(error)
+    args.speculative_config, error = validate.speculative_config(args)
+    if error is not None:
+        parser.error(error)
     return args
 
 
@@ -93,6 +96,7 @@ def cmd_run(argv: Sequence[str]) -> int:
         max_model_len=args.max_model_len,
         progress=not args.json,
         tp=args.tp,
+        speculative=args.speculative_config,
     )
     engine = Engine(args.model, config)
     for note in engine.startup_notes:  # the engine fallback, if any, and the context chosen
@@ -127,6 +131,11 @@ def cmd_run(argv: Sequence[str]) -> int:
                     "engine": engine.engine_name,
                     "device": str(engine.device),
                 }
+                | (
+                    {"drafted_tokens": t.drafted_tokens, "accepted_tokens": t.accepted_tokens}
+                    if t.drafted_tokens is not None
+                    else {}
+                )
             )
         )
     else:
@@ -135,7 +144,12 @@ def cmd_run(argv: Sequence[str]) -> int:
             f"[{engine.engine_name} on {engine.device}] prompt: {t.prompt_tokens} tokens, "
             f"TTFT {t.ttft_s * 1e3:.1f} ms ({t.prompt_tok_s:.1f} tok/s) | decode: "
             f"{t.generated_tokens} tokens, {t.decode_tok_s:.2f} tok/s | finish: "
-            f"{final.finish_reason}",
+            f"{final.finish_reason}"
+            + (
+                f" | speculative: {t.accepted_tokens} of {t.drafted_tokens} drafted tokens accepted"
+                if t.drafted_tokens is not None
+                else ""
+            ),
             file=sys.stderr,
         )
     engine.close()
@@ -170,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "  serve   OpenAI-compatible HTTP server with a playground\n"
             "  roofline     bandwidth ceiling on batch-1 tokens/s per model and GPU\n"
             "  agent-bench  time a scripted coding-agent session (prefill/decode/tool)\n\n"
-            "`monokernel COMMAND -h` for a command's options."
+            "Run 'monokernel COMMAND -h' for a command's options."
         )
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
@@ -181,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 module = importlib.import_module(_SUBCOMMANDS[command])
             except ModuleNotFoundError:
-                print(f"monokernel: `{command}` is not part of this build yet", file=sys.stderr)
+                print(f"monokernel: {command!r} is not part of this build yet", file=sys.stderr)
                 return 2
             return int(module.main(rest))
     except MonokernelError as e:

@@ -48,6 +48,19 @@ def test_run_json(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert 1 <= len(out["token_ids"]) <= 7 and out["prompt_tokens"] > 3
 
 
+def test_run_speculative_json(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--speculative ngram: the same tokens as without it, and the drafts counted."""
+    argv = ["run", "--model", str(model), "--max-tokens", "40", "--json", "--temperature", "0"]
+    prompt = "the cat sat on the mat; the cat sat on the mat; the cat"
+    assert main([*argv, prompt]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert "drafted_tokens" not in plain
+    assert main([*argv, "--speculative", "ngram", "--ngram-min", "1", prompt]) == 0
+    fast = json.loads(capsys.readouterr().out)
+    assert fast["token_ids"] == plain["token_ids"] and fast["text"] == plain["text"]
+    assert fast["drafted_tokens"] >= fast["accepted_tokens"] >= 0 and fast["drafted_tokens"] > 0
+
+
 def test_run_streams_text_and_timings(model: Path) -> None:
     proc = subprocess.run(
         [

@@ -78,6 +78,17 @@ NO_GPU_CASES: list[tuple[str, list[str], str]] = [
     ("--engine", ["--engine", "monokernel", "--device", "cpu", "hi"], "needs an NVIDIA GPU"),
     ("--engine", ["--engine", "torch", "hi"], "needs an NVIDIA GPU"),
     ("--engine", ["--engine", "tpu", "hi"], "invalid choice"),
+    ("--speculative", ["--speculative", "eagle", "hi"], "invalid choice: 'eagle'"),
+    (
+        "--speculative",
+        ["--speculative", "ngram", "--num-speculative-tokens", "40", "hi"],
+        "in [1, 32]; got 40",
+    ),
+    (
+        "--speculative",
+        ["--speculative", "ngram", "--ngram-min", "5", "--ngram-max", "3", "hi"],
+        "1 <= --ngram-min <= --ngram-max",
+    ),
 ]
 
 
@@ -153,3 +164,30 @@ def test_console_refusal_has_no_traceback() -> None:
     )
     assert proc.returncode == 2
     assert "argument --device" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("engine", "tp", "message"),
+    [
+        ("monokernel", 1, "the monokernel does not verify drafts yet"),
+        ("auto", 2, "not with --tp > 1"),
+    ],
+)
+def test_speculative_is_refused_where_it_cannot_run(engine: str, tp: int, message: str) -> None:
+    import argparse
+
+    from monokernel.cli.validate import speculative_config
+
+    args = argparse.Namespace(
+        speculative="ngram",
+        num_speculative_tokens=4,
+        ngram_max=4,
+        ngram_min=2,
+        engine=engine,
+        tp=tp,
+    )
+    config, error = speculative_config(args)
+    assert config is None and error is not None and message in error
+    assert error.startswith("argument --speculative: ")
+    ok, none = speculative_config(argparse.Namespace(**{**vars(args), "engine": "auto", "tp": 1}))
+    assert none is None and ok is not None and ok.num_tokens == 4

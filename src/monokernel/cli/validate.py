@@ -13,6 +13,10 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from monokernel.runtime.speculative import SpeculativeConfig
 
 _DEVICE = re.compile(r"(auto|cpu|cuda)(?::(\d+))?")
 
@@ -168,3 +172,48 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-model-len", type=positive_int, default=None, help="context size to allocate"
     )
+    spec = p.add_argument_group("speculative decoding (torch and reference engines)")
+    spec.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        default=None,
+        help="draft from the request's own tokens (n-gram lookup) and verify several a pass; "
+        "the same tokens, fewer passes where the output repeats its context",
+    )
+    spec.add_argument(
+        "--num-speculative-tokens",
+        type=positive_int,
+        default=4,
+        help="tokens drafted a pass at most (1-32, default 4)",
+    )
+    spec.add_argument(
+        "--ngram-max", type=positive_int, default=4, help="longest suffix matched (default 4)"
+    )
+    spec.add_argument(
+        "--ngram-min", type=positive_int, default=2, help="shortest suffix matched (default 2)"
+    )
+
+
+def speculative_config(
+    args: argparse.Namespace,
+) -> tuple[SpeculativeConfig | None, str | None]:
+    """(the SpeculativeConfig the flags ask for or None, argparse's error line or None)."""
+    if args.speculative is None:
+        return None, None
+    from monokernel.errors import InvalidRequestError
+    from monokernel.runtime.speculative import SpeculativeConfig
+
+    try:
+        config = SpeculativeConfig(
+            args.speculative, args.num_speculative_tokens, args.ngram_max, args.ngram_min
+        )
+    except InvalidRequestError as e:
+        return None, f"argument --speculative: {e}"
+    if args.engine == "monokernel":
+        return None, (
+            "argument --speculative: runs on the torch and reference engines; the monokernel "
+            "does not verify drafts yet (--engine auto or torch)"
+        )
+    if args.tp > 1:
+        return None, "argument --speculative: not with --tp > 1 (the monokernel's TP build)"
+    return config, None

@@ -33,6 +33,7 @@ from monokernel.runtime.memory_plan import (
 )
 from monokernel.runtime.prefill_graphs import graphs_enabled
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.runtime.speculative import SpeculativeConfig
 from monokernel.tokenizer.detokenize import IncrementalDetokenizer
 from monokernel.tokenizer.stop_strings import StopStringMatcher
 from monokernel.tokenizer.tokenizer import Prompt, Tokenizer
@@ -55,6 +56,9 @@ class EngineConfig:
     max_model_len: int | None = None
     progress: bool = True  # download progress bars on stderr
     tp: int = 1  # tensor-parallel GPUs (monokernel only): cuda:0..tp-1, or from --device cuda:N
+    # Draft from the request's own tokens and verify several a pass (torch and reference
+    # engines; runtime/speculative.py). None: one token a pass.
+    speculative: SpeculativeConfig | None = None
     # Reuse the KV cache of earlier requests' common prefix (backends that can: monokernel).
     # None: the backend's default (on; MONOKERNEL_PREFIX_REUSE=0 turns it off).
     prefix_reuse: bool | None = None
@@ -66,6 +70,10 @@ class Timings:
     generated_tokens: int
     ttft_s: float  # request start -> first generated token
     decode_s: float  # first generated token -> last
+    # With speculative decoding (runtime/speculative.py): tokens drafted, and those of them
+    # the model agreed with (each emitted without a pass of its own); None when off.
+    drafted_tokens: int | None = None
+    accepted_tokens: int | None = None
 
     @property
     def prompt_tok_s(self) -> float:
@@ -140,6 +148,18 @@ class Engine:
         self.engine_name = resolve_engine(self.config.engine, self.device)
         # Set when `auto` could not run the monokernel: the one line saying why.
         self.engine_note: str | None = None
+        self.speculative = self.config.speculative
+        if self.speculative is not None and self.engine_name == "monokernel":
+            if self.config.engine != "auto":
+                raise InvalidRequestError(
+                    "--speculative runs on the torch and reference engines; the monokernel "
+                    "does not verify drafts yet (use --engine torch)"
+                )
+            self.engine_name = fallback_engine()
+            self.engine_note = (
+                "speculative decoding is not in the monokernel yet; using the "
+                f"{self.engine_name} engine"
+            )
         # A checkpoint loaded here is the engine's own: its tensors go straight to the device
         # in the engine's dtype, and the monokernel may repack them in place. One the caller
         # passes stays whole.
@@ -174,6 +194,8 @@ class Engine:
             on_fallback=self._fall_back if auto else None,
             owned=owned,
         )
+        if self.speculative is not None:
+            self.backend.set_speculative(self.speculative)  # type: ignore[attr-defined]
         set_reuse = getattr(self.backend, "set_prefix_reuse", None)
         if self.config.prefix_reuse is not None and callable(set_reuse):
             set_reuse(self.config.prefix_reuse)
@@ -335,7 +357,15 @@ class Engine:
                     finish = "stop"
                 else:
                     tail += stops.flush()
-            timings = Timings(len(request.prompt_ids), count, first - start, last - first)
+            spec = getattr(self.backend, "speculation", None) if self.speculative else None
+            timings = Timings(
+                len(request.prompt_ids),
+                count,
+                first - start,
+                last - first,
+                spec.drafted if spec is not None else None,
+                spec.accepted if spec is not None else None,
+            )
             yield TokenEvent(None, tail, finish, timings)
 
     def complete(self, prompt: Prompt, params: SamplingParams | None = None) -> Completion:

@@ -203,3 +203,24 @@ def test_when_nothing_fits_the_monokernel_error_stands(
     monkeypatch.setattr(engine_mod, "plan_context", plan)
     with pytest.raises(ContextTooLargeError, match=r"^monokernel does not fit$"):
         Engine(model_dir, EngineConfig(device="cpu", progress=False))
+
+
+def test_speculative_auto_takes_torch_and_a_named_monokernel_is_refused(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from monokernel.runtime.speculative import SpeculativeConfig
+
+    _monokernel_resolves(monkeypatch, "NeverBuiltMonokernel")
+    spec = SpeculativeConfig(ngram_min=1)
+    config = EngineConfig(device="cpu", max_model_len=96, progress=False, speculative=spec)
+    eng = Engine(model_dir, config)
+    assert eng.engine_name == "torch" and type(eng.backend).__name__ == "TorchBackend"
+    assert eng.engine_note == (
+        "speculative decoding is not in the monokernel yet; using the torch engine"
+    )
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    out = eng.complete("abc abc abc abc", sp)
+    assert out.timings.drafted_tokens is not None and out.timings.accepted_tokens is not None
+    named = EngineConfig(engine="monokernel", device="cpu", progress=False, speculative=spec)
+    with pytest.raises(InvalidRequestError, match="does not verify drafts yet"):
+        Engine(model_dir, named)

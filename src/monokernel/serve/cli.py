@@ -111,6 +111,9 @@ def main(argv: Sequence[str]) -> int:
     error = validate.machine_error(args.device, args.engine, args.tp)
     if error:
         parser.error(error)
+    speculative, error = validate.speculative_config(args)
+    if error:
+        parser.error(error)
     try:
         import uvicorn
 
@@ -132,6 +135,7 @@ def main(argv: Sequence[str]) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         tp=args.tp,
+        speculative=speculative,
     )
     settings = ServerSettings(
         served_model_name=served_name(args.model, args.served_model_name),

@@ -20,6 +20,11 @@ from monokernel.models.rope import apply_rope
 from monokernel.models.transformer import KVCache, Transformer, rms_norm
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import sample
+from monokernel.runtime.speculative import (
+    SpeculationStats,
+    SpeculativeConfig,
+    speculative_stream,
+)
 from monokernel.weights.names import Weights
 
 
@@ -107,6 +112,8 @@ class TorchBackend:
         self.ref = Transformer(cfg, weights, max_seq_len)
         self.cache = self.ref.new_cache(max_seq_len)
         self.module = _DecodeStep(self.ref, self.cache)
+        self.speculative: SpeculativeConfig | None = None
+        self.speculation: SpeculationStats | None = None
         use_compile = self.device.type == "cuda" if compile is None else compile
         self.compiled = use_compile
         self._step = (
@@ -114,6 +121,14 @@ class TorchBackend:
             if use_compile
             else self.module
         )
+
+    def set_speculative(self, config: SpeculativeConfig | None) -> None:
+        """As ReferenceBackend.set_speculative: n-gram drafts verified several a pass."""
+        self.speculative = config
+
+    def _forward(self, tokens: list[int], start: int) -> torch.Tensor:
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self.ref.forward(ids, start, self.cache)
 
     def _call(self) -> torch.Tensor:
         if self.compiled:
@@ -128,6 +143,20 @@ class TorchBackend:
             raise InvalidRequestError(f"prompt length {n} must be in [1, {self.max_seq_len}]")
         prompt = torch.tensor(ids, dtype=torch.long, device=self.device)
         logits = self.ref.forward(prompt, 0, self.cache, last_only=True)[0]
+        if self.speculative is not None:
+            # Verification passes run eagerly on the same cache: a captured step has one
+            # token's shapes. The compiled step is not used then.
+            self.speculation = SpeculationStats()
+            yield from speculative_stream(
+                self._forward,
+                logits,
+                request,
+                cancel,
+                self.speculative,
+                self.max_seq_len,
+                self.speculation,
+            )
+            return
         tok = self.module.tok  # [1] int64 buffer, the step's input and greedy output
         if sp.greedy:
             tok.copy_(torch.argmax(logits).view(1))
