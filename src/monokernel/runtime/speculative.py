@@ -162,3 +162,39 @@ def speculative_stream(
         logits = forward([last, *draft], at)
         pending = verify(logits, draft, sp, at + 1)
         pos = at + 1
+
+
+class Speculating:
+    """What a backend with a ``_forward`` (see Forward) and this mixin gains:
+    ``set_speculative`` and ``_speculate``, its decode loop with drafts; ``speculation``
+    holds the last request's counts."""
+
+    speculative: SpeculativeConfig | None = None
+    speculation: SpeculationStats | None = None
+
+    def _forward(self, tokens: list[int], start: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def set_speculative(self, config: SpeculativeConfig | None) -> None:
+        """Draft from the request's own tokens and verify several a pass; None: one token a
+        pass."""
+        self.speculative = config
+
+    def _speculate(
+        self,
+        first_logits: torch.Tensor,
+        request: DecodeRequest,
+        cancel: CancelToken,
+        max_seq_len: int,
+    ) -> Iterator[int]:
+        assert self.speculative is not None
+        self.speculation = SpeculationStats()
+        return speculative_stream(
+            self._forward,
+            first_logits,
+            request,
+            cancel,
+            self.speculative,
+            max_seq_len,
+            self.speculation,
+        )

@@ -10,15 +10,11 @@ from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import Transformer
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import sample
-from monokernel.runtime.speculative import (
-    SpeculationStats,
-    SpeculativeConfig,
-    speculative_stream,
-)
+from monokernel.runtime.speculative import Speculating
 from monokernel.weights.names import Weights
 
 
-class ReferenceBackend:
+class ReferenceBackend(Speculating):
     name = "reference"
 
     def __init__(
@@ -27,13 +23,6 @@ class ReferenceBackend:
         self.model = Transformer(cfg, weights, max_seq_len)
         self.cache = self.model.new_cache(max_seq_len)
         self.device = device
-        self.speculative: SpeculativeConfig | None = None
-        self.speculation: SpeculationStats | None = None
-
-    def set_speculative(self, config: SpeculativeConfig | None) -> None:
-        """Draft from the request's own tokens and verify several a pass (speculative.py);
-        None: one token a pass. ``speculation`` then holds the last request's counts."""
-        self.speculative = config
 
     def _forward(self, tokens: list[int], start: int) -> torch.Tensor:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
@@ -43,16 +32,7 @@ class ReferenceBackend:
         prompt = torch.tensor(request.prompt_ids, dtype=torch.long, device=self.device)
         logits = self.model.forward(prompt, 0, self.cache, last_only=True)[0]
         if self.speculative is not None:
-            self.speculation = SpeculationStats()
-            yield from speculative_stream(
-                self._forward,
-                logits,
-                request,
-                cancel,
-                self.speculative,
-                self.cache.max_len,
-                self.speculation,
-            )
+            yield from self._speculate(logits, request, cancel, self.cache.max_len)
             return
         pos = len(request.prompt_ids)  # where the token being sampled will sit
         for produced in range(1, request.max_new_tokens + 1):

@@ -20,11 +20,7 @@ from monokernel.models.rope import apply_rope
 from monokernel.models.transformer import KVCache, Transformer, rms_norm
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import sample
-from monokernel.runtime.speculative import (
-    SpeculationStats,
-    SpeculativeConfig,
-    speculative_stream,
-)
+from monokernel.runtime.speculative import Speculating
 from monokernel.weights.names import Weights
 
 
@@ -97,7 +93,7 @@ class _DecodeStep(nn.Module):
         return logits
 
 
-class TorchBackend:
+class TorchBackend(Speculating):
     name = "torch"
 
     def __init__(
@@ -112,8 +108,6 @@ class TorchBackend:
         self.ref = Transformer(cfg, weights, max_seq_len)
         self.cache = self.ref.new_cache(max_seq_len)
         self.module = _DecodeStep(self.ref, self.cache)
-        self.speculative: SpeculativeConfig | None = None
-        self.speculation: SpeculationStats | None = None
         use_compile = self.device.type == "cuda" if compile is None else compile
         self.compiled = use_compile
         self._step = (
@@ -121,10 +115,6 @@ class TorchBackend:
             if use_compile
             else self.module
         )
-
-    def set_speculative(self, config: SpeculativeConfig | None) -> None:
-        """As ReferenceBackend.set_speculative: n-gram drafts verified several a pass."""
-        self.speculative = config
 
     def _forward(self, tokens: list[int], start: int) -> torch.Tensor:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
@@ -146,16 +136,7 @@ class TorchBackend:
         if self.speculative is not None:
             # Verification passes run eagerly on the same cache: a captured step has one
             # token's shapes. The compiled step is not used then.
-            self.speculation = SpeculationStats()
-            yield from speculative_stream(
-                self._forward,
-                logits,
-                request,
-                cancel,
-                self.speculative,
-                self.max_seq_len,
-                self.speculation,
-            )
+            yield from self._speculate(logits, request, cancel, self.max_seq_len)
             return
         tok = self.module.tok  # [1] int64 buffer, the step's input and greedy output
         if sp.greedy:
