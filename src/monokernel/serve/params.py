@@ -18,6 +18,7 @@ from monokernel.runtime.sampling import SamplingParams
 from monokernel.serve.body import clip, echo
 from monokernel.serve.errors import APIError
 from monokernel.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from monokernel.serve.tools import ToolRequest, check_tools, history_message, render
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 # The longest token, in characters, of a tokenizer that cannot list its vocabulary: far
@@ -115,7 +116,6 @@ _NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "reasoning_effort": _is_none,
     "verbosity": _is_none,
     "web_search_options": _is_none,
-    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),  # tools are refused
 }
 # Per endpoint: chat's `echo` and `add_special_tokens` are vLLM extras with their own
 # defaults (the template writes the special tokens), unlike the completion fields.
@@ -164,10 +164,16 @@ def check_request(req: CompletionRequest | ChatCompletionRequest) -> None:
         _check_extras(req.stream_options.model_extra or {}, _STREAM_NEUTRAL, "stream_options.")
     if isinstance(req, ChatCompletionRequest):
         check_roles(req.messages)
+        chat_tools(req)
     asked = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         asked = req.max_completion_tokens
     _range_checks(req, asked)
+
+
+def chat_tools(req: ChatCompletionRequest) -> ToolRequest | None:
+    """The request's tools, checked; None when it has none."""
+    return check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
 
 
 def check_roles(messages: list[ChatMessage]) -> None:
@@ -194,11 +200,7 @@ def unsupported_fields(req: CompletionRequest | ChatCompletionRequest) -> None:
         checks += [("echo", req.echo), ("suffix", bool(req.suffix))]
     else:
         fmt = (req.response_format or {}).get("type", "text")
-        checks += [
-            ("tools", bool(req.tools)),
-            ("tool_choice", req.tool_choice not in (None, "none", "auto")),
-            ("response_format", fmt != "text"),
-        ]
+        checks += [("response_format", fmt != "text")]
     for field, refused in checks:
         if not refused:
             continue
@@ -249,7 +251,8 @@ def check_prompt_size(
 ) -> None:
     """Refuse, without tokenising, a prompt that cannot fit the context."""
     if isinstance(req, ChatCompletionRequest):
-        field, chars = "messages", text_chars(req.messages)
+        # The tools' schemas are rendered into the prompt too.
+        field, chars = "messages", text_chars(req.messages) + text_chars(req.tools)
     else:
         field, prompt = "prompt", req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
@@ -337,23 +340,41 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     )
                 texts.append(part.text)
             content = "".join(texts)
-        out.append(m.model_dump(exclude_none=True) | {"content": content or ""})
+        msg = m.model_dump(exclude_none=True) | {"content": content or ""}
+        out.append(history_message(msg, i))
     if not out:
         raise bad("messages must hold at least one message", "messages")
     return out
 
 
-def encode_prompt(engine: Engine, req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+def encode_prompt(
+    engine: Engine,
+    req: CompletionRequest | ChatCompletionRequest,
+    tools: ToolRequest | None = None,
+) -> list[int]:
     """Tokenise (blocking: call it off the event loop)."""
     if isinstance(req, ChatCompletionRequest):
-        return encode_chat(engine, req.messages)
+        return encode_chat(engine, req.messages, tools)
     return encode_text(engine, req.prompt)
 
 
-def encode_chat(engine: Engine, messages: list[ChatMessage]) -> list[int]:
-    """Through the chat template (blocking: call it off the event loop)."""
+def encode_chat(
+    engine: Engine, messages: list[ChatMessage], tools: ToolRequest | None = None
+) -> list[int]:
+    """Through the chat template, with the tools when there are some (blocking: call it
+    off the event loop)."""
     try:
-        return engine.encode(chat_messages(messages))
+        msgs = chat_messages(messages)
+        if tools is None:
+            return engine.encode(msgs)
+        if not engine.tokenizer.has_chat_template:
+            raise bad(
+                "this model's tokenizer has no chat template, so it cannot take tools", "tools"
+            )
+        ids = render(engine.tokenizer.hf, msgs, tools.tools)
+        if not ids:
+            raise bad("the prompt encodes to no tokens", "messages")
+        return ids
     except InvalidRequestError as e:
         raise bad(str(e), "messages") from e
     except APIError:

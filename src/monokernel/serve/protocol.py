@@ -2,7 +2,7 @@
 
 Request fields are strictly typed (``"5"`` is not an integer, ``"yes"`` not a boolean).
 Fields that change the output but that this engine does not implement (``logprobs``,
-``tools``, penalties, vLLM's ``min_p``...) are accepted only at their neutral value and
+penalties, vLLM's ``min_p``...) are accepted only at their neutral value and
 refused otherwise, and a field the server does not know is refused as OpenAI's API
 refuses it (see ``params.check_request``), so nothing a client asks for is dropped.
 """
@@ -63,7 +63,8 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    # Extra keys (name, tool_calls, ...) reach the chat template unchanged.
+    # Extra keys (name, tool_call_id, ...) reach the chat template unchanged; tool_calls
+    # are checked and their arguments decoded first (tools.history_message).
     model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[TextPart] | None = None
@@ -72,8 +73,10 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    # Judged field by field in tools.check_tools, so each error can name its path.
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -160,8 +163,15 @@ def completion_response(
 
 
 def chat_response(
-    rid: str, model: str, text: str, finish: str, prompt_n: int, timings: dict[str, Any]
+    rid: str,
+    model: str,
+    text: str,
+    finish: str,
+    prompt_n: int,
+    timings: dict[str, Any],
+    message: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``message`` replaces the plain text reply (a reply with tool calls)."""
     return {
         "id": rid,
         "object": "chat.completion",
@@ -170,7 +180,7 @@ def chat_response(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message or {"role": "assistant", "content": text},
                 "logprobs": None,
                 "finish_reason": finish,
             }
@@ -212,6 +222,19 @@ class ChunkMaker:
             choice = {"index": 0, "text": text}
         choice |= {"logprobs": None, "finish_reason": finish}
         return self._chunk([choice], **extra)
+
+    def tool_call(
+        self, index: int, call_id: str, name: str, arguments: str
+    ) -> list[dict[str, Any]]:
+        """OpenAI's two kinds of tool-call delta: the call's id, type and name (arguments
+        empty), then its arguments."""
+        head = {"index": index, "id": call_id, "type": "function"}
+        head["function"] = {"name": name, "arguments": ""}
+        first = {"index": 0, "delta": {"tool_calls": [head]}}
+        args = {"index": index, "function": {"arguments": arguments}}
+        second = {"index": 0, "delta": {"tool_calls": [args]}}
+        done = {"logprobs": None, "finish_reason": None}
+        return [self._chunk([first | done]), self._chunk([second | done])]
 
     def usage(self, prompt_n: int, completion_n: int, **extra: Any) -> dict[str, Any]:
         return self._chunk([], usage=usage(prompt_n, completion_n), **extra)

@@ -6,14 +6,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from monokernel.runtime.engine import TokenEvent
+from monokernel.runtime.engine import Engine, TokenEvent
 from monokernel.serve import params as P
 from monokernel.serve.body import parse_body
 from monokernel.serve.errors import APIError, error_body
@@ -29,6 +29,8 @@ from monokernel.serve.protocol import (
 )
 from monokernel.serve.scheduler import QueueFullError
 from monokernel.serve.state import ServerState, get_state
+from monokernel.serve.tool_calls import ContentDelta, Delta, ToolStream
+from monokernel.serve.tools import ToolParsing, parsing_for
 
 log = logging.getLogger("monokernel.serve")
 router = APIRouter()
@@ -69,9 +71,20 @@ async def chat_completions(request: Request) -> Response:
     return await _serve(request, await parse_body(request, ChatCompletionRequest))
 
 
+def _encode(
+    engine: Engine, body: CompletionRequest | ChatCompletionRequest
+) -> tuple[list[int], ToolParsing | None]:
+    """Prompt ids and how to read tool calls back (blocking: the tokenizer thread)."""
+    tool_req = P.chat_tools(body) if isinstance(body, ChatCompletionRequest) else None
+    ids = P.encode_prompt(engine, body, tool_req)
+    if tool_req is None:
+        return ids, None
+    return ids, parsing_for(engine.tokenizer.hf, engine.model_config.family, tool_req)
+
+
 async def _admit(
     state: ServerState, body: CompletionRequest | ChatCompletionRequest, arrival: float
-) -> Generation:
+) -> tuple[Generation, ToolParsing | None]:
     """Validate, tokenise and take a place in the queue; every refusal raises APIError."""
     state.check_admitting()
     engine = state.require_engine()
@@ -80,7 +93,7 @@ async def _admit(
     P.check_prompt_size(body, state.prompt_char_limit, engine.max_model_len)
     # Tokenising a long prompt takes milliseconds: keep it off the event loop.
     loop = asyncio.get_running_loop()
-    ids = await loop.run_in_executor(state.tokenize_thread, P.encode_prompt, engine, body)
+    ids, parsing = await loop.run_in_executor(state.tokenize_thread, _encode, engine, body)
     prepared = P.prepare(engine, body, ids, state.settings.default_max_tokens_cap)
     try:
         ticket = state.scheduler.enter()
@@ -89,25 +102,26 @@ async def _admit(
         raise APIError(503, str(e), code="queue_full", headers=retry) from e
     gen = Generation(engine, prepared, ticket, state.metrics, arrival, state.engine_thread)
     state.generations.add(gen)  # until its response is over: the drain waits for it
-    return gen
+    return gen, parsing
 
 
 async def _serve(request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
     state = get_state(request)
     arrival = time.perf_counter()
-    gen = await _admit(state, body, arrival)
+    gen, parsing = await _admit(state, body, arrival)
     chat = isinstance(body, ChatCompletionRequest)
     rid = new_id("chatcmpl" if chat else "cmpl")
     model = state.settings.served_model_name
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = ChunkMaker(chat, rid, model)
-        return GenerationStream(gen, _sse(gen, request, chunks, include_usage), state)
+        events = _sse(gen, request, chunks, include_usage, parsing)
+        return GenerationStream(gen, events, state)
     try:
         parts: list[str] = []
         final: TokenEvent | None = None
         async for event in gen.events(request):
-            parts.append(event.text)
+            parts.append(parsing.text(event.token_id, event.text) if parsing else event.text)
             if event.finish_reason is not None:
                 final = event
     finally:
@@ -117,30 +131,67 @@ async def _serve(request: Request, body: CompletionRequest | ChatCompletionReque
         # Only reached when the client has gone: nobody reads this.
         return JSONResponse(error_body(499, "the client closed the request"), status_code=499)
     timings = timings_json(final.timings, gen.queue_s)
-    build = chat_response if chat else completion_response
     text = "".join(parts)
-    return JSONResponse(build(rid, model, text, final.finish_reason, gen.prompt_n, timings))
+    if parsing is None:
+        build = chat_response if chat else completion_response
+        return JSONResponse(build(rid, model, text, final.finish_reason, gen.prompt_n, timings))
+    calls = parsing.stream()
+    calls.feed(text)
+    calls.finish()
+    finish = _finish_reason(final.finish_reason, calls)
+    message = calls.message()
+    return JSONResponse(chat_response(rid, model, text, finish, gen.prompt_n, timings, message))
+
+
+def _finish_reason(finish: str, calls: ToolStream) -> str:
+    # OpenAI's "tool_calls" when the model stopped after calling; a reply cut by the
+    # token limit stays "length", as its last call may be the one that was cut.
+    return "tool_calls" if calls.calls and finish == "stop" else finish
 
 
 def _data(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
+def _tool_chunks(chunks: ChunkMaker, deltas: list[Delta]) -> Iterator[bytes]:
+    for d in deltas:
+        if isinstance(d, ContentDelta):
+            yield _data(chunks.delta(d.text))
+        else:
+            for chunk in chunks.tool_call(d.index, d.id, d.call.name, d.call.arguments):
+                yield _data(chunk)
+
+
 async def _sse(
-    gen: Generation, request: Request, chunks: ChunkMaker, include_usage: bool
+    gen: Generation,
+    request: Request,
+    chunks: ChunkMaker,
+    include_usage: bool,
+    parsing: ToolParsing | None = None,
 ) -> AsyncIterator[bytes]:
     if chunks.chat:
         yield _data(chunks.role())
+    calls = parsing.stream() if parsing else None
     try:
         async for event in gen.events(request):
+            if calls is not None and parsing is not None:
+                text = parsing.text(event.token_id, event.text)
+                for piece in _tool_chunks(chunks, calls.feed(text)):
+                    yield piece
             if event.finish_reason is None:
-                if event.text:
+                if event.text and calls is None:
                     yield _data(chunks.delta(event.text))
                 continue
             if event.finish_reason == "cancelled" or event.timings is None:
                 return  # the client has gone
             timings = timings_json(event.timings, gen.queue_s)
-            yield _data(chunks.delta(event.text, event.finish_reason, timings=timings))
+            if calls is None:
+                yield _data(chunks.delta(event.text, event.finish_reason, timings=timings))
+            else:
+                for piece in _tool_chunks(chunks, calls.finish()):
+                    yield piece
+                finish = _finish_reason(event.finish_reason, calls)
+                yield _data(chunks.delta("", finish, timings=timings))
             if include_usage:
                 completion_n = event.timings.generated_tokens
                 yield _data(chunks.usage(gen.prompt_n, completion_n, timings=timings))

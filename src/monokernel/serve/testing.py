@@ -1,5 +1,6 @@
 """Test helpers: a live uvicorn server on a free port in a thread, and a backend wrapper
-that slows decoding down so tests can catch a request mid-generation."""
+that slows decoding down so tests can catch a request mid-generation, or replays given
+tokens so tests can see what the server makes of a known model output."""
 
 from __future__ import annotations
 
@@ -20,25 +21,35 @@ if TYPE_CHECKING:
 
 class SlowBackend:
     """Delegates to a real backend, sleeping ``delay_s`` before each token; with
-    ``fail_after`` set, raises after that many tokens (a backend crashing mid-request)."""
+    ``fail_after`` set, raises after that many tokens (a backend crashing mid-request);
+    with ``script`` set, yields those token ids instead of the model's (end it with an EOS
+    id for a "stop" finish)."""
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
         self.name = inner.name
         self.delay_s = 0.0
         self.fail_after: int | None = None
+        self.script: list[int] | None = None
 
     def stream(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[int]:
-        tokens = self.inner.stream(request, cancel)
+        if self.script is not None:
+            tokens: Iterator[int] = iter(list(self.script))
+        else:
+            tokens = self.inner.stream(request, cancel)
         try:
             for i, token in enumerate(tokens):
+                if self.script is not None and cancel.is_set():
+                    return  # a real backend ends its stream on cancel; so does a script
                 if self.fail_after is not None and i >= self.fail_after:
                     raise RuntimeError("injected backend failure")
                 if self.delay_s:
                     time.sleep(self.delay_s)
                 yield token
         finally:
-            tokens.close()
+            close = getattr(tokens, "close", None)
+            if close is not None:
+                close()
 
     def close(self) -> None:
         self.inner.close()

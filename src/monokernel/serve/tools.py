@@ -1,0 +1,288 @@
+"""The request side of tool calling: ``tools``/``tool_choice``/``parallel_tool_calls``
+checked strictly, tool calls in the history made what chat templates expect, the tools
+rendered through the model's own template, and the output format picked for parsing.
+
+``tool_choice`` ``"required"`` or a named function can only be honoured by constraining
+decoding (the model may always answer in text otherwise); that is not implemented, so
+those are refused rather than hoped for.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from monokernel.serve.body import clip, echo
+from monokernel.serve.errors import APIError
+from monokernel.serve.tool_calls import MARKERS, ToolStream
+
+# OpenAI's rule for function names; the name is written into the prompt and parsed back.
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_TOOL_KEYS = frozenset({"type", "function"})
+_FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
+_NO_CONSTRAINED = (
+    "needs constrained decoding, which this server does not implement yet; use "
+    "tool_choice 'auto' (the model then decides whether to call a tool)"
+)
+# The model families' own formats, for a template that names no marker of its own.
+_FAMILY_FORMATS = {
+    "qwen2": "hermes",
+    "qwen3": "hermes",
+    "llama": "llama3_json",
+    "mistral": "mistral",
+}
+
+
+def _bad(message: str, param: str, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolRequest:
+    tools: list[dict[str, Any]]  # as the template gets them
+    parse: bool  # False for tool_choice "none": the output stays text
+    parallel: bool
+
+
+def check_tools(
+    tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None
+) -> ToolRequest | None:
+    """The tool fields of a chat request, or None when it has no tools (an empty list
+    counts as none, as clients that always send the field send it empty)."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise _bad(
+                f"tool_choice={echo(tool_choice)} needs tools; none were given", "tool_choice"
+            )
+        return None
+    checked = [_check_tool(t, i) for i, t in enumerate(tools)]
+    names = [t["function"]["name"] for t in checked]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise _bad(f"tools[{i}].function.name {name!r} is given twice", f"tools[{i}]")
+    choice = _check_choice(tool_choice, names)
+    parallel = True if parallel_tool_calls is None else parallel_tool_calls
+    return ToolRequest(checked, parse=choice != "none", parallel=parallel)
+
+
+def _check_tool(tool: Any, i: int) -> dict[str, Any]:
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict):
+        raise _bad(f"{where} must be an object, got {echo(tool)}", where)
+    _unknown_keys(tool, _TOOL_KEYS, where)
+    if tool.get("type") != "function":
+        raise _bad(
+            f"{where}.type is {echo(tool.get('type'))}; only 'function' tools are supported",
+            f"{where}.type",
+        )
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise _bad(f"{where}.function is required and must be an object", f"{where}.function")
+    _unknown_keys(fn, _FUNCTION_KEYS, f"{where}.function")
+    name = fn.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise _bad(
+            f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got {echo(name)}",
+            f"{where}.function.name",
+        )
+    out: dict[str, Any] = {"name": name}
+    if "description" in fn and fn["description"] is not None:
+        if not isinstance(fn["description"], str):
+            raise _bad(f"{where}.function.description must be a string", f"{where}.function")
+        out["description"] = fn["description"]
+    params = fn.get("parameters")
+    if params is None:
+        # OpenAI: "omitting parameters defines a function with an empty parameter list";
+        # templates print the schema, so they get that list rather than null.
+        params = {"type": "object", "properties": {}}
+    elif not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise _bad(
+            f"{where}.function.parameters must be a JSON Schema object (type 'object'), got "
+            f"{echo(params)}",
+            f"{where}.function.parameters",
+        )
+    out["parameters"] = params
+    strict = fn.get("strict")
+    if strict not in (None, False):
+        if strict is not True:
+            raise _bad(f"{where}.function.strict must be a boolean", f"{where}.function.strict")
+        raise _bad(
+            f"{where}.function.strict=True {_NO_CONSTRAINED}",
+            f"{where}.function.strict",
+            "unsupported",
+        )
+    return {"type": "function", "function": out}
+
+
+def _unknown_keys(obj: dict[str, Any], known: frozenset[str], where: str) -> None:
+    for key in obj:
+        if key not in known:
+            name = f"{where}.{key}"
+            raise _bad(
+                f"unrecognized request argument supplied: {clip(name)}", name, "unknown_field"
+            )
+
+
+def _check_choice(choice: Any, names: list[str]) -> str:
+    if choice is None or choice == "auto":
+        return "auto"
+    if choice == "none":
+        return "none"
+    if choice == "required":
+        raise _bad(f"tool_choice='required' {_NO_CONSTRAINED}", "tool_choice", "unsupported")
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        shaped = set(choice) == {"type", "function"} and choice["type"] == "function"
+        if not shaped or not isinstance(name, str) or set(fn) != {"name"}:
+            raise _bad(
+                "tool_choice must be 'none', 'auto', 'required' or "
+                f"{{'type': 'function', 'function': {{'name': ...}}}}, got {echo(choice)}",
+                "tool_choice",
+            )
+        if name not in names:
+            raise _bad(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+        raise _bad(f"tool_choice naming a function {_NO_CONSTRAINED}", "tool_choice", "unsupported")
+    raise _bad(
+        f"tool_choice must be 'none', 'auto', 'required' or a function, got {echo(choice)}",
+        "tool_choice",
+    )
+
+
+# ---- the history -------------------------------------------------------------------------
+
+
+def history_message(msg: dict[str, Any], i: int) -> dict[str, Any]:
+    """One message of the history as templates take it: assistant tool calls with their
+    arguments as an object (templates print them with ``tojson``, which would quote a
+    string again), tool results with the id of their call."""
+    where = f"messages[{i}]"
+    calls = msg.get("tool_calls")
+    if calls is not None:
+        if msg["role"] != "assistant":
+            raise _bad(f"{where}.tool_calls is only allowed on assistant messages", where)
+        if not isinstance(calls, list):
+            raise _bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+        msg = msg | {
+            "tool_calls": [
+                _history_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
+            ]
+        }
+    if msg["role"] == "tool" and not isinstance(msg.get("tool_call_id"), str):
+        raise _bad(
+            f"{where}.tool_call_id is required for role 'tool' (the id of the call it answers)",
+            f"{where}.tool_call_id",
+        )
+    return msg
+
+
+def _history_call(call: Any, where: str) -> dict[str, Any]:
+    if not isinstance(call, dict):
+        raise _bad(f"{where} must be an object", where)
+    if not isinstance(call.get("id"), str):
+        raise _bad(f"{where}.id must be a string", f"{where}.id")
+    if call.get("type", "function") != "function":
+        raise _bad(f"{where}.type must be 'function'", f"{where}.type")
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise _bad(f"{where}.function must be an object with a name", f"{where}.function")
+    args = fn.get("arguments", "{}")
+    try:
+        parsed = json.loads(args) if isinstance(args, str) else None
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise _bad(
+            f"{where}.function.arguments must be a JSON object in a string, got {echo(args)}",
+            f"{where}.function.arguments",
+        )
+    return call | {"type": "function", "function": fn | {"arguments": parsed}}
+
+
+# ---- the template ------------------------------------------------------------------------
+
+
+def template_source(hf: Any, tools: list[dict[str, Any]] | None) -> str:
+    """The template this tokenizer applies (a tokenizer may keep a separate one for tools)."""
+    try:
+        return str(hf.get_chat_template(None, tools))
+    except (ValueError, TypeError, AttributeError):
+        return ""
+
+
+def render(hf: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+    """Token ids of ``messages`` with ``tools`` through the model's template; raises
+    APIError(400) when the template does not take tools. Blocking (tokenizer thread)."""
+    source = template_source(hf, tools)
+    unsupported = _bad("this model's chat template does not support tools", "tools", "unsupported")
+    if "tools" not in source:
+        raise unsupported
+    text = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    # A template may name `tools` and still drop them (only for some roles, say): what it
+    # renders without them tells. If that rendering fails, the template needs the tools.
+    try:
+        bare = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:
+        bare = None
+    if bare == text:
+        raise unsupported
+    # The template already wrote BOS and the like as text.
+    return list(hf(text, add_special_tokens=False)["input_ids"])
+
+
+def tool_format(hf: Any, family: str, tools: list[dict[str, Any]]) -> str:
+    """The format the model writes calls in: by the markers its template teaches, else by
+    its family's convention."""
+    source = template_source(hf, tools)
+    for fmt in ("hermes", "mistral", "llama3_json"):
+        if MARKERS[fmt][0] in source:
+            return fmt
+    if "<|start_header_id|>" in source:
+        return "llama3_json"
+    return _FAMILY_FORMATS.get(family, "hermes")
+
+
+def marker_token_ids(hf: Any, fmt: str) -> dict[int, str]:
+    """Token ids of this format's markers that decoding skips as special tokens (Mistral's
+    ``[TOOL_CALLS]``, Llama's ``<|python_tag|>``), so the parser sees them again."""
+    out: dict[int, str] = {}
+    for marker in MARKERS[fmt]:
+        try:
+            ids = hf.convert_tokens_to_ids([marker])
+        except (KeyError, ValueError, TypeError):
+            continue
+        tid = ids[0] if ids else None
+        if not isinstance(tid, int) or tid < 0 or tid == getattr(hf, "unk_token_id", None):
+            continue
+        if hf.decode([tid], skip_special_tokens=True) == "":
+            out[tid] = marker
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ToolParsing:
+    """How one request's output is read back into tool calls."""
+
+    fmt: str
+    parallel: bool
+    markers: dict[int, str]  # special-token id -> the marker text decoding dropped
+
+    def stream(self) -> ToolStream:
+        return ToolStream(self.fmt, self.parallel)
+
+    def text(self, token_id: int | None, text: str) -> str:
+        """An event's text with a skipped marker token written back. A special token
+        decodes to nothing, so its event's text is empty and nothing is reordered."""
+        if token_id is None:
+            return text
+        return self.markers.get(token_id, "") + text
+
+
+def parsing_for(hf: Any, family: str, req: ToolRequest) -> ToolParsing | None:
+    """None for tool_choice "none". Calls the tokenizer: run it on the tokenizer thread."""
+    if not req.parse:
+        return None
+    fmt = tool_format(hf, family, req.tools)
+    return ToolParsing(fmt, req.parallel, marker_token_ids(hf, fmt))
