@@ -142,7 +142,12 @@ class Generation:
                 elif event.timings is not None and event.finish_reason is not None:
                     t = event.timings
                     self.metrics.finish(
-                        event.finish_reason, t.prompt_tokens, t.generated_tokens, now - self.arrival
+                        event.finish_reason,
+                        t.prompt_tokens,
+                        t.generated_tokens,
+                        now - self.arrival,
+                        t.drafted_tokens or 0,
+                        t.accepted_tokens or 0,
                     )
                 put(event)
         except BaseException as e:

@@ -73,6 +73,8 @@ class Metrics:
         )
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.draft_tokens = 0  # speculative decoding: drafted, and accepted by the model
+        self.accepted_tokens = 0
         self.finished: dict[str, int] = {}
         self.rejected: dict[int, int] = {}
 
@@ -84,11 +86,21 @@ class Metrics:
         with self._lock:
             self.itl.observe(seconds)
 
-    def finish(self, reason: str, prompt_n: int, generated_n: int, e2e_s: float) -> None:
+    def finish(
+        self,
+        reason: str,
+        prompt_n: int,
+        generated_n: int,
+        e2e_s: float,
+        drafted_n: int = 0,
+        accepted_n: int = 0,
+    ) -> None:
         with self._lock:
             self.e2e.observe(e2e_s)
             self.prompt_tokens += prompt_n
             self.generation_tokens += generated_n
+            self.draft_tokens += drafted_n
+            self.accepted_tokens += accepted_n
             self.finished[reason] = self.finished.get(reason, 0) + 1
 
     def reject(self, status: int) -> None:
@@ -108,6 +120,18 @@ class Metrics:
                     "counter",
                     "Tokens generated.",
                     self.generation_tokens,
+                ),
+                *self._scalar(
+                    "spec_decode_draft_tokens_total",
+                    "counter",
+                    "Tokens drafted by speculative decoding (--speculative).",
+                    self.draft_tokens,
+                ),
+                *self._scalar(
+                    "spec_decode_accepted_tokens_total",
+                    "counter",
+                    "Drafted tokens the model agreed with.",
+                    self.accepted_tokens,
                 ),
             ]
             name = PREFIX + "request_success_total"

@@ -130,7 +130,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def timings_json(t: Timings, queue_s: float) -> dict[str, float | int]:
     """llama.cpp-style timings. ``prompt_ms`` is the engine's TTFT (prefill plus the first
     token); ``predicted_per_second`` counts the tokens after the first over the time after
-    it, i.e. the steady decode rate. ``queue_ms`` is time spent waiting for the engine."""
+    it, i.e. the steady decode rate. ``queue_ms`` is time spent waiting for the engine.
+    With speculative decoding, llama.cpp's ``draft_n`` (tokens drafted) and
+    ``draft_n_accepted`` (those the model agreed with)."""
+    spec: dict[str, float | int] = {}
+    if t.drafted_tokens is not None and t.accepted_tokens is not None:
+        spec = {"draft_n": t.drafted_tokens, "draft_n_accepted": t.accepted_tokens}
     prompt_ms = t.ttft_s * 1e3
     predicted_ms = t.decode_s * 1e3
     decode_steps = max(t.generated_tokens - 1, 0)
@@ -145,6 +150,7 @@ def timings_json(t: Timings, queue_s: float) -> dict[str, float | int]:
         "predicted_per_second": round(t.decode_tok_s, 3),
         "ttft_ms": round(prompt_ms, 3),
         "queue_ms": round(queue_s * 1e3, 3),
+        **spec,
     }
 
 

@@ -52,6 +52,7 @@ def test_metrics_exposition() -> None:
     m.observe_itl(0.0007)
     m.observe_itl(3.0)
     m.finish("length", 10, 5, 0.5)
+    m.finish("stop", 4, 9, 0.2, drafted_n=12, accepted_n=7)
     m.reject(400)
     text = m.render(waiting=2, running=1)
     assert "# TYPE monokernel_time_to_first_token_seconds histogram" in text
@@ -61,8 +62,10 @@ def test_metrics_exposition() -> None:
     assert 'monokernel_inter_token_latency_seconds_bucket{le="0.001"} 1' in text
     assert "monokernel_inter_token_latency_seconds_count 2" in text
     assert "monokernel_num_requests_waiting 2" in text
-    assert "monokernel_prompt_tokens_total 10" in text
-    assert "monokernel_generation_tokens_total 5" in text
+    assert "monokernel_prompt_tokens_total 14" in text
+    assert "monokernel_generation_tokens_total 14" in text
+    assert "monokernel_spec_decode_draft_tokens_total 12" in text
+    assert "monokernel_spec_decode_accepted_tokens_total 7" in text
     assert 'monokernel_request_success_total{finished_reason="length"} 1' in text
     assert 'monokernel_request_rejected_total{status="400"} 1' in text
 
@@ -72,3 +75,13 @@ def test_validation_message_names_the_field() -> None:
     assert validation_message(errors) == ("temperature: Bad (got 'hot')", "temperature")
     missing = [{"type": "missing", "loc": ("messages", 0, "role"), "msg": "Field required"}]
     assert validation_message(missing) == ("messages.0.role is required", "messages.0.role")
+
+
+def test_timings_carry_the_draft_counts_only_when_speculating() -> None:
+    from monokernel.runtime.engine import Timings
+    from monokernel.serve.protocol import timings_json
+
+    plain = timings_json(Timings(10, 5, 0.01, 0.04), 0.0)
+    assert "draft_n" not in plain and "draft_n_accepted" not in plain
+    spec = timings_json(Timings(10, 5, 0.01, 0.04, drafted_tokens=8, accepted_tokens=3), 0.0)
+    assert spec["draft_n"] == 8 and spec["draft_n_accepted"] == 3
