@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from monokernel.models.config import ModelConfig
-from monokernel.runtime.backends.base import Backend, CancelToken, DecodeRequest
+from monokernel.runtime.backends.base import Backend, CancelToken, DecodeRequest, planned_reuse
 from monokernel.runtime.sampling import SamplingParams
 
 
@@ -70,17 +70,6 @@ class RunTiming:
     decode_s_per_token: float  # first token -> last token, per token after the first
     tokens: int
     reused_tokens: int | None = None  # prompt tokens a prefix cache supplied; None: unknown
-
-
-def planned_reuse(backend: Backend, prompt: list[int]) -> int | None:
-    """Prompt tokens the backend's prefix cache will supply instead of prefilling them (the
-    monokernel backend's ``PrefixCache``); None for a backend without one.
-
-    The backend reports nothing after a request, but ``PrefixCache.plan`` is pure and is the
-    very plan the request's cache fill then follows, so asking it just before the request
-    (outside the timed span) gives the number the request uses."""
-    plan = getattr(getattr(backend, "prefix", None), "plan", None)
-    return None if plan is None else int(plan(prompt).reuse)
 
 
 def time_request(backend: Backend, prompt: list[int], gen_tokens: int) -> RunTiming:

@@ -23,7 +23,12 @@ from monokernel.errors import InvalidRequestError
 from monokernel.models.config import ModelConfig
 from monokernel.runtime import kv_memory
 from monokernel.runtime.backends import create_backend, fallback_engine, resolve_engine
-from monokernel.runtime.backends.base import Backend, CancelToken, DecodeRequest
+from monokernel.runtime.backends.base import (
+    Backend,
+    CancelToken,
+    DecodeRequest,
+    planned_reuse,
+)
 from monokernel.runtime.memory_plan import (
     ContextPlan,
     ContextTooLargeError,
@@ -74,6 +79,9 @@ class Timings:
     # the model agreed with (each emitted without a pass of its own); None when off.
     drafted_tokens: int | None = None
     accepted_tokens: int | None = None
+    # Prompt tokens whose K/V an earlier request's prefix supplied (the monokernel's prefix
+    # reuse); None for an engine without a prefix cache.
+    cached_tokens: int | None = None
 
     @property
     def prompt_tok_s(self) -> float:
@@ -328,6 +336,7 @@ class Engine:
             first = last = start
             count = 0
             finish = "cancelled"
+            cached = planned_reuse(self.backend, request.prompt_ids)
             tokens = self.backend.stream(request, cancel)
             try:
                 for token in tokens:
@@ -365,6 +374,7 @@ class Engine:
                 last - first,
                 spec.drafted if spec is not None else None,
                 spec.accepted if spec is not None else None,
+                cached,
             )
             yield TokenEvent(None, tail, finish, timings)
 

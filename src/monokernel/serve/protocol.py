@@ -119,12 +119,19 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` where the engine reuses
+    prefixes (the prompt tokens an earlier request's K/V supplied)."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def timings_json(t: Timings, queue_s: float) -> dict[str, float | int]:
@@ -132,10 +139,13 @@ def timings_json(t: Timings, queue_s: float) -> dict[str, float | int]:
     token); ``predicted_per_second`` counts the tokens after the first over the time after
     it, i.e. the steady decode rate. ``queue_ms`` is time spent waiting for the engine.
     With speculative decoding, llama.cpp's ``draft_n`` (tokens drafted) and
-    ``draft_n_accepted`` (those the model agreed with)."""
-    spec: dict[str, float | int] = {}
+    ``draft_n_accepted`` (those the model agreed with); with prefix reuse, its ``cache_n``
+    (prompt tokens an earlier request's K/V supplied)."""
+    extra: dict[str, float | int] = {}
     if t.drafted_tokens is not None and t.accepted_tokens is not None:
-        spec = {"draft_n": t.drafted_tokens, "draft_n_accepted": t.accepted_tokens}
+        extra = {"draft_n": t.drafted_tokens, "draft_n_accepted": t.accepted_tokens}
+    if t.cached_tokens is not None:
+        extra["cache_n"] = t.cached_tokens
     prompt_ms = t.ttft_s * 1e3
     predicted_ms = t.decode_s * 1e3
     decode_steps = max(t.generated_tokens - 1, 0)
@@ -150,7 +160,7 @@ def timings_json(t: Timings, queue_s: float) -> dict[str, float | int]:
         "predicted_per_second": round(t.decode_tok_s, 3),
         "ttft_ms": round(prompt_ms, 3),
         "queue_ms": round(queue_s * 1e3, 3),
-        **spec,
+        **extra,
     }
 
 
@@ -163,7 +173,7 @@ def completion_response(
         "created": now(),
         "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-        "usage": usage(prompt_n, timings["predicted_n"]),
+        "usage": usage(prompt_n, timings["predicted_n"], timings.get("cache_n")),
         "timings": timings,
     }
 
@@ -191,7 +201,7 @@ def chat_response(
                 "finish_reason": finish,
             }
         ],
-        "usage": usage(prompt_n, timings["predicted_n"]),
+        "usage": usage(prompt_n, timings["predicted_n"], timings.get("cache_n")),
         "timings": timings,
     }
 
@@ -243,4 +253,5 @@ class ChunkMaker:
         return [self._chunk([first | done]), self._chunk([second | done])]
 
     def usage(self, prompt_n: int, completion_n: int, **extra: Any) -> dict[str, Any]:
-        return self._chunk([], usage=usage(prompt_n, completion_n), **extra)
+        cached = extra.get("timings", {}).get("cache_n")
+        return self._chunk([], usage=usage(prompt_n, completion_n, cached), **extra)

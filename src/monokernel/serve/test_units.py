@@ -85,3 +85,13 @@ def test_timings_carry_the_draft_counts_only_when_speculating() -> None:
     assert "draft_n" not in plain and "draft_n_accepted" not in plain
     spec = timings_json(Timings(10, 5, 0.01, 0.04, drafted_tokens=8, accepted_tokens=3), 0.0)
     assert spec["draft_n"] == 8 and spec["draft_n_accepted"] == 3
+
+
+def test_cached_prompt_tokens_reach_timings_and_usage() -> None:
+    from monokernel.runtime.engine import Timings
+    from monokernel.serve.protocol import timings_json, usage
+
+    assert "prompt_tokens_details" not in usage(10, 5)
+    t = timings_json(Timings(10, 5, 0.01, 0.04, cached_tokens=6), 0.0)
+    assert t["cache_n"] == 6
+    assert usage(10, 5, t["cache_n"])["prompt_tokens_details"] == {"cached_tokens": 6}

@@ -8,7 +8,7 @@ backends differ only in how fast they produce the same ids.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,3 +48,14 @@ class Backend(Protocol):
     def close(self) -> None:
         """Free device memory; the backend is unusable afterwards."""
         ...
+
+
+def planned_reuse(backend: object, prompt: Sequence[int]) -> int | None:
+    """Prompt tokens the backend's prefix cache will supply instead of prefilling them (the
+    monokernel backend's ``PrefixCache``); None for a backend without one.
+
+    The backend reports nothing after a request, but ``PrefixCache.plan`` is pure and is the
+    very plan the request's cache fill then follows, so asking it just before the request
+    gives the number the request uses."""
+    plan = getattr(getattr(backend, "prefix", None), "plan", None)
+    return None if plan is None else int(plan(list(prompt)).reuse)
