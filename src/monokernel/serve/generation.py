@@ -85,10 +85,12 @@ class Generation:
             try:
                 await self.ticket.wait()
             except Abandoned:
+                self.metrics.abandon_queued()
                 if self.shutting_down:
                     raise self._shutdown_error() from None
                 return
             if self.cancel.is_set():  # the client left (or shutdown came) as the slot freed
+                self.metrics.abandon_queued()
                 if self.shutting_down:
                     raise self._shutdown_error()
                 return
@@ -148,6 +150,10 @@ class Generation:
                         now - self.arrival,
                         t.drafted_tokens or 0,
                         t.accepted_tokens or 0,
+                        queue_s=self.queue_s,
+                        prefill_s=t.ttft_s,
+                        decode_s=t.decode_s,
+                        cached_n=t.cached_tokens,
                     )
                 put(event)
         except BaseException as e:

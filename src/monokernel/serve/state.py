@@ -33,7 +33,7 @@ class ServerState:
         on_load_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.settings = settings
-        self.metrics = Metrics()
+        self.metrics = Metrics(settings.served_model_name)
         self.scheduler = Scheduler(settings.max_queue)
         self.engine: Engine | None = None
         self.load_error: str | None = None
