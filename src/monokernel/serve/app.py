@@ -15,9 +15,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from monokernel.runtime.engine import Engine
-from monokernel.serve import routes_misc, routes_openai, routes_tokens
+from monokernel.serve import routes_anthropic, routes_misc, routes_openai, routes_tokens
 from monokernel.serve.body import clip, validation_message
-from monokernel.serve.errors import APIError, error_body
+from monokernel.serve.errors import APIError, error_body_for
 from monokernel.serve.limits import ApiKeyMiddleware, BodyLimitMiddleware
 from monokernel.serve.settings import ServerSettings
 from monokernel.serve.state import ServerState, get_state
@@ -45,6 +45,7 @@ def create_app(
     app = FastAPI(title="monokernel", lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.monokernel = state
     app.include_router(routes_openai.router)
+    app.include_router(routes_anthropic.router)
     app.include_router(routes_misc.router)
     app.include_router(routes_tokens.router)
     _install_error_handlers(app)
@@ -96,24 +97,27 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
         release_frames(e)
-        return _reply(request, e.status, e.body(), e.headers)
+        return _reply(request, e.status, e.body_for(request.url.path), e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, e: RequestValidationError) -> JSONResponse:
         message, param = validation_message(list(e.errors()))
         release_frames(e)
-        return _reply(request, 400, error_body(400, message, param, "invalid_value"), None)
+        body = error_body_for(request.url.path, 400, message, param, "invalid_value")
+        return _reply(request, 400, body, None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         message = e.detail if isinstance(e.detail, str) else str(e.detail)
         if e.status_code == 404:
             message = f"no route {request.method} {clip(request.url.path)}"
-        return _reply(request, e.status_code, error_body(e.status_code, message), e.headers)
+        body = error_body_for(request.url.path, e.status_code, message)
+        return _reply(request, e.status_code, body, e.headers)
 
     @app.exception_handler(Exception)
     async def crash(request: Request, e: Exception) -> JSONResponse:
         log.exception("unhandled error in %s %s", request.method, request.url.path)
-        body = error_body(500, f"internal error: {type(e).__name__}: {clip(str(e))}")
+        message = f"internal error: {type(e).__name__}: {clip(str(e))}"
+        body = error_body_for(request.url.path, 500, message)
         release_frames(e)
         return _reply(request, 500, body, None)

@@ -32,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_engine_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=validate.port, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require the key on /v1 ('Authorization: Bearer KEY' or 'x-api-key: KEY')",
+    )
     p.add_argument(
         "--max-queue",
         type=validate.non_negative_int,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -14,7 +14,7 @@ from monokernel.serve.testing_names import MAX_BODY_BYTES, MODEL_NAME
 from monokernel.testing.tiny_models import make_tiny_model_dir
 
 if TYPE_CHECKING:
-    from monokernel.serve.testing import SlowBackend
+    from monokernel.serve.testing import Served, SlowBackend
 
 try:
     import fastapi  # noqa: F401
@@ -60,3 +60,25 @@ def base_url(engine: Engine) -> Iterator[str]:
     with live_server(create_app(settings, lambda: engine)) as url:
         wait_ready(url)
         yield url
+
+
+@pytest.fixture(scope="module")
+def served_factory(tiny_model_dir: Path) -> Iterator[Callable[..., Served]]:
+    """Makes live servers on scripted engines: ``make(template, special=None, **settings)``
+    (settings as ServerSettings takes them, api_key say); all stop with the module."""
+    from monokernel.serve.app import create_app
+    from monokernel.serve.testing import Served, live_server, scripted_engine, wait_ready
+
+    stack: list[Any] = []
+
+    def make(template: str, special: str | None = None, **settings: Any) -> Served:
+        eng = scripted_engine(tiny_model_dir, template, special)
+        ctx = live_server(create_app(ServerSettings(MODEL_NAME, **settings), lambda: eng))
+        url = ctx.__enter__()
+        stack.append(ctx)
+        wait_ready(url)
+        return Served(eng, url)
+
+    yield make
+    for ctx in reversed(stack):
+        ctx.__exit__(None, None, None)

@@ -1,4 +1,6 @@
-"""Errors in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``."""
+"""Errors in the OpenAI shape, ``{"error": {"message", "type", "param", "code"}}``, and on
+the Anthropic routes (``/v1/messages``) in Anthropic's, ``{"type": "error", "error":
+{"type", "message"}}``: each client reads only its own API's shape."""
 
 from __future__ import annotations
 
@@ -36,9 +38,47 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
 
+    def body_for(self, path: str) -> dict[str, Any]:
+        return error_body_for(path, self.status, self.message, self.param, self.code)
+
 
 def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# Anthropic's error types by status. 503 (queue full, loading, shutting down) is
+# "overloaded_error", which Anthropic sends with its own 529; the status stays 503 so that
+# Retry-After and the OpenAI routes' behaviour are the same.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_for(
+    path: str, status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """The error in the shape of the API that ``path`` belongs to. Anthropic's shape has no
+    ``param``: its messages name the field themselves."""
+    if is_anthropic_path(path):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, param, code)

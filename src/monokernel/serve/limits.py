@@ -16,7 +16,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from monokernel.serve.errors import error_body
+from monokernel.serve.errors import error_body_for
 
 
 async def send_error(
@@ -30,7 +30,7 @@ async def send_error(
     state = getattr(getattr(scope.get("app"), "state", None), "monokernel", None)
     if state is not None:  # counted like the refusals the routes make
         state.metrics.reject(status)
-    body = json.dumps(error_body(status, message, None, code)).encode()
+    body = json.dumps(error_body_for(scope.get("path", ""), status, message, None, code)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
@@ -58,8 +58,8 @@ _KEYED_PATHS = ("/tokenize", "/detokenize")
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer KEY`` on /v1/*, /tokenize and /detokenize; the page,
-    /health and /metrics stay open."""
+    """``Authorization: Bearer KEY`` (OpenAI's clients) or ``x-api-key: KEY`` (Anthropic's)
+    on /v1/*, /tokenize and /detokenize; the page, /health and /metrics stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -69,11 +69,16 @@ class ApiKeyMiddleware:
         path = scope.get("path", "")
         if scope["type"] == "http" and (path.startswith("/v1") or path in _KEYED_PATHS):
             header = _header(scope, b"authorization")
-            given = bearer_token(header)
-            if not hmac.compare_digest(given, self.expected):
+            x_api_key = _header(scope, b"x-api-key")
+            # Either header may carry the key: Anthropic's client sends both when both its
+            # key and its auth token are configured, and one of them may be meant elsewhere.
+            given = [bearer_token(header)]
+            if x_api_key is not None:
+                given.append(x_api_key.strip().encode("latin-1"))
+            if not any(hmac.compare_digest(g, self.expected) for g in given):
                 message = (
-                    "missing API key: send 'Authorization: Bearer KEY'"
-                    if not header
+                    "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+                    if not header and x_api_key is None
                     else "incorrect API key"
                 )
                 await send_error(

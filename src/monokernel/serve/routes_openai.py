@@ -82,10 +82,11 @@ def _encode(
     return ids, parsing_for(engine.tokenizer.hf, engine.model_config.family, tool_req)
 
 
-async def _admit(
+async def admit(
     state: ServerState, body: CompletionRequest | ChatCompletionRequest, arrival: float
 ) -> tuple[Generation, ToolParsing | None]:
-    """Validate, tokenise and take a place in the queue; every refusal raises APIError."""
+    """Validate, tokenise and take a place in the queue; every refusal raises APIError.
+    The Anthropic route comes here too, with its request made a chat request."""
     state.check_admitting()
     engine = state.require_engine()
     P.check_model(body.model, state.settings.served_model_name)
@@ -108,7 +109,7 @@ async def _admit(
 async def _serve(request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
     state = get_state(request)
     arrival = time.perf_counter()
-    gen, parsing = await _admit(state, body, arrival)
+    gen, parsing = await admit(state, body, arrival)
     chat = isinstance(body, ChatCompletionRequest)
     rid = new_id("chatcmpl" if chat else "cmpl")
     model = state.settings.served_model_name
@@ -117,21 +118,11 @@ async def _serve(request: Request, body: CompletionRequest | ChatCompletionReque
         chunks = ChunkMaker(chat, rid, model)
         events = _sse(gen, request, chunks, include_usage, parsing)
         return GenerationStream(gen, events, state)
-    try:
-        parts: list[str] = []
-        final: TokenEvent | None = None
-        async for event in gen.events(request):
-            parts.append(parsing.text(event.token_id, event.text) if parsing else event.text)
-            if event.finish_reason is not None:
-                final = event
-    finally:
-        gen.abandon()
-        state.generations.discard(gen)
+    text, final, _ = await collect(state, gen, request, parsing)
     if final is None or final.timings is None or final.finish_reason == "cancelled":
         # Only reached when the client has gone: nobody reads this.
         return JSONResponse(error_body(499, "the client closed the request"), status_code=499)
     timings = timings_json(final.timings, gen.queue_s)
-    text = "".join(parts)
     if parsing is None:
         build = chat_response if chat else completion_response
         return JSONResponse(build(rid, model, text, final.finish_reason, gen.prompt_n, timings))
@@ -141,6 +132,27 @@ async def _serve(request: Request, body: CompletionRequest | ChatCompletionReque
     finish = _finish_reason(final.finish_reason, calls)
     message = calls.message()
     return JSONResponse(chat_response(rid, model, text, finish, gen.prompt_n, timings, message))
+
+
+async def collect(
+    state: ServerState, gen: Generation, request: Request, parsing: ToolParsing | None
+) -> tuple[str, TokenEvent | None, list[int]]:
+    """A whole generation: its text (with skipped tool-call markers written back), the
+    final event (None if the client left first) and the generated token ids."""
+    parts: list[str] = []
+    ids: list[int] = []
+    final: TokenEvent | None = None
+    try:
+        async for event in gen.events(request):
+            parts.append(parsing.text(event.token_id, event.text) if parsing else event.text)
+            if event.token_id is not None:
+                ids.append(event.token_id)
+            if event.finish_reason is not None:
+                final = event
+    finally:
+        gen.abandon()
+        state.generations.discard(gen)
+    return "".join(parts), final, ids
 
 
 def _finish_reason(finish: str, calls: ToolStream) -> str:

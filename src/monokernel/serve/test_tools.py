@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
-from monokernel.runtime.engine import Engine, EngineConfig
+from monokernel.runtime.engine import Engine
 from monokernel.serve import params as P
 from monokernel.serve.errors import APIError
 from monokernel.serve.protocol import ChatCompletionRequest
-from monokernel.serve.settings import ServerSettings
+from monokernel.serve.testing import Served
 from monokernel.serve.testing_names import MODEL_NAME
 from monokernel.serve.testing_tools import (
     LLAMA31_TEMPLATE,
@@ -55,63 +54,6 @@ HISTORY = [
 
 def _c(**fields: Any) -> dict[str, Any]:
     return {"model": MODEL_NAME, "messages": USER, "tools": TOOLS, "max_tokens": 200} | fields
-
-
-def _engine(model_dir: Path, template: str, special: str | None = None) -> Engine:
-    from monokernel.serve.testing import SlowBackend
-
-    eng = Engine(model_dir, EngineConfig(engine="reference", device="cpu", progress=False))
-    eng.tokenizer.hf.chat_template = template
-    if special is not None:
-        # Registered as special, the marker is skipped when decoding, as real Mistral
-        # tokenizers skip [TOOL_CALLS]; the server must see the call all the same.
-        eng.tokenizer.hf.add_special_tokens({"additional_special_tokens": [special]})
-    eng.backend = SlowBackend(eng.backend)
-    # The backend replays scripts and never runs the model, so the tiny model's 256
-    # positions need not bound prompts that carry tool schemas in a 320-token vocabulary.
-    eng.max_model_len = 4096
-    return eng
-
-
-class Served:
-    """A live server on a scripted engine; ``say`` sets what the "model" writes next."""
-
-    def __init__(self, engine: Engine, url: str) -> None:
-        self.engine = engine
-        self.url = url
-        self.http = httpx.Client(base_url=url, timeout=30)
-
-    def say(self, text: str, special: str | None = None) -> None:
-        hf = self.engine.tokenizer.hf
-        ids: list[int] = []
-        if special is not None:
-            ids.append(hf.convert_tokens_to_ids(special))
-        ids += hf(text, add_special_tokens=False)["input_ids"]
-        eos = min(self.engine.eos_token_ids)
-        self.engine.backend.script = [*ids, eos]  # type: ignore[attr-defined]
-
-    def post(self, body: dict[str, Any]) -> httpx.Response:
-        return self.http.post(CHAT, json=body)
-
-
-@pytest.fixture(scope="module")
-def served_factory(tiny_model_dir: Path) -> Iterator[Callable[..., Served]]:
-    from monokernel.serve.app import create_app
-    from monokernel.serve.testing import live_server, wait_ready
-
-    stack: list[Any] = []
-
-    def make(template: str, special: str | None = None) -> Served:
-        eng = _engine(tiny_model_dir, template, special)
-        ctx = live_server(create_app(ServerSettings(MODEL_NAME), lambda: eng))
-        url = ctx.__enter__()
-        stack.append(ctx)
-        wait_ready(url)
-        return Served(eng, url)
-
-    yield make
-    for ctx in reversed(stack):
-        ctx.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Test helpers: a live uvicorn server on a free port in a thread, and a backend wrapper
 that slows decoding down so tests can catch a request mid-generation, or replays given
-tokens so tests can see what the server makes of a known model output."""
+tokens so tests can see what the server makes of a known model output (``Served``)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import httpx
 from fastapi import FastAPI
 
 from monokernel.runtime.backends.base import Backend, CancelToken, DecodeRequest
+from monokernel.runtime.engine import Engine, EngineConfig
 
 if TYPE_CHECKING:
     from monokernel.serve.server import DrainingServer
@@ -57,8 +60,6 @@ class SlowBackend:
 
 def wait_ready(base_url: str, timeout_s: float = 20.0) -> None:
     """Poll /health until the model is loaded."""
-    import httpx
-
     deadline = time.monotonic() + timeout_s
     while httpx.get(base_url + "/health").status_code != 200:
         if time.monotonic() > deadline:
@@ -102,3 +103,40 @@ def serving(app: FastAPI, timeout_s: float = 20.0) -> Iterator[tuple[str, Draini
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+def scripted_engine(model_dir: Path, template: str, special: str | None = None) -> Engine:
+    """The tiny model with ``template`` as its chat template and a backend that replays
+    scripts (``Served.say``)."""
+    eng = Engine(model_dir, EngineConfig(engine="reference", device="cpu", progress=False))
+    eng.tokenizer.hf.chat_template = template
+    if special is not None:
+        # Registered as special, the marker is skipped when decoding, as real Mistral
+        # tokenizers skip [TOOL_CALLS]; the server must see the call all the same.
+        eng.tokenizer.hf.add_special_tokens({"additional_special_tokens": [special]})
+    eng.backend = SlowBackend(eng.backend)
+    # The backend replays scripts and never runs the model, so the tiny model's 256
+    # positions need not bound prompts that carry tool schemas in a 320-token vocabulary.
+    eng.max_model_len = 4096
+    return eng
+
+
+class Served:
+    """A live server on a scripted engine; ``say`` sets what the "model" writes next."""
+
+    def __init__(self, engine: Engine, url: str) -> None:
+        self.engine = engine
+        self.url = url
+        self.http = httpx.Client(base_url=url, timeout=30)
+
+    def say(self, text: str, special: str | None = None) -> None:
+        hf = self.engine.tokenizer.hf
+        ids: list[int] = []
+        if special is not None:
+            ids.append(hf.convert_tokens_to_ids(special))
+        ids += hf(text, add_special_tokens=False)["input_ids"]
+        eos = min(self.engine.eos_token_ids)
+        self.engine.backend.script = [*ids, eos]  # type: ignore[attr-defined]
+
+    def post(self, body: dict[str, Any], path: str = "/v1/chat/completions") -> httpx.Response:
+        return self.http.post(path, json=body)

@@ -19,7 +19,7 @@ from monokernel.serve.errors import APIError
 from monokernel.serve.tool_calls import MARKERS, ToolStream
 
 # OpenAI's rule for function names; the name is written into the prompt and parsed back.
-_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _TOOL_KEYS = frozenset({"type", "function"})
 _FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
 _NO_CONSTRAINED = (
@@ -82,7 +82,7 @@ def _check_tool(tool: Any, i: int) -> dict[str, Any]:
         raise _bad(f"{where}.function is required and must be an object", f"{where}.function")
     _unknown_keys(fn, _FUNCTION_KEYS, f"{where}.function")
     name = fn.get("name")
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise _bad(
             f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got {echo(name)}",
             f"{where}.function.name",
