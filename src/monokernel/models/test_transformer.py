@@ -64,3 +64,20 @@ def test_greedy_continuation_matches_hf(checkpoint: Path) -> None:
     backend = ReferenceBackend(ours.cfg, ours.w, 128, torch.device("cpu"))
     request = DecodeRequest(tuple(prompt), SamplingParams(temperature=0.0), 32, frozenset())
     assert list(backend.stream(request, CancelToken())) == expected
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_prefill_equals_one_forward(chunk: int) -> None:
+    """Transformer.prefill in chunks: the last logits and every cached K/V of one forward."""
+    from monokernel.models.shapes import SHAPES
+    from monokernel.weights.random_weights import random_weights
+
+    cfg = SHAPES["odd"]
+    model = Transformer(cfg, random_weights(cfg, seed=3, dtype=torch.float32), 64)
+    tokens = torch.randint(0, cfg.vocab_size, (50,), generator=torch.Generator().manual_seed(4))
+    whole, chunked = model.new_cache(64), model.new_cache(64)
+    want = model.forward(tokens, 0, whole, last_only=True)[0]
+    got = model.prefill(tokens, chunked, chunk=chunk)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked.k[:, :, :50], whole.k[:, :, :50], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked.v[:, :, :50], whole.v[:, :, :50], rtol=1e-5, atol=1e-5)

@@ -52,6 +52,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return F.linear(x, w, b)
 
 
+# Prompt tokens a prefill forward (Transformer.prefill): bounds its attention scores.
+PREFILL_CHUNK = 1024
+
+
 class Float32View(Mapping[str, torch.Tensor]):
     """``weights`` read as float32, one tensor at a time: the reference then computes in
     float32 on bf16 weights with one layer's float32 matrices alive, not a float32 copy of
@@ -114,6 +118,22 @@ class Transformer:
         return linear(
             F.silu(linear(x, w[p + "w_gate"])) * linear(x, w[p + "w_up"]), w[p + "w_down"]
         )
+
+    def prefill(
+        self, tokens: torch.Tensor, cache: KVCache, chunk: int = PREFILL_CHUNK
+    ) -> torch.Tensor:
+        """A prompt [T] from position 0, ``chunk`` tokens a forward: the last position's logits
+        [V] float32. One forward over a long prompt would materialise attention scores
+        [heads, T, T] (128 GiB for 32k tokens of an 8B model); a chunk's are [heads, chunk, T]."""
+        if chunk < 1:
+            raise ValueError(f"chunk must be at least 1; got {chunk}")
+        t = tokens.shape[0]
+        logits = None
+        for a in range(0, t, chunk):
+            logits = self.forward(tokens[a : a + chunk], a, cache, last_only=True)
+        if logits is None:
+            raise ValueError("prefill needs at least one token")
+        return logits[0]
 
     @torch.inference_mode()
     def forward(

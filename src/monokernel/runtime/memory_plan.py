@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from monokernel.errors import InvalidRequestError
 from monokernel.models.config import ModelConfig
+from monokernel.models.transformer import PREFILL_CHUNK
 from monokernel.runtime import kv_memory
 from monokernel.runtime.prefill import workspace_bytes
 from monokernel.weights.shard import rank_config, shard_config, valid_tp_sizes
@@ -33,8 +34,6 @@ GIB = 1 << 30
 _SLACK_BYTES = 64 * 1024 * 1024
 # A chosen context is rounded down to a multiple of this (below the model's maximum).
 _ROUND_TOKENS = 256
-# The torch and reference engines prefill a prompt in one pass, not in chunks.
-_ONE_PASS = 1 << 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,10 +80,13 @@ def need_bytes(
         return weight_bytes + kv_memory.needed_bytes(
             cfg, n, s.chunk_tokens, s.precision, extra, s.graphs
         )
-    # torch / reference: no repacking, a cache in the model's dtype, a one-pass prefill whose
-    # activations are the model's dtype (the "bf16" count: no fp32 copies).
+    # torch / reference: no repacking, a cache in the model's dtype, a prefill in chunks of
+    # PREFILL_CHUNK whose activations are the model's dtype (the "bf16" count: no fp32
+    # copies) and whose attention may materialise its scores and mask (SDPA's math path).
+    chunk = min(PREFILL_CHUNK, n)
+    scores = chunk * n * (cfg.num_heads * 4 + 1)
     return weight_bytes + kv_memory.needed_bytes(
-        cfg, n, _ONE_PASS, "bf16", kv_dtype_bytes=s.dtype_bytes
+        cfg, n, chunk, "bf16", extra=scores, kv_dtype_bytes=s.dtype_bytes
     )
 
 

@@ -105,8 +105,8 @@ def test_torch_keeps_8192_by_default_and_says_how_much_more_fits() -> None:
     assert "--max-model-len up to 131072 fits" in plan.note
 
 
-def test_qwen_32b_on_80_gib_asks_for_a_shorter_context_on_torch() -> None:
-    free, weights = 80 * GIB, _bf16_weights(QWEN32)
+def test_qwen_32b_on_72_gib_asks_for_a_shorter_context_on_torch() -> None:
+    free, weights = 72 * GIB, _bf16_weights(QWEN32)
     with pytest.raises(ContextTooLargeError) as e:
         plan_context(QWEN32, free, weights, "torch", 32768, settings=GPU)
     msg = str(e.value)

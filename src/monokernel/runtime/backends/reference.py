@@ -30,7 +30,7 @@ class ReferenceBackend(Speculating):
 
     def stream(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[int]:
         prompt = torch.tensor(request.prompt_ids, dtype=torch.long, device=self.device)
-        logits = self.model.forward(prompt, 0, self.cache, last_only=True)[0]
+        logits = self.model.prefill(prompt, self.cache)
         if self.speculative is not None:
             yield from self._speculate(logits, request, cancel, self.cache.max_len)
             return

@@ -132,7 +132,7 @@ class TorchBackend(Speculating):
         if n == 0 or n > self.max_seq_len:
             raise InvalidRequestError(f"prompt length {n} must be in [1, {self.max_seq_len}]")
         prompt = torch.tensor(ids, dtype=torch.long, device=self.device)
-        logits = self.ref.forward(prompt, 0, self.cache, last_only=True)[0]
+        logits = self.ref.prefill(prompt, self.cache)
         if self.speculative is not None:
             # Verification passes run eagerly on the same cache: a captured step has one
             # token's shapes. The compiled step is not used then.

@@ -146,7 +146,7 @@ class MonokernelTPBackend:
         with torch.cuda.device(self.device):
             prompt = torch.tensor(prompt_ids[:-1], dtype=torch.long, device=self.device)
             tmp = KVCache.allocate(cfg, n - 1, torch.float32, self.device)
-            self.ref.forward(prompt, 0, tmp, last_only=True)
+            self.ref.prefill(prompt, tmp)
             for rk in self.ranks:
                 h0, h1 = rk.sc.rank * rk.sc.kv_heads, (rk.sc.rank + 1) * rk.sc.kv_heads
                 rk.cache.k[:, :, : n - 1].copy_(tmp.k[:, h0:h1].to(rk.device))
