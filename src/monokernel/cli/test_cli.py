@@ -95,3 +95,15 @@ def test_missing_model_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> N
 def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["frobnicate"]) == 2
     assert "unknown command" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["bench"], ["roofline"], ["agent-bench"]])
+def test_help_texts_have_no_markup(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # Docstrings quote code in backticks; a terminal shows them raw, so --help must not.
+    try:
+        rc = main([*command, "--help"])
+    except SystemExit as e:  # argparse exits after printing the help
+        rc = int(e.code or 0)
+    out = capsys.readouterr().out
+    assert rc == 0 and "usage: monokernel" in out
+    assert "`" not in out, out

@@ -59,7 +59,7 @@ class EngineConfig:
     # None: on a GPU the longest that fits up to the model's maximum (torch and reference:
     # at most 8192), on the CPU min(model's maximum, 8192); see runtime/memory_plan.py.
     max_model_len: int | None = None
-    progress: bool = True  # download progress bars on stderr
+    progress: bool = True  # download and load progress on stderr, and notes on slow steps
     tp: int = 1  # tensor-parallel GPUs (monokernel only): cuda:0..tp-1, or from --device cuda:N
     # Draft from the request's own tokens and verify several a pass (torch and reference
     # engines; runtime/speculative.py). None: one token a pass.
@@ -185,7 +185,9 @@ class Engine:
             self._plan_memory(ckpt.config)
         self.source = ckpt.source
         self.eos_token_ids = frozenset(ckpt.eos_token_ids)
-        self.tokenizer = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file)
+        self.tokenizer = Tokenizer.load(
+            ckpt.tokenizer_dir, ckpt.gguf_file, progress=self.config.progress
+        )
         # cast_weights empties the dict it is given: the checkpoint's own when owned, so no
         # second reference keeps a tensor alive once the monokernel has repacked it.
         weights = cast_weights(

@@ -1,4 +1,4 @@
-"""A bytes progress bar for loading weights, then one summary line.
+"""A bytes progress bar for loading weights, then one summary line; a note for slow steps.
 
 The bar is tqdm, as for the default model's download (``weights/default_model.py``), so
 the two look alike. It shows only where someone watches (stderr is a terminal) unless a
@@ -7,10 +7,16 @@ caller forces it: tests and servers whose stderr is a log stay quiet.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from types import TracebackType
 from typing import TextIO
+
+# A step that ends sooner goes unannounced: a line per fast step would be noise.
+SLOW_STEP_S = 1.0
 
 
 def progress_wanted(progress: bool, force: bool = False, stream: TextIO | None = None) -> bool:
@@ -106,3 +112,27 @@ class ByteProgress:
     ) -> None:
         # On an error the bar goes without a summary: the exception is the message.
         self.close()
+
+
+@contextlib.contextmanager
+def slow_step(
+    note: str, enabled: bool = True, after_s: float = SLOW_STEP_S, stream: TextIO | None = None
+) -> Iterator[None]:
+    """Print ``note...`` (one line) if the step inside is still running after ``after_s``.
+
+    A start's slow steps (dequantising a GGUF, converting its tokenizer) would otherwise
+    leave the terminal silent for seconds; the same steps on a small file are instant and
+    say nothing. The note goes to stderr even when it is a log, unlike the bar: a server's
+    log should show where its start spends its time too.
+    """
+    if not enabled:
+        yield
+        return
+    out = stream if stream is not None else sys.stderr
+    timer = threading.Timer(after_s, lambda: print(f"{note}...", file=out, flush=True))
+    timer.daemon = True  # never keep the process alive for a note
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

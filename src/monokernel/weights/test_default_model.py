@@ -17,6 +17,9 @@ from monokernel.runtime.sampling import SamplingParams
 from monokernel.tokenizer.tokenizer import Tokenizer
 from monokernel.weights.loader import load_checkpoint
 
+# The real model: a download on first use, then tens of seconds a test on 2 CPU cores.
+pytestmark = pytest.mark.slow
+
 PROMPT = [{"role": "user", "content": "Write a Python function that reverses a string."}]
 
 

@@ -457,3 +457,20 @@ def test_default_model_real_download(tmp_path: Path) -> None:
     path = default_model.default_model_path(tmp_path, progress=False)
     assert path.stat().st_size == 98_362_432
     assert path.read_bytes()[:4] == b"GGUF"
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1])
+def test_torch_dequantisation_is_bitwise_gguf(qtype: Any) -> None:
+    # The loader's torch path for the common block formats must give gguf's numpy bits,
+    # so a GGUF loads to the same weights (and the same greedy tokens) as transformers.
+    from monokernel.weights.gguf_loader import _dequantize_blocks
+
+    rng = np.random.default_rng(0)
+    a = (rng.standard_normal((64, 96)) * rng.uniform(0.01, 4, (64, 1))).astype(np.float32)
+    a[3] = 0.0  # zero scale
+    a[5] = np.abs(a[5])  # all-positive rows give Q4_1 a nonzero minimum
+    raw = gguf.quants.quantize(a, qtype)
+    expected = gguf.quants.dequantize(raw, qtype)
+    got = _dequantize_blocks(torch.from_numpy(np.array(raw)), qtype.name, a.shape).numpy()
+    assert got.dtype == np.float32 and got.shape == a.shape
+    assert np.array_equal(got.view(np.uint32), expected.astype(np.float32).view(np.uint32))
