@@ -6,8 +6,10 @@ An Anthropic request becomes a ``ChatCompletionRequest`` (``system`` a system me
 ``tools`` function tools), so it is checked, rendered through the model's chat template,
 queued and generated exactly as a chat request is. Everything Anthropic-specific is
 checked here first, so each refusal names the field as the client wrote it
-(``messages[2].content[0].tool_use_id``). What cannot be honoured (images, documents,
-thinking, server tools, ``tool_choice`` ``any``/``tool``, prefilled replies) is refused,
+(``messages[2].content[0].tool_use_id``). A reasoning model's reasoning comes back as
+thinking blocks, and earlier replies' thinking blocks go back to the template as the turn's
+``reasoning_content``. What cannot be honoured (images, documents, a thinking budget,
+server tools, ``tool_choice`` ``any``/``tool``, prefilled replies) is refused,
 never dropped.
 """
 
@@ -26,7 +28,7 @@ from starlette.datastructures import Headers
 from monokernel.serve.body import clip, echo, validate
 from monokernel.serve.errors import APIError
 from monokernel.serve.protocol import ChatCompletionRequest
-from monokernel.serve.tool_calls import CallDelta, ContentDelta, Delta
+from monokernel.serve.tool_calls import ContentDelta, Delta, ReasoningDelta
 from monokernel.serve.tools import TOOL_NAME
 
 _ALNUM = string.ascii_letters + string.digits
@@ -39,8 +41,9 @@ _REFUSED_BLOCKS = {
     "image": "images are not supported: the served model reads text only",
     "document": "documents are not supported: send their text in a text block",
     "search_result": "search_result blocks are not supported: send their text in a text block",
-    "thinking": "thinking blocks are not supported: this server has no extended thinking",
-    "redacted_thinking": "thinking blocks are not supported: this server has no extended thinking",
+    "thinking": "thinking blocks are only taken in assistant messages (the model's reasoning)",
+    "redacted_thinking": "redacted_thinking blocks are not supported: this server never "
+    "writes them, and cannot read one",
     "server_tool_use": "server tools are not supported: only client tools run here",
     "web_search_tool_result": "server tools are not supported: only client tools run here",
     "container_upload": "container uploads are not supported",
@@ -48,6 +51,7 @@ _REFUSED_BLOCKS = {
 _TEXT_KEYS = frozenset({"type", "text", "cache_control", "citations"})
 _TOOL_USE_KEYS = frozenset({"type", "id", "name", "input", "cache_control"})
 _TOOL_RESULT_KEYS = frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"})
+_THINKING_KEYS = frozenset({"type", "thinking", "signature"})
 _TOOL_KEYS = frozenset({"type", "name", "description", "input_schema", "cache_control"})
 
 
@@ -120,7 +124,7 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
             "the last message is the assistant's: prefilling the reply is not supported; "
             "end with a user message"
         )
-    _check_thinking(body.thinking)
+    thinking_off = _check_thinking(body.thinking)
     messages: list[dict[str, Any]] = []
     if body.system is not None:
         messages.append({"role": "system", "content": _system_text(body.system)})
@@ -129,6 +133,9 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
         messages += _message(m, i, calls)
     tools, choice, parallel = _tools(body.tools, body.tool_choice)
     fields: dict[str, Any] = {"model": body.model, "messages": messages}
+    if thinking_off:
+        # Qwen3's switch (other templates do not read it): Anthropic's default is to not think.
+        fields["chat_template_kwargs"] = {"enable_thinking": False}
     if tools is not None:
         fields |= {"tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel}
     if isinstance(body, MessagesRequest):
@@ -142,11 +149,21 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     return validate(fields, ChatCompletionRequest)
 
 
-def _check_thinking(thinking: Any) -> None:
-    if thinking is None or thinking == {"type": "disabled"}:
-        return
+def _check_thinking(thinking: Any) -> bool:
+    """Whether the request turns thinking off. ``enabled`` is refused: its
+    ``budget_tokens`` cannot be enforced (without a ``thinking`` field a model whose template
+    thinks does, and its reasoning comes back as thinking blocks)."""
+    if thinking is None:
+        return False
+    if thinking == {"type": "disabled"}:
+        return True
     if isinstance(thinking, dict) and thinking.get("type") == "enabled":
-        raise bad("thinking (extended thinking) is not supported by this server")
+        raise bad(
+            "thinking {'type': 'enabled'} (extended thinking with a token budget) is not "
+            "supported by this server: a reasoning model thinks by its chat template's "
+            "default, and its reasoning comes back as thinking blocks; omit thinking, or "
+            "send {'type': 'disabled'} to ask the template not to think"
+        )
     raise bad(f"thinking must be {{'type': 'enabled' | 'disabled', ...}}, got {echo(thinking)}")
 
 
@@ -249,19 +266,36 @@ def _message(m: AnthropicMessage, i: int, calls: dict[str, str]) -> list[dict[st
 
 def _assistant(blocks: list[dict[str, Any]], where: str, calls: dict[str, str]) -> dict[str, Any]:
     texts: list[str] = []
+    thoughts: list[str] = []
     tool_calls: list[dict[str, Any]] = []
     for j, block in enumerate(blocks):
         at = f"{where}.content[{j}]"
         if isinstance(block, dict) and block.get("type") == "tool_use":
             tool_calls.append(_tool_use(block, at, calls))
+        elif isinstance(block, dict) and block.get("type") == "thinking":
+            thoughts.append(_thinking(block, at))
         elif isinstance(block, dict) and block.get("type") == "tool_result":
             raise bad(f"{at} is a tool_result block, which only user messages may hold")
         else:
             texts.append(_text(block, at))
     msg: dict[str, Any] = {"role": "assistant", "content": _join(texts)}
+    if thoughts:
+        # Where thinking templates (Qwen3's) read a turn's reasoning back.
+        msg["reasoning_content"] = _join(thoughts)
     if tool_calls:
         msg["tool_calls"] = tool_calls
     return msg
+
+
+def _thinking(block: dict[str, Any], where: str) -> str:
+    """A thinking block of an earlier reply (agents send the whole reply back). Its
+    signature is not checked: this server writes an empty one and signs nothing."""
+    _unknown_keys(block, _THINKING_KEYS, where)
+    if not isinstance(block.get("thinking"), str):
+        raise bad(f"{where}.thinking must be a string")
+    if not isinstance(block.get("signature", ""), str):
+        raise bad(f"{where}.signature must be a string")
+    return str(block["thinking"])
 
 
 def _tool_use(block: dict[str, Any], where: str, calls: dict[str, str]) -> dict[str, Any]:
@@ -441,34 +475,43 @@ Event = tuple[str, dict[str, Any]]
 
 
 class Blocks:
-    """Text and tool-call deltas, in order, into content blocks, with the stream events
-    that build them: consecutive text is one text block, each call a tool_use block. The
-    whole response is built by the same class from the same deltas, so the two agree."""
+    """Thinking, text and tool-call deltas, in order, into content blocks, with the stream
+    events that build them: consecutive reasoning is one thinking block, consecutive text
+    one text block, each call a tool_use block. The whole response is built by the same
+    class from the same deltas, so the two agree."""
 
     def __init__(self) -> None:
         self.content: list[dict[str, Any]] = []
-        self._text: list[str] | None = None  # the open text block's pieces
+        self._open: str | None = None  # the kind of the open block: "text" or "thinking"
+        self._pieces: list[str] = []
 
     def add(self, delta: Delta) -> list[Event]:
         if isinstance(delta, ContentDelta):
             return self.text(delta.text)
-        assert isinstance(delta, CallDelta)
+        if isinstance(delta, ReasoningDelta):
+            return self._piece("thinking", delta.text)
         return self.tool_use(delta.call.name, delta.call.arguments)
 
     def text(self, text: str) -> list[Event]:
+        return self._piece("text", text)
+
+    def _piece(self, kind: str, text: str) -> list[Event]:
         if not text:
             return []
         out: list[Event] = []
-        index = len(self.content)
-        if self._text is None:
-            self._text = []
-            self.content.append({"type": "text", "text": ""})
+        if self._open != kind:
+            out += self.close()
+            self._open, self._pieces = kind, []
+            # Reasoning here is the model's own text, not Anthropic's signed thinking: there is
+            # nothing to sign, so the signature is empty (the field is required by clients).
             start = {"type": "text", "text": ""}
-            out.append(_start(index, start))
-        else:
-            index -= 1
-        self._text.append(text)
-        delta = {"type": "text_delta", "text": text}
+            if kind == "thinking":
+                start = {"type": "thinking", "thinking": "", "signature": ""}
+            self.content.append(dict(start))
+            out.append(_start(len(self.content) - 1, start))
+        self._pieces.append(text)
+        delta = {"type": f"{kind}_delta", kind: text}
+        index = len(self.content) - 1
         out.append(("content_block_delta", _block(index, "content_block_delta", delta=delta)))
         return out
 
@@ -488,12 +531,12 @@ class Blocks:
         return out
 
     def close(self) -> list[Event]:
-        """End the open text block, if any."""
-        if self._text is None:
+        """End the open text or thinking block, if any."""
+        if self._open is None:
             return []
         index = len(self.content) - 1
-        self.content[index]["text"] = "".join(self._text)
-        self._text = None
+        self.content[index][self._open] = "".join(self._pieces)
+        self._open, self._pieces = None, []
         return [("content_block_stop", _block(index, "content_block_stop"))]
 
 

@@ -15,7 +15,13 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from monokernel.runtime.engine import Engine
-from monokernel.serve import routes_anthropic, routes_misc, routes_openai, routes_tokens
+from monokernel.serve import (
+    routes_anthropic,
+    routes_misc,
+    routes_openai,
+    routes_responses,
+    routes_tokens,
+)
 from monokernel.serve.body import clip, validation_message
 from monokernel.serve.errors import APIError, error_body_for
 from monokernel.serve.limits import ApiKeyMiddleware, BodyLimitMiddleware
@@ -46,6 +52,7 @@ def create_app(
     app.state.monokernel = state
     app.include_router(routes_openai.router)
     app.include_router(routes_anthropic.router)
+    app.include_router(routes_responses.router)
     app.include_router(routes_misc.router)
     app.include_router(routes_tokens.router)
     _install_error_handlers(app)

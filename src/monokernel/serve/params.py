@@ -18,7 +18,14 @@ from monokernel.runtime.sampling import SamplingParams
 from monokernel.serve.body import clip, echo
 from monokernel.serve.errors import APIError
 from monokernel.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from monokernel.serve.tools import ToolRequest, check_tools, history_message, render
+from monokernel.serve.tools import (
+    ToolRequest,
+    apply_template,
+    check_tools,
+    encode_rendered,
+    history_message,
+    render,
+)
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 # The longest token, in characters, of a tokenizer that cannot list its vocabulary: far
@@ -165,6 +172,7 @@ def check_request(req: CompletionRequest | ChatCompletionRequest) -> None:
     if isinstance(req, ChatCompletionRequest):
         check_roles(req.messages)
         chat_tools(req)
+        template_kwargs(req.chat_template_kwargs)
     asked = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         asked = req.max_completion_tokens
@@ -174,6 +182,37 @@ def check_request(req: CompletionRequest | ChatCompletionRequest) -> None:
 def chat_tools(req: ChatCompletionRequest) -> ToolRequest | None:
     """The request's tools, checked; None when it has none."""
     return check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+
+
+# What apply_chat_template takes as its own arguments, or the server sets: a kwarg of that
+# name would change how the prompt is built, not pass a variable to the template.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "tokenize"}
+    | {"add_generation_prompt", "continue_final_message", "return_dict", "return_tensors"}
+    | {"return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation"}
+    | {"max_length", "bos_token", "eos_token", "pad_token", "unk_token", "raise_exception"}
+)
+
+
+def template_kwargs(value: Any) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` (vLLM's): variables for the chat template, such as Qwen3's
+    ``enable_thinking``. Only JSON scalars, so nothing a template could call or walk deep
+    into reaches it."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad(
+            f"chat_template_kwargs must be an object, got {echo(value)}", "chat_template_kwargs"
+        )
+    for key, v in value.items():
+        where = f"chat_template_kwargs.{clip(key)}"
+        if not key.isidentifier():
+            raise bad(f"{where}: template variable names must be identifiers", where)
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise bad(f"{where} is set by the server and cannot be passed to the template", where)
+        if v is not None and type(v) not in (str, int, float, bool):
+            raise bad(f"{where} must be a string, number, boolean or null, got {echo(v)}", where)
+    return value or None
 
 
 def check_roles(messages: list[ChatMessage]) -> None:
@@ -252,7 +291,8 @@ def check_prompt_size(
     """Refuse, without tokenising, a prompt that cannot fit the context."""
     if isinstance(req, ChatCompletionRequest):
         # The tools' schemas are rendered into the prompt too.
-        field, chars = "messages", text_chars(req.messages) + text_chars(req.tools)
+        chars = text_chars(req.messages) + text_chars(req.tools)
+        field, chars = "messages", chars + text_chars(req.chat_template_kwargs)
     else:
         field, prompt = "prompt", req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
@@ -354,24 +394,33 @@ def encode_prompt(
 ) -> list[int]:
     """Tokenise (blocking: call it off the event loop)."""
     if isinstance(req, ChatCompletionRequest):
-        return encode_chat(engine, req.messages, tools)
+        kwargs = template_kwargs(req.chat_template_kwargs)
+        return encode_chat(engine, req.messages, tools, kwargs)
     return encode_text(engine, req.prompt)
 
 
 def encode_chat(
-    engine: Engine, messages: list[ChatMessage], tools: ToolRequest | None = None
+    engine: Engine,
+    messages: list[ChatMessage],
+    tools: ToolRequest | None = None,
+    kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Through the chat template, with the tools when there are some (blocking: call it
-    off the event loop)."""
+    """Through the chat template, with the tools when there are some and the request's
+    ``chat_template_kwargs`` (blocking: call it off the event loop)."""
     try:
         msgs = chat_messages(messages)
-        if tools is None:
+        if tools is None and not kwargs:
             return engine.encode(msgs)
         if not engine.tokenizer.has_chat_template:
+            field = "tools" if tools is not None else "chat_template_kwargs"
             raise bad(
-                "this model's tokenizer has no chat template, so it cannot take tools", "tools"
+                f"this model's tokenizer has no chat template, so it cannot take {field}", field
             )
-        ids = render(engine.tokenizer.hf, msgs, tools.tools)
+        hf = engine.tokenizer.hf
+        if tools is None:
+            ids = encode_rendered(hf, apply_template(hf, msgs, None, kwargs))
+        else:
+            ids = render(hf, msgs, tools.tools, kwargs)
         if not ids:
             raise bad("the prompt encodes to no tokens", "messages")
         return ids

@@ -78,6 +78,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # Judged in params.template_kwargs, which names the offending key.
+    chat_template_kwargs: Any = None
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -238,6 +240,11 @@ class ChunkMaker:
             choice = {"index": 0, "text": text}
         choice |= {"logprobs": None, "finish_reason": finish}
         return self._chunk([choice], **extra)
+
+    def reasoning(self, text: str) -> dict[str, Any]:
+        """A piece of the reasoning, under vLLM's (and DeepSeek's) ``reasoning_content``."""
+        choice = {"index": 0, "delta": {"reasoning_content": text}}
+        return self._chunk([choice | {"logprobs": None, "finish_reason": None}])
 
     def tool_call(
         self, index: int, call_id: str, name: str, arguments: str

@@ -34,9 +34,9 @@ from monokernel.serve.anthropic_protocol import (
 from monokernel.serve.body import parse_body
 from monokernel.serve.errors import APIError, anthropic_error_body
 from monokernel.serve.generation import Generation
+from monokernel.serve.reasoning import OutputParsing
 from monokernel.serve.routes_openai import GenerationStream, admit, collect
 from monokernel.serve.state import ServerState, get_state
-from monokernel.serve.tools import ToolParsing
 from monokernel.tokenizer.detokenize import IncrementalDetokenizer
 from monokernel.tokenizer.stop_strings import StopStringMatcher
 
@@ -56,20 +56,20 @@ async def messages(request: Request) -> Response:
     stops = tuple(body.stop_sequences or ())
     if body.stream:
         return GenerationStream(gen, _sse(state, gen, request, mid, model, parsing, stops), state)
-    text, final, ids = await collect(state, gen, request, parsing)
+    text, final, ids, out = await collect(state, gen, request, parsing)
     if final is None or final.timings is None or final.finish_reason == "cancelled":
         # Only reached when the client has gone: nobody reads this.
         body_499 = anthropic_error_body(499, "the client closed the request")
         return JSONResponse(body_499, status_code=499)
     blocks = Blocks()
     called = False
-    if parsing is None:
+    if out is None:
         blocks.text(text)
     else:
-        calls = parsing.stream()
-        for delta in calls.feed(text) + calls.finish():
+        # Rebuilt from the reader's record, in the order the model wrote it.
+        for delta in out.deltas:
             blocks.add(delta)
-        called = bool(calls.calls)
+        called = bool(out.calls)
     blocks.close()
     reason, sequence = await _stop(state, gen, final, ids, stops, called)
     usage = _usage(gen, final)
@@ -161,7 +161,7 @@ async def _sse(
     request: Request,
     mid: str,
     model: str,
-    parsing: ToolParsing | None,
+    parsing: OutputParsing | None,
     stops: Sequence[str],
 ) -> AsyncIterator[bytes]:
     """Anthropic's event sequence: message_start, ping, then per block content_block_start,
@@ -180,7 +180,8 @@ async def _sse(
                 ids.append(event.token_id)
             if calls is not None and parsing is not None:
                 text = parsing.text(event.token_id, event.text)
-                out = [e for d in calls.feed(text) for e in blocks.add(d)]
+                deltas = calls.feed(text, tokens=int(event.token_id is not None))
+                out = [e for d in deltas for e in blocks.add(d)]
             else:
                 out = blocks.text(event.text)
             if out:

@@ -27,10 +27,11 @@ from monokernel.serve.protocol import (
     new_id,
     timings_json,
 )
+from monokernel.serve.reasoning import OutputParsing, OutputStream, output_parsing
 from monokernel.serve.scheduler import QueueFullError
 from monokernel.serve.state import ServerState, get_state
-from monokernel.serve.tool_calls import ContentDelta, Delta, ToolStream
-from monokernel.serve.tools import ToolParsing, parsing_for
+from monokernel.serve.tool_calls import CallDelta, ContentDelta, Delta
+from monokernel.serve.tools import parsing_for
 
 log = logging.getLogger("monokernel.serve")
 router = APIRouter()
@@ -73,20 +74,24 @@ async def chat_completions(request: Request) -> Response:
 
 def _encode(
     engine: Engine, body: CompletionRequest | ChatCompletionRequest
-) -> tuple[list[int], ToolParsing | None]:
-    """Prompt ids and how to read tool calls back (blocking: the tokenizer thread)."""
-    tool_req = P.chat_tools(body) if isinstance(body, ChatCompletionRequest) else None
+) -> tuple[list[int], OutputParsing | None]:
+    """Prompt ids and how to read reasoning and tool calls back (blocking: the tokenizer
+    thread)."""
+    if not isinstance(body, ChatCompletionRequest):
+        return P.encode_prompt(engine, body), None
+    tool_req = P.chat_tools(body)
     ids = P.encode_prompt(engine, body, tool_req)
-    if tool_req is None:
-        return ids, None
-    return ids, parsing_for(engine.tokenizer.hf, engine.model_config.family, tool_req)
+    hf, family = engine.tokenizer.hf, engine.model_config.family
+    tools = parsing_for(hf, family, tool_req) if tool_req else None
+    return ids, output_parsing(hf, family, tools, tool_req.tools if tool_req else None, ids)
 
 
 async def admit(
     state: ServerState, body: CompletionRequest | ChatCompletionRequest, arrival: float
-) -> tuple[Generation, ToolParsing | None]:
+) -> tuple[Generation, OutputParsing | None]:
     """Validate, tokenise and take a place in the queue; every refusal raises APIError.
-    The Anthropic route comes here too, with its request made a chat request."""
+    The Anthropic and Responses routes come here too, with their requests made chat
+    requests."""
     state.check_admitting()
     engine = state.require_engine()
     P.check_model(body.model, state.settings.served_model_name)
@@ -118,33 +123,36 @@ async def _serve(request: Request, body: CompletionRequest | ChatCompletionReque
         chunks = ChunkMaker(chat, rid, model)
         events = _sse(gen, request, chunks, include_usage, parsing)
         return GenerationStream(gen, events, state)
-    text, final, _ = await collect(state, gen, request, parsing)
+    text, final, _, out = await collect(state, gen, request, parsing)
     if final is None or final.timings is None or final.finish_reason == "cancelled":
         # Only reached when the client has gone: nobody reads this.
         return JSONResponse(error_body(499, "the client closed the request"), status_code=499)
     timings = timings_json(final.timings, gen.queue_s)
-    if parsing is None:
+    if out is None:
         build = chat_response if chat else completion_response
         return JSONResponse(build(rid, model, text, final.finish_reason, gen.prompt_n, timings))
-    calls = parsing.stream()
-    calls.feed(text)
-    calls.finish()
-    finish = _finish_reason(final.finish_reason, calls)
-    message = calls.message()
+    finish = _finish_reason(final.finish_reason, out)
+    message = out.message()
     return JSONResponse(chat_response(rid, model, text, finish, gen.prompt_n, timings, message))
 
 
 async def collect(
-    state: ServerState, gen: Generation, request: Request, parsing: ToolParsing | None
-) -> tuple[str, TokenEvent | None, list[int]]:
-    """A whole generation: its text (with skipped tool-call markers written back), the
-    final event (None if the client left first) and the generated token ids."""
+    state: ServerState, gen: Generation, request: Request, parsing: OutputParsing | None
+) -> tuple[str, TokenEvent | None, list[int], OutputStream | None]:
+    """A whole generation: its text (with skipped markers written back), the final event
+    (None if the client left first), the generated token ids, and with ``parsing`` the
+    finished output stream (reasoning, content, calls): the streamed routes' own reader,
+    so the two never disagree."""
     parts: list[str] = []
     ids: list[int] = []
     final: TokenEvent | None = None
+    out = parsing.stream() if parsing else None
     try:
         async for event in gen.events(request):
-            parts.append(parsing.text(event.token_id, event.text) if parsing else event.text)
+            text = parsing.text(event.token_id, event.text) if parsing else event.text
+            parts.append(text)
+            if out is not None:
+                out.feed(text, tokens=int(event.token_id is not None))
             if event.token_id is not None:
                 ids.append(event.token_id)
             if event.finish_reason is not None:
@@ -152,10 +160,12 @@ async def collect(
     finally:
         gen.abandon()
         state.generations.discard(gen)
-    return "".join(parts), final, ids
+    if out is not None:
+        out.finish()
+    return "".join(parts), final, ids, out
 
 
-def _finish_reason(finish: str, calls: ToolStream) -> str:
+def _finish_reason(finish: str, calls: OutputStream) -> str:
     # OpenAI's "tool_calls" when the model stopped after calling; a reply cut by the
     # token limit stays "length", as its last call may be the one that was cut.
     return "tool_calls" if calls.calls and finish == "stop" else finish
@@ -165,10 +175,12 @@ def _data(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-def _tool_chunks(chunks: ChunkMaker, deltas: list[Delta]) -> Iterator[bytes]:
+def _delta_chunks(chunks: ChunkMaker, deltas: list[Delta]) -> Iterator[bytes]:
     for d in deltas:
         if isinstance(d, ContentDelta):
             yield _data(chunks.delta(d.text))
+        elif not isinstance(d, CallDelta):
+            yield _data(chunks.reasoning(d.text))
         else:
             for chunk in chunks.tool_call(d.index, d.id, d.call.name, d.call.arguments):
                 yield _data(chunk)
@@ -179,7 +191,7 @@ async def _sse(
     request: Request,
     chunks: ChunkMaker,
     include_usage: bool,
-    parsing: ToolParsing | None = None,
+    parsing: OutputParsing | None = None,
 ) -> AsyncIterator[bytes]:
     if chunks.chat:
         yield _data(chunks.role())
@@ -188,7 +200,8 @@ async def _sse(
         async for event in gen.events(request):
             if calls is not None and parsing is not None:
                 text = parsing.text(event.token_id, event.text)
-                for piece in _tool_chunks(chunks, calls.feed(text)):
+                deltas = calls.feed(text, tokens=int(event.token_id is not None))
+                for piece in _delta_chunks(chunks, deltas):
                     yield piece
             if event.finish_reason is None:
                 if event.text and calls is None:
@@ -200,7 +213,7 @@ async def _sse(
             if calls is None:
                 yield _data(chunks.delta(event.text, event.finish_reason, timings=timings))
             else:
-                for piece in _tool_chunks(chunks, calls.finish()):
+                for piece in _delta_chunks(chunks, calls.finish()):
                     yield piece
                 finish = _finish_reason(event.finish_reason, calls)
                 yield _data(chunks.delta("", finish, timings=timings))

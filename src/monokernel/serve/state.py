@@ -14,6 +14,7 @@ from monokernel.runtime.engine import Engine
 from monokernel.serve.errors import APIError
 from monokernel.serve.metrics import Metrics
 from monokernel.serve.params import prompt_char_limit
+from monokernel.serve.responses_protocol import ResponseStore
 from monokernel.serve.scheduler import Scheduler
 from monokernel.serve.settings import ServerSettings
 
@@ -50,6 +51,7 @@ class ServerState:
         self.prompt_char_limit = 0  # set once the engine is loaded
         self.draining = False  # set on SIGTERM: no request is admitted any more
         self.generations: set[Generation] = set()  # admitted and not yet over
+        self.responses = ResponseStore()  # past responses, for previous_response_id
 
     def start_loading(self) -> None:
         """Load off the event loop so the server answers /health (503) meanwhile."""

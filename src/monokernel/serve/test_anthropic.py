@@ -429,7 +429,14 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
             {"type": "tool_result", "tool_use_id": "toolu_1", "content": [IMAGE]}]}]),
      "messages[2].content[0].content[0] has type 'image'"),
     ("thinking", _m(thinking={"type": "enabled", "budget_tokens": 1024}),
-     "thinking (extended thinking) is not supported"),
+     "thinking {'type': 'enabled'} (extended thinking with a token budget) is not supported"),
+    ("redacted-thinking", _m(messages=[
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]},
+        {"role": "user", "content": "y"}]), "redacted_thinking blocks are not supported"),
+    ("thinking-in-user", _m(messages=[
+        {"role": "user", "content": [{"type": "thinking", "thinking": "x", "signature": ""}]}]),
+     "thinking blocks are only taken in assistant messages"),
     ("any", _m(tool_choice={"type": "any"}), "tool_choice type 'any' needs constrained decoding"),
     ("tool", _m(tool_choice={"type": "tool", "name": "get_time"}),
      "tool_choice type 'tool' needs constrained decoding"),

@@ -274,7 +274,14 @@ class CallDelta:
     call: Call
 
 
-Delta = ContentDelta | CallDelta
+@dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    """Reasoning text (``reasoning.ReasoningSplitter``); the tool parser never makes one."""
+
+    text: str
+
+
+Delta = ContentDelta | CallDelta | ReasoningDelta
 
 
 @dataclass

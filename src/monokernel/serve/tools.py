@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +171,9 @@ def history_message(msg: dict[str, Any], i: int) -> dict[str, Any]:
                 _history_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
             ]
         }
+    if not isinstance(msg.get("reasoning_content", ""), str):
+        # Thinking templates (Qwen3's) concatenate it into the prompt.
+        raise _bad(f"{where}.reasoning_content must be a string", f"{where}.reasoning_content")
     if msg["role"] == "tool" and not isinstance(msg.get("tool_call_id"), str):
         raise _bad(
             f"{where}.tool_call_id is required for role 'tool' (the id of the call it answers)",
@@ -212,22 +216,47 @@ def template_source(hf: Any, tools: list[dict[str, Any]] | None) -> str:
         return ""
 
 
-def render(hf: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
+def render(
+    hf: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """Token ids of ``messages`` with ``tools`` through the model's template; raises
-    APIError(400) when the template does not take tools. Blocking (tokenizer thread)."""
+    APIError(400) when the template does not take tools. ``kwargs`` are the request's
+    ``chat_template_kwargs``. Blocking (tokenizer thread)."""
     source = template_source(hf, tools)
     unsupported = _bad("this model's chat template does not support tools", "tools", "unsupported")
     if "tools" not in source:
         raise unsupported
-    text = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    text = apply_template(hf, messages, tools, kwargs)
     # A template may name `tools` and still drop them (only for some roles, say): what it
     # renders without them tells. If that rendering fails, the template needs the tools.
     try:
-        bare = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        bare = apply_template(hf, messages, None, kwargs)
     except Exception:
         bare = None
     if bare == text:
         raise unsupported
+    return encode_rendered(hf, text)
+
+
+def apply_template(
+    hf: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    kwargs: dict[str, Any] | None,
+) -> str:
+    """The prompt text; ``kwargs`` reach the template as variables (``enable_thinking``)."""
+    extra = dict(kwargs or {})
+    if tools is not None:
+        extra["tools"] = tools
+    return str(
+        hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+    )
+
+
+def encode_rendered(hf: Any, text: str) -> list[int]:
     # The template already wrote BOS and the like as text.
     return list(hf(text, add_special_tokens=False)["input_ids"])
 
@@ -247,8 +276,13 @@ def tool_format(hf: Any, family: str, tools: list[dict[str, Any]]) -> str:
 def marker_token_ids(hf: Any, fmt: str) -> dict[int, str]:
     """Token ids of this format's markers that decoding skips as special tokens (Mistral's
     ``[TOOL_CALLS]``, Llama's ``<|python_tag|>``), so the parser sees them again."""
+    return skipped_marker_ids(hf, MARKERS[fmt])
+
+
+def skipped_marker_ids(hf: Any, markers: Iterable[str]) -> dict[int, str]:
+    """Token ids of ``markers`` that the tokenizer has as single tokens and decoding skips."""
     out: dict[int, str] = {}
-    for marker in MARKERS[fmt]:
+    for marker in markers:
         try:
             ids = hf.convert_tokens_to_ids([marker])
         except (KeyError, ValueError, TypeError):
