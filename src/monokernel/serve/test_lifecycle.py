@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,7 +14,13 @@ import pytest
 from monokernel.runtime.engine import Engine
 from monokernel.serve.app import create_app
 from monokernel.serve.settings import ServerSettings
-from monokernel.serve.testing import SlowBackend, live_server
+from monokernel.serve.testing import (
+    SlowBackend,
+    free_port,
+    live_server,
+    serve_process,
+    wait_serving,
+)
 from monokernel.serve.testing_names import MODEL_NAME
 
 openai = pytest.importorskip("openai")
@@ -131,41 +134,16 @@ def test_api_key(engine: Engine) -> None:
         assert httpx.get(url + "/metrics").status_code == 200
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _serve(*args: str) -> subprocess.Popen[str]:
-    env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "monokernel.cli.main", "serve", *args]
-    return subprocess.Popen(
-        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
-    )
-
-
 def test_cli_serves_a_model(tiny_model_dir: Path) -> None:
-    port = _free_port()
-    proc = _serve(
+    port = free_port()
+    proc = serve_process(
         str(tiny_model_dir),
         "--engine", "reference", "--device", "cpu", "--port", str(port),
         "--served-model-name", "tiny", "--max-queue", "2", "--log-level", "warning",
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "monokernel serve never became healthy"
-            time.sleep(0.05)
+        wait_serving(proc, url)
         r = httpx.post(
             url + "/v1/chat/completions",
             json={
@@ -183,7 +161,7 @@ def test_cli_serves_a_model(tiny_model_dir: Path) -> None:
 
 
 def test_cli_exits_when_the_model_cannot_load() -> None:
-    proc = _serve("/does/not/exist", "--port", str(_free_port()), "--device", "cpu")
+    proc = serve_process("/does/not/exist", "--port", str(free_port()), "--device", "cpu")
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert "could not load the model" in err and "/does/not/exist" in err

@@ -19,8 +19,14 @@ import httpx
 
 from monokernel.runtime.engine import Engine
 from monokernel.serve.settings import ServerSettings
-from monokernel.serve.test_lifecycle import _free_port, _serve
-from monokernel.serve.testing import SlowBackend, serving, wait_ready
+from monokernel.serve.testing import (
+    SlowBackend,
+    free_port,
+    serve_process,
+    serving,
+    wait_ready,
+    wait_serving,
+)
 from monokernel.serve.testing_names import MODEL_NAME
 
 COMPLETIONS = "/v1/completions"
@@ -126,23 +132,14 @@ def test_after_the_grace_streams_end_in_band_and_queued_requests_get_503(
 
 
 def test_cli_sigterm_drains_and_exits_zero(tiny_model_dir: Path) -> None:
-    port = _free_port()
-    proc = _serve(
+    port = free_port()
+    proc = serve_process(
         str(tiny_model_dir), "--engine", "reference", "--device", "cpu", "--port", str(port),
         "--served-model-name", MODEL_NAME, "--shutdown-timeout", "5", "--log-level", "info",
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "monokernel serve never became healthy"
-            time.sleep(0.05)
+        wait_serving(proc, url)
         with httpx.stream("POST", url + COMPLETIONS, json=_body(200, True), timeout=30) as s:
             lines = s.iter_lines()
             first = next(lines)

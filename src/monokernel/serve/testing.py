@@ -4,7 +4,10 @@ tokens so tests can see what the server makes of a known model output (``Served`
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -140,3 +143,34 @@ class Served:
 
     def post(self, body: dict[str, Any], path: str = "/v1/chat/completions") -> httpx.Response:
         return self.http.post(path, json=body)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_process(*args: str) -> subprocess.Popen[str]:
+    """`monokernel serve ARGS` in a child process (stderr piped, for the failure message)."""
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "monokernel.cli.main", "serve", *args]
+    return subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+    )
+
+
+def wait_serving(proc: subprocess.Popen[str], url: str, timeout_s: float = 60.0) -> None:
+    """Poll the child server's /health until it answers 200; fail with its stderr if it
+    exits first, or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.communicate()[1]
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "monokernel serve never became healthy"
+        time.sleep(0.05)
