@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from starlette.datastructures import Headers
 
-from monokernel.serve.body import clip, echo, validate
+from monokernel.serve.body import clip, echo, refuse_unknown_keys, validate
 from monokernel.serve.errors import APIError
 from monokernel.serve.protocol import ChatCompletionRequest
 from monokernel.serve.tool_calls import ContentDelta, Delta, ReasoningDelta
@@ -187,12 +187,6 @@ def _check_sampling(body: MessagesRequest) -> None:
         raise bad(f"service_tier must be 'auto' or 'standard_only', got {echo(body.service_tier)}")
 
 
-def _unknown_keys(block: dict[str, Any], known: frozenset[str], where: str) -> None:
-    for key in block:
-        if key not in known:
-            raise bad(f"unrecognized request argument supplied: {clip(f'{where}.{key}')}")
-
-
 def _check_cache_control(block: dict[str, Any], where: str) -> None:
     """Prompt-caching breakpoints: a hint (the prefix cache reuses whatever it can), so
     taken when well-formed and not used."""
@@ -213,7 +207,7 @@ def _text(block: Any, where: str) -> str:
         if reason is not None:
             raise bad(f"{where} has type {kind!r}: {reason}")
         raise bad(f"{where} must be a text block, got type {echo(kind)}")
-    _unknown_keys(block, _TEXT_KEYS, where)
+    refuse_unknown_keys(block, _TEXT_KEYS, where)
     _check_cache_control(block, where)
     if not isinstance(block.get("text"), str):
         raise bad(f"{where}.text must be a string")
@@ -290,7 +284,7 @@ def _assistant(blocks: list[dict[str, Any]], where: str, calls: dict[str, str]) 
 def _thinking(block: dict[str, Any], where: str) -> str:
     """A thinking block of an earlier reply (agents send the whole reply back). Its
     signature is not checked: this server writes an empty one and signs nothing."""
-    _unknown_keys(block, _THINKING_KEYS, where)
+    refuse_unknown_keys(block, _THINKING_KEYS, where)
     if not isinstance(block.get("thinking"), str):
         raise bad(f"{where}.thinking must be a string")
     if not isinstance(block.get("signature", ""), str):
@@ -299,7 +293,7 @@ def _thinking(block: dict[str, Any], where: str) -> str:
 
 
 def _tool_use(block: dict[str, Any], where: str, calls: dict[str, str]) -> dict[str, Any]:
-    _unknown_keys(block, _TOOL_USE_KEYS, where)
+    refuse_unknown_keys(block, _TOOL_USE_KEYS, where)
     _check_cache_control(block, where)
     call_id, name, args = block.get("id"), block.get("name"), block.get("input")
     if not isinstance(call_id, str) or not call_id:
@@ -317,7 +311,7 @@ def _tool_use(block: dict[str, Any], where: str, calls: dict[str, str]) -> dict[
 
 
 def _tool_result(block: dict[str, Any], where: str, calls: dict[str, str]) -> dict[str, Any]:
-    _unknown_keys(block, _TOOL_RESULT_KEYS, where)
+    refuse_unknown_keys(block, _TOOL_RESULT_KEYS, where)
     _check_cache_control(block, where)
     call_id = block.get("tool_use_id")
     if not isinstance(call_id, str):
@@ -364,7 +358,7 @@ def _tools(
                 "text editor, computer use...) are not supported, only custom tools "
                 "(name, description, input_schema)"
             )
-        _unknown_keys(tool, _TOOL_KEYS, where)
+        refuse_unknown_keys(tool, _TOOL_KEYS, where)
         _check_cache_control(tool, where)
         name = tool.get("name")
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from monokernel.serve.errors import APIError
+from monokernel.serve.errors import APIError, bad_request
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -48,6 +48,20 @@ _echo.maxlevel = 3
 
 def clip(text: str) -> str:
     return text if len(text) <= MAX_ECHO_CHARS else text[: MAX_ECHO_CHARS - 3] + "..."
+
+
+def unknown_field(name: str) -> APIError:
+    """OpenAI's refusal of a field it does not know, naming it."""
+    return bad_request(
+        f"unrecognized request argument supplied: {clip(name)}", name, "unknown_field"
+    )
+
+
+def refuse_unknown_keys(obj: dict[str, Any], known: frozenset[str], where: str) -> None:
+    """Refuse the first key of ``obj`` (found at ``where``) that is not in ``known``."""
+    for key in obj:
+        if key not in known:
+            raise unknown_field(f"{where}.{key}")
 
 
 def echo(value: Any) -> str:

@@ -42,6 +42,11 @@ class APIError(Exception):
         return error_body_for(path, self.status, self.message, self.param, self.code)
 
 
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 naming the field (``param``) it is about."""
+    return APIError(400, message, param=param, code=code)
+
+
 def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from pydantic import BaseModel
 from monokernel.errors import InvalidRequestError
 from monokernel.runtime.engine import Engine
 from monokernel.runtime.sampling import SamplingParams
-from monokernel.serve.body import clip, echo
-from monokernel.serve.errors import APIError
+from monokernel.serve.body import clip, echo, unknown_field
+from monokernel.serve.errors import APIError, bad_request
 from monokernel.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from monokernel.serve.tools import (
     ToolRequest,
@@ -40,10 +40,6 @@ _NORMALISATION_SLACK = 2
 class Prepared:
     prompt_ids: list[int]
     params: SamplingParams
-
-
-def bad(message: str, param: str | None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 def check_model(name: str | None, served: str) -> None:
@@ -152,11 +148,11 @@ def _check_extras(
         if test is None:
             if not where and field in _HINTS:
                 continue
-            raise bad(
-                f"unrecognized request argument supplied: {clip(name)}", name, "unknown_field"
-            )
+            raise unknown_field(name)
         if not test(value):
-            raise bad(f"{name}={echo(value)} is not supported by this server", name, "unsupported")
+            raise bad_request(
+                f"{name}={echo(value)} is not supported by this server", name, "unsupported"
+            )
 
 
 def check_request(req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -167,7 +163,9 @@ def check_request(req: CompletionRequest | ChatCompletionRequest) -> None:
     _check_extras(req.model_extra or {}, _NEUTRAL | extra_neutral)
     if req.stream_options is not None:
         if not req.stream:
-            raise bad("stream_options is only allowed when stream is true", "stream_options")
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
         _check_extras(req.stream_options.model_extra or {}, _STREAM_NEUTRAL, "stream_options.")
     if isinstance(req, ChatCompletionRequest):
         check_roles(req.messages)
@@ -201,24 +199,28 @@ def template_kwargs(value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise bad(
+        raise bad_request(
             f"chat_template_kwargs must be an object, got {echo(value)}", "chat_template_kwargs"
         )
     for key, v in value.items():
         where = f"chat_template_kwargs.{clip(key)}"
         if not key.isidentifier():
-            raise bad(f"{where}: template variable names must be identifiers", where)
+            raise bad_request(f"{where}: template variable names must be identifiers", where)
         if key in _RESERVED_TEMPLATE_KWARGS:
-            raise bad(f"{where} is set by the server and cannot be passed to the template", where)
+            raise bad_request(
+                f"{where} is set by the server and cannot be passed to the template", where
+            )
         if v is not None and type(v) not in (str, int, float, bool):
-            raise bad(f"{where} must be a string, number, boolean or null, got {echo(v)}", where)
+            raise bad_request(
+                f"{where} must be a string, number, boolean or null, got {echo(v)}", where
+            )
     return value or None
 
 
 def check_roles(messages: list[ChatMessage]) -> None:
     for i, m in enumerate(messages):
         if m.role not in ROLES:
-            raise bad(
+            raise bad_request(
                 f"messages[{i}].role is {echo(m.role)}; expected one of {', '.join(ROLES)}",
                 f"messages[{i}].role",
             )
@@ -244,9 +246,11 @@ def unsupported_fields(req: CompletionRequest | ChatCompletionRequest) -> None:
         if not refused:
             continue
         if field == "n":
-            raise bad(f"n must be 1 (one choice per request), got {echo(req.n)}", "n")
+            raise bad_request(f"n must be 1 (one choice per request), got {echo(req.n)}", "n")
         value = getattr(req, field)
-        raise bad(f"{field}={echo(value)} is not supported by this server", field, "unsupported")
+        raise bad_request(
+            f"{field}={echo(value)} is not supported by this server", field, "unsupported"
+        )
 
 
 def longest_token_chars(engine: Engine) -> int:
@@ -298,7 +302,7 @@ def check_prompt_size(
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
             ids = max((len(p) for p in prompt if isinstance(p, list)), default=0)
             if ids >= max_model_len:
-                raise bad(
+                raise bad_request(
                     f"the prompt is {ids} tokens, which leaves no room to generate in the "
                     f"context of {max_model_len} tokens; shorten the prompt",
                     field,
@@ -307,7 +311,7 @@ def check_prompt_size(
             return
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             if len(prompt) >= max_model_len:
-                raise bad(
+                raise bad_request(
                     f"the prompt is {len(prompt)} tokens, which leaves no room to generate "
                     f"in the context of {max_model_len} tokens; shorten the prompt",
                     field,
@@ -320,7 +324,7 @@ def check_prompt_size(
 
 def check_chars(chars: int, char_limit: int, max_model_len: int, field: str) -> None:
     if chars > char_limit:
-        raise bad(
+        raise bad_request(
             f"the prompt is {chars} characters; no prompt over {char_limit} characters can "
             f"fit the context of {max_model_len} tokens (--max-model-len), so it was refused "
             "before tokenising",
@@ -340,19 +344,19 @@ def _range_checks(req: CompletionRequest | ChatCompletionRequest, max_tokens: in
         param = "max_tokens"
         if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
             param = "max_completion_tokens"
-        raise bad(f"{param} must be an integer >= 1, got {echo(max_tokens)}", param)
+        raise bad_request(f"{param} must be an integer >= 1, got {echo(max_tokens)}", param)
     t = req.temperature
     if t is not None and not 0 <= t <= 2:  # also refuses NaN and the infinities
-        raise bad(f"temperature must be in [0, 2], got {echo(t)}", "temperature")
+        raise bad_request(f"temperature must be in [0, 2], got {echo(t)}", "temperature")
     if req.top_p is not None and not 0 < req.top_p <= 1:
-        raise bad(f"top_p must be in (0, 1], got {echo(req.top_p)}", "top_p")
+        raise bad_request(f"top_p must be in (0, 1], got {echo(req.top_p)}", "top_p")
     if req.top_k is not None and not -1 <= req.top_k <= _MAX_TOP_K:
-        raise bad(
+        raise bad_request(
             f"top_k must be an integer in [-1, 2^63) (0 or -1 turn it off), got {echo(req.top_k)}",
             "top_k",
         )
     if req.seed is not None and not 0 <= req.seed <= _MAX_SEED:
-        raise bad(f"seed must be an integer in [0, 2^64), got {echo(req.seed)}", "seed")
+        raise bad_request(f"seed must be an integer in [0, 2^64), got {echo(req.seed)}", "seed")
 
 
 def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -360,7 +364,7 @@ def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
         return ()
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
     if any(not s for s in stops):
-        raise bad("stop must be a string or a list of non-empty strings", "stop")
+        raise bad_request("stop must be a string or a list of non-empty strings", "stop")
     return stops
 
 
@@ -373,7 +377,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             texts: list[str] = []
             for part in content:
                 if part.type != "text" or part.text is None:
-                    raise bad(
+                    raise bad_request(
                         f"messages[{i}].content has a {part.type!r} part; only text parts "
                         "are supported",
                         f"messages[{i}].content",
@@ -383,7 +387,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         msg = m.model_dump(exclude_none=True) | {"content": content or ""}
         out.append(history_message(msg, i))
     if not out:
-        raise bad("messages must hold at least one message", "messages")
+        raise bad_request("messages must hold at least one message", "messages")
     return out
 
 
@@ -413,7 +417,7 @@ def encode_chat(
             return engine.encode(msgs)
         if not engine.tokenizer.has_chat_template:
             field = "tools" if tools is not None else "chat_template_kwargs"
-            raise bad(
+            raise bad_request(
                 f"this model's tokenizer has no chat template, so it cannot take {field}", field
             )
         hf = engine.tokenizer.hf
@@ -422,35 +426,39 @@ def encode_chat(
         else:
             ids = render(hf, msgs, tools.tools, kwargs)
         if not ids:
-            raise bad("the prompt encodes to no tokens", "messages")
+            raise bad_request("the prompt encodes to no tokens", "messages")
         return ids
     except InvalidRequestError as e:
-        raise bad(str(e), "messages") from e
+        raise bad_request(str(e), "messages") from e
     except APIError:
         raise
     except Exception as e:  # a template may raise anything (e.g. jinja's raise_exception)
-        raise bad(f"the chat template refused these messages: {clip(str(e))}", "messages") from e
+        raise bad_request(
+            f"the chat template refused these messages: {clip(str(e))}", "messages"
+        ) from e
 
 
 def encode_text(engine: Engine, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
     """A completion prompt: text or token ids (blocking: call it off the event loop)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise bad(f"prompt holds {len(prompt)} prompts; send one prompt per request", "prompt")
+            raise bad_request(
+                f"prompt holds {len(prompt)} prompts; send one prompt per request", "prompt"
+            )
         prompt = prompt[0]
     if isinstance(prompt, str):
         try:
             return engine.encode(prompt)
         except InvalidRequestError as e:
-            raise bad(str(e), "prompt") from e
+            raise bad_request(str(e), "prompt") from e
         except Exception as e:  # e.g. a lone surrogate ("\ud800"), which no tokenizer takes
-            raise bad(f"the prompt could not be tokenised: {clip(str(e))}", "prompt") from e
+            raise bad_request(f"the prompt could not be tokenised: {clip(str(e))}", "prompt") from e
     ids = list(prompt)
     vocab = engine.tokenizer.vocab_size
     if not ids:
-        raise bad("the prompt is empty", "prompt")
+        raise bad_request("the prompt is empty", "prompt")
     if any(not 0 <= t < vocab for t in ids):
-        raise bad(f"prompt token ids must be in [0, {vocab})", "prompt")
+        raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
     return ids
 
 
@@ -467,7 +475,7 @@ def prepare(
     room = engine.max_model_len - len(prompt_ids)
     if asked is None:
         if room < 1:
-            raise bad(
+            raise bad_request(
                 f"the prompt is {len(prompt_ids)} tokens, which leaves no room to generate "
                 f"in the context of {engine.max_model_len} tokens; shorten the prompt",
                 "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
@@ -480,7 +488,7 @@ def prepare(
             param = "max_tokens"
             if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
                 param = "max_completion_tokens"
-            raise bad(
+            raise bad_request(
                 f"{param} {echo(max_tokens)} is over the context limit of "
                 f"{engine.max_model_len} tokens",
                 param,
@@ -489,11 +497,11 @@ def prepare(
         try:
             engine.check_fits(len(prompt_ids), max_tokens)
         except InvalidRequestError as e:
-            raise bad(str(e), "max_tokens", "context_length_exceeded") from e
+            raise bad_request(str(e), "max_tokens", "context_length_exceeded") from e
     stop_ids = tuple(req.stop_token_ids or ())
     vocab = engine.tokenizer.vocab_size
     if any(not 0 <= t < vocab for t in stop_ids):
-        raise bad(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+        raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -507,5 +515,5 @@ def prepare(
         )
     except InvalidRequestError as e:
         first = str(e).split(" ", 1)[0]
-        raise bad(str(e), first if first in _SAMPLING_FIELDS else None) from e
+        raise bad_request(str(e), first if first in _SAMPLING_FIELDS else None) from e
     return Prepared(prompt_ids, params)

@@ -23,8 +23,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from monokernel.serve.anthropic_protocol import template_call_id
-from monokernel.serve.body import clip, echo, validate
-from monokernel.serve.errors import APIError
+from monokernel.serve.body import clip, echo, refuse_unknown_keys, unknown_field, validate
+from monokernel.serve.errors import APIError, bad_request
 from monokernel.serve.params import text_chars
 from monokernel.serve.protocol import ChatCompletionRequest
 from monokernel.serve.tool_calls import CallDelta, ContentDelta, Delta
@@ -42,10 +42,6 @@ _REASONING_KEYS = frozenset({"type", "id", "summary", "content", "encrypted_cont
 _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
 # Taken and not used: they never change what is generated.
 _HINTS = ("metadata", "user", "service_tier", "prompt_cache_key", "safety_identifier")
-
-
-def bad(message: str, param: str | None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 class ResponsesRequest(BaseModel):
@@ -79,14 +75,14 @@ def check_extras(req: ResponsesRequest) -> None:
         or set(req.text) - {"format"}
         or fmt not in (None, {"type": "text"})
     ):
-        raise bad(
+        raise bad_request(
             f"text={echo(req.text)} is not supported: only text output "
             "({'format': {'type': 'text'}}); structured output needs constrained decoding",
             "text",
             "unsupported",
         )
     if req.reasoning not in (None, {}):
-        raise bad(
+        raise bad_request(
             f"reasoning={echo(req.reasoning)} is not supported: a reasoning model thinks by "
             "its chat template (see chat_template_kwargs on chat); its reasoning comes back "
             "as reasoning items",
@@ -94,9 +90,9 @@ def check_extras(req: ResponsesRequest) -> None:
             "unsupported",
         )
     if req.include:
-        raise bad(f"include={echo(req.include)} is not supported", "include", "unsupported")
+        raise bad_request(f"include={echo(req.include)} is not supported", "include", "unsupported")
     if req.truncation not in (None, "disabled"):
-        raise bad(
+        raise bad_request(
             f"truncation={echo(req.truncation)} is not supported: prompts over the context "
             "are refused, not cut",
             "truncation",
@@ -104,9 +100,7 @@ def check_extras(req: ResponsesRequest) -> None:
         )
     for name in req.model_extra or {}:
         if name not in _HINTS:
-            raise bad(
-                f"unrecognized request argument supplied: {clip(name)}", name, "unknown_field"
-            )
+            raise unknown_field(name)
 
 
 # ---- the store ---------------------------------------------------------------------------
@@ -137,7 +131,7 @@ class ResponseStore:
             if stored is not None:
                 self._items.move_to_end(rid)
         if stored is None:
-            raise bad(
+            raise bad_request(
                 f"Previous response with id {clip(rid)!r} not found (this server keeps the "
                 f"last {self.max_responses} stored responses, in memory)",
                 "previous_response_id",
@@ -196,7 +190,7 @@ def to_chat(
         conv.messages.append({"role": "user", "content": req.input})
     else:
         if not req.input:
-            raise bad("input must hold at least one item", "input")
+            raise bad_request("input must hold at least one item", "input")
         for i, item in enumerate(req.input):
             _item(conv, item, f"input[{i}]")
     messages = list(conv.messages)
@@ -225,24 +219,15 @@ def to_chat(
         raise
 
 
-def _keys(item: dict[str, Any], known: frozenset[str], where: str) -> None:
-    for key in item:
-        if key not in known:
-            name = f"{where}.{key}"
-            raise bad(
-                f"unrecognized request argument supplied: {clip(name)}", name, "unknown_field"
-            )
-
-
 def _item(conv: Conversation, item: Any, where: str) -> None:
     if not isinstance(item, dict):
-        raise bad(f"{where} must be an object, got {echo(item)}", where)
+        raise bad_request(f"{where} must be an object, got {echo(item)}", where)
     kind = item.get("type", "message" if "role" in item else None)
     if kind == "message":
-        _keys(item, _MESSAGE_KEYS, where)
+        refuse_unknown_keys(item, _MESSAGE_KEYS, where)
         role = item.get("role")
         if role not in _ROLES:
-            raise bad(
+            raise bad_request(
                 f"{where}.role is {echo(role)}; expected one of {', '.join(_ROLES)}",
                 f"{where}.role",
             )
@@ -256,14 +241,16 @@ def _item(conv: Conversation, item: Any, where: str) -> None:
         else:
             conv.messages.append({"role": role, "content": text})
     elif kind == "function_call":
-        _keys(item, _CALL_KEYS, where)
+        refuse_unknown_keys(item, _CALL_KEYS, where)
         call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments")
         if not isinstance(call_id, str) or not call_id:
-            raise bad(f"{where}.call_id must be a non-empty string", f"{where}.call_id")
+            raise bad_request(f"{where}.call_id must be a non-empty string", f"{where}.call_id")
         if not isinstance(name, str) or not name:
-            raise bad(f"{where}.name must be a non-empty string", f"{where}.name")
+            raise bad_request(f"{where}.name must be a non-empty string", f"{where}.name")
         if not isinstance(args, str):
-            raise bad(f"{where}.arguments must be a JSON object in a string", f"{where}.arguments")
+            raise bad_request(
+                f"{where}.arguments must be a JSON object in a string", f"{where}.arguments"
+            )
         conv.calls.add(call_id)
         msg = conv.assistant()
         call = {"id": template_call_id(call_id), "type": "function"}
@@ -271,10 +258,10 @@ def _item(conv: Conversation, item: Any, where: str) -> None:
         call["function"] = {"name": name, "arguments": args}
         msg.setdefault("tool_calls", []).append(call)
     elif kind == "function_call_output":
-        _keys(item, _OUTPUT_KEYS, where)
+        refuse_unknown_keys(item, _OUTPUT_KEYS, where)
         call_id, output = item.get("call_id"), item.get("output")
         if call_id not in conv.calls:
-            raise bad(
+            raise bad_request(
                 f"{where}.call_id {echo(call_id)} matches no function_call before it (in input "
                 "or the previous response)",
                 f"{where}.call_id",
@@ -285,9 +272,9 @@ def _item(conv: Conversation, item: Any, where: str) -> None:
             {"role": "tool", "tool_call_id": template_call_id(str(call_id)), "content": output}
         )
     elif kind == "reasoning":
-        _keys(item, _REASONING_KEYS, where)
+        refuse_unknown_keys(item, _REASONING_KEYS, where)
         if item.get("encrypted_content") is not None:
-            raise bad(
+            raise bad_request(
                 f"{where}.encrypted_content is not supported: nothing is encrypted here",
                 f"{where}.encrypted_content",
             )
@@ -298,10 +285,12 @@ def _item(conv: Conversation, item: Any, where: str) -> None:
             or not isinstance(p.get("text"), str)
             for p in parts
         ):
-            raise bad(f"{where}.content must be a list of reasoning_text parts", f"{where}.content")
+            raise bad_request(
+                f"{where}.content must be a list of reasoning_text parts", f"{where}.content"
+            )
         conv._reasoning += [p["text"] for p in parts]
     else:
-        raise bad(
+        raise bad_request(
             f"{where}.type is {echo(kind)}; only message, function_call, function_call_output "
             "and reasoning items are supported",
             f"{where}.type",
@@ -312,13 +301,13 @@ def _content(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad(f"{where} must be a string or a list of text parts", where)
+        raise bad_request(f"{where} must be a string or a list of text parts", where)
     texts = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text"):
-            raise bad(
+            raise bad_request(
                 f"{at} has type {echo(kind)}; only input_text and output_text parts are "
                 "supported (the served model reads text only)",
                 f"{at}.type",
@@ -326,9 +315,9 @@ def _content(content: Any, where: str) -> str:
         if set(part) - {"type", "text", "annotations", "logprobs"} or not isinstance(
             part.get("text"), str
         ):
-            raise bad(f"{at} must be {{'type', 'text'}} with a string text", at)
+            raise bad_request(f"{at} must be {{'type', 'text'}} with a string text", at)
         if part.get("annotations") not in (None, []):
-            raise bad(f"{at}.annotations are not supported", f"{at}.annotations")
+            raise bad_request(f"{at}.annotations are not supported", f"{at}.annotations")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -339,14 +328,14 @@ def _tools(tools: list[Any] | None) -> list[dict[str, Any]]:
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else tool
-            raise bad(
+            raise bad_request(
                 f"{where}.type is {echo(kind)}; only function tools are supported (no hosted "
                 "tools: web search, file search, code interpreter, computer use...)",
                 f"{where}.type",
             )
-        _keys(tool, _TOOL_KEYS, where)
+        refuse_unknown_keys(tool, _TOOL_KEYS, where)
         if tool.get("strict") not in (None, False):
-            raise bad(
+            raise bad_request(
                 f"{where}.strict={echo(tool.get('strict'))} needs constrained decoding, which "
                 "this server does not implement yet; send strict: false",
                 f"{where}.strict",

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 
 from monokernel.serve import params as P
 from monokernel.serve.body import load_json_object, validate
+from monokernel.serve.errors import bad_request
 from monokernel.serve.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -41,11 +42,15 @@ async def tokenize(request: Request) -> dict[str, Any]:
     # endpoint must be the count a completion of the same prompt is charged.
     if isinstance(body, TokenizeChatRequest):
         if not body.add_generation_prompt:
-            raise P.bad("add_generation_prompt=False is not supported", "add_generation_prompt")
+            raise bad_request(
+                "add_generation_prompt=False is not supported", "add_generation_prompt"
+            )
         if body.continue_final_message:
-            raise P.bad("continue_final_message=True is not supported", "continue_final_message")
+            raise bad_request(
+                "continue_final_message=True is not supported", "continue_final_message"
+            )
         if body.add_special_tokens:
-            raise P.bad(
+            raise bad_request(
                 "add_special_tokens=True is not supported with messages (the chat template "
                 "writes the special tokens)",
                 "add_special_tokens",
@@ -57,7 +62,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
         )
     else:
         if not body.add_special_tokens:
-            raise P.bad("add_special_tokens=False is not supported", "add_special_tokens")
+            raise bad_request("add_special_tokens=False is not supported", "add_special_tokens")
         P.check_chars(P.text_chars(body.prompt), limit, context, "prompt")
         ids = await loop.run_in_executor(state.tokenize_thread, P.encode_text, engine, body.prompt)
     strs = engine.tokenizer.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None
@@ -72,13 +77,13 @@ async def detokenize(request: Request) -> dict[str, Any]:
     P.check_model(body.model, state.settings.served_model_name)
     vocab = engine.tokenizer.vocab_size
     if len(body.tokens) > engine.max_model_len:
-        raise P.bad(
+        raise bad_request(
             f"tokens holds {len(body.tokens)} ids, more than the context of "
             f"{engine.max_model_len} (--max-model-len)",
             "tokens",
         )
     if any(not 0 <= t < vocab for t in body.tokens):
-        raise P.bad(f"token ids must be in [0, {vocab})", "tokens")
+        raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
     loop = asyncio.get_running_loop()
     text = await loop.run_in_executor(state.tokenize_thread, engine.tokenizer.decode, body.tokens)
     return {"prompt": text}

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from monokernel.serve.body import clip, echo
-from monokernel.serve.errors import APIError
+from monokernel.serve.body import echo, refuse_unknown_keys
+from monokernel.serve.errors import bad_request
 from monokernel.serve.tool_calls import MARKERS, ToolStream
 
 # OpenAI's rule for function names; the name is written into the prompt and parsed back.
@@ -36,10 +36,6 @@ _FAMILY_FORMATS = {
 }
 
 
-def _bad(message: str, param: str, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
 @dataclass(frozen=True, slots=True)
 class ToolRequest:
     tools: list[dict[str, Any]]  # as the template gets them
@@ -54,7 +50,7 @@ def check_tools(
     counts as none, as clients that always send the field send it empty)."""
     if not tools:
         if tool_choice not in (None, "none", "auto"):
-            raise _bad(
+            raise bad_request(
                 f"tool_choice={echo(tool_choice)} needs tools; none were given", "tool_choice"
             )
         return None
@@ -62,7 +58,7 @@ def check_tools(
     names = [t["function"]["name"] for t in checked]
     for i, name in enumerate(names):
         if name in names[:i]:
-            raise _bad(f"tools[{i}].function.name {name!r} is given twice", f"tools[{i}]")
+            raise bad_request(f"tools[{i}].function.name {name!r} is given twice", f"tools[{i}]")
     choice = _check_choice(tool_choice, names)
     parallel = True if parallel_tool_calls is None else parallel_tool_calls
     return ToolRequest(checked, parse=choice != "none", parallel=parallel)
@@ -71,27 +67,29 @@ def check_tools(
 def _check_tool(tool: Any, i: int) -> dict[str, Any]:
     where = f"tools[{i}]"
     if not isinstance(tool, dict):
-        raise _bad(f"{where} must be an object, got {echo(tool)}", where)
-    _unknown_keys(tool, _TOOL_KEYS, where)
+        raise bad_request(f"{where} must be an object, got {echo(tool)}", where)
+    refuse_unknown_keys(tool, _TOOL_KEYS, where)
     if tool.get("type") != "function":
-        raise _bad(
+        raise bad_request(
             f"{where}.type is {echo(tool.get('type'))}; only 'function' tools are supported",
             f"{where}.type",
         )
     fn = tool.get("function")
     if not isinstance(fn, dict):
-        raise _bad(f"{where}.function is required and must be an object", f"{where}.function")
-    _unknown_keys(fn, _FUNCTION_KEYS, f"{where}.function")
+        raise bad_request(
+            f"{where}.function is required and must be an object", f"{where}.function"
+        )
+    refuse_unknown_keys(fn, _FUNCTION_KEYS, f"{where}.function")
     name = fn.get("name")
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-        raise _bad(
+        raise bad_request(
             f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-', got {echo(name)}",
             f"{where}.function.name",
         )
     out: dict[str, Any] = {"name": name}
     if "description" in fn and fn["description"] is not None:
         if not isinstance(fn["description"], str):
-            raise _bad(f"{where}.function.description must be a string", f"{where}.function")
+            raise bad_request(f"{where}.function.description must be a string", f"{where}.function")
         out["description"] = fn["description"]
     params = fn.get("parameters")
     if params is None:
@@ -99,7 +97,7 @@ def _check_tool(tool: Any, i: int) -> dict[str, Any]:
         # templates print the schema, so they get that list rather than null.
         params = {"type": "object", "properties": {}}
     elif not isinstance(params, dict) or params.get("type", "object") != "object":
-        raise _bad(
+        raise bad_request(
             f"{where}.function.parameters must be a JSON Schema object (type 'object'), got "
             f"{echo(params)}",
             f"{where}.function.parameters",
@@ -108,22 +106,15 @@ def _check_tool(tool: Any, i: int) -> dict[str, Any]:
     strict = fn.get("strict")
     if strict not in (None, False):
         if strict is not True:
-            raise _bad(f"{where}.function.strict must be a boolean", f"{where}.function.strict")
-        raise _bad(
+            raise bad_request(
+                f"{where}.function.strict must be a boolean", f"{where}.function.strict"
+            )
+        raise bad_request(
             f"{where}.function.strict=True {_NO_CONSTRAINED}",
             f"{where}.function.strict",
             "unsupported",
         )
     return {"type": "function", "function": out}
-
-
-def _unknown_keys(obj: dict[str, Any], known: frozenset[str], where: str) -> None:
-    for key in obj:
-        if key not in known:
-            name = f"{where}.{key}"
-            raise _bad(
-                f"unrecognized request argument supplied: {clip(name)}", name, "unknown_field"
-            )
 
 
 def _check_choice(choice: Any, names: list[str]) -> str:
@@ -132,21 +123,23 @@ def _check_choice(choice: Any, names: list[str]) -> str:
     if choice == "none":
         return "none"
     if choice == "required":
-        raise _bad(f"tool_choice='required' {_NO_CONSTRAINED}", "tool_choice", "unsupported")
+        raise bad_request(f"tool_choice='required' {_NO_CONSTRAINED}", "tool_choice", "unsupported")
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         shaped = set(choice) == {"type", "function"} and choice["type"] == "function"
         if not shaped or not isinstance(name, str) or set(fn) != {"name"}:
-            raise _bad(
+            raise bad_request(
                 "tool_choice must be 'none', 'auto', 'required' or "
                 f"{{'type': 'function', 'function': {{'name': ...}}}}, got {echo(choice)}",
                 "tool_choice",
             )
         if name not in names:
-            raise _bad(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
-        raise _bad(f"tool_choice naming a function {_NO_CONSTRAINED}", "tool_choice", "unsupported")
-    raise _bad(
+            raise bad_request(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
+        raise bad_request(
+            f"tool_choice naming a function {_NO_CONSTRAINED}", "tool_choice", "unsupported"
+        )
+    raise bad_request(
         f"tool_choice must be 'none', 'auto', 'required' or a function, got {echo(choice)}",
         "tool_choice",
     )
@@ -163,9 +156,9 @@ def history_message(msg: dict[str, Any], i: int) -> dict[str, Any]:
     calls = msg.get("tool_calls")
     if calls is not None:
         if msg["role"] != "assistant":
-            raise _bad(f"{where}.tool_calls is only allowed on assistant messages", where)
+            raise bad_request(f"{where}.tool_calls is only allowed on assistant messages", where)
         if not isinstance(calls, list):
-            raise _bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+            raise bad_request(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
         msg = msg | {
             "tool_calls": [
                 _history_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls)
@@ -173,9 +166,11 @@ def history_message(msg: dict[str, Any], i: int) -> dict[str, Any]:
         }
     if not isinstance(msg.get("reasoning_content", ""), str):
         # Thinking templates (Qwen3's) concatenate it into the prompt.
-        raise _bad(f"{where}.reasoning_content must be a string", f"{where}.reasoning_content")
+        raise bad_request(
+            f"{where}.reasoning_content must be a string", f"{where}.reasoning_content"
+        )
     if msg["role"] == "tool" and not isinstance(msg.get("tool_call_id"), str):
-        raise _bad(
+        raise bad_request(
             f"{where}.tool_call_id is required for role 'tool' (the id of the call it answers)",
             f"{where}.tool_call_id",
         )
@@ -184,21 +179,21 @@ def history_message(msg: dict[str, Any], i: int) -> dict[str, Any]:
 
 def _history_call(call: Any, where: str) -> dict[str, Any]:
     if not isinstance(call, dict):
-        raise _bad(f"{where} must be an object", where)
+        raise bad_request(f"{where} must be an object", where)
     if not isinstance(call.get("id"), str):
-        raise _bad(f"{where}.id must be a string", f"{where}.id")
+        raise bad_request(f"{where}.id must be a string", f"{where}.id")
     if call.get("type", "function") != "function":
-        raise _bad(f"{where}.type must be 'function'", f"{where}.type")
+        raise bad_request(f"{where}.type must be 'function'", f"{where}.type")
     fn = call.get("function")
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise _bad(f"{where}.function must be an object with a name", f"{where}.function")
+        raise bad_request(f"{where}.function must be an object with a name", f"{where}.function")
     args = fn.get("arguments", "{}")
     try:
         parsed = json.loads(args) if isinstance(args, str) else None
     except ValueError:
         parsed = None
     if not isinstance(parsed, dict):
-        raise _bad(
+        raise bad_request(
             f"{where}.function.arguments must be a JSON object in a string, got {echo(args)}",
             f"{where}.function.arguments",
         )
@@ -226,7 +221,9 @@ def render(
     APIError(400) when the template does not take tools. ``kwargs`` are the request's
     ``chat_template_kwargs``. Blocking (tokenizer thread)."""
     source = template_source(hf, tools)
-    unsupported = _bad("this model's chat template does not support tools", "tools", "unsupported")
+    unsupported = bad_request(
+        "this model's chat template does not support tools", "tools", "unsupported"
+    )
     if "tools" not in source:
         raise unsupported
     text = apply_template(hf, messages, tools, kwargs)
