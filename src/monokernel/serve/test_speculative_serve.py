@@ -3,23 +3,15 @@ response's timings and in /metrics."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
+
+import httpx
 
 from monokernel.runtime.engine import Engine, EngineConfig
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.runtime.speculative import SpeculativeConfig
 from monokernel.serve.settings import ServerSettings
 from monokernel.serve.testing_names import MODEL_NAME
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
 
 
 def test_speculating_server_reports_drafts(tiny_model_dir: Path, engine: Engine) -> None:
@@ -41,9 +33,8 @@ def test_speculating_server_reports_drafts(tiny_model_dir: Path, engine: Engine)
     }
     with live_server(create_app(ServerSettings(MODEL_NAME), lambda: fast)) as url:
         wait_ready(url)
-        got = _post(url + "/v1/completions", body)
-        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-            metrics = r.read().decode()
+        got = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        metrics = httpx.get(url + "/metrics", timeout=30).text
     want = engine.complete(body["prompt"], SamplingParams(max_tokens=24, temperature=0.0))
     assert got["choices"][0]["text"] == want.text
     t = got["timings"]
