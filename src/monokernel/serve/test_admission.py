@@ -18,10 +18,8 @@ from monokernel.runtime.engine import Engine
 from monokernel.serve.body import MAX_JSON_DEPTH
 from monokernel.serve.params import longest_token_chars, prompt_char_limit
 from monokernel.serve.settings import ServerSettings
-from monokernel.serve.testing_names import MODEL_NAME
+from monokernel.serve.testing_names import CHAT, COMPLETIONS, MODEL_NAME
 
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
 BIG_BODY_LIMIT = 16 * 1024 * 1024
 
 

@@ -9,10 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from monokernel.serve.testing_names import MAX_BODY_BYTES, MODEL_NAME
+from monokernel.serve.testing_names import CHAT, COMPLETIONS, MAX_BODY_BYTES, MODEL_NAME
 
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from monokernel.serve.reasoning import OPEN, ReasoningSplitter
 from monokernel.serve.testing import Served
-from monokernel.serve.testing_names import MODEL_NAME
+from monokernel.serve.testing_names import CHAT, MODEL_NAME
 from monokernel.serve.testing_tools import (
     QWEN3_TEMPLATE,
     QWEN3_THINKING_TEMPLATE,
@@ -21,7 +21,6 @@ from monokernel.serve.testing_tools import (
     WEATHER_TOOL,
 )
 
-CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 W = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 THOUGHT = "<think>\nThe user wants the weather.\nI should call a tool.\n</think>\n\n"

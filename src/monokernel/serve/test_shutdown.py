@@ -27,9 +27,7 @@ from monokernel.serve.testing import (
     wait_ready,
     wait_serving,
 )
-from monokernel.serve.testing_names import MODEL_NAME
-
-COMPLETIONS = "/v1/completions"
+from monokernel.serve.testing_names import COMPLETIONS, MODEL_NAME
 
 
 def _body(max_tokens: int, stream: bool) -> dict[str, Any]:

@@ -13,10 +13,8 @@ import pytest
 from monokernel.runtime.engine import Engine
 from monokernel.serve.body import MAX_ECHO_CHARS
 from monokernel.serve.settings import ServerSettings
-from monokernel.serve.testing_names import MODEL_NAME
+from monokernel.serve.testing_names import CHAT, COMPLETIONS, MODEL_NAME
 
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
 
 

@@ -17,7 +17,7 @@ from monokernel.serve import params as P
 from monokernel.serve.errors import APIError
 from monokernel.serve.protocol import ChatCompletionRequest
 from monokernel.serve.testing import Served
-from monokernel.serve.testing_names import MODEL_NAME
+from monokernel.serve.testing_names import CHAT, MODEL_NAME
 from monokernel.serve.testing_tools import (
     LLAMA31_TEMPLATE,
     MISTRAL_V03_TEMPLATE,
@@ -29,7 +29,6 @@ from monokernel.serve.testing_tools import (
 from monokernel.serve.tools import ToolParsing, marker_token_ids, render, tool_format
 from monokernel.testing.tiny_models import CHATML_TEMPLATE
 
-CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 TOOLS = [WEATHER_TOOL, TIME_TOOL]
 W = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
