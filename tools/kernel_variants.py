@@ -74,6 +74,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--own-weights", action="store_true", help="each variant its own backend and weights"
     )
+    ap.add_argument(
+        "--quantize", choices=["fp8", "int8"], help="the layers' weight format (--quantize)"
+    )
     ap.add_argument("--json", dest="json_file")
     args = ap.parse_args(argv)
     variants = [v.split("=", 1) for v in args.variant] or [["default", ""]]
@@ -86,7 +89,7 @@ def main(argv: list[str]) -> int:
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
         max_len = args.prompt_tokens + args.gen_tokens + 1
-        bpt = bytes_per_token(cfg, args.prompt_tokens + args.gen_tokens / 2)
+        bpt = bytes_per_token(cfg, args.prompt_tokens + args.gen_tokens / 2, fmt=args.quantize)
         backends: dict[str, MonokernelBackend] = {}
         kernels: dict[str, KernelBuild] = {}  # the kernels of each variant
         shared: MonokernelBackend | None = None
@@ -99,7 +102,13 @@ def main(argv: list[str]) -> int:
             with envs.overridden(**{**env, "MONOKERNEL_NVCC_FLAGS": nvcc}):
                 if env or args.own_weights or shared is None:
                     b = MonokernelBackend(
-                        cfg, weights, max_len, device, handoff_search=0, consume_weights=one
+                        cfg,
+                        weights,
+                        max_len,
+                        device,
+                        handoff_search=0,
+                        consume_weights=one,
+                        quantize=args.quantize,
                     )
                     backends[name], kernels[name] = b, b.kernels
                     if not (env or args.own_weights):

@@ -17,7 +17,15 @@ from typing import Any
 
 import torch
 
-from monokernel.bench.engines import BACKENDS, ENGINES, GPU_ONLY, EngineOptions, WeightSource
+from monokernel.bench.engines import (
+    BACKENDS,
+    ENGINES,
+    GPU_ONLY,
+    EngineOptions,
+    WeightSource,
+    check_engine_label,
+)
+from monokernel.bench.measure import split_engine
 from monokernel.bench.records import prompt_label
 from monokernel.bench.sweep import EngineLimits, SweepConfig, run_benchmark
 from monokernel.bench.table import format_table
@@ -87,7 +95,10 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--model", help="checkpoint (dir, .gguf or hub id); default: --shape")
     src.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
     ap.add_argument(
-        "--engines", default="monokernel,torch", help=f"comma-separated: {', '.join(ENGINES)}"
+        "--engines",
+        default="monokernel,torch",
+        help=f"comma-separated: {', '.join(ENGINES)}; ENGINE:fp8 or ENGINE:int8 (our engines) "
+        "quantises the layers' weights at load (--quantize), e.g. monokernel,monokernel:fp8,torch",
     )
     ap.add_argument("--prompt-tokens", type=int_list, default=(64,), help="e.g. 128,512,2048")
     ap.add_argument("--gen-tokens", type=int_list, default=(512,), help="e.g. 512,2048,8192")
@@ -185,15 +196,15 @@ def _profile_lines(doc: dict[str, Any]) -> list[str]:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     names = _engines(args)
-    unknown = [n for n in names if n not in ENGINES]
-    if unknown:
-        print(f"unknown engine {unknown[0]!r}; choose from {', '.join(ENGINES)}", file=sys.stderr)
-        return 2
+    for n in names:
+        if (why := check_engine_label(n)) is not None:
+            print(why, file=sys.stderr)
+            return 2
     if "endpoint" in names and not args.endpoint:
         print("engine 'endpoint' needs --endpoint URL", file=sys.stderr)
         return 2
     device = _device(args.device)
-    gpu_only = [n for n in names if n in GPU_ONLY]
+    gpu_only = [n for n in names if split_engine(n)[0] in GPU_ONLY]
     if device.type != "cuda" and gpu_only:
         print(
             f"monokernel bench needs an NVIDIA GPU for engine(s) {', '.join(gpu_only)} "
@@ -227,7 +238,7 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"monokernel bench: {e}", file=sys.stderr)
         return 2
-    need_weights = any(n in BACKENDS or n == "hf" for n in names)
+    need_weights = any(split_engine(n)[0] in (*BACKENDS, "hf") for n in names)
     cfg, weights, label = _load(args, device, dtype, need_weights)
     recorded = {k: v for k, v in vars(args).items() if k != "endpoint_api_key"}  # no secrets
     doc = run_benchmark(

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from monokernel.bench.measure import RunTiming, time_request
+from monokernel.bench.measure import RunTiming, split_engine, time_request
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.backends import BACKEND_CLASSES, construct_backend
 from monokernel.weights.names import Weights
@@ -64,10 +64,14 @@ class BackendRunner:
         max_len: int,
         device: torch.device,
         owned: bool = False,
+        quantize: str | None = None,
     ) -> None:
-        """``owned``: no one else holds ``weights``, so the monokernel may consume them."""
+        """``name``: the label (``monokernel:fp8``); ``owned``: no one else holds ``weights``,
+        so the monokernel may consume them; ``quantize``: the layers' format (--quantize)."""
         self.name = name
-        self.backend: Any = construct_backend(name, cfg, weights, max_len, device, owned)
+        self.backend: Any = construct_backend(
+            split_engine(name)[0], cfg, weights, max_len, device, owned, quantize
+        )
 
     @property
     def info(self) -> dict[str, Any]:
@@ -115,15 +119,33 @@ def open_runner(
     owned = callable(weights)
     if callable(weights):
         weights = weights()
-    if name in ("torch", "hf") and device.type == "cuda":
+    engine, quantize = split_engine(name)
+    if engine in ("torch", "hf") and device.type == "cuda":
         fresh_compile_state()
     if name == "hf":
         from monokernel.bench.hf import HFRunner
 
         return HFRunner(cfg, weights, max_len, device, cache=options.hf_cache)
-    if name in BACKENDS:
-        return BackendRunner(name, cfg, weights, max_len, device, owned)
+    if engine in BACKENDS:
+        return BackendRunner(name, cfg, weights, max_len, device, owned, quantize)
     raise ValueError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
+
+
+def check_engine_label(label: str) -> str | None:
+    """Why ``label`` names no engine the bench can open (None when it does): an engine of
+    ENGINES, one of our backends optionally with ``:FORMAT`` (``monokernel:fp8``)."""
+    engine, quantize = split_engine(label)
+    if engine not in ENGINES:
+        return f"unknown engine {label!r}; choose from {', '.join(ENGINES)}"
+    if quantize is not None:
+        from monokernel.weights.quantize import QUANTIZE_METHODS
+
+        if engine not in BACKENDS or quantize not in QUANTIZE_METHODS:
+            return (
+                f"engine {label!r}: a format suffix goes on {', '.join(BACKENDS)} and is one of "
+                f"{', '.join(QUANTIZE_METHODS)} (e.g. monokernel:fp8)"
+            )
+    return None
 
 
 def fresh_compile_state() -> None:

@@ -12,6 +12,7 @@ import torch
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.backends.base import Backend, CancelToken, DecodeRequest, planned_reuse
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.weights.formats import get_format
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
@@ -53,15 +54,31 @@ def graph_ms(fn: Callable[[], object], repeats: int = 30) -> float:
     return _median_ms(graph.replay, repeats)
 
 
-def bytes_per_token(cfg: ModelConfig, context: float, weight_bytes: int = 2) -> float:
+def layer_matrix_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """The [out, in] shapes of one layer's streamed matrices: Q/K/V, O, gate/up, down."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
+
+
+def bytes_per_token(
+    cfg: ModelConfig, context: float, weight_bytes: int = 2, fmt: str | None = None
+) -> float:
     """Bytes one decode step must read: every matrix and norm once (the LM head once, the
-    embedding table only as one row), plus the KV cache up to ``context`` positions."""
+    embedding table only as one row), plus the KV cache up to ``context`` positions. ``fmt``:
+    the layers' matrices are stored in that weight format (weights/formats; its stored bytes,
+    scales included), the rest at ``weight_bytes`` an element."""
     h, v = cfg.hidden_size, cfg.vocab_size
     params = cfg.num_parameters() - v * h + h  # drop the embedding table, keep one row
     if cfg.tie_word_embeddings:
         params += v * h  # the tied table is read whole as the LM head
     kv = cfg.num_layers * 2 * cfg.kv_size * context * weight_bytes
-    return params * weight_bytes + kv
+    if fmt is None:
+        return params * weight_bytes + kv
+    f = get_format(fmt)
+    shapes = layer_matrix_shapes(cfg)
+    matrices = cfg.num_layers * sum(r * c for r, c in shapes)
+    stored = cfg.num_layers * sum(f.matrix_bytes(r, c) for r, c in shapes)
+    return (params - matrices) * weight_bytes + stored + kv
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,3 +104,10 @@ def time_request(backend: Backend, prompt: list[int], gen_tokens: int) -> RunTim
         n += 1
     per_token = (last - first) / max(n - 1, 1)
     return RunTiming(first - t0, per_token, n, reused)
+
+
+def split_engine(label: str) -> tuple[str, str | None]:
+    """A bench engine label -> (engine, weight format): ``monokernel:fp8`` is the monokernel
+    with --quantize fp8; a label without a colon runs the checkpoint's weights."""
+    engine, _, fmt = label.partition(":")
+    return engine, fmt or None

@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from monokernel.bench.measure import RunTiming, bytes_per_token
+from monokernel.bench.measure import RunTiming, bytes_per_token, split_engine
 from monokernel.bench.stats import summarize
 from monokernel.models.config import ModelConfig
 
@@ -106,7 +106,7 @@ def ok_record(
     median_us = summarize(us)["median"]
     request_prompt = prompt_tokens + turn_tokens
     context = request_prompt + gen_run / 2
-    bpt = bytes_per_token(cfg, context, weight_bytes)
+    bpt = bytes_per_token(cfg, context, weight_bytes, split_engine(engine)[1])
     rec: dict[str, Any] = {
         "engine": engine,
         "prompt_tokens": prompt_tokens,

@@ -19,6 +19,7 @@ _SUBCOMMANDS = {
     "serve": "monokernel.serve.cli",
     "roofline": "monokernel.roofline.cli",
     "agent-bench": "monokernel.workloads.cli",
+    "perplexity": "monokernel.runtime.perplexity_cli",
 }
 
 
@@ -96,6 +97,7 @@ def cmd_run(argv: Sequence[str]) -> int:
         max_model_len=args.max_model_len,
         progress=not args.json,
         tp=args.tp,
+        quantize=args.quantize,
         speculative=args.speculative_config,
     )
     engine = Engine(args.model, config)
@@ -183,7 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "  bench   measure decode speed and TTFT per engine\n"
             "  serve   OpenAI-compatible HTTP server with a playground\n"
             "  roofline     bandwidth ceiling on batch-1 tokens/s per model and GPU\n"
-            "  agent-bench  time a scripted coding-agent session (prefill/decode/tool)\n\n"
+            "  agent-bench  time a scripted coding-agent session (prefill/decode/tool)\n"
+            "  perplexity   a model's perplexity on a fixed text (to compare --quantize)\n\n"
             "Run 'monokernel COMMAND -h' for a command's options."
         )
         return 0 if argv else 2

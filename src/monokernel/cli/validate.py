@@ -172,6 +172,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-model-len", type=positive_int, default=None, help="context size to allocate"
     )
+    p.add_argument(
+        "--quantize",
+        choices=["fp8", "int8"],
+        default=None,
+        help="quantise the layers' weights at load, one scale per output channel (fp8: E4M3; "
+        "int8: symmetric); the LM head and the embedding keep the checkpoint's format",
+    )
     spec = p.add_argument_group("speculative decoding (torch and reference engines)")
     spec.add_argument(
         "--speculative",

@@ -48,7 +48,8 @@ MAX_DOWN_LOADS = 4
 # rule uses it: the grid itself is the device's SM count, read at launch.
 HOPPER_SMS = 132
 MAX_HEAD_DIM = 256
-# KernelDims.weight_format -> the C++ format type (csrc/formats/): MK_WEIGHT_FORMAT.
+# KernelDims.weight_format / head_format -> the C++ format type (csrc/formats/):
+# MK_WEIGHT_FORMAT / MK_HEAD_FORMAT.
 WEIGHT_FORMATS: dict[str, str] = {name: f.kernel_type for name, f in FORMATS.items()}
 
 
@@ -72,7 +73,8 @@ class KernelDims:
     tp: int = 1
     # False: the build without group units (MK_ATTN_GROUP=0), for contexts head units cover.
     group_units: bool = True
-    weight_format: str = "bf16"  # a key of WEIGHT_FORMATS
+    weight_format: str = "bf16"  # the layers' matrices: a key of WEIGHT_FORMATS
+    head_format: str = "bf16"  # the LM head's (the checkpoint's own under --quantize)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> KernelDims:
@@ -104,11 +106,7 @@ class KernelDims:
         """The build's -D defines: the dimensions, then the per-shape choices (with the
         overrides ``flags`` hold, by default MONOKERNEL_NVCC_FLAGS'), then the shared memory
         layout.py computes for them."""
-        if self.weight_format not in WEIGHT_FORMATS:
-            raise UnsupportedModelError(
-                f"weight format {self.weight_format!r}; the kernel has "
-                f"{', '.join(sorted(WEIGHT_FORMATS))}"
-            )
+        self.check_formats()
         vals: dict[str, int | str] = {
             "MK_H": self.hidden,
             "MK_Q": self.q_size,
@@ -123,10 +121,37 @@ class KernelDims:
             "MK_O_BIAS": int(self.o_bias),
             "MK_QK_NORM": int(self.qk_norm),
             "MK_WEIGHT_FORMAT": WEIGHT_FORMATS[self.weight_format],
+            "MK_HEAD_FORMAT": WEIGHT_FORMATS[self.head_format],
             **(choices := self.choices(flags)),
             "MK_SMEM_BYTES": layout.smem_bytes(self, choices["MK_ATTN_CHUNK"]),
         }
         return [f"-D{k}={v}" for k, v in vals.items()]
+
+    def check_formats(self) -> None:
+        """Refuse a format the kernel has no type for, or a shape whose rows are not whole
+        16-byte loads in it (a GEMV reads a row in loads of ``weights_per_load`` weights)."""
+        for what, name in (("weight", self.weight_format), ("LM head", self.head_format)):
+            if name not in WEIGHT_FORMATS:
+                raise UnsupportedModelError(
+                    f"{what} format {name!r}; the kernel has {', '.join(sorted(WEIGHT_FORMATS))}"
+                )
+        n = FORMATS[self.weight_format].weights_per_load
+        rows = {
+            "hidden": self.hidden,
+            "q heads x head_dim": self.q_size,
+            "intermediate": self.intermediate,
+        }
+        odd = [f"{k} {v}" for k, v in rows.items() if v % n]
+        if odd:
+            raise UnsupportedModelError(
+                f"weight format {self.weight_format!r} reads rows {n} weights a load; this "
+                f"shape's {', '.join(odd)} is not a multiple of {n}"
+            )
+        if self.hidden % FORMATS[self.head_format].weights_per_load:
+            raise UnsupportedModelError(
+                f"LM head format {self.head_format!r}: hidden {self.hidden} is not a multiple "
+                f"of {FORMATS[self.head_format].weights_per_load}"
+            )
 
     def choices(self, flags: Sequence[str] | None = None) -> dict[str, int]:
         """Each per-shape choice's define and value: the rule's, unless ``flags`` (by default
@@ -150,7 +175,7 @@ class KernelDims:
         a lane (bytes in flight beyond ~30 KB a SM only queue) and the wider slices still
         leave every unit two rows or more on 132 SMs (fewer rows than units leave warps
         idle)."""
-        chunks = self.intermediate // 8
+        chunks = self.intermediate // FORMATS[self.weight_format].weights_per_load
         for split in (1, 2, 4, 8, 16):
             loads = -(-chunks // split // 32)  # a lane's loads in one row slice
             if chunks % split or loads > BATCH:

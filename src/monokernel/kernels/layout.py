@@ -18,7 +18,11 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from monokernel.weights.formats import PackedMatrix
+    from monokernel.weights.repack import LayerPack
 
 HEADER = Path(__file__).parent / "csrc" / "layout.cuh"
 
@@ -258,15 +262,31 @@ def _p(name: str, cxx: str, doc: str) -> Field:
     return Field(name, cxx, _PTR, doc)
 
 
+class MatrixView(ctypes.Structure):
+    """A streamed matrix's view (csrc/formats/format.cuh Matrix): its packed rows and, for a
+    scaled format, its [rows] fp32 scales (0 otherwise)."""
+
+    _fields_ = [("rows", ctypes.c_uint64), ("scales", ctypes.c_uint64)]
+
+
+def _m(name: str, cxx: str, doc: str) -> Field:
+    return Field(name, cxx, MatrixView, doc)
+
+
+def matrix_view(m: PackedMatrix) -> MatrixView:
+    """The kernel's view of a packed matrix (weights/formats: its data, then its scales)."""
+    return MatrixView(m.data.data_ptr(), m.scales[0].data_ptr() if m.scales else 0)
+
+
 LAYER_WEIGHTS: tuple[Field, ...] = (
-    _p("wqkv", "WeightMatrix", "[Q + 2KV, H] q heads, k heads, v heads; attn_norm folded"),
+    _m("wqkv", "WeightMatrix", "[Q + 2KV, H] q heads, k heads, v heads; attn_norm folded"),
     _p("bqkv", "const float*", "[Q + 2KV] or null"),
     _p("q_norm", "const float*", "[D] or null"),
     _p("k_norm", "const float*", "[D] or null"),
-    _p("wo", "WeightMatrix", "[H, Q]"),
+    _m("wo", "WeightMatrix", "[H, Q]"),
     _p("bo", "const float*", "[H] or null"),
-    _p("wgu", "WeightMatrix", "[2I, H] row 2r = gate r, 2r+1 = up r; ffn_norm folded"),
-    _p("wdown", "WeightMatrix", "[H, I]"),
+    _m("wgu", "WeightMatrix", "[2I, H] row 2r = gate r, 2r+1 = up r; ffn_norm folded"),
+    _m("wdown", "WeightMatrix", "[H, I]"),
     _p("attn_gain", "const float*", "[H] or null (null: folded into wqkv)"),
     _p("ffn_gain", "const float*", "[H] or null (null: folded into wgu)"),
 )
@@ -274,7 +294,7 @@ LAYER_WEIGHTS: tuple[Field, ...] = (
 PARAMS: tuple[Field, ...] = (
     _p("layers", "const LayerWeights*", "[L]"),
     _p("embed", "const bf16*", "[V, H] unfolded"),
-    _p("lm_head", "WeightMatrix", "[V, H] final norm folded (unless norm_gain)"),
+    _m("lm_head", "HeadMatrix", "[V, H] final norm folded (unless norm_gain)"),
     _p("norm_gain", "const float*", "[H] or null"),
     _p("rope_cos", "const float*", "[max_len, D/2]"),
     _p("rope_sin", "const float*", "[max_len, D/2]"),
@@ -336,8 +356,8 @@ def c_offsets(fields: tuple[Field, ...], start: int = 0) -> dict[str, int]:
     """Each field's byte offset under C's rules (natural alignment), from ``start``."""
     out, at = {}, start
     for f in fields:
-        size = ctypes.sizeof(f.ctype)
-        at = (at + size - 1) // size * size
+        size, align = ctypes.sizeof(f.ctype), ctypes.alignment(f.ctype)
+        at = (at + align - 1) // align * align
         out[f.name] = at
         at += size * max(1, f.count)
     return out
@@ -346,7 +366,7 @@ def c_offsets(fields: tuple[Field, ...], start: int = 0) -> dict[str, int]:
 def c_sizeof(fields: tuple[Field, ...]) -> int:
     last = fields[-1]
     end = c_offsets(fields)[last.name] + ctypes.sizeof(last.ctype) * max(1, last.count)
-    align = max(ctypes.sizeof(f.ctype) for f in fields)
+    align = max(ctypes.alignment(f.ctype) for f in fields)
     return (end + align - 1) // align * align
 
 
@@ -356,10 +376,19 @@ KernelParams = _struct("KernelParams", PARAMS)
 KernelParamsTP = _struct("KernelParamsTP", PARAMS_TP, KernelParams)  # a -DMK_TP=N build's
 
 
-def layer_pointers(layer: object) -> list[int]:
-    """One layer's row of the LayerWeights table, in the struct's order, from an object with
-    an attribute per field holding a tensor or None (weights/repack.py's layers)."""
-    return [0 if (t := getattr(layer, f.name)) is None else t.data_ptr() for f in LAYER_WEIGHTS]
+def layer_pointers(layer: LayerPack) -> list[int]:
+    """One layer's row of the LayerWeights table, in the struct's order, as 64-bit words: a
+    matrix's view is two (its data and its scales, formats/format.cuh), every other field one
+    pointer (0 for None) (weights/repack.py's layers)."""
+    words: list[int] = []
+    for f in LAYER_WEIGHTS:
+        if f.ctype is MatrixView:
+            view = matrix_view(layer.matrices[f.name])
+            words += [view.rows, view.scales]
+        else:
+            t = getattr(layer, f.name)
+            words.append(0 if t is None else t.data_ptr())
+    return words
 
 
 # ---- the timing buffer (Params::timing, int64 slots) ----------------------------------------
@@ -567,9 +596,11 @@ def header() -> str:
         "// ---- tunables the layout depends on (tunables.cuh) ----",
         *(f'static_assert({k} == {v}, "layout.py: {k}");' for k, v in TUNABLES.items()),
         f'static_assert(MK_TP_MAX == {TP_MAX_RANKS}, "layout.py: TP_MAX_RANKS");',
-        "// A weight matrix's view is one pointer (a format whose view holds more, e.g. a scale",
-        "// pointer, adds its words here and in layout.py's LAYER_WEIGHTS).",
-        'static_assert(sizeof(WeightMatrix) == 8, "layout.py: a weight matrix is 8 bytes");',
+        "// A weight matrix's view is its rows and its scales (layout.py MatrixView).",
+        *(
+            f'static_assert(sizeof({t}) == {ctypes.sizeof(MatrixView)}, "layout.py: MatrixView");'
+            for t in ("WeightMatrix", "HeadMatrix")
+        ),
         "",
         "// ---- the kernel's argument; launcher.py's ctypes structs come from the same table ----",
         "struct LayerWeights {  // one a layer, in a device array",

@@ -19,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from monokernel import envs
+from monokernel.errors import UnsupportedModelError
 from monokernel.kernels.build import KernelDims, build
 from monokernel.models.shapes import SHAPES
 
@@ -27,15 +28,30 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("shapes", nargs="*", help=f"default: all of {', '.join(sorted(SHAPES))}")
     ap.add_argument("--flags", action="append", help="MONOKERNEL_NVCC_FLAGS (repeatable)")
+    ap.add_argument(
+        "--formats",
+        default="bf16",
+        help="comma-separated layer weight formats to build each shape for (e.g. bf16,fp8,int8); "
+        "a shape whose rows are not whole loads in a format is skipped for it",
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
     unknown = [n for n in args.shapes if n not in SHAPES]
     if unknown:
         ap.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(sorted(SHAPES))}")
     names = args.shapes or sorted(SHAPES)
-    dims = [KernelDims.from_config(SHAPES[n]) for n in names]
-    jobs = [(n, dataclasses.replace(d, group_units=g)) for n, d in zip(names, dims, strict=True)
-            for g in (True, False)]  # fmt: skip
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    jobs: list[tuple[str, KernelDims]] = []
+    for n in names:
+        for fmt in formats:
+            d = dataclasses.replace(KernelDims.from_config(SHAPES[n]), weight_format=fmt)
+            try:
+                d.check_formats()
+            except UnsupportedModelError as e:
+                print(f"{n} {fmt}: skipped ({e})")
+                continue
+            label = n if fmt == "bf16" else f"{n} {fmt}"
+            jobs += [(label, dataclasses.replace(d, group_units=g)) for g in (True, False)]
 
     def one(job: tuple[str, KernelDims]) -> str:
         t0 = time.perf_counter()

@@ -44,6 +44,7 @@ from monokernel.tokenizer.stop_strings import StopStringMatcher
 from monokernel.tokenizer.tokenizer import Prompt, Tokenizer
 from monokernel.weights.loader import Checkpoint, load_checkpoint
 from monokernel.weights.names import expected_shapes
+from monokernel.weights.quantize import check_method
 from monokernel.weights.safetensors_loader import cast_weights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -67,6 +68,10 @@ class EngineConfig:
     # Reuse the KV cache of earlier requests' common prefix (backends that can: monokernel).
     # None: the backend's default (on; MONOKERNEL_PREFIX_REUSE=0 turns it off).
     prefix_reuse: bool | None = None
+    # Quantise the layers' matrices at load (weights/quantize.py: fp8, int8); the monokernel
+    # streams them in that format, the torch and reference engines compute with their
+    # dequantised values. None: the checkpoint's weights as they are.
+    quantize: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +161,12 @@ class Engine:
         self.engine_name = resolve_engine(self.config.engine, self.device)
         # Set when `auto` could not run the monokernel: the one line saying why.
         self.engine_note: str | None = None
+        if self.config.quantize is not None:
+            check_method(self.config.quantize)
+            if self.config.tp > 1:
+                raise InvalidRequestError(
+                    "--quantize with --tp is not supported yet: tensor parallelism runs bf16"
+                )
         self.speculative = self.config.speculative
         if self.speculative is not None and self.engine_name == "monokernel":
             if self.config.engine != "auto":
@@ -203,6 +214,7 @@ class Engine:
             self.config.tp,
             on_fallback=self._fall_back if auto else None,
             owned=owned,
+            quantize=self.config.quantize,
         )
         if self.speculative is not None:
             self.backend.set_speculative(self.speculative)  # type: ignore[attr-defined]

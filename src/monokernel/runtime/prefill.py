@@ -61,7 +61,7 @@ from monokernel.runtime.prefill_ops import (
     silu_mul_bf16,
 )
 from monokernel.runtime.prefill_qkv import ChunkRope, QkvEpilogue, fused_epilogue_ok
-from monokernel.weights.formats import DEFAULT_FORMAT, get_format
+from monokernel.weights.formats import DEFAULT_FORMAT, PackedMatrix, get_format
 from monokernel.weights.repack import LayerPack, Repacked
 
 PRECISIONS: tuple[str, ...] = ("split-qkv", "bf16", "fp32")
@@ -182,7 +182,6 @@ class Prefiller:
         if tuple(k_cache.shape) != want or tuple(v_cache.shape) != want:
             raise ValueError(f"KV cache shape {tuple(k_cache.shape)}; expected {want}")
         self.cfg, self.p = cfg, packed
-        self.fmt = get_format(packed.format)
         self.k, self.v = k_cache, v_cache
         self.max_len = k_cache.shape[2]
         self.chunk_tokens = chunk_tokens
@@ -222,6 +221,20 @@ class Prefiller:
             self.graphs = PrefillGraphs(
                 lambda tk: self._chunk(tk, 0), self._chunk_at, largest, self.max_len
             )
+
+    def _weight(self, m: PackedMatrix) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """m as the GEMMs read it (WeightFormat.gemm_operands): the matrix and the scales of
+        its rows (None for bf16), in fp32 where the prefill computes in fp32."""
+        dtype = torch.float32 if self.precision == "fp32" else None
+        return get_format(m.format).gemm_operands(m, dtype)
+
+    def _project_acc(self, acc: torch.Tensor, x: torch.Tensor, m: PackedMatrix) -> None:
+        """acc [T, rows] += x @ m^T."""
+        w, s = self._weight(m)
+        if s is None:
+            self._mm_acc(acc, x, w)
+        else:
+            acc += self._mm(x, w) * s
 
     @torch.no_grad()
     def run(
@@ -287,12 +300,14 @@ class Prefiller:
     ) -> None:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         end = start + x.shape[0]
-        wqkv = self.fmt.dense(lp.matrices["wqkv"])
+        wqkv, s = self._weight(lp.matrices["wqkv"])
         if self.precision == "fp32":
             qkv = gemm_fp32(F.rms_norm(x, (cfg.hidden_size,), lp.attn_gain, eps), wqkv)
         else:  # the norm's output as the GEMM's bf16 operand(s): hi, or hi + lo (split-qkv)
             split = self.precision == "split-qkv"
             qkv = gemm_parts(rms_norm_bf16(x, lp.attn_gain, eps, split), wqkv)  # [T, Q + 2KV]
+        if s is not None:
+            qkv *= s
         dt = self._attn_dtype
         q = self._epilogue(qkv, lp, n, rope, dt)  # [T, heads, d]; K/V written to the cache
         # Flash on the cache past position 0 only: from 0, SDPA's causal kernel on expanded
@@ -311,7 +326,7 @@ class Prefiller:
             assert at.visible is not None
             keys, values = self.k[n, :, : at.keys], self.v[n, :, : at.keys]
             attn = masked_attention(q, keys.to(dt), values.to(dt), at.visible)
-        self._mm_acc(x, attn, self.fmt.dense(lp.matrices["wo"]))  # x += O-projection [T, H]
+        self._project_acc(x, attn, lp.matrices["wo"])  # x += O-projection [T, H]
         if lp.bo is not None:
             x += lp.bo
 
@@ -328,18 +343,23 @@ class Prefiller:
             (h,) = rms_norm_bf16(x, lp.ffn_gain, eps)  # rounded to bf16 once, used twice
         # wgu's rows interleave gate and up; strided views hand them to cuBLAS as two
         # matrices with a doubled leading dimension, so both outputs come out contiguous.
-        wgu = self.fmt.dense(lp.matrices["wgu"])
+        wgu, s = self._weight(lp.matrices["wgu"])
         gate, up = self._mm(h, wgu[0::2]), self._mm(h, wgu[1::2])  # [T, I] fp32
+        if s is not None:
+            gate *= s[0::2]
+            up *= s[1::2]
         if self.precision == "fp32":
             act = F.silu(gate, inplace=True)
             act *= up
         else:
             act = silu_mul_bf16(gate, up)  # [T, I] bf16, what the down GEMM reads
-        self._mm_acc(x, act, self.fmt.dense(lp.matrices["wdown"]))
+        self._project_acc(x, act, lp.matrices["wdown"])
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         h = F.rms_norm(x, (self.cfg.hidden_size,), self.p.norm_gain, self.cfg.rms_norm_eps)
-        return self._mm(h, self.fmt.dense(self.p.matrices["lm_head"]))  # [1, V] fp32
+        w, s = self._weight(self.p.matrices["lm_head"])
+        logits = self._mm(h, w)  # [1, V] fp32
+        return logits if s is None else logits * s
 
 
 def workspace_bytes(

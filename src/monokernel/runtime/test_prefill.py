@@ -21,6 +21,7 @@ from monokernel.runtime.prefill import (
     workspace_bytes,
 )
 from monokernel.runtime.prefill_ops import bf16_parts
+from monokernel.weights.quantize import fake_quantize
 from monokernel.weights.random_weights import random_weights
 from monokernel.weights.repack import repack
 
@@ -91,6 +92,28 @@ def test_fp32_prefill_is_the_reference_forward(name: str) -> None:
     assert _rel(pf.k[:, :, :70], ref_cache.k) < 1e-5
     assert _rel(pf.v[:, :, :70], ref_cache.v) < 1e-5
     assert not pf.k[:, :, 70:].any(), "wrote past the prompt"
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_a_quantised_prefill_is_the_reference_on_the_dequantised_weights(fmt: str) -> None:
+    """Packed in a 1-byte format (--quantize), the fp32 prefill multiplies by the stored
+    values and scales the outputs: the reference forward on fake_quantize's weights, to fp32
+    rounding, on a shape whose rows are whole 16-weight loads."""
+    cfg = dataclasses.replace(
+        SHAPES["odd"], hidden_size=528, intermediate_size=1424, num_heads=5, head_dim=112
+    )
+    weights = random_weights(cfg, dtype=torch.float32, seed=3)
+    tokens = _tokens(40, cfg.vocab_size, seed=4)
+    want, ref_cache = _reference(cfg, fake_quantize(weights, fmt), tokens)
+    packed = repack(cfg, weights, 48, fold=False, fmt=fmt)
+    assert packed.layers[0].matrices["wqkv"].format == fmt
+    assert packed.matrices["lm_head"].format == "bf16"
+    cache = KVCache.allocate(cfg, 48, torch.float32, "cpu")
+    pf = Prefiller(cfg, packed, cache.k, cache.v, precision="fp32", chunk_tokens=16)
+    got = pf.run(tokens, 0, logits=True)
+    assert got is not None
+    assert _rel(got, want[-1]) < 1e-5
+    assert _rel(pf.k[:, :, :40], ref_cache.k) < 1e-5
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -139,6 +139,7 @@ def main(argv: Sequence[str]) -> int:
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         tp=args.tp,
+        quantize=args.quantize,
         speculative=speculative,
     )
     settings = ServerSettings(

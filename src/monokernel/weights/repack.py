@@ -69,7 +69,8 @@ class Repacked:
     rope_cos: torch.Tensor  # [max_len, d/2] float32
     rope_sin: torch.Tensor  # [max_len, d/2] float32
     norm_gain: torch.Tensor | None = None  # [h] float32, only when not folded
-    format: str = DEFAULT_FORMAT  # every streamed matrix's (weights/formats)
+    format: str = DEFAULT_FORMAT  # the layers' streamed matrices' (weights/formats)
+    head_format: str = DEFAULT_FORMAT  # the LM head's
 
     lm_head = _streamed("lm_head")
 
@@ -125,9 +126,12 @@ def repack(
     fold: bool = True,
     fmt: str = DEFAULT_FORMAT,
     consume: bool = False,
+    head_fmt: str = DEFAULT_FORMAT,
 ) -> Repacked:
-    """All of the kernel's tensors, on the device of ``weights``: the streamed matrices packed
-    in the weight format ``fmt`` (weights/formats), the rest in the dtype of ``weights``.
+    """All of the kernel's tensors, on the device of ``weights``: the layers' streamed
+    matrices packed in the weight format ``fmt`` (weights/formats), the LM head in
+    ``head_fmt`` (it keeps the checkpoint's format under --quantize, as vLLM's does), the rest
+    in the dtype of ``weights``.
 
     ``fold=False`` keeps the norm gains as fp32 vectors the kernel applies itself: the same
     bytes per token (a gain is h floats), without rounding W*g to the weights' dtype.
@@ -138,7 +142,7 @@ def repack(
     embed = weights["embed"]
     head = embed if cfg.tie_word_embeddings else weights["lm_head"]
     cos, sin = rope_tables(cfg, max_len, embed.device)
-    pack = get_format(fmt).pack
+    pack_head = get_format(head_fmt).pack
     layers = []
     for n in range(cfg.num_layers):
         layers.append(repack_layer(cfg, weights, n, fold, fmt))
@@ -148,9 +152,10 @@ def repack(
     return Repacked(
         layers=layers,
         embed=embed.contiguous(),
-        matrices={"lm_head": pack(fold_gain(head, weights["norm"]) if fold else head)},
+        matrices={"lm_head": pack_head(fold_gain(head, weights["norm"]) if fold else head)},
         rope_cos=cos.contiguous(),
         rope_sin=sin.contiguous(),
         norm_gain=None if fold else _f32(weights["norm"]),
         format=fmt,
+        head_format=head_fmt,
     )

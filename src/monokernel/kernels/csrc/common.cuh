@@ -30,7 +30,7 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
 
 // A GEMV's input vector in shared memory is stored swizzled: in every other 128-byte block
 // the two 16-byte halves of each 32-byte chunk trade places. A lane reads its chunk of 8
-// floats as two 16-byte loads, the lanes 32 bytes apart (dot8); unswizzled, lanes l and l + 4
+// floats as two 16-byte loads, the lanes 32 bytes apart (gemv.cuh dot_load); unswizzled, lanes l and l + 4
 // hit the same banks and every load takes two passes (ncu on an H100: 41% of the kernel's
 // shared-memory wavefronts were these). swz maps a float's (or a 16-byte chunk's) natural
 // address to where it is kept; applied twice it is the identity. The swap stays inside one

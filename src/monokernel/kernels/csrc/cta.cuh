@@ -14,11 +14,12 @@
 using SA = Split<WeightFormat, MK_H, kSplitA>;     // A: QKV
 using SC = Split<WeightFormat, MK_Q, kSplitC>;     // C: O projection
 using SE = Split<WeightFormat, MK_I, MK_SPLIT_E>;  // E: down projection
-using SF = Split<WeightFormat, MK_H, kSplitF>;     // F: the LM head
+using SF = Split<HeadFormat, MK_H, kSplitF>;       // F: the LM head (its own format)
 using GateUp = RowShape<WeightFormat, MK_H, MK_BATCH2>;  // D: one gate or up row
 // A buffer issued on one path only would stay live through every layer and spill: the LM
-// head's first row goes into A's buffer (its first entries where its rows are shorter).
-static_assert(SF::Shape::B <= SA::Shape::B, "the LM head's first batch must fit in preA");
+// head's first row goes into A's buffer (its first entries where its rows are shorter; the
+// buffer is the longer of the two where the head's format differs).
+constexpr int kPreAF = cmax(SA::Shape::B, SF::Shape::B);
 
 struct Cta {
   // Shared memory.
@@ -46,11 +47,14 @@ struct Cta {
   unsigned attn_done;  // attention ranges finished so far, per head and per KV head group
   unsigned attn_done_g;
   // First batches held in registers across hand-offs, one buffer per stage shape.
-  uint4 preA[SA::Shape::B], preC[SC::Shape::B], preE[SE::Shape::B];
+  uint4 preAF[kPreAF], preC[SC::Shape::B], preE[SE::Shape::B];
   uint4 preG[GateUp::B], preU[GateUp::B];
 
+  __device__ __forceinline__ uint4 (&preA())[SA::Shape::B] {
+    return *reinterpret_cast<uint4(*)[SA::Shape::B]>(&preAF);
+  }
   __device__ __forceinline__ uint4 (&preF())[SF::Shape::B] {
-    return *reinterpret_cast<uint4(*)[SF::Shape::B]>(&preA);
+    return *reinterpret_cast<uint4(*)[SF::Shape::B]>(&preAF);
   }
   // The split-K partial sums [WARPS, SLOTS]: the attention scratch is idle during the GEMVs.
   __device__ __forceinline__ float* part() const { return att; }

@@ -84,8 +84,9 @@ __device__ __forceinline__ void gemv_drawn(Matrix<F> M, const RowTickets& tk, un
     const int rn = tk.row(__shfl_sync(0xffffffffu, got, 0));  // drawn a row ago
     if (rn >= 0 && lane == 0) got = draw_ticket(tk.counter);
     issue_first<F, K, BATCH>(nxt, W + (size_t)(rn >= 0 ? rn : r) * K, lane, rn >= 0);
+    const float rs = M.row_scale(r);
     const float d = warp_sum(row_partial<F, K, BATCH>(cur, W + (size_t)r * K, xs, lane));
-    if (lane == 0) out(r, d * scale);
+    if (lane == 0) out(r, F::kScaled ? d * (scale * rs) : d * scale);
     r = rn;
     return rn >= 0;
   };

@@ -13,6 +13,7 @@
 // A row of K weights of format F, dealt over the 32 lanes of a warp in 16-byte loads.
 template <class F, int K, int BATCH>
 struct RowShape {
+  static_assert(K % F::kPerLoad == 0, "a row is whole 16-byte loads (build.py checks)");
   static constexpr int C = K / F::kPerLoad;        // 16-byte chunks in a row
   static constexpr int N = (C + 31) / 32;          // chunks per lane
   static constexpr int B = N < BATCH ? N : BATCH;  // loads per lane per batch
@@ -34,21 +35,22 @@ __device__ __forceinline__ void issue_first(uint4 (&buf)[RowShape<F, K, BATCH>::
   }
 }
 
-// Dot of 16-byte chunk c of a row with the same 8 floats of xs (stored swizzled, common.cuh).
-// o: 4 where this lane's chunks have their halves swapped, else 0 (lane_half).
+// Dot of 16-byte chunk c of a row with the same kPerLoad floats of xs (stored swizzled,
+// common.cuh). o: 4 where this lane's chunks have their halves swapped, else 0 (lane_half).
 template <class F>
-__device__ __forceinline__ float dot8(const uint4 u, const float* __restrict__ xs, int c,
-                                      int o) {
-  static_assert(F::kPerLoad == 8, "the input is read 8 floats a load (a 32-byte swizzle unit)");
-  const float* q = xs + 8 * c;
-  return F::dot(u, *reinterpret_cast<const float4*>(q + o),
-                *reinterpret_cast<const float4*>(q + 4 - o));
+__device__ __forceinline__ float dot_load(const uint4 u, const float* __restrict__ xs, int c,
+                                          int o) {
+  static_assert(F::kPerLoad % 8 == 0, "the input is read in 8-float units (32-byte swizzle)");
+  float4 x[F::kPerLoad / 4];
+  load_inputs<F::kPerLoad>(x, xs + F::kPerLoad * c, o);
+  return F::dot(u, x);
 }
 
-// dot8's o for a lane: its chunks c = i * 32 + lane lie 1 KB apart, so all share the bit of
-// the address that decides the swap.
+// dot_load's o for a lane: its chunks c = i * 32 + lane lie a multiple of 1 KB apart, so all
+// share the bit of the address that decides the swap.
+template <class F>
 __device__ __forceinline__ int lane_half(const float* xs, int lane) {
-  return swz_off(xs + 8 * lane);
+  return swz_off(xs + F::kPerLoad * lane);
 }
 
 // Lane-partial dot of row w with xs; the first batch was issued earlier into `first`.
@@ -58,12 +60,12 @@ __device__ __forceinline__ float row_partial(const uint4 (&first)[RowShape<F, K,
                                              const float* __restrict__ xs, int lane) {
   using S = RowShape<F, K, BATCH>;
   const uint4* wp = reinterpret_cast<const uint4*>(w);
-  const int o = lane_half(xs, lane);
+  const int o = lane_half<F>(xs, lane);
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < S::B; ++i) {
     const int c = i * 32 + lane;
-    if (c < S::C) acc += dot8<F>(first[i], xs, c, o);
+    if (c < S::C) acc += dot_load<F>(first[i], xs, c, o);
   }
 #pragma unroll
   for (int b0 = S::B; b0 < S::N; b0 += S::B) {
@@ -76,7 +78,7 @@ __device__ __forceinline__ float row_partial(const uint4 (&first)[RowShape<F, K,
 #pragma unroll
     for (int i = 0; i < S::B; ++i) {
       const int c = (b0 + i) * 32 + lane;
-      if (b0 + i < S::N && c < S::C) acc += dot8<F>(buf[i], xs, c, o);
+      if (b0 + i < S::N && c < S::C) acc += dot_load<F>(buf[i], xs, c, o);
     }
   }
   return acc;
@@ -153,6 +155,7 @@ __device__ __forceinline__ void gemv_split(Matrix<F> M, int rows, const float* _
     const int r = cta * P::GROUPS + (int)threadIdx.x / kSplitSlots + j * units;
     if (j < iters && r < rows) b0 = bias[r];
   }
+  const RowScales<F> scales(M, u0, units, iters, rows, lane);
   // Row it of this unit: its first batch is in cur; the next row's goes into nxt.
   auto row = [&](uint4(&cur)[S::B], uint4(&nxt)[S::B], int it, int it0) {
     const int r = u0 + it * units;
@@ -162,6 +165,7 @@ __device__ __forceinline__ void gemv_split(Matrix<F> M, int rows, const float* _
     float d = 0.f;
     if (r < rows)
       d = warp_sum(row_partial<F, P::KP, kBatch>(cur, W + (size_t)r * K + s * P::KP, xp, lane));
+    if constexpr (F::kScaled) d *= r < rows ? scales.at(M, it, r) : 0.f;
     if (lane == 0) part[warp * kSplitSlots + (it - it0)] = d;
     if (!PIPE) issue_first<F, P::KP, kBatch>(nxt, wn, lane, rn < rows);
   };
@@ -210,7 +214,14 @@ __device__ __forceinline__ void gemv_pairs(Matrix<F> M, int pairs, int p0, int s
   const typename F::Elem* __restrict__ W = M.rows;
   // Two rows already stream together; a second pair in flight would need 128 registers.
   constexpr bool PIPE = false;
-  for (int p = p0; p < pairs; p += step) {
+  // Lane j: the scale of row j of this warp's rows 2p0, 2p0 + 1, 2(p0 + step), ...
+  const int count = 2 * ((pairs - p0 + step - 1) / step);
+  float sc = 1.f;
+  if constexpr (F::kScaled) {
+    const size_t r = 2 * ((size_t)p0 + (size_t)(lane >> 1) * step) + (lane & 1);
+    if (lane < count && r < 2 * (size_t)pairs) sc = M.row_scale(r);
+  }
+  for (int p = p0, k = 0; p < pairs; p += step, ++k) {
     uint4 n0[S::B], n1[S::B];
     const int pn = p + step;
     const size_t q = (size_t)(pn < pairs ? pn : p);
@@ -221,7 +232,14 @@ __device__ __forceinline__ void gemv_pairs(Matrix<F> M, int pairs, int p0, int s
     // While row 2p is reduced, row 2p+1's first batch is already in flight.
     const float a = row_partial<F, K, MK_BATCH2>(pre0, W + (size_t)(2 * p) * K, xs, lane);
     const float b = row_partial<F, K, MK_BATCH2>(pre1, W + (size_t)(2 * p + 1) * K, xs, lane);
-    out(p, warp_sum(a), warp_sum(b));
+    if constexpr (F::kScaled) {
+      const bool held = 2 * k + 1 < 32;
+      const float s0 = held ? __shfl_sync(0xffffffffu, sc, 2 * k) : M.row_scale(2 * (size_t)p);
+      const float s1 =
+          held ? __shfl_sync(0xffffffffu, sc, 2 * k + 1) : M.row_scale(2 * (size_t)p + 1);
+      out(p, warp_sum(a) * s0, warp_sum(b) * s1);
+    } else
+      out(p, warp_sum(a), warp_sum(b));
     if (!PIPE) {
       issue_first<F, K, MK_BATCH2>(n0, W + (2 * q) * K, lane, pn < pairs);
       issue_first<F, K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane, pn < pairs);

@@ -15,9 +15,9 @@ static_assert(kFlowCopies == 2, "layout.py: kFlowCopies");
 static_assert(kAttnStages == 2, "layout.py: kAttnStages");
 static_assert(kAttnPmax == 256, "layout.py: kAttnPmax");
 static_assert(MK_TP_MAX == 8, "layout.py: TP_MAX_RANKS");
-// A weight matrix's view is one pointer (a format whose view holds more, e.g. a scale
-// pointer, adds its words here and in layout.py's LAYER_WEIGHTS).
-static_assert(sizeof(WeightMatrix) == 8, "layout.py: a weight matrix is 8 bytes");
+// A weight matrix's view is its rows and its scales (layout.py MatrixView).
+static_assert(sizeof(WeightMatrix) == 16, "layout.py: MatrixView");
+static_assert(sizeof(HeadMatrix) == 16, "layout.py: MatrixView");
 
 // ---- the kernel's argument; launcher.py's ctypes structs come from the same table ----
 struct LayerWeights {  // one a layer, in a device array
@@ -36,7 +36,7 @@ struct LayerWeights {  // one a layer, in a device array
 struct Params {
   const LayerWeights* layers;  // [L]
   const bf16* embed;           // [V, H] unfolded
-  WeightMatrix lm_head;        // [V, H] final norm folded (unless norm_gain)
+  HeadMatrix lm_head;          // [V, H] final norm folded (unless norm_gain)
   const float* norm_gain;      // [H] or null
   const float* rope_cos;       // [max_len, D/2]
   const float* rope_sin;       // [max_len, D/2]
@@ -87,68 +87,68 @@ struct Params {
 #endif
 };
 static_assert(offsetof(LayerWeights, wqkv) == 0, "layout.py");
-static_assert(offsetof(LayerWeights, bqkv) == 8, "layout.py");
-static_assert(offsetof(LayerWeights, q_norm) == 16, "layout.py");
-static_assert(offsetof(LayerWeights, k_norm) == 24, "layout.py");
-static_assert(offsetof(LayerWeights, wo) == 32, "layout.py");
-static_assert(offsetof(LayerWeights, bo) == 40, "layout.py");
-static_assert(offsetof(LayerWeights, wgu) == 48, "layout.py");
-static_assert(offsetof(LayerWeights, wdown) == 56, "layout.py");
-static_assert(offsetof(LayerWeights, attn_gain) == 64, "layout.py");
-static_assert(offsetof(LayerWeights, ffn_gain) == 72, "layout.py");
+static_assert(offsetof(LayerWeights, bqkv) == 16, "layout.py");
+static_assert(offsetof(LayerWeights, q_norm) == 24, "layout.py");
+static_assert(offsetof(LayerWeights, k_norm) == 32, "layout.py");
+static_assert(offsetof(LayerWeights, wo) == 40, "layout.py");
+static_assert(offsetof(LayerWeights, bo) == 56, "layout.py");
+static_assert(offsetof(LayerWeights, wgu) == 64, "layout.py");
+static_assert(offsetof(LayerWeights, wdown) == 80, "layout.py");
+static_assert(offsetof(LayerWeights, attn_gain) == 96, "layout.py");
+static_assert(offsetof(LayerWeights, ffn_gain) == 104, "layout.py");
 static_assert(offsetof(Params, layers) == 0, "layout.py");
 static_assert(offsetof(Params, embed) == 8, "layout.py");
 static_assert(offsetof(Params, lm_head) == 16, "layout.py");
-static_assert(offsetof(Params, norm_gain) == 24, "layout.py");
-static_assert(offsetof(Params, rope_cos) == 32, "layout.py");
-static_assert(offsetof(Params, rope_sin) == 40, "layout.py");
-static_assert(offsetof(Params, k_cache) == 48, "layout.py");
-static_assert(offsetof(Params, v_cache) == 56, "layout.py");
-static_assert(offsetof(Params, x) == 64, "layout.py");
-static_assert(offsetof(Params, qkv) == 72, "layout.py");
-static_assert(offsetof(Params, attn) == 80, "layout.py");
-static_assert(offsetof(Params, attn_ml) == 88, "layout.py");
-static_assert(offsetof(Params, delta) == 96, "layout.py");
-static_assert(offsetof(Params, attn_out) == 104, "layout.py");
-static_assert(offsetof(Params, attn_count) == 112, "layout.py");
-static_assert(offsetof(Params, act) == 120, "layout.py");
-static_assert(offsetof(Params, logits) == 128, "layout.py");
-static_assert(offsetof(Params, part_score) == 136, "layout.py");
-static_assert(offsetof(Params, part_id) == 144, "layout.py");
-static_assert(offsetof(Params, flags) == 152, "layout.py");
-static_assert(offsetof(Params, barrier) == 160, "layout.py");
-static_assert(offsetof(Params, forced) == 168, "layout.py");
-static_assert(offsetof(Params, debug_logits) == 176, "layout.py");
-static_assert(offsetof(Params, stop_ids) == 184, "layout.py");
-static_assert(offsetof(Params, host_out) == 192, "layout.py");
-static_assert(offsetof(Params, host_cancel) == 200, "layout.py");
-static_assert(offsetof(Params, timing) == 208, "layout.py");
-static_assert(offsetof(Params, max_len) == 216, "layout.py");
-static_assert(offsetof(Params, first_token) == 220, "layout.py");
-static_assert(offsetof(Params, start_pos) == 224, "layout.py");
-static_assert(offsetof(Params, n_steps) == 228, "layout.py");
-static_assert(offsetof(Params, n_stop) == 232, "layout.py");
-static_assert(offsetof(Params, top_k) == 236, "layout.py");
-static_assert(offsetof(Params, temperature) == 240, "layout.py");
-static_assert(offsetof(Params, top_p) == 244, "layout.py");
-static_assert(offsetof(Params, seed_lo) == 248, "layout.py");
-static_assert(offsetof(Params, seed_hi) == 252, "layout.py");
-static_assert(offsetof(Params, eps) == 256, "layout.py");
-static_assert(offsetof(Params, timing_step) == 260, "layout.py");
-static_assert(offsetof(Params, attn_splits) == 264, "layout.py");
-static_assert(offsetof(Params, attn_group_splits) == 268, "layout.py");
-static_assert(offsetof(Params, attn_group_from) == 272, "layout.py");
-static_assert(offsetof(Params, pad_) == 276, "layout.py");
+static_assert(offsetof(Params, norm_gain) == 32, "layout.py");
+static_assert(offsetof(Params, rope_cos) == 40, "layout.py");
+static_assert(offsetof(Params, rope_sin) == 48, "layout.py");
+static_assert(offsetof(Params, k_cache) == 56, "layout.py");
+static_assert(offsetof(Params, v_cache) == 64, "layout.py");
+static_assert(offsetof(Params, x) == 72, "layout.py");
+static_assert(offsetof(Params, qkv) == 80, "layout.py");
+static_assert(offsetof(Params, attn) == 88, "layout.py");
+static_assert(offsetof(Params, attn_ml) == 96, "layout.py");
+static_assert(offsetof(Params, delta) == 104, "layout.py");
+static_assert(offsetof(Params, attn_out) == 112, "layout.py");
+static_assert(offsetof(Params, attn_count) == 120, "layout.py");
+static_assert(offsetof(Params, act) == 128, "layout.py");
+static_assert(offsetof(Params, logits) == 136, "layout.py");
+static_assert(offsetof(Params, part_score) == 144, "layout.py");
+static_assert(offsetof(Params, part_id) == 152, "layout.py");
+static_assert(offsetof(Params, flags) == 160, "layout.py");
+static_assert(offsetof(Params, barrier) == 168, "layout.py");
+static_assert(offsetof(Params, forced) == 176, "layout.py");
+static_assert(offsetof(Params, debug_logits) == 184, "layout.py");
+static_assert(offsetof(Params, stop_ids) == 192, "layout.py");
+static_assert(offsetof(Params, host_out) == 200, "layout.py");
+static_assert(offsetof(Params, host_cancel) == 208, "layout.py");
+static_assert(offsetof(Params, timing) == 216, "layout.py");
+static_assert(offsetof(Params, max_len) == 224, "layout.py");
+static_assert(offsetof(Params, first_token) == 228, "layout.py");
+static_assert(offsetof(Params, start_pos) == 232, "layout.py");
+static_assert(offsetof(Params, n_steps) == 236, "layout.py");
+static_assert(offsetof(Params, n_stop) == 240, "layout.py");
+static_assert(offsetof(Params, top_k) == 244, "layout.py");
+static_assert(offsetof(Params, temperature) == 248, "layout.py");
+static_assert(offsetof(Params, top_p) == 252, "layout.py");
+static_assert(offsetof(Params, seed_lo) == 256, "layout.py");
+static_assert(offsetof(Params, seed_hi) == 260, "layout.py");
+static_assert(offsetof(Params, eps) == 264, "layout.py");
+static_assert(offsetof(Params, timing_step) == 268, "layout.py");
+static_assert(offsetof(Params, attn_splits) == 272, "layout.py");
+static_assert(offsetof(Params, attn_group_splits) == 276, "layout.py");
+static_assert(offsetof(Params, attn_group_from) == 280, "layout.py");
+static_assert(offsetof(Params, pad_) == 284, "layout.py");
 #if MK_TP > 1
-static_assert(offsetof(Params, tp_recv) == 280, "layout.py");
-static_assert(offsetof(Params, tp_mine) == 344, "layout.py");
-static_assert(offsetof(Params, tp_rank) == 352, "layout.py");
-static_assert(offsetof(Params, vocab_start) == 356, "layout.py");
-static_assert(offsetof(Params, tp_tag) == 360, "layout.py");
-static_assert(offsetof(Params, tp_pad_) == 364, "layout.py");
-static_assert(sizeof(Params) == 368, "layout.py");
+static_assert(offsetof(Params, tp_recv) == 288, "layout.py");
+static_assert(offsetof(Params, tp_mine) == 352, "layout.py");
+static_assert(offsetof(Params, tp_rank) == 360, "layout.py");
+static_assert(offsetof(Params, vocab_start) == 364, "layout.py");
+static_assert(offsetof(Params, tp_tag) == 368, "layout.py");
+static_assert(offsetof(Params, tp_pad_) == 372, "layout.py");
+static_assert(sizeof(Params) == 376, "layout.py");
 #else
-static_assert(sizeof(Params) == 280, "layout.py");
+static_assert(sizeof(Params) == 288, "layout.py");
 #endif
 
 // ---- Params::timing: int64 slots of the profiled step (probes.cuh) ----

@@ -20,14 +20,18 @@ __device__ __forceinline__ void mlp_down(const Params& p, Cta& c, const Step& s,
   // the last layer, the LM head's, into A's buffer. The row's address is read before the
   // arrival, off the way from the hand-off's barrier to the loads.
   const bool more = l.index + 1 < MK_L;
-  const WeightFormat::Elem* next =
-      more ? split_first<MK_H, kSplitA>(p.layers[l.index + 1].wqkv, kQkv, c.warp)
-           : split_first<MK_H, kSplitF>(p.lm_head, MK_V, c.warp);
+  // Where the head's rows are as long as A's slices in the same format, one path issues both.
+  constexpr bool kOnePath = std::is_same_v<WeightFormat, HeadFormat> && SF::KP == SA::KP;
+  const void* next =
+      more ? (const void*)split_first<MK_H, kSplitA>(p.layers[l.index + 1].wqkv, kQkv, c.warp)
+           : (const void*)split_first<MK_H, kSplitF>(p.lm_head, MK_V, c.warp);
   hand_off(p, c, s, l, kMarkMlpDownWork, kMarkMlpDownWait, [&] {
     stage_gain<MK_H>(c.gn, more ? p.layers[l.index + 1].attn_gain : p.norm_gain);
-    if (SF::KP == SA::KP || more)
-      issue_first<WeightFormat, SA::KP, kBatch>(c.preA, next, c.lane);
+    if (kOnePath || more)
+      issue_first<WeightFormat, SA::KP, kBatch>(
+          c.preA(), static_cast<const WeightFormat::Elem*>(next), c.lane);
     else
-      issue_first<WeightFormat, SF::KP, kBatch>(c.preF(), next, c.lane);
+      issue_first<HeadFormat, SF::KP, kBatch>(
+          c.preF(), static_cast<const HeadFormat::Elem*>(next), c.lane);
   });
 }

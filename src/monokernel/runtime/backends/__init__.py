@@ -109,11 +109,21 @@ def construct_backend(
     max_seq_len: int,
     device: torch.device,
     owned: bool = False,
+    quantize: str | None = None,
 ) -> Backend:
-    """Engine ``name``'s backend; ``owned``: as in create_backend."""
+    """Engine ``name``'s backend; ``owned``, ``quantize``: as in create_backend."""
     module, cls = BACKEND_CLASSES[name]
     backend_cls = getattr(importlib.import_module(module), cls)
-    extra = {"consume_weights": True} if owned and name == "monokernel" else {}
+    extra: dict[str, object] = {}
+    if name == "monokernel":
+        extra = {"consume_weights": True} if owned else {}
+        if quantize is not None:
+            extra["quantize"] = quantize
+    elif quantize is not None:
+        # The other engines compute with the dequantised values the kernel multiplies by.
+        from monokernel.weights.quantize import fake_quantize
+
+        weights = fake_quantize(weights, quantize)
     backend: Backend = backend_cls(cfg, weights, max_seq_len, device, **extra)
     return backend
 
@@ -127,12 +137,14 @@ def create_backend(
     tp: int = 1,
     on_fallback: OnFallback | None = None,
     owned: bool = False,
+    quantize: str | None = None,
 ) -> Backend:
     """Build the backend for engine ``name``. For ``auto`` a monokernel that cannot serve
     this model (see FALLBACK_ERRORS) gives way to ``fallback_engine()``; ``on_fallback``
     hears why and picks that engine's context. A named engine fails with its own error.
     ``owned``: the caller holds no other reference to ``weights``, so the monokernel repacks
-    them in place (a model the GPU holds once but not twice)."""
+    them in place (a model the GPU holds once but not twice). ``quantize``: the layers'
+    matrices quantised at load (weights/quantize.py), on every engine."""
     resolved = resolve_engine(name, device)
     if tp > 1:
         # Only the monokernel splits a request over GPUs (docs/tensor-parallel.md).
@@ -144,10 +156,10 @@ def create_backend(
 
         return MonokernelTPBackend(cfg, weights, max_seq_len, device, tp)
     if name != "auto" or resolved != "monokernel":
-        return construct_backend(resolved, cfg, weights, max_seq_len, device, owned)
+        return construct_backend(resolved, cfg, weights, max_seq_len, device, owned, quantize)
     names = set(weights)
     try:
-        return construct_backend(resolved, cfg, weights, max_seq_len, device, owned)
+        return construct_backend(resolved, cfg, weights, max_seq_len, device, owned, quantize)
     except FALLBACK_ERRORS as e:
         if set(weights) != names:
             raise  # it took the weights apart (repack's `consume`): nothing left to fall back on
@@ -158,4 +170,4 @@ def create_backend(
     other = fallback_engine()
     if on_fallback is not None:
         max_seq_len = on_fallback(other, reason)
-    return construct_backend(other, cfg, weights, max_seq_len, device)
+    return construct_backend(other, cfg, weights, max_seq_len, device, quantize=quantize)

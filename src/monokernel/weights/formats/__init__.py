@@ -7,6 +7,8 @@ from __future__ import annotations
 from monokernel.errors import MonokernelError
 from monokernel.weights.formats.base import PackedMatrix, WeightFormat
 from monokernel.weights.formats.bf16 import Bf16
+from monokernel.weights.formats.fp8 import Fp8Rows
+from monokernel.weights.formats.int8 import Int8Rows
 
 __all__ = [
     "DEFAULT_FORMAT",
@@ -19,7 +21,7 @@ __all__ = [
 
 DEFAULT_FORMAT = "bf16"
 
-_FORMATS: tuple[type[WeightFormat], ...] = (Bf16,)
+_FORMATS: tuple[type[WeightFormat], ...] = (Bf16, Fp8Rows, Int8Rows)
 FORMATS: dict[str, WeightFormat] = {cls.name: cls() for cls in _FORMATS}
 
 

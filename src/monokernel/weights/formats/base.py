@@ -48,6 +48,9 @@ class WeightFormat(ABC):
 
     name: ClassVar[str]  # as the registry and users spell it
     kernel_type: ClassVar[str]  # the C++ type the kernel's weight view and GEMV take
+    # Weights one 16-byte load of a row holds (the C++ type's kPerLoad): the kernel reads a
+    # row in whole loads, so a GEMV's input length must be a multiple (build.py checks).
+    weights_per_load: ClassVar[int]
     # pack(w) and dense(m) hand back w itself when it is already bf16 and contiguous:
     # repacking allocates nothing for a matrix it neither fuses nor folds, and the prefill
     # reads the matrix without a copy.
@@ -58,9 +61,22 @@ class WeightFormat(ABC):
         """w [rows, cols] floating point -> the tensors the kernel streams."""
 
     @abstractmethod
-    def dense(self, m: PackedMatrix) -> torch.Tensor:
-        """m as the [rows, cols] matrix the prefill's GEMMs read: bf16 (float32 where the
-        format keeps a float32 matrix, for the CPU tests' exact arithmetic)."""
+    def dense(self, m: PackedMatrix, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """m dequantised: the [rows, cols] matrix the kernel multiplies by, in ``dtype``.
+
+        ``None`` is the format's natural dtype, what the prefill's GEMMs read: bf16 (for bf16,
+        the stored tensor itself, no copy; float32 where it keeps a float32 matrix, for the
+        CPU tests' exact arithmetic). ``torch.float32`` gives a scaled format's values
+        exactly (its fp32 scale times the stored weight), which the reference engine
+        computes with to match the kernel (weights/quantize.py)."""
+
+    def gemm_operands(
+        self, m: PackedMatrix, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(w, s) with m's values = w * s[:, None] (s None: w is m's values): what a GEMM
+        multiplies by, then scales its output columns by, so a format whose stored values
+        are exact in bf16 is multiplied exactly. Default: ``(dense(m, dtype), None)``."""
+        return self.dense(m, dtype), None
 
     @abstractmethod
     def matrix_bytes(self, rows: int, cols: int) -> int:

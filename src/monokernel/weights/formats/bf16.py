@@ -22,6 +22,7 @@ _ELEMENT_BYTES = 2
 class Bf16(WeightFormat):
     name = "bf16"
     kernel_type = "Bf16Rows"
+    weights_per_load = 8
     packs_in_place = True
 
     def pack(self, w: torch.Tensor) -> PackedMatrix:
@@ -31,8 +32,10 @@ class Bf16(WeightFormat):
         rows, cols = w.shape
         return PackedMatrix(self.name, rows, cols, data.contiguous())  # [rows, cols]
 
-    def dense(self, m: PackedMatrix) -> torch.Tensor:
-        return m.data  # [rows, cols], the streamed tensor itself
+    def dense(self, m: PackedMatrix, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if dtype is None or dtype == m.data.dtype:
+            return m.data  # [rows, cols], the streamed tensor itself
+        return m.data.to(dtype)
 
     def matrix_bytes(self, rows: int, cols: int) -> int:
         return _ELEMENT_BYTES * rows * cols

@@ -44,6 +44,14 @@ def test_other_dtypes_round_to_bf16_and_float32_stays(
     assert torch.equal(dense, want)
 
 
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float32])
+def test_dense_in_a_dtype_copies_only_to_change_it(stored: torch.dtype) -> None:
+    m = BF16.pack(_matrix(7, 13, stored, seed=5))
+    assert BF16.dense(m, None) is m.data and BF16.dense(m, stored) is m.data
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        assert torch.equal(BF16.dense(m, dtype), m.data.to(dtype))
+
+
 def test_a_strided_matrix_is_packed_contiguous() -> None:
     w = _matrix(9, 14, torch.bfloat16)
     m = BF16.pack(w.t())  # [14, 9], columns contiguous
@@ -107,9 +115,9 @@ def test_the_registry() -> None:
     assert "bf16" in FORMATS
 
 
-@pytest.mark.parametrize("name", ["fp8", "BF16", ""])
+@pytest.mark.parametrize("name", ["fp4", "BF16", "FP8", ""])
 def test_an_unknown_format_names_the_accepted_ones(name: str) -> None:
     with pytest.raises(UnknownWeightFormatError) as e:
         get_format(name)
     assert isinstance(e.value, ValueError)
-    assert str(e.value) == f"unknown weight format {name!r}; accepted formats: bf16"
+    assert str(e.value) == f"unknown weight format {name!r}; accepted formats: bf16, fp8, int8"

@@ -6,9 +6,11 @@
 struct Bf16Rows {
   using Elem = bf16;                  // storage element: a row of K weights is K of them
   static constexpr int kPerLoad = 8;  // weights in one 16-byte load
+  static constexpr bool kScaled = false;
+  static constexpr float kUnit = 1.f;
 
-  // The 8 weights of one load dotted with the 8 floats (a, b), fp32 accumulation.
-  __device__ static __forceinline__ float dot(const uint4 u, const float4 a, const float4 b) {
-    return dot_bf16x8(u, a, b);
+  // The 8 weights of one load dotted with the 8 floats x, fp32 accumulation.
+  __device__ static __forceinline__ float dot(const uint4 u, const float4 (&x)[2]) {
+    return dot_bf16x8(u, x[0], x[1]);
   }
 };

@@ -1,20 +1,76 @@
 // The weight format seam. A format is a type with
-//   Elem       the storage element (a row of K weights is K / (weights per element) of them),
-//   kPerLoad   the weights one 16-byte load holds,
-//   dot(u, a, b)  one load's weights dotted with 8 fp32 inputs, fp32 accumulation,
+//   Elem        the storage element (a row of K weights is K of them: one element a weight),
+//   kPerLoad    the weights one 16-byte load holds (8 or 16),
+//   kScaled     whether each row's dot product is multiplied by its fp32 scale,
+//   kUnit       a constant that scale is multiplied by (a dequantisation's fixed factor),
+//   dot(u, x)   one load's weights dotted with kPerLoad fp32 inputs x, fp32 accumulation,
 // and the GEMVs (gemv.cuh, drawn_rows.cuh) are templates over it, reached through the type
-// of the matrix view they are given: the stages never name a format. MK_WEIGHT_FORMAT
-// (build.py's WEIGHT_FORMATS table, KernelDims.weight_format) picks the build's. A new
-// format adds its header here, its row in that table and its repacking on the host.
+// of the matrix view they are given: the stages never name a format. MK_WEIGHT_FORMAT picks
+// the layers' format and MK_HEAD_FORMAT the LM head's (build.py's WEIGHT_FORMATS table). A
+// new format adds its header here, its row in that table and its packing on the host.
 #pragma once
-#include "bf16.cuh"
+#include <type_traits>
 
-using WeightFormat = MK_WEIGHT_FORMAT;
+#include "bf16.cuh"
+#include "fp8.cuh"
+#include "int8.cuh"
 
 // A row-major weight matrix [rows, K] in format F, as the kernel's LayerWeights hold it.
+// scales: [rows] fp32 for a scaled format, else null.
 template <class F>
 struct Matrix {
   using Format = F;
   const typename F::Elem* rows;
+  const float* scales;
+
+  // Row r's scale (1 for an unscaled format).
+  __device__ __forceinline__ float row_scale(size_t r) const {
+    if constexpr (F::kScaled)
+      return __ldg(scales + r) * F::kUnit;
+    else
+      return 1.f;
+  }
 };
+
+// The scales of a warp's rows, read together where the warp's first rows are issued: the
+// scales are ~0.1% of a matrix's bytes, so each comes from HBM, and one read when its row is
+// reduced would expose a round trip a row (measured: a quarter of an fp8 8B model's step).
+// Lane j holds the scale of the warp's j-th row (rows first + j * stride, j < 32, below
+// `rows`); at(j) for a later row reads it then.
+template <class F>
+struct RowScales {
+  float mine = 1.f;
+
+  __device__ __forceinline__ RowScales(Matrix<F> M, size_t first, size_t stride, int count,
+                                       size_t rows, int lane) {
+    if constexpr (F::kScaled) {
+      const size_t r = first + (size_t)lane * stride;
+      if (lane < count && r < rows) mine = M.row_scale(r);
+    }
+  }
+  // The scale of the warp's j-th row (warp-uniform j), which is row r of M.
+  __device__ __forceinline__ float at(Matrix<F> M, int j, size_t r) const {
+    if constexpr (F::kScaled)
+      return j < 32 ? __shfl_sync(0xffffffffu, mine, j) : M.row_scale(r);
+    else
+      return 1.f;
+  }
+};
+
+using WeightFormat = MK_WEIGHT_FORMAT;
+using HeadFormat = MK_HEAD_FORMAT;
 using WeightMatrix = Matrix<WeightFormat>;
+using HeadMatrix = Matrix<HeadFormat>;
+
+// The kPerLoad inputs of one load: 8-float units of the swizzled vector (common.cuh) at q,
+// each read as two 16-byte halves, o (0 or 4) the swap of this lane's units (lane_half).
+// A load's units lie in one 128-byte block (a 64-byte load of x at most), so they swap alike.
+template <int N>
+__device__ __forceinline__ void load_inputs(float4 (&x)[N / 4], const float* __restrict__ q,
+                                            int o) {
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    x[2 * j] = *reinterpret_cast<const float4*>(q + 8 * j + o);
+    x[2 * j + 1] = *reinterpret_cast<const float4*>(q + 8 * j + 4 - o);
+  }
+}

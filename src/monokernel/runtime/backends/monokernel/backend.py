@@ -36,7 +36,9 @@ from monokernel.runtime.backends.monokernel.probes import Probes
 from monokernel.runtime.backends.monokernel.request import FIRST_TOKEN_SOURCES, RequestDriver
 from monokernel.runtime.prefill_graphs import graphs_enabled
 from monokernel.runtime.prefix_cache import PrefixCache
+from monokernel.weights.formats import DEFAULT_FORMAT
 from monokernel.weights.names import Weights
+from monokernel.weights.quantize import check_method
 from monokernel.weights.repack import repack
 
 
@@ -57,6 +59,7 @@ class MonokernelBackend:
         first_token: str | None = None,
         handoff_search: int | None = None,
         consume_weights: bool = False,
+        quantize: str | None = None,
     ) -> None:
         """Knobs (docs/long-context.md; each ``None`` takes its setting in monokernel/envs.py):
 
@@ -70,7 +73,10 @@ class MonokernelBackend:
         timed against its own at load, the fastest kept (handoff_placement.py;
         MONOKERNEL_HANDOFF_SEARCH; 0: off). ``consume_weights``: each layer's tensors are
         popped from ``weights`` as they are repacked (weights.repack), for callers that hold
-        no other reference and a model the GPU holds once but not twice.
+        no other reference and a model the GPU holds once but not twice. ``quantize``: the
+        weight format the layers' matrices are packed in (weights/quantize.py: fp8, int8),
+        quantised from the checkpoint at load; the LM head and the embedding stay as they
+        are (None: bf16 throughout).
         """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -88,7 +94,11 @@ class MonokernelBackend:
                 f"first token source {source!r}; choose from {', '.join(FIRST_TOKEN_SOURCES)}"
             )
         self.first_from_prefill = source == "prefill"
-        dims = kernel_dims(cfg)  # refuses unsupported shapes first
+        fmt = DEFAULT_FORMAT if quantize is None else check_method(quantize)
+        if fold_norms and fmt != DEFAULT_FORMAT:
+            # Folding would quantise W * g, not the checkpoint's W that the other engines use.
+            raise InvalidRequestError("fold_norms: not with a quantised weight format")
+        dims = kernel_dims(cfg, weight_format=fmt)  # refuses unsupported shapes first
         # Compiled (or found cached) before the weights are touched: a failed build leaves
         # them whole, for the engine `auto` falls back to, even when repacking consumes them.
         for d in (dims, dataclasses.replace(dims, group_units=False)):
@@ -98,15 +108,25 @@ class MonokernelBackend:
         # Refuse a context that cannot fit before allocating anything for it.
         convert = weights["embed"].dtype != torch.bfloat16
         free = kv_memory.free_device_bytes(device)
-        extra = kv_memory.repack_bytes(cfg, fold_norms, convert, consume=consume_weights)
+        extra = kv_memory.repack_bytes(cfg, fold_norms, convert, fmt, consume=consume_weights)
         need = kv_memory.check_fits(
-            cfg, max_seq_len, free, chunk, precision, str(device), extra, graphs_enabled(device)
+            cfg,
+            max_seq_len,
+            free,
+            chunk,
+            precision,
+            str(device),
+            extra,
+            graphs_enabled(device),
+            fmt,
         )
         if convert:
             weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
         # Prefill and decode both run on the repacked tensors, so nothing here keeps the
         # checkpoint's own (fused-away) matrices alive.
-        packed = repack(cfg, weights, max_seq_len, fold=fold_norms, consume=consume_weights)
+        packed = repack(
+            cfg, weights, max_seq_len, fold=fold_norms, fmt=fmt, consume=consume_weights
+        )
         del weights
         if snapshot_bytes is None:
             snapshot_bytes = KVStore.default_snapshot_bytes(cfg, max_seq_len, free - need)

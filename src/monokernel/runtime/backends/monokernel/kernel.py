@@ -53,11 +53,15 @@ def monokernel_supported(device: torch.device) -> tuple[bool, str]:
     return True, "ok"
 
 
-def kernel_dims(cfg: ModelConfig, tp: int = 1) -> kbuild.KernelDims:
-    """The build's dimensions for ``cfg`` (one rank's config under tensor parallelism);
-    refuses a shape the kernel cannot run, before anything is allocated for it."""
-    dims = kbuild.KernelDims.from_config(cfg)
-    return dims if tp == 1 else dataclasses.replace(dims, tp=tp)
+def kernel_dims(cfg: ModelConfig, tp: int = 1, weight_format: str = "bf16") -> kbuild.KernelDims:
+    """The build's dimensions for ``cfg`` (one rank's config under tensor parallelism), the
+    layers' matrices in ``weight_format``; refuses a shape the kernel cannot run, before
+    anything is allocated for it."""
+    dims = dataclasses.replace(
+        kbuild.KernelDims.from_config(cfg), tp=tp, weight_format=weight_format
+    )
+    dims.check_formats()
+    return dims
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -65,7 +69,7 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def layer_table(packed: Repacked) -> torch.Tensor:
-    """Each layer's pointers in the kernel's LayerWeights order, on the host: [L, 10] int64."""
+    """Each layer's LayerWeights row (layout.layer_pointers), on the host: [L, 14] int64."""
     return torch.tensor([layout.layer_pointers(lp) for lp in packed.layers], dtype=torch.int64)
 
 
@@ -182,7 +186,7 @@ class DecodeKernel:
 
     def _alloc_buffers(self) -> None:
         cfg, dev, f32, i32 = self.cfg, self.device, torch.float32, torch.int32
-        self.layer_table = layer_table(self.packed).to(dev)  # [L, 10]
+        self.layer_table = layer_table(self.packed).to(dev)  # [L, 14]
         # Every tagged vector in one buffer, zeroed per launch (one memset).
         self.handoff_regions = layout.handoff_regions(cfg, self.grid)
         total = sum(r.total for r in self.handoff_regions)
@@ -275,7 +279,7 @@ class DecodeKernel:
         fields: dict[str, object] = dict(
             layers=_ptr(self.layer_table),
             embed=_ptr(pk.embed),
-            lm_head=_ptr(pk.lm_head),
+            lm_head=layout.matrix_view(pk.matrices["lm_head"]),
             norm_gain=_ptr(pk.norm_gain),
             rope_cos=_ptr(pk.rope_cos),
             rope_sin=_ptr(pk.rope_sin),

@@ -18,14 +18,32 @@ from monokernel.weights.repack import repack
 def test_layer_table_is_each_layers_pointers_in_the_kernels_order() -> None:
     cfg = SHAPES["odd"]  # biases, q/k norms: every slot in use
     packed = repack(cfg, random_weights(cfg, seed=0), 32, fold=False)
-    table = layer_table(packed)  # [L, fields]
-    assert table.shape == (cfg.num_layers, len(layout.LAYER_WEIGHTS))
+    table = layer_table(packed)  # [L, words]: a matrix's view is two (rows, scales)
+    matrices = [f.name for f in layout.LAYER_WEIGHTS if f.ctype is layout.MatrixView]
+    assert matrices == ["wqkv", "wo", "wgu", "wdown"]
+    assert table.shape == (cfg.num_layers, len(layout.LAYER_WEIGHTS) + len(matrices))
     assert table.dtype == torch.int64
-    names = [f.name for f in layout.LAYER_WEIGHTS]
-    assert names[:2] == ["wqkv", "bqkv"] and names[7] == "wdown"
     for row, lp in zip(table.tolist(), packed.layers, strict=True):
-        assert row == [getattr(lp, name).data_ptr() for name in names]
-        assert len(set(row)) == len(row)  # every slot a tensor of its own
+        want: list[int] = []
+        for f in layout.LAYER_WEIGHTS:
+            t = getattr(lp, f.name)
+            want += [t.data_ptr(), 0] if f.name in matrices else [t.data_ptr()]
+        assert row == want  # bf16: no scales
+        pointers = [w for w in row if w]
+        assert len(set(pointers)) == len(pointers) == len(layout.LAYER_WEIGHTS)
+
+
+def test_a_scaled_format_puts_its_scales_beside_its_rows() -> None:
+    cfg = dataclasses.replace(
+        SHAPES["odd"], hidden_size=528, intermediate_size=1424, num_heads=5, head_dim=112
+    )
+    packed = repack(cfg, random_weights(cfg, seed=0), 32, fold=False, fmt="int8")
+    row = layer_table(packed)[0].tolist()
+    lp = packed.layers[0]
+    assert row[:2] == [lp.wqkv.data_ptr(), lp.matrices["wqkv"].scales[0].data_ptr()]
+    head = layout.matrix_view(packed.matrices["lm_head"])
+    assert (head.rows, head.scales) == (packed.lm_head.data_ptr(), 0)  # the head stays bf16
+    assert packed.matrices["lm_head"].format == "bf16"
 
 
 def test_kernel_dims_carry_the_ranks_and_refuse_what_cannot_run() -> None:
@@ -35,3 +53,14 @@ def test_kernel_dims_carry_the_ranks_and_refuse_what_cannot_run() -> None:
     odd_head = dataclasses.replace(cfg, head_dim=100)  # not a multiple of 8
     with pytest.raises(UnsupportedModelError, match="head_dim"):
         kernel_dims(odd_head)
+
+
+def test_a_one_byte_format_needs_rows_of_whole_loads() -> None:
+    with pytest.raises(UnsupportedModelError, match=r"hidden 520.* not a multiple of 16"):
+        kernel_dims(SHAPES["odd"], weight_format="fp8")
+    cfg = dataclasses.replace(
+        SHAPES["odd"], hidden_size=528, intermediate_size=1424, num_heads=5, head_dim=112
+    )
+    assert kernel_dims(cfg, weight_format="int8").weight_format == "int8"
+    with pytest.raises(UnsupportedModelError, match="weight format 'int4'"):
+        kernel_dims(cfg, weight_format="int4")

@@ -1,0 +1,94 @@
+"""fp8 rows: each weight one float8 e4m3 byte, each row (output feature) one float32 scale.
+
+Layout, like bf16's: row-major [rows, cols] with the input dimension contiguous, so the
+kernel keeps giving each warp whole rows; a 16-byte load now brings 16 weights instead of 8,
+which halves the bytes a decode step streams. The kernel accumulates a row's dot product of
+the raw fp8 values with the activations and multiplies it once by the row's fp32 scale:
+``data`` holds exactly the bytes it streams and ``scales[0]`` the [rows] scales.
+
+A row's scale maps its largest magnitude onto e4m3's largest finite value (448), so each row
+uses the whole range whatever its size; a row of zeros gets scale 1 (any scale represents it,
+and 1 keeps the division finite). Everything is per row: packing rows apart and stacking
+them gives the same bytes as packing the stack, so the repack may fuse (Q/K/V, gate/up)
+before or after packing, and a rank's row block carries its own scales.
+
+``RowScaled`` is the part fp8 and int8 (int8.py) share: they differ only in how a scaled row
+is rounded to one byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import abstractmethod
+from typing import ClassVar
+
+import torch
+
+from monokernel.weights.formats.base import PackedMatrix, WeightFormat, check_block
+
+_FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_SCALE_BYTES = 4  # float32
+
+
+class RowScaled(WeightFormat):
+    """One byte a weight and one float32 scale a row; the value is ``data[r, c] * s[r]``."""
+
+    packs_in_place = False
+    weights_per_load = 16
+    qmax: ClassVar[float]  # the largest stored magnitude; a row's amax maps onto it
+
+    @abstractmethod
+    def _round(self, scaled: torch.Tensor) -> torch.Tensor:
+        """w / s (float32, |.| <= qmax up to rounding) -> the stored bytes."""
+
+    def pack(self, w: torch.Tensor) -> PackedMatrix:
+        if w.dim() != 2 or not w.is_floating_point():
+            raise ValueError(
+                f"{self.name} packs a floating-point matrix; got {w.dtype} {tuple(w.shape)}"
+            )
+        rows, cols = w.shape
+        wf = w.float()  # one rounding of the input, so any float dtype scales alike
+        amax = wf.abs().amax(dim=1)  # [rows]
+        s = torch.where(amax > 0, amax / self.qmax, torch.ones_like(amax))
+        q = self._round(wf / s[:, None])  # [rows, cols]
+        return PackedMatrix(self.name, rows, cols, q.contiguous(), (s.contiguous(),))
+
+    def dense(self, m: PackedMatrix, dtype: torch.dtype | None = None) -> torch.Tensor:
+        # float32 product first: with dtype=float32 the result is exactly what the kernel
+        # multiplies by; bf16 rounds it once, as the prefill's GEMMs want.
+        (s,) = m.scales
+        return (m.data.float() * s[:, None]).to(dtype or torch.bfloat16)
+
+    def gemm_operands(
+        self, m: PackedMatrix, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # The stored values (e4m3's 4 significant bits, int8's 7) are exact in bf16, so the
+        # prefill's GEMM sees the kernel's weights without a second rounding of q * s.
+        return m.data.to(dtype or torch.bfloat16), m.scales[0]
+
+    def matrix_bytes(self, rows: int, cols: int) -> int:
+        return rows * cols + _SCALE_BYTES * rows
+
+    def slice_rows(self, m: PackedMatrix, start: int, size: int) -> PackedMatrix:
+        check_block(m, start, size, "rows")
+        (s,) = m.scales
+        end = start + size
+        return dataclasses.replace(m, rows=size, data=m.data[start:end], scales=(s[start:end],))
+
+    def slice_cols(self, m: PackedMatrix, start: int, size: int) -> PackedMatrix:
+        # The scales are a row's: every column block of a row shares them, so partial dot
+        # products scaled alike sum to the whole row's.
+        check_block(m, start, size, "cols")
+        block = m.data[:, start : start + size].contiguous()  # rows stay contiguous: a copy
+        return dataclasses.replace(m, cols=size, data=block)
+
+
+class Fp8Rows(RowScaled):
+    name = "fp8"
+    kernel_type = "Fp8Rows"
+    qmax = _FP8_MAX
+
+    def _round(self, scaled: torch.Tensor) -> torch.Tensor:
+        # Clamped first: the division can land a hair past 448, and e4m3fn has no infinity
+        # to saturate to (an out-of-range value converts to NaN).
+        return scaled.clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)

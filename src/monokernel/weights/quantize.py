@@ -1,0 +1,63 @@
+"""``--quantize fp8|int8``: a bf16 or float32 checkpoint quantised at load.
+
+The monokernel packs each layer's matrices in the asked-for weight format
+(``weights/formats``: one byte a weight, a float32 scale a row) and streams half the bytes
+of bf16. The other engines (the reference, torch-compiled) cannot read those bytes; they get
+``fake_quantize``'s weights instead: each quantised matrix replaced by the dequantised values
+the kernel multiplies by, in the checkpoint's dtype, so every engine computes the same model
+and the monokernel's tokens can still be checked against the reference's.
+
+Only the seven matrices of every layer are quantised. The LM head and the embedding keep the
+checkpoint's format, as vLLM's ``--quantize`` does: they are the most sensitive matrices
+(every logit goes through the head, every token through its embedding row), and the
+embedding is a table the kernel gathers one row of a token, not a matrix it streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from monokernel.errors import MonokernelError
+from monokernel.weights.formats import get_format
+
+QUANTIZE_METHODS: tuple[str, ...] = ("fp8", "int8")  # each also a weight format's name
+# A layer's linear weights, as weights/names.py spells them ("layers.{n}.wq", ...).
+LINEAR_NAMES: tuple[str, ...] = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+class UnsupportedQuantizationError(MonokernelError, ValueError):
+    """A ``--quantize`` method that no weight format implements."""
+
+
+def check_method(method: str) -> str:
+    """``method`` itself, or UnsupportedQuantizationError naming the accepted ones."""
+    if method not in QUANTIZE_METHODS:
+        raise UnsupportedQuantizationError(
+            f"--quantize {method!r} is not supported; choose from {', '.join(QUANTIZE_METHODS)}"
+        )
+    return method
+
+
+def is_quantized(name: str) -> bool:
+    """Whether ``--quantize`` quantises the tensor called ``name`` (one of a layer's seven
+    linear weights)."""
+    parts = name.split(".")
+    return len(parts) == 3 and parts[0] == "layers" and parts[2] in LINEAR_NAMES
+
+
+def fake_quantize(weights: Mapping[str, torch.Tensor], method: str) -> dict[str, torch.Tensor]:
+    """A new dict of ``weights`` where each layer's linear weight w is what the kernel
+    multiplies by once w is packed in format ``method``: ``dense(pack(w))`` in w's dtype
+    (exact for float32, the reference's precision). Everything else (the embedding, the LM
+    head, norms, biases) is the same tensor object, untouched; ``weights`` is not changed.
+
+    One matrix at a time, so the working memory on top of the two dicts is one matrix's
+    float32 copy and its packed bytes.
+    """
+    fmt = get_format(check_method(method))
+    out: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        out[name] = fmt.dense(fmt.pack(w), dtype=w.dtype) if is_quantized(name) else w
+    return out

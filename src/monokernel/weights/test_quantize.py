@@ -1,0 +1,122 @@
+"""``--quantize``: which tensors the other engines get dequantised, and that those are the
+values the kernel multiplies by once the repack has fused and packed them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from monokernel.models.config import ModelConfig
+from monokernel.weights.formats import get_format
+from monokernel.weights.quantize import (
+    LINEAR_NAMES,
+    QUANTIZE_METHODS,
+    UnsupportedQuantizationError,
+    check_method,
+    fake_quantize,
+    is_quantized,
+)
+from monokernel.weights.random_weights import random_weights
+from monokernel.weights.repack import interleave_rows
+
+# Every optional tensor present (biases, q/k norms, an untied head), odd sizes.
+CFG = ModelConfig(
+    family="qwen3",
+    vocab_size=53,
+    hidden_size=40,
+    intermediate_size=56,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=12,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    qkv_bias=True,
+    o_bias=True,
+    qk_norm=True,
+)
+LINEAR = {f"layers.{n}.{short}" for n in range(CFG.num_layers) for short in LINEAR_NAMES}
+
+
+def test_the_methods_are_weight_formats() -> None:
+    assert QUANTIZE_METHODS == ("fp8", "int8")
+    for method in QUANTIZE_METHODS:
+        assert check_method(method) == method
+        assert get_format(method).name == method
+
+
+@pytest.mark.parametrize("method", ["int4", "FP8", "bf16", ""])
+def test_an_unsupported_method_names_the_accepted_ones(method: str) -> None:
+    with pytest.raises(UnsupportedQuantizationError) as e:
+        check_method(method)
+    assert isinstance(e.value, ValueError)
+    assert str(e.value) == f"--quantize {method!r} is not supported; choose from fp8, int8"
+    with pytest.raises(UnsupportedQuantizationError):
+        fake_quantize(random_weights(CFG), method)
+
+
+def test_the_seven_names_are_the_checkpoints_matrices() -> None:
+    weights = random_weights(CFG)
+    assert {name for name in weights if is_quantized(name)} == LINEAR
+    assert len(LINEAR) == 7 * CFG.num_layers
+    assert not any(is_quantized(n) for n in ("embed", "lm_head", "norm", "layers.0.bq"))
+
+
+@pytest.mark.parametrize("method", QUANTIZE_METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_only_the_layers_matrices_change(method: str, dtype: torch.dtype) -> None:
+    weights = random_weights(CFG, dtype=dtype, seed=1)
+    before = dict(weights)
+    out = fake_quantize(weights, method)
+    assert out is not weights and list(out) == list(weights)
+    assert all(weights[k] is before[k] for k in before)  # the input is left as it was
+    fmt = get_format(method)
+    for name, w in weights.items():
+        if name in LINEAR:
+            got = out[name]
+            assert got is not w and got.dtype == dtype and got.shape == w.shape
+            assert torch.equal(got, fmt.dense(fmt.pack(w), dtype=dtype))
+            assert not torch.equal(got, w)  # random weights are not on the grid
+        else:
+            assert out[name] is w  # embed, lm_head, norms, biases: the same objects
+
+
+@pytest.mark.parametrize("method", QUANTIZE_METHODS)
+def test_float32_values_are_exactly_the_kernels(method: str) -> None:
+    """The reference holds float32: each value is the stored byte times its row's scale,
+    with no rounding on the way."""
+    weights = random_weights(CFG, dtype=torch.float32, seed=2)
+    out = fake_quantize(weights, method)
+    fmt = get_format(method)
+    for name in sorted(LINEAR):
+        m = fmt.pack(weights[name])
+        assert torch.equal(out[name], m.data.float() * m.scales[0][:, None])
+
+
+@pytest.mark.parametrize("method", QUANTIZE_METHODS)
+@pytest.mark.parametrize("n", range(CFG.num_layers))
+def test_fusing_commutes_with_quantising(method: str, n: int) -> None:
+    """The repack packs the fused wqkv and the interleaved gate/up: per-row scales make that
+    the same matrix as the fused fake-quantised ones the reference multiplies by."""
+    weights = random_weights(CFG, dtype=torch.float32, seed=3)
+    out = fake_quantize(weights, method)
+    fmt = get_format(method)
+    p = f"layers.{n}."
+    qkv = torch.cat([weights[p + s] for s in ("wq", "wk", "wv")])
+    want = torch.cat([out[p + s] for s in ("wq", "wk", "wv")])
+    assert torch.equal(fmt.dense(fmt.pack(qkv), dtype=torch.float32), want)
+    gu = interleave_rows(weights[p + "w_gate"], weights[p + "w_up"])
+    want = interleave_rows(out[p + "w_gate"], out[p + "w_up"])
+    assert torch.equal(fmt.dense(fmt.pack(gu), dtype=torch.float32), want)
+
+
+def test_a_tied_checkpoint_keeps_its_embedding() -> None:
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=True)
+    weights = random_weights(cfg, dtype=torch.float32, seed=4)
+    assert "lm_head" not in weights
+    out = fake_quantize(weights, "fp8")
+    assert out["embed"] is weights["embed"] and "lm_head" not in out
