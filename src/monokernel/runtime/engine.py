@@ -204,6 +204,15 @@ class Engine:
         weights = cast_weights(
             ckpt.weights if owned else dict(ckpt.weights), self.dtype, self.device
         )
+        # An FP8 checkpoint (its weights dequantised at load) runs fp8 unless --quantize says
+        # otherwise: re-quantised one scale a row. For per-channel scales of each row's
+        # amax / 448 (llm-compressor's min-max default) those are the checkpoint's own E4M3
+        # values (weights/test_checkpoint_quant.py). Tensor parallelism runs bf16.
+        ckpt_quantization = ckpt.quantization if self.config.tp == 1 else None
+        # The quantisation in effect: --quantize, else the checkpoint's; None: as loaded.
+        self.quantize: str | None = (
+            self.config.quantize if self.config.quantize is not None else ckpt_quantization
+        )
         auto = self.config.engine == "auto" and self.engine_name == "monokernel"
         self.backend: Backend = create_backend(
             self.config.engine if auto else self.engine_name,
@@ -214,7 +223,7 @@ class Engine:
             self.config.tp,
             on_fallback=self._fall_back if auto else None,
             owned=owned,
-            quantize=self.config.quantize,
+            quantize=self.quantize,
         )
         if self.speculative is not None:
             self.backend.set_speculative(self.speculative)  # type: ignore[attr-defined]

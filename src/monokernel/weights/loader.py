@@ -39,6 +39,10 @@ class Checkpoint:
     gguf_file: str | None  # set when the tokenizer lives inside a GGUF file
     eos_token_ids: tuple[int, ...]  # config's and generation_config's, deduplicated
     source: str
+    # "fp8" when the checkpoint stored its weights as FP8 (weights/checkpoint_quant.py; they
+    # are dequantised in ``weights``): the engine then quantises to fp8 by default. GGUF and
+    # unquantised checkpoints: None.
+    quantization: str | None = None
 
 
 def _local_hint(ref: str) -> str:
@@ -111,21 +115,36 @@ def _load_hf_dir(
     dtype: torch.dtype | None,
     before_weights: BeforeWeights = None,
 ) -> Checkpoint:
+    from monokernel.weights.checkpoint_quant import CHECKPOINT_FP8, parse_quantization_config
     from monokernel.weights.safetensors_loader import load_safetensors_weights
 
     cfg = load_hf_config(model_dir)
+    # ModelConfig keeps the architecture only: the scheme is read from the file again, and
+    # one we cannot read is refused before the memory plan or any weight.
+    quant = parse_quantization_config(json.loads((model_dir / "config.json").read_text()))
     if before_weights is not None:
         before_weights(cfg)
     return Checkpoint(
         config=cfg,
         weights=load_safetensors_weights(
-            model_dir, cfg, device=device, dtype=dtype, progress=progress
+            model_dir, cfg, device=device, dtype=dtype, progress=progress, quant=quant
         ),
         tokenizer_dir=model_dir,
         gguf_file=None,
         eos_token_ids=_eos_ids(model_dir, cfg),
         source=str(model_dir),
+        quantization=CHECKPOINT_FP8 if quant is not None and _has_float8(model_dir) else None,
     )
+
+
+def _has_float8(model_dir: Path) -> bool:
+    """Whether any tensor is stored as float8: a config can keep a quantization_config
+    after its weights were converted back to bf16. Headers only (already read once)."""
+    from monokernel.weights.checkpoint_quant import FLOAT8_DTYPES
+    from monokernel.weights.safetensors_loader import read_header, safetensors_files
+
+    files = safetensors_files(model_dir)
+    return any(e.dtype in FLOAT8_DTYPES for f in files for e in read_header(f))
 
 
 def resolve_model_path(ref: str | Path | None, progress: bool = True) -> Path:

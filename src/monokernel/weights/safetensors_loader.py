@@ -6,6 +6,11 @@ its place on that device, on a GPU through two small pinned staging buffers (the
 chunk is read from disk while the last one is copied), and cast there: the host never
 holds more than those buffers, where reading everything to the CPU first would hold a
 full copy of an 8B or 32B model (16-65 GB) and copy it twice.
+
+An FP8 checkpoint (weights/checkpoint_quant.py) also holds a scale tensor a quantised
+weight: each float8 weight is read as it is, then replaced, once its scale has been read,
+by ``q * scale`` in the asked-for dtype (bfloat16 for the memory-mapped path) on the same
+device, one matrix at a time; the scales are not part of the result.
 """
 
 from __future__ import annotations
@@ -21,8 +26,22 @@ from pathlib import Path
 
 import torch
 
-from monokernel.errors import ModelNotFoundError, UnexpectedTensorError, WeightLoadError
+from monokernel.errors import (
+    MissingTensorError,
+    ModelNotFoundError,
+    UnexpectedTensorError,
+    WeightLoadError,
+)
 from monokernel.models.config import ModelConfig
+from monokernel.weights.checkpoint_quant import (
+    ACTIVATION_TENSORS,
+    FLOAT8_DTYPES,
+    SCALE_SUFFIX,
+    CheckpointQuant,
+    check_scale_shape,
+    dequantize,
+    scaled_weight,
+)
 from monokernel.weights.names import HF_IGNORED, Weights, check_weights, hf_to_ours
 from monokernel.weights.progress import ByteProgress, progress_wanted
 
@@ -191,20 +210,32 @@ def _read_exactly(fh: io.FileIO, view: memoryview, path: Path) -> None:
 
 
 def _plan(
-    files: list[Path], cfg: ModelConfig, source: str
+    files: list[Path], cfg: ModelConfig, source: str, quant: CheckpointQuant | None = None
 ) -> list[tuple[Path, list[tuple[TensorEntry, str | None]]]]:
     """Each file's tensors with our name (None: ignored), and the names and shapes checked
-    from the headers alone, so a broken 16 GB checkpoint fails before a byte is read."""
+    from the headers alone, so a broken 16 GB checkpoint fails before a byte is read.
+
+    With ``quant``, a weight's scale is ours too: the weight's name plus SCALE_SUFFIX
+    ("layers.0.wq.scale"); activation tensors of the scheme are ignored. The checks
+    against ``cfg`` see the weights alone; every float8 weight must have a scale that fits
+    it, and every scale a float8 weight."""
     plan: list[tuple[Path, list[tuple[TensorEntry, str | None]]]] = []
     where: dict[str, Path] = {}
     meta: Weights = {}
+    headers: dict[str, TensorEntry] = {}  # our weight name -> its entry
+    scales: dict[str, TensorEntry] = {}  # our weight name -> its scale's entry
     for path in files:
         named: list[tuple[TensorEntry, str | None]] = []
         for e in read_header(path):
-            if HF_IGNORED.match(e.name):
+            if HF_IGNORED.match(e.name) or (quant is not None and ACTIVATION_TENSORS.match(e.name)):
                 named.append((e, None))
                 continue
             ours = hf_to_ours(e.name)
+            scale_of = None
+            if ours is None and quant is not None:
+                weight = scaled_weight(e.name, quant)
+                scale_of = hf_to_ours(weight) if weight is not None else None
+                ours = scale_of + SCALE_SUFFIX if scale_of is not None else None
             if ours is None:
                 raise UnexpectedTensorError(
                     f"{path.name}: tensor {e.name} is not used by a {cfg.family} model"
@@ -215,13 +246,74 @@ def _plan(
                 )
             where[ours] = path
             named.append((e, ours))
-            meta[ours] = torch.empty(e.shape, dtype=e.dtype, device="meta")
+            if scale_of is not None:
+                scales[scale_of] = e
+            else:
+                headers[ours] = e
+                meta[ours] = torch.empty(e.shape, dtype=e.dtype, device="meta")
         plan.append((path, named))
+    _check_scales(headers, scales, quant, source)
     if cfg.tie_word_embeddings:
         # Whether a tied lm_head equals embed needs the values: the full check does it.
         meta.pop("lm_head", None)
     check_weights(meta, cfg, source=source)
     return plan
+
+
+def _check_scales(
+    weights: dict[str, TensorEntry],
+    scales: dict[str, TensorEntry],
+    quant: CheckpointQuant | None,
+    source: str,
+) -> None:
+    """Each float8 weight paired with a scale of the scheme's shape, and each scale with a
+    float8 weight; the error names the tensor."""
+    for ours, e in weights.items():
+        if e.dtype not in FLOAT8_DTYPES or ours in scales:
+            continue
+        if quant is None:
+            raise WeightLoadError(
+                f"{source}: tensor {e.name} is {e.dtype} but config.json has no "
+                "quantization_config, so its scales are unknown"
+            )
+        raise MissingTensorError(
+            f"{source}: tensor {e.name} is {e.dtype} but has no scale "
+            f"({e.name.removesuffix('.weight')}.{quant.scale_suffix}) in any shard"
+        )
+    if not scales:
+        return
+    assert quant is not None  # only a scheme names scales
+    for ours, se in scales.items():
+        w = weights.get(ours)
+        if w is None:
+            raise UnexpectedTensorError(
+                f"{source}: tensor {se.name} is a scale but its weight "
+                f"{scaled_weight(se.name, quant)} is in no shard"
+            )
+        if w.dtype not in FLOAT8_DTYPES:
+            raise UnexpectedTensorError(
+                f"{source}: tensor {se.name} scales {w.name}, which is {w.dtype}, not float8"
+            )
+        if not se.dtype.is_floating_point or se.dtype in FLOAT8_DTYPES:
+            raise WeightLoadError(
+                f"{source}: scale {se.name} is {se.dtype}; expected float32, bfloat16 or float16"
+            )
+        check_scale_shape(se.name, w.shape, se.shape, quant)
+
+
+def _dequantize_ready(
+    pending: Weights, quant: CheckpointQuant, dtype: torch.dtype | None
+) -> Weights:
+    """The float8 weights of ``pending`` whose scale is there too, each replaced by
+    ``q * scale`` in ``dtype`` (bfloat16 when None); both leave ``pending``. One at a time,
+    so the extra memory is one matrix's float32 product."""
+    out: Weights = {}
+    for name in [n for n in pending if not n.endswith(SCALE_SUFFIX)]:
+        if name + SCALE_SUFFIX in pending:
+            q, s = pending.pop(name), pending.pop(name + SCALE_SUFFIX)
+            out[name] = dequantize(q, s, quant, name=name).to(dtype or torch.bfloat16)
+            del q, s
+    return out
 
 
 def load_safetensors_weights(
@@ -231,6 +323,7 @@ def load_safetensors_weights(
     dtype: torch.dtype | None = None,
     progress: bool = False,
     force_progress: bool = False,
+    quant: CheckpointQuant | None = None,
 ) -> Weights:
     """Every tensor in our names, checked against ``cfg``.
 
@@ -239,13 +332,29 @@ def load_safetensors_weights(
     arrives. ``progress`` draws a bytes bar on stderr when it is a terminal,
     ``force_progress`` always; either ends with a line such as ``loaded 16.1 GB in
     12.3 s (1.31 GB/s) from 4 shards``.
+
+    ``quant``: the checkpoint's FP8 scheme (checkpoint_quant.parse_quantization_config);
+    each float8 weight comes back dequantised, in ``dtype`` or else bfloat16.
     """
     source = str(model_dir)
     files = safetensors_files(model_dir)
-    plan = _plan(files, cfg, source)
+    plan = _plan(files, cfg, source, quant)
+    scale_names = {o for _, named in plan for _, o in named if o and o.endswith(SCALE_SUFFIX)}
+    # Float8 weights and their scales are read as they are (a scale cast to bf16 would lose
+    # bits) and leave `pending` once both are in, which may be in different shards.
+    raw = frozenset(scale_names | {o.removesuffix(SCALE_SUFFIX) for o in scale_names})
+    order = [
+        o
+        for _, named in plan
+        # In the order safetensors lists a file (by HF name), as before, whichever path
+        # read it: files are read in offset order.
+        for _, o in sorted(named, key=lambda x: x[0].name)
+        if o and o not in scale_names
+    ]
     total = sum(e.nbytes for _, named in plan for e, _ in named)
     target = None if device is None and dtype is None else _resolve(device)
-    weights: Weights = {}
+    done: Weights = {}
+    pending: Weights = {}
     wanted = progress_wanted(progress, force_progress)
     with ByteProgress(total, f"loading {model_dir.name}", wanted) as bar:
         reader = None
@@ -257,10 +366,13 @@ def load_safetensors_weights(
             if reader is None:
                 got = _load_mapped(path, named, bar.update)
             else:
-                got = _load_to(path, named, reader, dtype, bar.update)
-            # In the order safetensors lists a file (by HF name), as before, whichever path
-            # read it: files are read in offset order.
-            weights |= {o: got[o] for e, o in sorted(named, key=lambda x: x[0].name) if o}
+                got = _load_to(path, named, reader, dtype, bar.update, raw)
+            pending |= {o: got.pop(o) for o in raw & got.keys()}
+            done |= got
+            if quant is not None:
+                done |= _dequantize_ready(pending, quant, dtype)
+        assert not pending, sorted(pending)  # _plan paired every weight with its scale
+        weights = {o: done.pop(o) for o in order}
         if target is not None and target.type == "cuda":
             torch.cuda.synchronize(target)  # the copies are asynchronous: time them all
         checked = check_weights(weights, cfg, source=source)
@@ -296,7 +408,10 @@ def _load_to(
     reader: _StagedReader,
     dtype: torch.dtype | None,
     on_bytes: Callable[[int], None],
+    raw: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
+    """The file's tensors on the reader's device, cast to ``dtype`` except those ``raw``
+    names (float8 weights and their scales, dequantised by the caller)."""
     out: dict[str, torch.Tensor] = {}
     with open(path, "rb", buffering=0) as fh:
         if hasattr(os, "posix_fadvise"):
@@ -307,7 +422,8 @@ def _load_to(
                 on_bytes(e.nbytes)
                 continue
             t = reader.read(fh, path, e, on_bytes)
-            out[ours] = t if dtype is None or dtype == t.dtype else t.to(dtype)
+            keep = dtype is None or dtype == t.dtype or ours in raw
+            out[ours] = t if keep else t.to(dtype)
     return out
 
 

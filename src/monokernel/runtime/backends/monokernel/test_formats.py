@@ -130,3 +130,37 @@ def test_greedy_matches_reference(shape: str, fmt: str) -> None:
     del mk
     assert len(got) == STEPS
     assert_greedy_matches(cfg, DequantizedView(weights, fmt), prompt, got, f"{shape} {fmt}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_default_model_greedy(fmt: str) -> None:
+    """The real default model (SmolLM2-135M-Instruct, its Q4_1 GGUF dequantised) quantised
+    at load: the kernel's greedy tokens are the reference's on the same dequantised values,
+    on a chat prompt. Real weights have the outliers random ones lack."""
+    pytest.importorskip("gguf")  # the GGUF reader: a package the GPU image may lack
+    if not _hopper_with(8):
+        pytest.skip("needs a Hopper GPU")
+    from monokernel.errors import ModelNotFoundError
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+    from monokernel.tokenizer.tokenizer import Tokenizer
+    from monokernel.weights.default_model import default_model_path
+    from monokernel.weights.loader import load_checkpoint
+
+    try:
+        path = default_model_path(progress=False)
+    except ModelNotFoundError as e:
+        pytest.skip(f"the default model is not cached and cannot be fetched here: {e}")
+    ckpt = load_checkpoint(str(path))
+    tok = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file)
+    prompt = tok.encode_chat([{"role": "user", "content": "Write a Python function that adds."}])
+    dev = torch.device("cuda")
+    weights = {k: v.to(device=dev, dtype=torch.bfloat16) for k, v in ckpt.weights.items()}
+    cfg = ckpt.config
+    mk = MonokernelBackend(cfg, weights, len(prompt) + STEPS, dev, quantize=fmt)
+    request = DecodeRequest(tuple(prompt), SamplingParams(temperature=0.0), STEPS, frozenset())
+    got = list(mk.stream(request, CancelToken()))
+    mk.close()
+    del mk
+    assert len(got) == STEPS
+    assert_greedy_matches(cfg, DequantizedView(weights, fmt), prompt, got, f"default model {fmt}")

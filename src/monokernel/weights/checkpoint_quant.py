@@ -1,0 +1,245 @@
+"""FP8 checkpoints: what a ``config.json``'s ``quantization_config`` says, and the weights.
+
+A checkpoint quantised by its publisher stores each quantised linear weight as float8 (one
+byte a weight) beside a float32 or bf16 scale tensor; the loader (safetensors_loader.py)
+reads both and hands the model ``q * scale`` in the engine's dtype, so every engine runs it
+as it runs a bf16 checkpoint, and ``Checkpoint.quantization`` says ``"fp8"``: the engine then
+streams fp8 on the monokernel by default (runtime/engine.py).
+
+Read (all weight-only, E4M3 values, symmetric, w = q * scale):
+
+- ``quant_method: "fp8"`` with ``weight_block_size: [bm, bn]``: HF's fine-grained FP8
+  (transformers' FineGrainedFP8, DeepSeek-V3's and Qwen3-*-FP8's format): one scale per
+  bm x bn block, ``<module>.weight_scale_inv`` of shape [ceil(out/bm), ceil(in/bn)];
+- ``quant_method: "fp8"`` without a block size: the per-tensor format AutoFP8 wrote and
+  vLLM reads (``<module>.weight_scale``, one value);
+- ``quant_method: "fbgemm_fp8"``: one scale a row, ``<module>.weight_scale`` [out, 1];
+- ``quant_method: "compressed-tensors"`` (llm-compressor) whose config groups quantise
+  weights to ``{num_bits: 8, type: "float"}``, strategy ``channel`` ([out, 1]), ``tensor``
+  (one value) or ``block`` (``block_structure`` [bm, bn]); ``<module>.weight_scale``.
+
+Activation quantisation (``input_activations``, static ``input_scale`` tensors, FP8 KV-cache
+``k_scale``/``v_scale``) is ignored: the engines compute activations and the KV cache in
+bf16 or float32, which only removes a rounding the publisher's scheme added. Modules the
+config leaves out (``ignore``, ``modules_to_not_convert``: usually the LM head) are stored
+unquantised and load as they always did.
+
+Everything else (AWQ, GPTQ, bitsandbytes, MXFP4, integer or 4-bit compressed-tensors, ...)
+is refused by name before a weight is read.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from monokernel.errors import TensorShapeError
+from monokernel.weights.quantize import UnsupportedQuantizationError
+
+# What Checkpoint.quantization says for every scheme read here: the weights are E4M3 bytes,
+# which the monokernel's fp8 format streams.
+CHECKPOINT_FP8 = "fp8"
+FLOAT8_DTYPES: frozenset[torch.dtype] = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+# Our name for a weight's scale: the weight's name plus this (never one of our weight names).
+SCALE_SUFFIX = ".scale"
+STRATEGIES = ("channel", "tensor", "block")
+SUPPORTED = (
+    "fp8 (HF fine-grained, block scales; or per-tensor), fbgemm_fp8, compressed-tensors "
+    "float8 (channel, tensor or block scales)"
+)
+# Tensors of the float schemes that describe activations or the KV cache, not weights: the
+# engines compute those unquantised, so these are read past. A float scheme is symmetric
+# (asymmetric ones are refused below), so a weight_zero_point is all zeros.
+ACTIVATION_TENSORS = re.compile(
+    r".*\.(input_scale|input_scale_ub|input_zero_point|output_scale|output_zero_point"
+    r"|weight_zero_point|k_scale|v_scale|q_scale|kv_scale|prob_scale)$"
+)
+# compressed-tensors formats that store float8 weights as they are (mixed-precision: each
+# group names its own, and the group checks decide).
+_CT_FORMATS = ("float-quantized", "naive-quantized", "dense", "mixed-precision")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointQuant:
+    """How a checkpoint's fp8 weights are scaled."""
+
+    method: str  # quant_method as config.json spells it: fp8, fbgemm_fp8, compressed-tensors
+    strategy: str  # channel | tensor | block
+    block: tuple[int, int] | None  # (rows, cols) of a block; None unless strategy is block
+    scale_suffix: str  # weight_scale | weight_scale_inv: "<module>.<suffix>" is the scale
+    # Whether w = q / scale. False for every format read here: HF's weight_scale_inv is,
+    # despite its name, multiplied. transformers' FineGrainedFP8 quantiser stores
+    # 1 / (448 / amax) = amax / 448 under that name, its FP8Linear multiplies the GEMM's
+    # output by it, and DeepSeek-V3's own weight_dequant (the format's origin) computes
+    # y = x * s; "inv" names the inverse of the quantising factor 448 / amax.
+    scale_is_inverse: bool = False
+
+
+_FOUR_BIT = ("awq", "gptq", "bitsandbytes", "hqq", "aqlm", "exl2", "gptq_marlin", "awq_marlin")
+
+
+def _refuse(method: str, detail: str = "", low_bit: bool = False) -> UnsupportedQuantizationError:
+    hint = ""
+    if low_bit or method.lower() in _FOUR_BIT:
+        hint = ". AWQ, GPTQ and other 4-bit checkpoints are not read yet"
+    what = f"checkpoint quantization {method!r}" + (f" ({detail})" if detail else "")
+    return UnsupportedQuantizationError(f"{what} is not supported; supported: {SUPPORTED}{hint}")
+
+
+def _block(value: Any, method: str, key: str) -> tuple[int, int]:
+    if isinstance(value, str) and re.fullmatch(r"\d+x\d+", value):
+        value = [int(v) for v in value.split("x")]
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
+        raise _refuse(method, f"{key}={value!r} is not two positive block sizes")
+    return int(value[0]), int(value[1])
+
+
+def _compressed_tensors(qc: Mapping[str, Any]) -> CheckpointQuant:
+    method = "compressed-tensors"
+    groups = qc.get("config_groups")
+    if not isinstance(groups, Mapping) or not groups:
+        raise _refuse(method, "no config_groups")
+    schemes: set[tuple[str, tuple[int, int] | None]] = set()
+    for name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, Mapping) else None
+        if weights is None:
+            continue  # a group quantising activations only: its weights stay as they are
+        if not isinstance(weights, Mapping):
+            raise _refuse(method, f"group {name!r} has malformed weights {weights!r}")
+        bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
+        described = f"weights num_bits={bits} type={kind} strategy={strategy}"
+        if bits != 8 or kind != "float" or strategy not in STRATEGIES:
+            raise _refuse(method, described, low_bit=isinstance(bits, int) and bits < 8)
+        if weights.get("symmetric") is False:
+            raise _refuse(method, f"{described}, asymmetric")
+        fmt_group = group.get("format")
+        if fmt_group is not None and fmt_group not in _CT_FORMATS:
+            raise _refuse(method, f"{described}, format {fmt_group!r}")
+        block = (
+            _block(weights.get("block_structure"), method, "block_structure")
+            if strategy == "block"
+            else None
+        )
+        schemes.add((strategy, block))
+    if not schemes:
+        raise _refuse(method, "no config group quantises weights")
+    if len(schemes) > 1:
+        raise _refuse(method, f"config groups with different weight schemes {sorted(schemes)}")
+    # After the groups, whose num_bits/type/strategy say most about a refused scheme.
+    fmt = qc.get("format")
+    if fmt is not None and fmt not in _CT_FORMATS:
+        raise _refuse(method, f"format {fmt!r}")
+    sparsity = qc.get("sparsity_config")
+    if isinstance(sparsity, Mapping) and sparsity.get("format", "dense") != "dense":
+        raise _refuse(method, f"sparse format {sparsity.get('format')!r}")
+    if qc.get("transform_config"):
+        # Rotations (SpinQuant, QuIP) folded into the weights need their inverse at run time.
+        raise _refuse(method, "with transforms")
+    ((strategy, block),) = schemes
+    return CheckpointQuant(method, strategy, block, "weight_scale")
+
+
+def parse_quantization_config(hf_config: Mapping[str, Any]) -> CheckpointQuant | None:
+    """The scheme of a checkpoint's ``config.json`` (as a dict); None when it has no
+    ``quantization_config``. UnsupportedQuantizationError for a scheme not read here."""
+    qc = hf_config.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, Mapping) or not isinstance(qc.get("quant_method"), str):
+        raise _refuse("unknown", f"quantization_config without a quant_method: {qc!r}")
+    method: str = qc["quant_method"]
+    key = method.lower()
+    if key == "fp8":
+        if qc.get("weight_block_size") is None:
+            return CheckpointQuant(method, "tensor", None, "weight_scale")
+        block = _block(qc["weight_block_size"], method, "weight_block_size")
+        return CheckpointQuant(method, "block", block, "weight_scale_inv")
+    if key == "fbgemm_fp8":
+        return CheckpointQuant(method, "channel", None, "weight_scale")
+    if key == "compressed-tensors":
+        return _compressed_tensors(qc)
+    raise _refuse(method)
+
+
+def scaled_weight(hf_name: str, quant: CheckpointQuant) -> str | None:
+    """The HF name of the weight that ``hf_name`` is the scale of, or None when it is no
+    scale: ``model.layers.0.self_attn.q_proj.weight_scale_inv`` -> ``...q_proj.weight``."""
+    suffix = "." + quant.scale_suffix
+    return hf_name[: -len(suffix)] + ".weight" if hf_name.endswith(suffix) else None
+
+
+def expected_scale_shape(
+    weight_shape: tuple[int, ...], quant: CheckpointQuant
+) -> tuple[int, ...] | None:
+    """The scale shape ``quant`` gives a weight of ``weight_shape`` ([out, in]); None for
+    a weight that is not a matrix. Per tensor: (); a scale of one element fits too."""
+    if len(weight_shape) != 2:
+        return None
+    out, inp = weight_shape
+    if quant.strategy == "channel":
+        return (out, 1)
+    if quant.strategy == "tensor":
+        return ()
+    assert quant.block is not None
+    bm, bn = quant.block
+    return (math.ceil(out / bm), math.ceil(inp / bn))
+
+
+def check_scale_shape(
+    name: str, weight_shape: tuple[int, ...], scale_shape: tuple[int, ...], quant: CheckpointQuant
+) -> None:
+    """TensorShapeError naming ``name`` and both shapes when the scale does not fit."""
+    want = expected_scale_shape(weight_shape, quant)
+    n = math.prod(scale_shape)
+    if want is None:
+        ok = False
+    elif quant.strategy == "channel":
+        ok = scale_shape in (want, want[:1])  # [out, 1] as written, or [out]
+    elif quant.strategy == "tensor":
+        ok = n == 1 and len(scale_shape) <= 2
+    else:
+        ok = scale_shape == want
+    if not ok:
+        raise TensorShapeError(
+            f"tensor {name}: a {quant.strategy} scale of shape {scale_shape} does not fit the "
+            f"weight of shape {weight_shape} ({quant.method} checkpoint; expected "
+            f"{want if want is not None else 'a 2-D weight'})"
+        )
+
+
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, quant: CheckpointQuant, name: str = "weight"
+) -> torch.Tensor:
+    """``q * scale`` as float32 [out, in], on q's device: each float8 value times its row's,
+    the tensor's or its block's scale (a partial last block uses the same scale). ``name``
+    names the tensor in the error for a scale whose shape does not fit."""
+    check_scale_shape(name, tuple(q.shape), tuple(scale.shape), quant)
+    s = scale.to(device=q.device, dtype=torch.float32)
+    if quant.scale_is_inverse:
+        s = 1.0 / s
+    # In place on the one float32 copy: the working memory is a single matrix's float32,
+    # not also a full-size expanded scale.
+    w = q.to(torch.float32, copy=True)  # never the caller's tensor, whatever its dtype
+    out, inp = w.shape
+    if quant.strategy == "channel":
+        return w.mul_(s.reshape(-1, 1))
+    if quant.strategy == "tensor":
+        return w.mul_(s.reshape(()))
+    assert quant.block is not None
+    bm, bn = quant.block
+    rows = s.repeat_interleave(bm, dim=0)[:out]  # [out, blocks across]
+    full = inp // bn
+    if full:
+        w[:, : full * bn].view(out, full, bn).mul_(rows[:, :full, None])
+    if inp > full * bn:
+        w[:, full * bn :].mul_(rows[:, full : full + 1])
+    return w
