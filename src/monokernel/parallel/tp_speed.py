@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quantize", choices=["fp8", "int8"], help="the layers' weight format")
     args = ap.parse_args(argv)
     from monokernel.runtime.backends.monokernel import MonokernelBackend
     from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
@@ -49,14 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[int, float] = {}
     for n in (1, args.tp):
         if n == 1:
-            backend = MonokernelBackend(cfg, weights, max_len, dev)
+            backend = MonokernelBackend(cfg, weights, max_len, dev, quantize=args.quantize)
         else:
-            backend = MonokernelTPBackend(cfg, weights, max_len, dev, n)
+            backend = MonokernelTPBackend(cfg, weights, max_len, dev, n, args.quantize)
         _us_per_token(backend, prompt, args.tokens)  # warm-up (build, first launch)
         results[n] = min(_us_per_token(backend, prompt, args.tokens) for _ in range(args.reps))
         backend.close()
         print(
-            f"TP={n} {args.shape}: {results[n]:.1f} µs/token, {1e6 / results[n]:.1f} tok/s "
+            f"TP={n} {args.shape} {args.quantize or 'bf16'}: {results[n]:.1f} µs/token, "
+            f"{1e6 / results[n]:.1f} tok/s "
             f"({args.prompt}-token prompt, {args.tokens} generated)",
             flush=True,
         )

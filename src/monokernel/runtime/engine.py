@@ -163,10 +163,6 @@ class Engine:
         self.engine_note: str | None = None
         if self.config.quantize is not None:
             check_method(self.config.quantize)
-            if self.config.tp > 1:
-                raise InvalidRequestError(
-                    "--quantize with --tp is not supported yet: tensor parallelism runs bf16"
-                )
         self.speculative = self.config.speculative
         if self.speculative is not None and self.engine_name == "monokernel":
             if self.config.engine != "auto":
@@ -207,11 +203,10 @@ class Engine:
         # An FP8 checkpoint (its weights dequantised at load) runs fp8 unless --quantize says
         # otherwise: re-quantised one scale a row. For per-channel scales of each row's
         # amax / 448 (llm-compressor's min-max default) those are the checkpoint's own E4M3
-        # values (weights/test_checkpoint_quant.py). Tensor parallelism runs bf16.
-        ckpt_quantization = ckpt.quantization if self.config.tp == 1 else None
+        # values (weights/test_checkpoint_quant.py).
         # The quantisation in effect: --quantize, else the checkpoint's; None: as loaded.
         self.quantize: str | None = (
-            self.config.quantize if self.config.quantize is not None else ckpt_quantization
+            self.config.quantize if self.config.quantize is not None else ckpt.quantization
         )
         auto = self.config.engine == "auto" and self.engine_name == "monokernel"
         self.backend: Backend = create_backend(

@@ -15,7 +15,7 @@ embedding is a table the kernel gathers one row of a token, not a matrix it stre
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -60,4 +60,46 @@ def fake_quantize(weights: Mapping[str, torch.Tensor], method: str) -> dict[str,
     out: dict[str, torch.Tensor] = {}
     for name, w in weights.items():
         out[name] = fmt.dense(fmt.pack(w), dtype=w.dtype) if is_quantized(name) else w
+    return out
+
+
+class DequantizedView(Mapping[str, torch.Tensor]):
+    """``weights`` as the float32 reference reads them under ``--quantize method``: each
+    layer's matrices through the format's pack and dense in float32 (exactly the values the
+    kernel scales its dot products to), everything else in float32, one tensor at a time
+    when read (an 8B model's float32 copy would not fit beside the kernel's)."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], method: str) -> None:
+        self._w, self._fmt = weights, get_format(check_method(method))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        w = self._w[name]
+        if is_quantized(name):
+            return self._fmt.dense(self._fmt.pack(w), torch.float32)
+        return w.float()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._w)
+
+    def __len__(self) -> int:
+        return len(self._w)
+
+
+# The matrices tensor parallelism splits by input column (weights/shard.py): a rank packs
+# its block with the whole rows' scales, so TP=N quantises exactly as TP=1 does.
+COLUMN_SPLIT: tuple[str, ...] = ("wo", "w_down")
+
+
+def whole_row_scales(
+    weights: Mapping[str, torch.Tensor], method: str, num_layers: int
+) -> dict[str, torch.Tensor]:
+    """Each layer's column-split matrices' [rows] scales under ``method``, by weight name."""
+    fmt = get_format(check_method(method))
+    out: dict[str, torch.Tensor] = {}
+    for n in range(num_layers):
+        for m in COLUMN_SPLIT:
+            name = f"layers.{n}.{m}"
+            scales = fmt.row_scales(weights[name])
+            assert scales is not None, f"{method} is a scaled format"
+            out[name] = scales
     return out

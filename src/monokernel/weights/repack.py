@@ -18,6 +18,7 @@ Done once per model, on any device, and tested on the CPU through the schedule i
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -94,9 +95,15 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def repack_layer(
-    cfg: ModelConfig, w: Weights, n: int, fold: bool = True, fmt: str = DEFAULT_FORMAT
+    cfg: ModelConfig,
+    w: Weights,
+    n: int,
+    fold: bool = True,
+    fmt: str = DEFAULT_FORMAT,
+    row_scales: Mapping[str, torch.Tensor] | None = None,
 ) -> LayerPack:
     p = f"layers.{n}."
+    scales = row_scales or {}
     attn_g, ffn_g = w[p + "attn_norm"], w[p + "ffn_norm"]
     fold_or_keep = fold_gain if fold else (lambda m, _g: m)
     bqkv = None
@@ -106,9 +113,9 @@ def repack_layer(
     return LayerPack(
         matrices={
             "wqkv": pack(fold_or_keep(fuse_rows(w[p + "wq"], w[p + "wk"], w[p + "wv"]), attn_g)),
-            "wo": pack(w[p + "wo"]),
+            "wo": pack(w[p + "wo"], scales.get(p + "wo")),
             "wgu": pack(fold_or_keep(interleave_rows(w[p + "w_gate"], w[p + "w_up"]), ffn_g)),
-            "wdown": pack(w[p + "w_down"]),
+            "wdown": pack(w[p + "w_down"], scales.get(p + "w_down")),
         },
         bqkv=bqkv,
         q_norm=_f32(w.get(p + "q_norm")) if cfg.qk_norm else None,
@@ -127,6 +134,7 @@ def repack(
     fmt: str = DEFAULT_FORMAT,
     consume: bool = False,
     head_fmt: str = DEFAULT_FORMAT,
+    row_scales: Mapping[str, torch.Tensor] | None = None,
 ) -> Repacked:
     """All of the kernel's tensors, on the device of ``weights``: the layers' streamed
     matrices packed in the weight format ``fmt`` (weights/formats), the LM head in
@@ -135,6 +143,8 @@ def repack(
 
     ``fold=False`` keeps the norm gains as fp32 vectors the kernel applies itself: the same
     bytes per token (a gain is h floats), without rounding W*g to the weights' dtype.
+    ``row_scales``: the scales to pack the named matrices with (a rank's column blocks get
+    the whole rows', weights/quantize.py whole_row_scales).
     ``consume``: each layer's tensors are popped from ``weights`` once packed, so where the
     caller holds no other reference the repacking needs one layer's memory on top of the
     model, not a second copy (a 32B model's 65 GB fit an 80 GB GPU once, not twice).
@@ -145,7 +155,7 @@ def repack(
     pack_head = get_format(head_fmt).pack
     layers = []
     for n in range(cfg.num_layers):
-        layers.append(repack_layer(cfg, weights, n, fold, fmt))
+        layers.append(repack_layer(cfg, weights, n, fold, fmt, row_scales))
         if consume:
             for name in [k for k in weights if k.startswith(f"layers.{n}.")]:
                 del weights[name]

@@ -120,3 +120,40 @@ def test_a_tied_checkpoint_keeps_its_embedding() -> None:
     assert "lm_head" not in weights
     out = fake_quantize(weights, "fp8")
     assert out["embed"] is weights["embed"] and "lm_head" not in out
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+def test_column_blocks_packed_with_whole_row_scales_are_the_whole_packs_blocks(
+    method: str,
+) -> None:
+    """Tensor parallelism packs each rank's column block of wo / w_down with the whole rows'
+    scales: the blocks' bytes and scales are the whole matrix's, so TP=N quantises as TP=1."""
+    from monokernel.weights.formats import get_format
+    from monokernel.weights.quantize import whole_row_scales
+
+    fmt = get_format(method)
+    w = torch.randn(12, 64, generator=torch.Generator().manual_seed(5))
+    weights = {"layers.0.wo": w, "layers.0.w_down": w.t().contiguous()}
+    scales = whole_row_scales(weights, method, num_layers=1)
+    whole = fmt.pack(w)
+    assert torch.equal(scales["layers.0.wo"], whole.scales[0])
+    for start in (0, 32):
+        block = fmt.pack(w[:, start : start + 32], scales["layers.0.wo"])
+        want = whole.data[:, start : start + 32]
+        assert torch.equal(block.data.view(torch.uint8), want.contiguous().view(torch.uint8))
+        assert torch.equal(block.scales[0], whole.scales[0])
+    with pytest.raises(ValueError, match="scales"):
+        fmt.pack(w, torch.ones(3))
+
+
+def test_the_dequantized_view_reads_what_the_kernel_multiplies_by() -> None:
+    from monokernel.weights.formats import get_format
+    from monokernel.weights.quantize import DequantizedView
+
+    w = torch.randn(8, 32, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(6))
+    norm = torch.ones(32, dtype=torch.bfloat16)
+    view = DequantizedView({"layers.0.wq": w, "layers.0.attn_norm": norm}, "fp8")
+    fmt = get_format("fp8")
+    assert torch.equal(view["layers.0.wq"], fmt.dense(fmt.pack(w), torch.float32))
+    assert view["layers.0.attn_norm"].dtype == torch.float32 and len(view) == 2
+

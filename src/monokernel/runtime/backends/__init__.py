@@ -154,7 +154,7 @@ def create_backend(
             )
         from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
 
-        return MonokernelTPBackend(cfg, weights, max_seq_len, device, tp)
+        return MonokernelTPBackend(cfg, weights, max_seq_len, device, tp, quantize)
     if name != "auto" or resolved != "monokernel":
         return construct_backend(resolved, cfg, weights, max_seq_len, device, owned, quantize)
     names = set(weights)

@@ -57,8 +57,14 @@ class WeightFormat(ABC):
     packs_in_place: ClassVar[bool]
 
     @abstractmethod
-    def pack(self, w: torch.Tensor) -> PackedMatrix:
-        """w [rows, cols] floating point -> the tensors the kernel streams."""
+    def pack(self, w: torch.Tensor, scales: torch.Tensor | None = None) -> PackedMatrix:
+        """w [rows, cols] floating point -> the tensors the kernel streams. ``scales``: a
+        scaled format's [rows] scales to use instead of w's own (``row_scales``): tensor
+        parallelism packs a rank's column block with the whole rows' scales."""
+
+    def row_scales(self, w: torch.Tensor) -> torch.Tensor | None:
+        """The [rows] float32 scales ``pack(w)`` would choose (None: an unscaled format)."""
+        return None
 
     @abstractmethod
     def dense(self, m: PackedMatrix, dtype: torch.dtype | None = None) -> torch.Tensor:

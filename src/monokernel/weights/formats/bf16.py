@@ -25,7 +25,9 @@ class Bf16(WeightFormat):
     weights_per_load = 8
     packs_in_place = True
 
-    def pack(self, w: torch.Tensor) -> PackedMatrix:
+    def pack(self, w: torch.Tensor, scales: torch.Tensor | None = None) -> PackedMatrix:
+        if scales is not None:
+            raise ValueError("bf16 has no scales to pack with")
         if w.dim() != 2 or not w.is_floating_point():
             raise ValueError(f"bf16 packs a floating-point matrix; got {w.dtype} {tuple(w.shape)}")
         data = w if w.dtype in _KEPT else w.to(torch.bfloat16)

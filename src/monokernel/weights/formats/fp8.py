@@ -41,15 +41,23 @@ class RowScaled(WeightFormat):
     def _round(self, scaled: torch.Tensor) -> torch.Tensor:
         """w / s (float32, |.| <= qmax up to rounding) -> the stored bytes."""
 
-    def pack(self, w: torch.Tensor) -> PackedMatrix:
+    def row_scales(self, w: torch.Tensor) -> torch.Tensor:
+        amax = w.float().abs().amax(dim=1)  # [rows]
+        return torch.where(amax > 0, amax / self.qmax, torch.ones_like(amax))
+
+    def pack(self, w: torch.Tensor, scales: torch.Tensor | None = None) -> PackedMatrix:
         if w.dim() != 2 or not w.is_floating_point():
             raise ValueError(
                 f"{self.name} packs a floating-point matrix; got {w.dtype} {tuple(w.shape)}"
             )
         rows, cols = w.shape
         wf = w.float()  # one rounding of the input, so any float dtype scales alike
-        amax = wf.abs().amax(dim=1)  # [rows]
-        s = torch.where(amax > 0, amax / self.qmax, torch.ones_like(amax))
+        if scales is None:
+            s = self.row_scales(wf)
+        elif tuple(scales.shape) != (rows,):
+            raise ValueError(f"{self.name}: scales {tuple(scales.shape)} for {rows} rows")
+        else:
+            s = scales.float().to(wf.device)
         q = self._round(wf / s[:, None])  # [rows, cols]
         return PackedMatrix(self.name, rows, cols, q.contiguous(), (s.contiguous(),))
 

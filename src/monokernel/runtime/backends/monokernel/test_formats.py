@@ -12,7 +12,6 @@ quantised copy and one float32 matrix at a time.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
 
 import pytest
 import torch
@@ -23,8 +22,7 @@ from monokernel.models.transformer import Transformer
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.testing.oracle import assert_greedy_matches, peaked
-from monokernel.weights.formats import get_format
-from monokernel.weights.quantize import is_quantized
+from monokernel.weights.quantize import DequantizedView
 from monokernel.weights.random_weights import random_weights
 
 PROMPT, STEPS = 64, 256
@@ -44,28 +42,6 @@ CONFIGS: dict[str, ModelConfig] = {
     "qwen2.5-coder-1.5b": SHAPES["qwen2.5-coder-1.5b"],
     "odd16": ODD16,
 }
-
-
-class DequantizedView(Mapping[str, torch.Tensor]):
-    """The weights as the reference reads them: each layer's matrices through the format's
-    pack and dense in float32 (exactly the values the kernel scales its dot products to),
-    everything else in float32, one tensor at a time (an 8B model's float32 copy would not
-    fit beside the kernel's)."""
-
-    def __init__(self, weights: Mapping[str, torch.Tensor], fmt: str) -> None:
-        self._w, self._fmt = weights, get_format(fmt)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        w = self._w[name]
-        if is_quantized(name):
-            return self._fmt.dense(self._fmt.pack(w), torch.float32)
-        return w.float()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._w)
-
-    def __len__(self) -> int:
-        return len(self._w)
 
 
 def _hopper_with(gib: float) -> bool:

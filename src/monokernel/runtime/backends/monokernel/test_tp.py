@@ -75,6 +75,30 @@ def test_tp2_teacher_forced_logits() -> None:
 
 @pytest.mark.gpu
 @needs_2_hoppers
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_tp2_quantized_teacher_forced_logits(fmt: str) -> None:
+    """--quantize at TP=2: each rank packs its blocks with TP=1's scales, so the reference on
+    the dequantised whole weights is the oracle, as at TP=1."""
+    from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
+    from monokernel.weights.quantize import DequantizedView
+
+    cfg = SHAPES["llama-3.2-1b"]
+    weights = random_weights(cfg, device=torch.device("cuda", 0), seed=12)
+    tp = MonokernelTPBackend(cfg, weights, 512, torch.device("cuda", 0), 2, quantize=fmt)
+    seq = _tokens(PROMPT + STEPS, cfg.vocab_size, seed=3)
+    got = tp.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
+    tp.close()
+    ref = Transformer(cfg, DequantizedView(weights, fmt), PROMPT + STEPS)
+    tokens = torch.tensor(seq, device="cuda:0")
+    want = ref.forward(tokens, 0, ref.new_cache(PROMPT + STEPS))[PROMPT - 1 : -1]
+    assert torch.isfinite(got).all(), "unwritten or non-finite logits"
+    rel = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    print(f"TP=2 llama-3.2-1b {fmt}: rel L2 max {rel.max():.2e} mean {rel.mean():.2e}")
+    assert float(rel.max()) <= 1e-2, f"step {int(rel.argmax())}: rel L2 {float(rel.max()):.3e}"
+
+
+@pytest.mark.gpu
+@needs_2_hoppers
 def test_tp2_greedy_matches_tp1() -> None:
     from monokernel.runtime.backends.monokernel import MonokernelBackend
 

@@ -17,7 +17,7 @@ and are refused); NVLink multicast is never used.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -44,7 +44,9 @@ from monokernel.runtime.backends.monokernel.peer import (
 from monokernel.runtime.backends.monokernel.request import checked_steps
 from monokernel.runtime.backends.monokernel.token_reader import read_tokens
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.weights.formats import DEFAULT_FORMAT
 from monokernel.weights.names import Weights
+from monokernel.weights.quantize import DequantizedView, check_method, whole_row_scales
 from monokernel.weights.repack import repack
 from monokernel.weights.shard import (
     ShardConfig,
@@ -71,14 +73,22 @@ class Rank:
     of its own: prefill is unsharded, on rank 0)."""
 
     def __init__(
-        self, sc: ShardConfig, weights: Weights, max_seq_len: int, device: torch.device
+        self,
+        sc: ShardConfig,
+        weights: Weights,
+        max_seq_len: int,
+        device: torch.device,
+        fmt: str = DEFAULT_FORMAT,
+        row_scales: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
+        """``fmt``: the layers' weight format; ``row_scales``: the column-split matrices'
+        whole rows' scales (a quantised format's, weights/quantize.py whole_row_scales)."""
         cfg = rank_config(sc)
         self.sc, self.cfg, self.device = sc, cfg, device
-        dims = kernel_dims(cfg, tp=sc.tp)
+        dims = kernel_dims(cfg, tp=sc.tp, weight_format=fmt)
         with torch.cuda.device(device):
             self.cache = KVCache.allocate(cfg, max_seq_len, torch.bfloat16, device)
-            packed = repack(cfg, weights, max_seq_len, fold=False)
+            packed = repack(cfg, weights, max_seq_len, fold=False, fmt=fmt, row_scales=row_scales)
             self.kernel = DecodeKernel(cfg, dims, packed, self.cache, max_seq_len, device)
         self.recv = DeviceBuffer(device.index, layout.tp_recv_bytes(sc.tp, cfg.hidden_size))
 
@@ -98,7 +108,10 @@ class MonokernelTPBackend:
         max_seq_len: int,
         device: torch.device,
         tp: int,
+        quantize: str | None = None,
     ) -> None:
+        """``quantize``: the layers' matrices in that format (--quantize), packed per rank
+        with TP=1's scales, so every rank count computes the same quantised model."""
         multicast_off()  # nothing here uses NVLS; keep any library we load off it too
         check_tp(cfg, tp)  # TensorParallelError naming the numbers and the valid sizes
         device = torch.device(device)
@@ -121,12 +134,17 @@ class MonokernelTPBackend:
         if weights["embed"].dtype != torch.bfloat16:
             weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
         weights = {k: v.to(self.device) for k, v in weights.items()}
-        # Unsharded fp32 prefill on rank 0 (as the single-GPU backend does).
-        self.ref = Transformer(cfg, Float32View(weights), max_seq_len)
+        fmt = DEFAULT_FORMAT if quantize is None else check_method(quantize)
+        # Unsharded fp32 prefill on rank 0 (as the single-GPU backend does), on the values
+        # the kernels multiply by.
+        view = Float32View(weights) if quantize is None else DequantizedView(weights, fmt)
+        self.ref = Transformer(cfg, view, max_seq_len)
+        scales = None if quantize is None else whole_row_scales(weights, fmt, cfg.num_layers)
         self.ranks: list[Rank] = []
         for r, dev in enumerate(self.devices):
             shard = {k: v.to(dev) for k, v in shard_weights(cfg, weights, r, tp).items()}
-            self.ranks.append(Rank(shard_config(cfg, r, tp), shard, max_seq_len, dev))
+            mine = None if scales is None else {k: v.to(dev) for k, v in scales.items()}
+            self.ranks.append(Rank(shard_config(cfg, r, tp), shard, max_seq_len, dev, fmt, mine))
             del shard
         self._tag = 1  # next generation; carried across requests so buffers are never reset
 
