@@ -253,6 +253,27 @@ _SETTINGS: tuple[Setting, ...] = (
         choices=("prefill", "kernel"),
     ),
     Setting(
+        "MONOKERNEL_STALL_SECONDS",
+        "int",
+        30,
+        "Seconds a running monokernel may go without producing a token before its request "
+        "fails (an error the client sees, not a hang). The host then asks the kernel to stop; "
+        "one that stops leaves the engine serving, one that does not (or a kernel fault) "
+        "leaves it failed: `/health` answers 503 and `monokernel serve` exits with status 70 "
+        "for a supervisor to restart it.",
+        _DECODE,
+        minimum=1,
+    ),
+    Setting(
+        "MONOKERNEL_DEBUG_STALL",
+        "str",
+        "",
+        "Fault injection for tests: `STEP` makes the monokernel's CTA 0 stop at the start of "
+        "decode step STEP of every launch until the host cancels it; `STEP:hard` ignores the "
+        "cancel too (the other CTAs then trap after ~10 s: a kernel fault). Empty: off.",
+        _TESTS,
+    ),
+    Setting(
         "MONOKERNEL_HANDOFF_SEARCH",
         "int",
         7,

@@ -37,3 +37,8 @@ class InvalidRequestError(MonokernelError, ValueError):
 
 class BackendUnavailableError(MonokernelError):
     """The asked-for engine cannot run here (no GPU, wrong architecture, ...)."""
+
+
+class EngineFailedError(MonokernelError, RuntimeError):
+    """The engine can serve no more requests (a GPU kernel faulted, or stalled and would not
+    stop): the process must be restarted."""

@@ -334,6 +334,8 @@ PARAMS: tuple[Field, ...] = (
     Field("attn_splits", "int", ctypes.c_int32, "head units: ranges a head at most (grid/NH)"),
     Field("attn_group_splits", "int", ctypes.c_int32, "group units: ranges a KV head (grid/NKV)"),
     Field("attn_group_from", "int", ctypes.c_int32, "context from which group units are used"),
+    Field("debug_stall_step", "int", ctypes.c_int32, "-1, or the step CTA 0 stalls at (tests)"),
+    Field("debug_stall_hard", "int", ctypes.c_int32, "1: that stall ignores the cancel word"),
     Field("pad_", "int", ctypes.c_int32, "keeps the TP tail 8-byte aligned"),
 )
 

@@ -29,6 +29,13 @@ from monokernel.runtime.backends.base import (
     DecodeRequest,
     planned_reuse,
 )
+from monokernel.runtime.constrained import (
+    Constraint,
+    ConstraintError,
+    GrammarCompiler,
+    TokenMatcher,
+    unsupported_reason,
+)
 from monokernel.runtime.memory_plan import (
     ContextPlan,
     ContextTooLargeError,
@@ -226,6 +233,13 @@ class Engine:
         if self.config.prefix_reuse is not None and callable(set_reuse):
             set_reuse(self.config.prefix_reuse)
         self._busy = threading.Lock()
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can serve no more requests (its GPU kernel faulted, or stalled
+        and would not stop); None while it can."""
+        return getattr(self.backend, "failure", None)
 
     @property
     def startup_notes(self) -> tuple[str, ...]:
@@ -343,8 +357,27 @@ class Engine:
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_token_ids
         )
-        request = DecodeRequest(tuple(ids), params, params.max_tokens, stop_ids)
+        matcher = None
+        if params.constraint is not None:
+            matcher = self.constraint_matcher(params.constraint)
+            # The grammar's end is written as EOS, so EOS ends the output even with
+            # ignore_eos (past it the grammar allows nothing else).
+            stop_ids |= self.eos_token_ids
+        request = DecodeRequest(tuple(ids), params, params.max_tokens, stop_ids, matcher)
         return self._run(request, cancel or CancelToken())
+
+    def constraint_matcher(self, constraint: Constraint) -> TokenMatcher:
+        """A fresh matcher for ``constraint``; ConstraintError (an InvalidRequestError) when
+        this engine cannot run constrained requests, llguidance is missing, or the grammar is
+        refused. Thread-safe, so a server can check a request before queueing it."""
+        reason = unsupported_reason(self.engine_name, self.speculative is not None)
+        if reason is not None:
+            raise ConstraintError(reason)
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids
+            )
+        return self._grammars.matcher(constraint)
 
     def _run(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[TokenEvent]:
         with self._busy:

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from monokernel.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from monokernel.runtime.constrained import Constraint
 
 _M32 = 0xFFFFFFFF
 
@@ -37,6 +41,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     extra: dict[str, object] = field(default_factory=dict, compare=False)
+    # What the output must match (runtime/constrained.py). Here rather than on the
+    # DecodeRequest because it is part of what the caller asks of the sampling rule, like
+    # top_p; the per-request matcher the Engine builds from it rides on the DecodeRequest.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -136,6 +136,9 @@ def speculative_stream(
 ) -> Iterator[int]:
     """A backend's decode loop with n-gram drafts: the same ids as one token a pass.
     ``first_logits`` [V]: the prompt's last position's, from the backend's prefill."""
+    if request.matcher is not None:
+        # Drafts would need checking against the grammar before verification.
+        raise InvalidRequestError("constrained decoding does not combine with --speculative yet")
     sp, n = request.sampling, len(request.prompt_ids)
     drafter = NgramDrafter(config, request.prompt_ids)
     pending = [sample(first_logits, sp, n)]

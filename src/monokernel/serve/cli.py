@@ -185,8 +185,11 @@ def main(argv: Sequence[str]) -> int:
         file=sys.stderr,
     )
     server.run()
-    app.state.monokernel.close()
+    state = app.state.monokernel
+    state.close()
     if failed:
         print(f"monokernel serve: error: could not load the model: {failed[0]}", file=sys.stderr)
         return 1
-    return 0
+    if state.exit_status:
+        print(f"monokernel serve: error: {state.engine_failure()}", file=sys.stderr)
+    return int(state.exit_status)

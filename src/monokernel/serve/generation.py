@@ -19,6 +19,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from monokernel.errors import EngineFailedError
 from monokernel.runtime.backends.base import CancelToken
 from monokernel.runtime.engine import Engine, TokenEvent
 from monokernel.serve.errors import APIError
@@ -101,6 +102,8 @@ class Generation:
             self._started = True  # from here the worker gives the slot back
             while True:
                 item = await queue.get()
+                if isinstance(item, EngineFailedError):
+                    raise APIError(503, f"the engine failed: {item}", code="engine_failed")
                 if isinstance(item, BaseException):
                     raise item
                 if item.finish_reason == "cancelled" and self.shutting_down:

@@ -13,8 +13,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from monokernel.errors import InvalidRequestError
+from monokernel.runtime.constrained import Constraint
 from monokernel.runtime.engine import Engine
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.serve import structured
 from monokernel.serve.body import clip, echo, unknown_field
 from monokernel.serve.errors import APIError, bad_request
 from monokernel.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -71,6 +73,11 @@ def _is_number(target: float) -> Callable[[Any], bool]:
     return neutral
 
 
+def _judged_elsewhere(v: Any) -> bool:
+    # Structured-output fields: serve/structured.py enforces them or refuses them.
+    return True
+
+
 def _is_empty(v: Any) -> bool:
     return v is None or v == [] or v == {}
 
@@ -96,13 +103,13 @@ _NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "chat_template": _is_none,
     "chat_template_kwargs": _is_empty,
     "mm_processor_kwargs": _is_empty,
-    "guided_json": _is_none,
-    "guided_regex": _is_none,
-    "guided_choice": _is_none,
-    "guided_grammar": _is_none,
+    "guided_json": _judged_elsewhere,
+    "guided_regex": _judged_elsewhere,
+    "guided_choice": _judged_elsewhere,
+    "guided_grammar": _judged_elsewhere,
     "guided_decoding_backend": _is_none,
     "guided_whitespace_pattern": _is_none,
-    "structured_outputs": _is_none,
+    "structured_outputs": _judged_elsewhere,
     "structural_tag": _is_none,
     "logits_processors": _is_none,
     "return_tokens_as_token_ids": _is_false,
@@ -171,6 +178,7 @@ def check_request(req: CompletionRequest | ChatCompletionRequest) -> None:
         check_roles(req.messages)
         chat_tools(req)
         template_kwargs(req.chat_template_kwargs)
+    structured.requested(req)
     asked = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         asked = req.max_completion_tokens
@@ -239,9 +247,6 @@ def unsupported_fields(req: CompletionRequest | ChatCompletionRequest) -> None:
     ]
     if isinstance(req, CompletionRequest):
         checks += [("echo", req.echo), ("suffix", bool(req.suffix))]
-    else:
-        fmt = (req.response_format or {}).get("type", "text")
-        checks += [("response_format", fmt != "text")]
     for field, refused in checks:
         if not refused:
             continue
@@ -467,8 +472,10 @@ def prepare(
     req: CompletionRequest | ChatCompletionRequest,
     prompt_ids: list[int],
     max_tokens_cap: int,
+    constraint: Constraint | None = None,
 ) -> Prepared:
-    """Sampling parameters for a tokenised request; raises APIError(400) naming the field."""
+    """Sampling parameters for a tokenised request; raises APIError(400) naming the field.
+    ``constraint``: what the output must match (serve/structured.py), already checked."""
     asked = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         asked = req.max_completion_tokens
@@ -512,6 +519,7 @@ def prepare(
             stop=_stop_tuple(req.stop),
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
+            constraint=constraint,
         )
     except InvalidRequestError as e:
         first = str(e).split(" ", 1)[0]

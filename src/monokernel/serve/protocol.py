@@ -54,6 +54,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
+    # Not OpenAI's on this endpoint, but vLLM's (serve/structured.py reads it).
+    response_format: dict[str, Any] | None = None
 
 
 class TextPart(BaseModel):

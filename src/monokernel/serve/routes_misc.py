@@ -26,6 +26,9 @@ async def playground() -> HTMLResponse:
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     state = get_state(request)
+    failure = state.engine_failure()
+    if failure is not None:  # the process is about to exit non-zero: restart it
+        return JSONResponse({"status": "failed", "error": failure}, status_code=503)
     if state.draining:  # so that a load balancer stops sending here
         return JSONResponse({"status": "shutting_down"}, status_code=503)
     if state.engine is not None:

@@ -13,8 +13,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from monokernel.runtime.constrained import Constraint
 from monokernel.runtime.engine import Engine, TokenEvent
 from monokernel.serve import params as P
+from monokernel.serve import structured as S
 from monokernel.serve.body import parse_body
 from monokernel.serve.errors import APIError, error_body
 from monokernel.serve.generation import Generation
@@ -74,16 +76,19 @@ async def chat_completions(request: Request) -> Response:
 
 def _encode(
     engine: Engine, body: CompletionRequest | ChatCompletionRequest
-) -> tuple[list[int], OutputParsing | None]:
-    """Prompt ids and how to read reasoning and tool calls back (blocking: the tokenizer
-    thread)."""
+) -> tuple[list[int], OutputParsing | None, Constraint | None]:
+    """Prompt ids, how to read reasoning and tool calls back, and what the output must
+    match (blocking: the tokenizer thread)."""
     if not isinstance(body, ChatCompletionRequest):
-        return P.encode_prompt(engine, body), None
+        ids = P.encode_prompt(engine, body)
+        return ids, None, S.request_constraint(engine, body, None, None)
     tool_req = P.chat_tools(body)
     ids = P.encode_prompt(engine, body, tool_req)
     hf, family = engine.tokenizer.hf, engine.model_config.family
     tools = parsing_for(hf, family, tool_req) if tool_req else None
-    return ids, output_parsing(hf, family, tools, tool_req.tools if tool_req else None, ids)
+    constraint = S.request_constraint(engine, body, tools, tool_req)
+    parsing = output_parsing(hf, family, tools, tool_req.tools if tool_req else None, ids)
+    return ids, parsing, constraint
 
 
 async def admit(
@@ -96,11 +101,15 @@ async def admit(
     engine = state.require_engine()
     P.check_model(body.model, state.settings.served_model_name)
     P.check_request(body)
+    S.check_engine(engine, body)
     P.check_prompt_size(body, state.prompt_char_limit, engine.max_model_len)
     # Tokenising a long prompt takes milliseconds: keep it off the event loop.
     loop = asyncio.get_running_loop()
-    ids, parsing = await loop.run_in_executor(state.tokenize_thread, _encode, engine, body)
-    prepared = P.prepare(engine, body, ids, state.settings.default_max_tokens_cap)
+    ids, parsing, constraint = await loop.run_in_executor(
+        state.tokenize_thread, _encode, engine, body
+    )
+    cap = state.settings.default_max_tokens_cap
+    prepared = P.prepare(engine, body, ids, cap, constraint)
     try:
         ticket = state.scheduler.enter()
     except QueueFullError as e:

@@ -50,6 +50,7 @@ class ServerState:
         self.tokenize_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
         self.prompt_char_limit = 0  # set once the engine is loaded
         self.draining = False  # set on SIGTERM: no request is admitted any more
+        self.exit_status = 0  # the process's, once the server stops (server.py EXIT_FAILED)
         self.generations: set[Generation] = set()  # admitted and not yet over
         self.responses = ResponseStore()  # past responses, for previous_response_id
 
@@ -76,7 +77,15 @@ class ServerState:
             engine.max_model_len,
         )
 
+    def engine_failure(self) -> str | None:
+        """Why the loaded engine can serve no more requests (None: it can, or none is
+        loaded yet)."""
+        return None if self.engine is None else self.engine.failure
+
     def check_admitting(self) -> None:
+        failure = self.engine_failure()
+        if failure is not None:
+            raise APIError(503, f"the engine failed: {failure}", code="engine_failed")
         if self.draining:
             raise APIError(
                 503,
@@ -118,7 +127,8 @@ class ServerState:
     def close(self) -> None:
         """Free the engine once the server has stopped (a generation thread that is still
         unwinding keeps it: the process is about to exit anyway)."""
-        if self.engine is not None and self.scheduler.running == 0:
+        # A failed engine's GPU may still be running its kernel: freeing would wait for it.
+        if self.engine is not None and self.scheduler.running == 0 and not self.engine_failure():
             self.engine.close()
 
 

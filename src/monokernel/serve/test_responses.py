@@ -187,9 +187,6 @@ def _m(**fields: Any) -> dict[str, Any]:
 REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
     ("unknown-field", _m(frobnicate=1), "frobnicate", "unrecognized request argument"),
     ("unknown-prev", _m(previous_response_id="resp_nope"), "previous_response_id", "not found"),
-    ("required", _m(tools=[TOOL], tool_choice="required"), "tool_choice", "constrained decoding"),
-    ("named", _m(tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"}),
-     "tool_choice", "constrained decoding"),
     ("strict", _m(tools=[TOOL | {"strict": True}]), "tools[0].strict", "constrained decoding"),
     ("hosted-tool", _m(tools=[{"type": "web_search"}]), "tools[0].type", "only function tools"),
     ("image", _m(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),

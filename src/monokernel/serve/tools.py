@@ -3,8 +3,9 @@ checked strictly, tool calls in the history made what chat templates expect, the
 rendered through the model's own template, and the output format picked for parsing.
 
 ``tool_choice`` ``"required"`` or a named function can only be honoured by constraining
-decoding (the model may always answer in text otherwise); that is not implemented, so
-those are refused rather than hoped for.
+decoding (the model may always answer in text otherwise): ``ToolRequest.force`` names the
+functions the reply must call, and serve/structured.py turns them into a grammar of the
+family's tool-call text (torch and reference engines; refused elsewhere).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from monokernel.serve.tool_calls import MARKERS, ToolStream
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _TOOL_KEYS = frozenset({"type", "function"})
 _FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
-_NO_CONSTRAINED = (
-    "needs constrained decoding, which this server does not implement yet; use "
-    "tool_choice 'auto' (the model then decides whether to call a tool)"
+_STRICT_AUTO = (
+    "is enforced only when the call is forced (tool_choice 'required' or naming the "
+    "function): with tool_choice 'auto' the model may write any arguments"
 )
 # The model families' own formats, for a template that names no marker of its own.
 _FAMILY_FORMATS = {
@@ -41,6 +42,10 @@ class ToolRequest:
     tools: list[dict[str, Any]]  # as the template gets them
     parse: bool  # False for tool_choice "none": the output stays text
     parallel: bool
+    # "auto", "none", "required" or "function" (one named function).
+    choice: str = "auto"
+    # The functions the reply must call (a grammar enforces it); empty when it may not.
+    force: tuple[str, ...] = ()
 
 
 def check_tools(
@@ -59,9 +64,19 @@ def check_tools(
     for i, name in enumerate(names):
         if name in names[:i]:
             raise bad_request(f"tools[{i}].function.name {name!r} is given twice", f"tools[{i}]")
-    choice = _check_choice(tool_choice, names)
+    choice, force = _check_choice(tool_choice, names)
+    if choice in ("auto", "none"):
+        for i, t in enumerate(tools):
+            if checked_strict(t):
+                where = f"tools[{i}].function.strict"
+                raise bad_request(f"{where}=True {_STRICT_AUTO}", where, "unsupported")
     parallel = True if parallel_tool_calls is None else parallel_tool_calls
-    return ToolRequest(checked, parse=choice != "none", parallel=parallel)
+    return ToolRequest(checked, choice != "none", parallel, choice, force)
+
+
+def checked_strict(tool: dict[str, Any]) -> bool:
+    """Whether a tool that passed ``_check_tool`` asks for strict arguments."""
+    return bool(tool["function"].get("strict") is True)
 
 
 def _check_tool(tool: Any, i: int) -> dict[str, Any]:
@@ -104,26 +119,19 @@ def _check_tool(tool: Any, i: int) -> dict[str, Any]:
         )
     out["parameters"] = params
     strict = fn.get("strict")
-    if strict not in (None, False):
-        if strict is not True:
-            raise bad_request(
-                f"{where}.function.strict must be a boolean", f"{where}.function.strict"
-            )
-        raise bad_request(
-            f"{where}.function.strict=True {_NO_CONSTRAINED}",
-            f"{where}.function.strict",
-            "unsupported",
-        )
+    if strict not in (None, False, True):
+        raise bad_request(f"{where}.function.strict must be a boolean", f"{where}.function.strict")
     return {"type": "function", "function": out}
 
 
-def _check_choice(choice: Any, names: list[str]) -> str:
+def _check_choice(choice: Any, names: list[str]) -> tuple[str, tuple[str, ...]]:
+    """The choice's kind and the functions it forces a call to."""
     if choice is None or choice == "auto":
-        return "auto"
+        return "auto", ()
     if choice == "none":
-        return "none"
+        return "none", ()
     if choice == "required":
-        raise bad_request(f"tool_choice='required' {_NO_CONSTRAINED}", "tool_choice", "unsupported")
+        return "required", tuple(names)
     if isinstance(choice, dict):
         fn = choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
@@ -136,9 +144,7 @@ def _check_choice(choice: Any, names: list[str]) -> str:
             )
         if name not in names:
             raise bad_request(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
-        raise bad_request(
-            f"tool_choice naming a function {_NO_CONSTRAINED}", "tool_choice", "unsupported"
-        )
+        return "function", (name,)
     raise bad_request(
         f"tool_choice must be 'none', 'auto', 'required' or a function, got {echo(choice)}",
         "tool_choice",

@@ -156,4 +156,3 @@ def test_the_dequantized_view_reads_what_the_kernel_multiplies_by() -> None:
     fmt = get_format("fp8")
     assert torch.equal(view["layers.0.wq"], fmt.dense(fmt.pack(w), torch.float32))
     assert view["layers.0.attn_norm"].dtype == torch.float32 and len(view) == 2
-

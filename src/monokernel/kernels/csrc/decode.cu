@@ -26,6 +26,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) mk_decode(const Params
   int token = p.first_token;
   for (int step = 0; step < p.n_steps; ++step) {
     const Step s{step, p.start_pos, token};
+    debug_stall(p, step);
     mark_ns(p, step, kMarkStepStartNs);
     mark(p, step, kMarkStepStart);
     for (int layer = 0; layer < MK_L; ++layer) {

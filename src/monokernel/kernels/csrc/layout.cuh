@@ -76,6 +76,8 @@ struct Params {
   int attn_splits;             // head units: ranges a head at most (grid/NH)
   int attn_group_splits;       // group units: ranges a KV head (grid/NKV)
   int attn_group_from;         // context from which group units are used
+  int debug_stall_step;        // -1, or the step CTA 0 stalls at (tests)
+  int debug_stall_hard;        // 1: that stall ignores the cancel word
   int pad_;                    // keeps the TP tail 8-byte aligned
 #if MK_TP > 1
   unsigned* tp_recv[8];  // rank k's receive buffer (peer pointers)
@@ -138,17 +140,19 @@ static_assert(offsetof(Params, timing_step) == 268, "layout.py");
 static_assert(offsetof(Params, attn_splits) == 272, "layout.py");
 static_assert(offsetof(Params, attn_group_splits) == 276, "layout.py");
 static_assert(offsetof(Params, attn_group_from) == 280, "layout.py");
-static_assert(offsetof(Params, pad_) == 284, "layout.py");
+static_assert(offsetof(Params, debug_stall_step) == 284, "layout.py");
+static_assert(offsetof(Params, debug_stall_hard) == 288, "layout.py");
+static_assert(offsetof(Params, pad_) == 292, "layout.py");
 #if MK_TP > 1
-static_assert(offsetof(Params, tp_recv) == 288, "layout.py");
-static_assert(offsetof(Params, tp_mine) == 352, "layout.py");
-static_assert(offsetof(Params, tp_rank) == 360, "layout.py");
-static_assert(offsetof(Params, vocab_start) == 364, "layout.py");
-static_assert(offsetof(Params, tp_tag) == 368, "layout.py");
-static_assert(offsetof(Params, tp_pad_) == 372, "layout.py");
-static_assert(sizeof(Params) == 376, "layout.py");
+static_assert(offsetof(Params, tp_recv) == 296, "layout.py");
+static_assert(offsetof(Params, tp_mine) == 360, "layout.py");
+static_assert(offsetof(Params, tp_rank) == 368, "layout.py");
+static_assert(offsetof(Params, vocab_start) == 372, "layout.py");
+static_assert(offsetof(Params, tp_tag) == 376, "layout.py");
+static_assert(offsetof(Params, tp_pad_) == 380, "layout.py");
+static_assert(sizeof(Params) == 384, "layout.py");
 #else
-static_assert(sizeof(Params) == 288, "layout.py");
+static_assert(sizeof(Params) == 296, "layout.py");
 #endif
 
 // ---- Params::timing: int64 slots of the profiled step (probes.cuh) ----

@@ -31,3 +31,19 @@ __device__ __forceinline__ void skew(const Params& p, int step, int layer, SkewP
   }
 #endif
 }
+
+// Fault injection (MONOKERNEL_DEBUG_STALL): CTA 0 waits at the start of step
+// p.debug_stall_step until the host raises the cancel word, or forever with
+// p.debug_stall_hard (the other CTAs' waits then trap: a kernel fault). The other CTAs simply
+// wait for CTA 0's data, as they would behind a stalled SM.
+__device__ __forceinline__ void debug_stall(const Params& p, int step) {
+  if (step != p.debug_stall_step || blockIdx.x != 0) return;
+  if (threadIdx.x == 0) {
+    while (true) {
+      const int cancel = *p.host_cancel;  // volatile: a load every turn
+      if (cancel != 0 && !p.debug_stall_hard) break;
+    }
+  }
+  __syncthreads();
+}
+

@@ -10,9 +10,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from monokernel.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from monokernel.runtime.constrained import TokenMatcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +24,10 @@ class DecodeRequest:
     sampling: SamplingParams  # seed already fixed (SamplingParams.with_seed)
     max_new_tokens: int
     stop_token_ids: frozenset[int]  # generation ends after emitting one of these
+    # sampling.constraint's grammar state for this request: the backend masks the logits
+    # with it before each draw and advances it with the drawn token (torch and reference
+    # engines; others refuse constrained requests in the Engine).
+    matcher: TokenMatcher | None = None
 
 
 class CancelToken:

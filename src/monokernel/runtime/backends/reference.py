@@ -9,7 +9,7 @@ import torch
 from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import Transformer
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
-from monokernel.runtime.sampling import sample
+from monokernel.runtime.constrained import sample_masked
 from monokernel.runtime.speculative import Speculating
 from monokernel.weights.names import Weights
 
@@ -38,7 +38,7 @@ class ReferenceBackend(Speculating):
         for produced in range(1, request.max_new_tokens + 1):
             if cancel.is_set():
                 return
-            token = sample(logits, request.sampling, pos)
+            token = sample_masked(logits, request.sampling, pos, request.matcher)
             yield token
             if token in request.stop_token_ids or produced == request.max_new_tokens:
                 return

@@ -19,7 +19,7 @@ from monokernel.models.config import ModelConfig
 from monokernel.models.rope import apply_rope
 from monokernel.models.transformer import KVCache, Transformer, rms_norm
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
-from monokernel.runtime.sampling import sample
+from monokernel.runtime.constrained import sample_masked
 from monokernel.runtime.speculative import Speculating
 from monokernel.weights.names import Weights
 
@@ -139,17 +139,20 @@ class TorchBackend(Speculating):
             yield from self._speculate(logits, request, cancel, self.max_seq_len)
             return
         tok = self.module.tok  # [1] int64 buffer, the step's input and greedy output
-        if sp.greedy:
+        # The step's in-graph argmax ignores the grammar: a constrained request draws on
+        # the host from the masked logits, as sampling does.
+        on_device = sp.greedy and request.matcher is None
+        if on_device:
             tok.copy_(torch.argmax(logits).view(1))
         self.module.pos.fill_(n)
         pos = n  # where the token being sampled will sit
         for produced in range(1, request.max_new_tokens + 1):
             if cancel.is_set():
                 return
-            if sp.greedy:
+            if on_device:
                 token = int(tok)  # the one sync per token: the host needs the id
             else:
-                token = sample(logits, sp, pos)
+                token = sample_masked(logits, sp, pos, request.matcher)
                 tok.fill_(token)
             yield token
             if token in request.stop_token_ids or produced == request.max_new_tokens:

@@ -154,6 +154,12 @@ class MonokernelBackend:
 
     # ---- the Backend contract -------------------------------------------------------------
 
+    @property
+    def failure(self) -> str | None:
+        """Why this backend can run no more requests (a kernel that faulted, or stalled and
+        would not stop); None while it can."""
+        return self.driver.failure
+
     def stream(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[int]:
         yield from self.driver.run(
             request.prompt_ids,

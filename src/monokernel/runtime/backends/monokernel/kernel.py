@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from monokernel import envs
-from monokernel.errors import BackendUnavailableError, InvalidRequestError
+from monokernel.errors import BackendUnavailableError, InvalidRequestError, MonokernelError
 from monokernel.kernels import build as kbuild
 from monokernel.kernels import launcher, layout
 from monokernel.kernels.plan import head_units_fit
@@ -33,7 +33,29 @@ from monokernel.runtime.sampling import SamplingParams
 from monokernel.weights.repack import Repacked
 
 MAX_STOP_IDS = 256  # the stop-id buffer the kernel scans each step
-STALL_SECONDS = 120.0  # no token for this long while the kernel runs: report, don't hang
+# Seconds to wait for a cancelled kernel to stop before the engine is given up as failed.
+STOP_GRACE_SECONDS = 5.0
+
+
+class KernelStuckError(MonokernelError, RuntimeError):
+    """A monokernel that stopped producing tokens, or faulted: its request failed."""
+
+
+def stall_seconds() -> float:
+    """No token for this long while the kernel runs: its request fails
+    (MONOKERNEL_STALL_SECONDS)."""
+    return float(envs.MONOKERNEL_STALL_SECONDS)
+
+
+def debug_stall() -> tuple[int, int]:
+    """(step, hard) of the injected stall MONOKERNEL_DEBUG_STALL asks for: (-1, 0) when off."""
+    text = envs.MONOKERNEL_DEBUG_STALL.strip()
+    if not text:
+        return -1, 0
+    step, sep, mode = text.partition(":")
+    if not step.isdigit() or (sep and mode != "hard"):
+        raise ValueError(f"MONOKERNEL_DEBUG_STALL={text!r}: expected STEP or STEP:hard")
+    return int(step), int(mode == "hard")
 
 
 def monokernel_supported(device: torch.device) -> tuple[bool, str]:
@@ -313,6 +335,7 @@ class DecodeKernel:
             attn_splits=self.attn_splits,
             attn_group_splits=self.attn_group_splits,
             attn_group_from=self.attn_group_from,
+            **dict(zip(("debug_stall_step", "debug_stall_hard"), debug_stall(), strict=True)),
             pad_=0,
         )
         if tp is None:
@@ -369,10 +392,15 @@ class DecodeKernel:
         """Raise the cancel word: the kernel reads it once per token."""
         self.host_cancel.words[0] = 1
 
-    def wait(self) -> None:
-        """Until the kernel's stream is idle."""
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Until the kernel's stream is idle; KernelStuckError after ``timeout_s``."""
         self.make_current()
+        t0 = time.monotonic()
         while not launcher.stream_done(self.stream.cuda_stream):
+            if timeout_s is not None and time.monotonic() - t0 > timeout_s:
+                raise KernelStuckError(
+                    f"the monokernel did not stop within {timeout_s:.0f} s of being cancelled"
+                )
             time.sleep(1e-4)
 
     def timed_decode(self, forced: torch.Tensor, start_pos: int) -> float:
@@ -395,8 +423,8 @@ class DecodeKernel:
             self.start(Launch(0, start_pos, n, greedy), Probe(forced=forced), (begin, end))
             t0 = time.monotonic()
             while not end.query():
-                if time.monotonic() - t0 > STALL_SECONDS:
-                    raise RuntimeError(f"a timed decode did not finish in {STALL_SECONDS} s")
+                if time.monotonic() - t0 > stall_seconds():
+                    raise KernelStuckError(f"a timed decode did not finish in {stall_seconds()} s")
                 time.sleep(1e-4)
         ran = int(self.token_words[0])
         if ran != n:

@@ -13,15 +13,17 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from monokernel.errors import InvalidRequestError
+from monokernel.errors import EngineFailedError, InvalidRequestError
 from monokernel.runtime.backends.base import CancelToken
 from monokernel.runtime.backends.monokernel.kernel import (
     MAX_STOP_IDS,
     NO_PROBE,
-    STALL_SECONDS,
+    STOP_GRACE_SECONDS,
     DecodeKernel,
+    KernelStuckError,
     Launch,
     Probe,
+    stall_seconds,
 )
 from monokernel.runtime.backends.monokernel.kv import KVStore
 from monokernel.runtime.backends.monokernel.token_reader import read_tokens
@@ -73,6 +75,9 @@ class RequestDriver:
         self.kernel, self.kv = kernel, kv
         self.max_seq_len, self.vocab_size = kernel.max_seq_len, kernel.cfg.vocab_size
         self.device = kernel.device
+        # Why this driver can run no more requests (a kernel that faulted, or stalled and
+        # would not stop: the GPU stays busy with it until the process exits); None: healthy.
+        self.failure: str | None = None
 
     def run(
         self,
@@ -93,6 +98,8 @@ class RequestDriver:
         position later from that token. Else the kernel's first step computes the last prompt
         position and draws the first token itself (the debug and profiling paths, whose step
         numbers and logits are the kernel's)."""
+        if self.failure is not None:
+            raise EngineFailedError(self.failure)
         kernel, prefix = self.kernel, self.kv.prefix
         n = len(prompt_ids)
         # What the cache already holds of the prompt (live cache or snapshot) is checked ids
@@ -131,10 +138,17 @@ class RequestDriver:
         finished = failed = False
 
         def check(stalled_s: float) -> None:
-            if kernel.finished() and not out[1]:
-                raise RuntimeError("the monokernel exited without finishing")
-            if stalled_s > STALL_SECONDS:
-                raise RuntimeError(f"the monokernel made no progress for {STALL_SECONDS} s")
+            try:
+                done = kernel.finished()  # raises on a kernel fault
+            except RuntimeError as e:
+                raise KernelStuckError(f"the monokernel faulted: {e}") from e
+            if done and not out[1]:
+                raise KernelStuckError("the monokernel exited without finishing")
+            if stalled_s > stall_seconds():
+                raise KernelStuckError(
+                    f"the monokernel produced no token for {stall_seconds():.0f} s "
+                    "(MONOKERNEL_STALL_SECONDS)"
+                )
 
         try:
             if first is not None and not (cancel is not None and cancel.is_set()):
@@ -150,7 +164,13 @@ class RequestDriver:
             if launched:
                 if not finished:
                     kernel.cancel()
-                kernel.wait()
+                try:
+                    kernel.wait(STOP_GRACE_SECONDS if failed else None)
+                except RuntimeError as e:  # still running when cancelled, or faulted
+                    self.failure = (
+                        f"the monokernel cannot run more requests ({e}); restart the process"
+                    )
+                    raise EngineFailedError(self.failure) from e
             if failed:
                 prefix.invalidate()
             else:

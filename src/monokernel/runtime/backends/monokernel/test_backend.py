@@ -17,6 +17,7 @@ from monokernel.models.shapes import SHAPES
 from monokernel.models.transformer import Float32View, Transformer
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import SamplingParams, probabilities
+from monokernel.testing.gpu_models import default_model_on_gpu
 from monokernel.testing.oracle import assert_greedy_matches, peaked
 from monokernel.weights.random_weights import random_weights
 
@@ -181,23 +182,8 @@ def test_greedy_matches_reference(source: str) -> None:
 @needs_hopper
 def test_greedy_default_model() -> None:
     """The same check on the real default model (SmolLM2-135M-Instruct), on a chat prompt."""
-    pytest.importorskip("gguf")  # the GGUF reader: a package the GPU image may lack
-    from monokernel.errors import ModelNotFoundError
-    from monokernel.tokenizer.tokenizer import Tokenizer
-    from monokernel.weights.default_model import default_model_path
-    from monokernel.weights.loader import load_checkpoint
-
-    try:
-        path = default_model_path(progress=False)
-    except ModelNotFoundError as e:
-        pytest.skip(f"the default model is not cached and cannot be fetched here: {e}")
-    ckpt = load_checkpoint(str(path))
-    tok = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file)
-    messages = [{"role": "user", "content": "Write a Python function that reverses a string."}]
-    prompt = tok.encode_chat(messages)
-    dev = torch.device("cuda")
-    weights = {k: v.to(device=dev, dtype=torch.bfloat16) for k, v in ckpt.weights.items()}
-    _check_greedy(ckpt.config, weights, prompt, "default model")
+    cfg, weights, prompt = default_model_on_gpu("Write a Python function that reverses a string.")
+    _check_greedy(cfg, weights, prompt, "default model")
 
 
 def _check_greedy(cfg, weights, prompt: list[int], label: str, source: str = "prefill") -> None:

@@ -21,6 +21,7 @@ from monokernel.models.shapes import SHAPES
 from monokernel.models.transformer import Transformer
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.testing.gpu_models import default_model_on_gpu, hopper_with, random_ids
 from monokernel.testing.oracle import assert_greedy_matches, peaked
 from monokernel.weights.quantize import DequantizedView
 from monokernel.weights.random_weights import random_weights
@@ -44,19 +45,9 @@ CONFIGS: dict[str, ModelConfig] = {
 }
 
 
-def _hopper_with(gib: float) -> bool:
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-        return False
-    return torch.cuda.mem_get_info()[1] >= gib * 2**30
-
-
 def _needs(shape: str) -> pytest.MarkDecorator:
     gib = 2 * 2 * CONFIGS[shape].num_parameters() / 2**30 + 8
-    return pytest.mark.skipif(not _hopper_with(gib), reason=f"needs a Hopper GPU, {gib:.0f} GiB")
-
-
-def _tokens(n: int, vocab: int, seed: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return pytest.mark.skipif(not hopper_with(gib), reason=f"needs a Hopper GPU, {gib:.0f} GiB")
 
 
 CASES = [
@@ -72,7 +63,7 @@ def test_teacher_forced_logits(shape: str, fmt: str) -> None:
 
     cfg, dev = CONFIGS[shape], torch.device("cuda")
     weights = random_weights(cfg, device=dev, seed=31)
-    seq = _tokens(PROMPT + STEPS, cfg.vocab_size, seed=32)
+    seq = random_ids(PROMPT + STEPS, cfg.vocab_size, seed=32)
     mk = MonokernelBackend(cfg, weights, PROMPT + STEPS, dev, quantize=fmt)
     assert mk.kernel.packed.format == fmt and mk.kernel.packed.head_format == "bf16"
     got = mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])  # [STEPS, V]
@@ -98,7 +89,7 @@ def test_greedy_matches_reference(shape: str, fmt: str) -> None:
 
     cfg, dev = CONFIGS[shape], torch.device("cuda")
     weights = peaked(cfg, random_weights(cfg, device=dev, seed=33))
-    prompt = _tokens(PROMPT, cfg.vocab_size, seed=34)
+    prompt = random_ids(PROMPT, cfg.vocab_size, seed=34)
     mk = MonokernelBackend(cfg, weights, PROMPT + STEPS, dev, quantize=fmt)
     request = DecodeRequest(tuple(prompt), SamplingParams(temperature=0.0), STEPS, frozenset())
     got = list(mk.stream(request, CancelToken()))
@@ -114,25 +105,12 @@ def test_default_model_greedy(fmt: str) -> None:
     """The real default model (SmolLM2-135M-Instruct, its Q4_1 GGUF dequantised) quantised
     at load: the kernel's greedy tokens are the reference's on the same dequantised values,
     on a chat prompt. Real weights have the outliers random ones lack."""
-    pytest.importorskip("gguf")  # the GGUF reader: a package the GPU image may lack
-    if not _hopper_with(8):
+    if not hopper_with(8):
         pytest.skip("needs a Hopper GPU")
-    from monokernel.errors import ModelNotFoundError
     from monokernel.runtime.backends.monokernel import MonokernelBackend
-    from monokernel.tokenizer.tokenizer import Tokenizer
-    from monokernel.weights.default_model import default_model_path
-    from monokernel.weights.loader import load_checkpoint
 
-    try:
-        path = default_model_path(progress=False)
-    except ModelNotFoundError as e:
-        pytest.skip(f"the default model is not cached and cannot be fetched here: {e}")
-    ckpt = load_checkpoint(str(path))
-    tok = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file)
-    prompt = tok.encode_chat([{"role": "user", "content": "Write a Python function that adds."}])
+    cfg, weights, prompt = default_model_on_gpu("Write a Python function that adds.")
     dev = torch.device("cuda")
-    weights = {k: v.to(device=dev, dtype=torch.bfloat16) for k, v in ckpt.weights.items()}
-    cfg = ckpt.config
     mk = MonokernelBackend(cfg, weights, len(prompt) + STEPS, dev, quantize=fmt)
     request = DecodeRequest(tuple(prompt), SamplingParams(temperature=0.0), STEPS, frozenset())
     got = list(mk.stream(request, CancelToken()))

@@ -15,27 +15,18 @@ from monokernel.models.shapes import SHAPES
 from monokernel.models.transformer import Float32View, Transformer
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.testing.gpu_models import hopper_with, random_ids
 from monokernel.testing.oracle import assert_greedy_matches, peaked
 from monokernel.weights.random_weights import random_weights
 
 PROMPT, STEPS = 64, 256
 
 
-def _hopper_with(gib: float) -> bool:
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-        return False
-    return torch.cuda.mem_get_info()[1] >= gib * 2**30
-
-
 def _needs(shape: str) -> pytest.MarkDecorator:
     """Skip unless a Hopper GPU holds the shape's bf16 weights twice and 8 GiB more."""
     gib = 2 * 2 * SHAPES[shape].num_parameters() / 2**30 + 8
     why = f"needs a Hopper GPU with {gib:.0f} GiB"
-    return pytest.mark.skipif(not _hopper_with(gib), reason=why)
-
-
-def _tokens(n: int, vocab: int, seed: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return pytest.mark.skipif(not hopper_with(gib), reason=why)
 
 
 @pytest.mark.gpu
@@ -48,7 +39,7 @@ def test_teacher_forced_logits(shape: str) -> None:
 
     cfg, dev = SHAPES[shape], torch.device("cuda")
     weights = random_weights(cfg, device=dev, seed=21)
-    seq = _tokens(PROMPT + STEPS, cfg.vocab_size, seed=22)
+    seq = random_ids(PROMPT + STEPS, cfg.vocab_size, seed=22)
     mk = MonokernelBackend(cfg, weights, PROMPT + STEPS, dev)
     got = mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])  # [STEPS, V]
     mk.close()
@@ -73,7 +64,7 @@ def test_greedy_matches_reference(shape: str) -> None:
 
     cfg, dev = SHAPES[shape], torch.device("cuda")
     weights = peaked(cfg, random_weights(cfg, device=dev, seed=23))
-    prompt = _tokens(PROMPT, cfg.vocab_size, seed=24)
+    prompt = random_ids(PROMPT, cfg.vocab_size, seed=24)
     mk = MonokernelBackend(cfg, weights, PROMPT + STEPS, dev)
     request = DecodeRequest(tuple(prompt), SamplingParams(temperature=0.0), STEPS, frozenset())
     got = list(mk.stream(request, CancelToken()))

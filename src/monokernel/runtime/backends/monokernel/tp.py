@@ -21,20 +21,22 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from monokernel.errors import BackendUnavailableError, InvalidRequestError
+from monokernel.errors import BackendUnavailableError, EngineFailedError, InvalidRequestError
 from monokernel.kernels import layout
 from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import Float32View, KVCache, Transformer
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.backends.monokernel.kernel import (
     NO_PROBE,
-    STALL_SECONDS,
+    STOP_GRACE_SECONDS,
     DecodeKernel,
+    KernelStuckError,
     Launch,
     Probe,
     TPLink,
     kernel_dims,
     monokernel_supported,
+    stall_seconds,
 )
 from monokernel.runtime.backends.monokernel.peer import (
     DeviceBuffer,
@@ -147,6 +149,7 @@ class MonokernelTPBackend:
             self.ranks.append(Rank(shard_config(cfg, r, tp), shard, max_seq_len, dev, fmt, mine))
             del shard
         self._tag = 1  # next generation; carried across requests so buffers are never reset
+        self.failure: str | None = None  # why no more requests can run (RequestDriver's)
 
     # ---- one request --------------------------------------------------------------------
 
@@ -182,6 +185,8 @@ class MonokernelTPBackend:
         probes: Sequence[Probe] | None = None,
     ) -> Iterator[int]:
         """``probes``: each rank's debug inputs (forced tokens, its logits shard)."""
+        if self.failure is not None:
+            raise EngineFailedError(self.failure)
         n = len(prompt_ids)
         n_steps = checked_steps(
             prompt_ids, stop_ids, max_new_tokens, self.max_seq_len, self.cfg.vocab_size
@@ -217,17 +222,30 @@ class MonokernelTPBackend:
                 rk.kernel.finished()
             lead.make_current()
             if lead.finished() and not out[1]:
-                raise RuntimeError("the monokernel (rank 0) exited without finishing")
-            if stalled_s > STALL_SECONDS:
-                raise RuntimeError(f"the TP monokernels made no progress for {STALL_SECONDS} s")
+                raise KernelStuckError("the monokernel (rank 0) exited without finishing")
+            if stalled_s > stall_seconds():
+                raise KernelStuckError(
+                    f"the TP monokernels produced no token for {stall_seconds():.0f} s "
+                    "(MONOKERNEL_STALL_SECONDS)"
+                )
 
+        failed = False
         try:
             finished = yield from read_tokens(out, cancel, check)
+        except GeneratorExit:
+            raise
+        except BaseException:
+            failed = True
+            raise
         finally:
             if not finished:
                 lead.cancel()  # rank 0 reads it once per token and tells the others
-            for rk in self.ranks:
-                rk.kernel.wait()
+            try:
+                for rk in self.ranks:
+                    rk.kernel.wait(STOP_GRACE_SECONDS if failed else None)
+            except RuntimeError as e:  # still running when cancelled, or faulted
+                self.failure = f"the TP monokernels cannot run more requests ({e}); restart"
+                raise EngineFailedError(self.failure) from e
 
     # ---- the Backend contract -------------------------------------------------------------
 

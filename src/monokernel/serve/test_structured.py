@@ -1,0 +1,325 @@
+"""Structured output through the server (serve/structured.py) on loopback, with the
+reference engine on the tiny random-weight model: the grammar makes even random weights
+write valid JSON and well-formed tool calls, so the checks are exact."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("llguidance")
+openai = pytest.importorskip("openai")
+
+from monokernel.runtime.engine import Engine, EngineConfig  # noqa: E402
+from monokernel.serve.app import create_app  # noqa: E402
+from monokernel.serve.settings import ServerSettings  # noqa: E402
+from monokernel.serve.testing import Served, live_server, wait_ready  # noqa: E402
+from monokernel.serve.testing_names import CHAT, COMPLETIONS, MODEL_NAME  # noqa: E402
+from monokernel.serve.testing_tools import MISTRAL_V03_TEMPLATE  # noqa: E402
+from monokernel.testing.tiny_models import CHATML_TEMPLATE  # noqa: E402
+
+# Short, so prompt and reply fit the tiny model's 256 positions; Hermes's <tool_call>
+# marker tells the server the format.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t.function.name }} "
+    "{% endfor %}</tools> Reply with <tool_call></tool_call>.<|im_end|>\n{% endif %}"
+    + CHATML_TEMPLATE
+)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": SCHEMA, "strict": True},
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+USER = [{"role": "user", "content": "Weather?"}]
+
+
+def _matches(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and set(value) == {"city", "days"}
+        and value["city"] in ("Paris", "Rome")
+        and type(value["days"]) is int
+        and 1 <= value["days"] <= 7
+    )
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path) -> Iterator[tuple[Engine, str]]:
+    eng = Engine(tiny_model_dir, EngineConfig(engine="reference", device="cpu", progress=False))
+    eng.tokenizer.hf.chat_template = TOOLS_TEMPLATE
+    with live_server(create_app(ServerSettings(MODEL_NAME), lambda: eng)) as url:
+        wait_ready(url)
+        yield eng, url
+
+
+@pytest.fixture(scope="module")
+def client(served: tuple[Engine, str]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served[1] + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def _post(served: tuple[Engine, str], body: dict[str, Any], path: str = CHAT) -> httpx.Response:
+    return httpx.post(served[1] + path, json={"model": MODEL_NAME} | body, timeout=60)
+
+
+JSON_SCHEMA_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True},
+}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema(client: openai.OpenAI, temperature: float, stream: bool) -> None:
+    args: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "messages": USER,
+        "max_tokens": 80,
+        "temperature": temperature,
+        "seed": 1,
+        "response_format": JSON_SCHEMA_FORMAT,
+    }
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **args))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+    else:
+        r = client.chat.completions.create(**args)
+        text, finish = r.choices[0].message.content or "", r.choices[0].finish_reason
+    assert finish == "stop"
+    assert _matches(json.loads(text)), text
+
+
+def test_json_object(client: openai.OpenAI) -> None:
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=USER,
+            max_tokens=150,
+            temperature=0.7,
+            seed=seed,
+            response_format={"type": "json_object"},
+        )
+        assert r.choices[0].finish_reason == "stop"
+        assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"guided_json": SCHEMA},
+        {"guided_json": json.dumps(SCHEMA)},
+        {"structured_outputs": {"json": SCHEMA}},
+        {"response_format": JSON_SCHEMA_FORMAT},
+    ],
+    ids=["guided_json", "guided_json-str", "structured_outputs", "response_format"],
+)
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_vllm_fields_and_completions(
+    served: tuple[Engine, str], extra: dict[str, Any], path: str
+) -> None:
+    prompt = {"messages": USER} if path == CHAT else {"prompt": "Weather?"}
+    r = _post(served, prompt | {"max_tokens": 80, "temperature": 0} | extra, path)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text = choice["message"]["content"] if path == CHAT else choice["text"]
+    assert _matches(json.loads(text)), text
+
+
+def test_choice_and_regex(served: tuple[Engine, str]) -> None:
+    r = _post(served, {"messages": USER, "structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.json()["choices"][0]["message"]["content"] in ("yes", "no")
+    r = _post(served, {"prompt": "id:", "guided_regex": "[A-Z]{2}[0-9]{3}"}, COMPLETIONS)
+    text = r.json()["choices"][0]["text"]
+    assert len(text) == 5 and text[:2].isupper() and text[2:].isdigit(), text
+
+
+def _calls(message: Any) -> list[tuple[str, dict[str, Any]]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_tool_call(client: openai.OpenAI, stream: bool, choice: str) -> None:
+    tool_choice: Any = "required"
+    if choice == "named":
+        tool_choice = {"type": "function", "function": {"name": "get_time"}}
+    args: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "messages": USER,
+        "max_tokens": 120,
+        "temperature": 0,
+        "tools": [WEATHER, CLOCK],
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": False,
+    }
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **args))
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        parts: dict[int, list[str]] = {}
+        names: dict[int, str] = {}
+        for c in chunks:
+            for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+                if d.function and d.function.name:
+                    names[d.index] = d.function.name
+                parts.setdefault(d.index, []).append((d.function and d.function.arguments) or "")
+        calls = [(names[i], json.loads("".join(parts[i]))) for i in sorted(parts)]
+    else:
+        r = client.chat.completions.create(**args)
+        finish, calls = r.choices[0].finish_reason, _calls(r.choices[0].message)
+    assert finish == "tool_calls"
+    assert len(calls) == 1
+    name, arguments = calls[0]
+    if choice == "named":
+        assert name == "get_time" and arguments in ({"zone": "UTC"}, {"zone": "CET"})
+    else:
+        assert name in ("get_weather", "get_time")
+        assert _matches(arguments) if name == "get_weather" else set(arguments) == {"zone"}
+
+
+def test_required_with_parallel_calls_parses_every_call(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        max_tokens=150,
+        temperature=0.8,
+        seed=4,
+        tools=[WEATHER],
+        tool_choice="required",
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = _calls(choice.message)
+    assert calls and all(n == "get_weather" and _matches(a) for n, a in calls)
+
+
+# (id, body, message fragment, param)
+REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
+    (
+        "bad-format",
+        {"response_format": {"type": "yaml"}},
+        "response_format.type must be one of",
+        "response_format.type",
+    ),
+    (
+        "no-schema-name",
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+        "name is required",
+        "response_format.json_schema.name",
+    ),
+    (
+        "unknown-format",
+        {"guided_json": {"type": "string", "format": "bogus"}},
+        "Unknown format: bogus",
+        "guided_json",
+    ),
+    (
+        "two-constraints",
+        {"guided_json": SCHEMA, "response_format": {"type": "json_object"}},
+        "one output constraint per request",
+        "guided_json",
+    ),
+    (
+        "format-and-forced-call",
+        {"response_format": {"type": "json_object"}, "tools": [WEATHER], "tool_choice": "required"},
+        "cannot be combined with tool_choice",
+        "response_format",
+    ),
+    (
+        "structured-two-keys",
+        {"structured_outputs": {"json": SCHEMA, "regex": "a"}},
+        "exactly one of",
+        "structured_outputs",
+    ),
+    (
+        "strict-auto",
+        {"tools": [WEATHER]},
+        "enforced only when the call is forced",
+        "tools[0].function.strict",
+    ),
+]
+
+
+def test_refusals_name_the_field(served: tuple[Engine, str]) -> None:
+    failures = []
+    for name, body, fragment, param in REFUSED:
+        r = _post(served, {"messages": USER, "max_tokens": 8} | body)
+        error = r.json().get("error", {})
+        if r.status_code != 400 or fragment not in error.get("message", ""):
+            failures.append(f"{name}: {r.status_code} {r.text}")
+        elif error.get("param") != param:
+            failures.append(f"{name}: param {error.get('param')!r}")
+    assert not failures, "\n".join(failures)
+
+
+def test_monokernel_refuses_constrained_requests(
+    served: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(served[0], "engine_name", "monokernel")
+    for body in (
+        {"response_format": {"type": "json_object"}},
+        {"guided_json": SCHEMA},
+        {"tools": [CLOCK], "tool_choice": "required"},
+    ):
+        r = _post(served, {"messages": USER, "max_tokens": 8} | body)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert "constrained decoding runs on the torch and reference engines for now" in message
+    # Unconstrained requests still run.
+    assert _post(served, {"messages": USER, "max_tokens": 4}).status_code == 200
+
+
+def test_missing_llguidance_is_a_clear_400(
+    served: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    r = _post(served, {"messages": USER, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400, r.text
+    assert 'pip install "monokernel[structured]"' in r.json()["error"]["message"]
+
+
+def test_uncovered_tool_format_names_the_family(served_factory: Callable[..., Served]) -> None:
+    mistral = served_factory(MISTRAL_V03_TEMPLATE, "[TOOL_CALLS]")
+    r = mistral.post(
+        {"model": MODEL_NAME, "messages": USER, "tools": [CLOCK], "tool_choice": "required"}
+    )
+    assert r.status_code == 400, r.text
+    assert "mistral" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "tool_choice"
+
+
+def test_responses_api_forced_call(served: tuple[Engine, str]) -> None:
+    tool = {"type": "function", "name": "get_time"} | {
+        "parameters": CLOCK["function"]["parameters"]
+    }
+    body = {"input": "Time?", "max_output_tokens": 100, "temperature": 0, "tools": [tool]}
+    r = _post(served, body | {"tool_choice": "required"}, "/v1/responses")
+    assert r.status_code == 200, r.text
+    (item,) = r.json()["output"]
+    assert item["type"] == "function_call" and item["name"] == "get_time"
+    assert json.loads(item["arguments"]) in ({"zone": "UTC"}, {"zone": "CET"})

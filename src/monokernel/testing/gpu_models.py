@@ -1,0 +1,43 @@
+"""What the GPU tests of the monokernel share: whether the GPU can hold a shape, token ids
+from a seed, and the real default model loaded onto the GPU (skipping where it cannot be)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from monokernel.models.config import ModelConfig
+from monokernel.weights.names import Weights
+
+
+def hopper_with(gib: float) -> bool:
+    """A Hopper GPU (sm_90) with at least ``gib`` GiB of memory."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        return False
+    return torch.cuda.mem_get_info()[1] >= gib * 2**30
+
+
+def random_ids(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def default_model_on_gpu(user_message: str) -> tuple[ModelConfig, Weights, list[int]]:
+    """The real default model (SmolLM2-135M-Instruct, its Q4_1 GGUF dequantised) as bf16 on
+    the GPU, and ``user_message`` through its chat template; skips the test where the GGUF
+    reader is missing or the model is neither cached nor fetchable."""
+    pytest.importorskip("gguf")  # the GGUF reader: a package the GPU image may lack
+    from monokernel.errors import ModelNotFoundError
+    from monokernel.tokenizer.tokenizer import Tokenizer
+    from monokernel.weights.default_model import default_model_path
+    from monokernel.weights.loader import load_checkpoint
+
+    try:
+        path = default_model_path(progress=False)
+    except ModelNotFoundError as e:
+        pytest.skip(f"the default model is not cached and cannot be fetched here: {e}")
+    ckpt = load_checkpoint(str(path))
+    tok = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file)
+    prompt = tok.encode_chat([{"role": "user", "content": user_message}])
+    dev = torch.device("cuda")
+    weights = {k: v.to(device=dev, dtype=torch.bfloat16) for k, v in ckpt.weights.items()}
+    return ckpt.config, weights, prompt
