@@ -1,4 +1,5 @@
-"""Suite-wide pytest setup: `gpu` tests skip cleanly on machines without a CUDA device."""
+"""Suite-wide pytest setup: `gpu` tests skip cleanly on machines without a CUDA device, and
+each starts with the GPU memory earlier tests left to the garbage collector freed."""
 
 from __future__ import annotations
 
@@ -27,3 +28,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # A backend that dies with its test sits in reference cycles until the collector runs:
+    # tens of GB on the 8B-32B shapes, which the next large test then cannot allocate.
+    if "gpu" in item.keywords and _cuda_available():
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
