@@ -6,6 +6,8 @@ its ``Float32View``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from monokernel.models.config import ModelConfig
@@ -44,3 +46,30 @@ def assert_greedy_matches(
     print(f"greedy ({label}): {steps - len(differ)}/{steps} steps identical; near ties {differ}")
     assert bool((gap <= 0.02 * logits.std(dim=-1)).all()), f"far from the argmax at {differ}"
     assert len(differ) <= steps // 50
+
+
+def assert_logits_match(
+    cfg: ModelConfig,
+    weights: Mapping[str, torch.Tensor],
+    seq: list[int],
+    prompt_n: int,
+    got: torch.Tensor,
+    label: str,
+    tolerance: float = 1e-2,
+) -> None:
+    """``got`` [steps, V], logits teacher-forced on ``seq`` after its first ``prompt_n``
+    tokens, are the float32 reference's on ``weights`` (read through ``Float32View``, or a
+    view of one's own such as weights.quantize.DequantizedView): relative L2 at most
+    ``tolerance`` at every step."""
+    from monokernel.models.transformer import Float32View, Transformer
+
+    n = len(seq)
+    ref = Transformer(cfg, Float32View(weights), n)
+    tokens = torch.tensor(seq, device=got.device)
+    want = ref.forward(tokens, 0, ref.new_cache(n))[prompt_n - 1 : -1]  # [steps, V]
+    assert got.shape == want.shape, f"{label}: logits {tuple(got.shape)}, want {tuple(want.shape)}"
+    assert torch.isfinite(got).all(), f"{label}: unwritten or non-finite logits"
+    rel = (got - want).norm(dim=-1) / want.norm(dim=-1)  # [steps]
+    print(f"{label}: rel L2 max {rel.max():.2e} mean {rel.mean():.2e}")
+    worst = int(rel.argmax())
+    assert float(rel.max()) <= tolerance, f"{label}, step {worst}: rel L2 {float(rel[worst]):.3e}"
