@@ -8,9 +8,10 @@ queued and generated exactly as a chat request is. Everything Anthropic-specific
 checked here first, so each refusal names the field as the client wrote it
 (``messages[2].content[0].tool_use_id``). A reasoning model's reasoning comes back as
 thinking blocks, and earlier replies' thinking blocks go back to the template as the turn's
-``reasoning_content``. What cannot be honoured (images, documents, a thinking budget,
-server tools, ``tool_choice`` ``any``/``tool``, prefilled replies) is refused,
-never dropped.
+``reasoning_content``. ``tool_choice`` ``any`` and ``tool`` become the chat route's
+``"required"`` and named function, which constrained decoding enforces (serve/structured.py;
+refused where the engine cannot run it). What cannot be honoured (images, documents, a
+thinking budget, server tools, prefilled replies) is refused, never dropped.
 """
 
 from __future__ import annotations
@@ -32,10 +33,6 @@ from monokernel.serve.tool_calls import ContentDelta, Delta, ReasoningDelta
 from monokernel.serve.tools import TOOL_NAME
 
 _ALNUM = string.ascii_letters + string.digits
-_NO_CONSTRAINED = (
-    "needs constrained decoding, which this server does not implement yet; use "
-    "tool_choice {'type': 'auto'} (the model then decides whether to call a tool)"
-)
 # Blocks a client may send that this server cannot read, and why.
 _REFUSED_BLOCKS = {
     "image": "images are not supported: the served model reads text only",
@@ -341,9 +338,7 @@ def _tool_result(block: dict[str, Any], where: str, calls: dict[str, str]) -> di
     }
 
 
-def _tools(
-    tools: list[Any] | None, choice: Any
-) -> tuple[list[dict[str, Any]] | None, str | None, bool]:
+def _tools(tools: list[Any] | None, choice: Any) -> tuple[list[dict[str, Any]] | None, Any, bool]:
     """OpenAI function tools, tool_choice and parallel_tool_calls for Anthropic's."""
     names: list[str] = []
     out: list[dict[str, Any]] = []
@@ -383,7 +378,13 @@ def _tools(
     return (out or None), mode, parallel
 
 
-def _choice(choice: Any, names: list[str]) -> tuple[str | None, bool]:
+def _choice(choice: Any, names: list[str]) -> tuple[Any, bool]:
+    """Chat's tool_choice and parallel_tool_calls for Anthropic's tool_choice: ``auto`` and
+    ``none`` are chat's own; ``any`` is ``"required"`` (a call to any of the tools) and
+    ``tool`` names the function, both forced by constrained decoding (the chat route
+    refuses them on an engine that cannot run it). ``disable_parallel_tool_use`` is
+    ``parallel_tool_calls: false``: one call at most under ``auto``, exactly one under
+    ``any`` (a named tool is always called once)."""
     if choice is None:
         return None, True
     kind = choice.get("type") if isinstance(choice, dict) else None
@@ -400,11 +401,12 @@ def _choice(choice: Any, names: list[str]) -> tuple[str | None, bool]:
         return kind, not disable
     if not names:
         raise bad(f"tool_choice type {kind!r} needs tools; none were given")
-    if kind == "tool":
-        name = choice.get("name")
-        if name not in names:
-            raise bad(f"tool_choice names {echo(name)}, which is not in tools")
-    raise bad(f"tool_choice type {kind!r} {_NO_CONSTRAINED}")
+    if kind == "any":
+        return "required", not disable
+    name = choice.get("name")
+    if name not in names:
+        raise bad(f"tool_choice names {echo(name)}, which is not in tools")
+    return {"type": "function", "function": {"name": name}}, not disable
 
 
 # ---- responses ---------------------------------------------------------------------------

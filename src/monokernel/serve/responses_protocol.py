@@ -7,12 +7,17 @@ a system message, ``function_call`` items assistant ``tool_calls``,
 ``function_call_output`` items ``tool`` messages, function tools chat tools), so it is
 checked, rendered, queued, generated and parsed exactly as a chat request is. What is
 specific to this API is checked here first, so each refusal names the field as the client
-wrote it (``input[2].call_id``).
+wrote it (``input[2].call_id``), and the chat route's own refusals are renamed to this
+API's fields (``chat_error``). ``text.format`` becomes the chat route's
+``response_format`` and ``strict`` function tools chat's, so structured output and forced
+tool calls are enforced by constrained decoding as on chat (serve/structured.py; refused
+where the engine cannot run it).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import uuid
@@ -40,6 +45,19 @@ _CALL_KEYS = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
 _OUTPUT_KEYS = frozenset({"type", "call_id", "output", "id", "status"})
 _REASONING_KEYS = frozenset({"type", "id", "summary", "content", "encrypted_content", "status"})
 _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
+# text.format's keys by type (OpenAI's ResponseFormatTextConfig).
+_FORMAT_KEYS = {
+    "text": frozenset({"type"}),
+    "json_object": frozenset({"type"}),
+    "json_schema": frozenset({"type", "name", "schema", "strict", "description"}),
+}
+# The chat route's names for this API's fields, longest first (see ``chat_error``).
+_CHAT_NAMES = (
+    ("response_format.json_schema", "text.format"),
+    ("response_format", "text.format"),
+    ("max_tokens", "max_output_tokens"),
+)
+_CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function\b")
 # Taken and not used: they never change what is generated.
 _HINTS = ("metadata", "user", "service_tier", "prompt_cache_key", "safety_identifier")
 
@@ -59,8 +77,8 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     previous_response_id: str | None = None
     store: bool = True
+    text: Any = None  # its format, see ``response_format``
     # Accepted at their neutral values only (see ``check_extras``).
-    text: Any = None
     reasoning: Any = None
     include: list[Any] | None = None
     truncation: str | None = None
@@ -69,18 +87,6 @@ class ResponsesRequest(BaseModel):
 def check_extras(req: ResponsesRequest) -> None:
     """Neutral values of fields this server does not implement, and unknown fields, each
     refused by name, as the chat route refuses them."""
-    fmt = req.text.get("format") if isinstance(req.text, dict) else None
-    if req.text is not None and (
-        not isinstance(req.text, dict)
-        or set(req.text) - {"format"}
-        or fmt not in (None, {"type": "text"})
-    ):
-        raise bad_request(
-            f"text={echo(req.text)} is not supported: only text output "
-            "({'format': {'type': 'text'}}); structured output needs constrained decoding",
-            "text",
-            "unsupported",
-        )
     if req.reasoning not in (None, {}):
         raise bad_request(
             f"reasoning={echo(req.reasoning)} is not supported: a reasoning model thinks by "
@@ -101,6 +107,49 @@ def check_extras(req: ResponsesRequest) -> None:
     for name in req.model_extra or {}:
         if name not in _HINTS:
             raise unknown_field(name)
+
+
+def response_format(text: Any) -> dict[str, Any] | None:
+    """The chat route's ``response_format`` for ``text``: ``{"format": {"type": "text"}}``
+    (or nothing) asks for none, ``json_object`` and ``json_schema`` (``name``, ``schema``,
+    ``strict``, ``description`` beside ``type``, where chat nests them in ``json_schema``)
+    for constrained decoding. Only the shape is checked here; the chat route checks the
+    rest, and ``chat_error`` names its refusals ``text.format…``."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise bad_request(f"text must be an object, got {echo(text)}", "text")
+    refuse_unknown_keys(text, frozenset({"format"}), "text")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if not isinstance(fmt, dict) or kind not in _FORMAT_KEYS:
+        raise bad_request(
+            f"text.format.type must be one of {', '.join(_FORMAT_KEYS)}, got {echo(kind)}",
+            "text.format.type",
+        )
+    refuse_unknown_keys(fmt, _FORMAT_KEYS[kind], "text.format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+
+
+def chat_error(e: APIError) -> APIError:
+    """A refusal of the chat request renamed to the fields this request has: chat's
+    ``max_tokens`` is ``max_output_tokens``, ``response_format`` (and its
+    ``json_schema``) ``text.format``, ``tools[i].function.x`` ``tools[i].x``."""
+    for chat, ours in _CHAT_NAMES:
+        if e.param is not None and (e.param == chat or e.param.startswith(chat + ".")):
+            e.param = ours + e.param[len(chat) :]
+            e.message = e.message.replace(chat, ours)
+            break
+    if e.param is not None and _CHAT_TOOL.match(e.param):
+        e.param = _CHAT_TOOL.sub(r"tools[\1]", e.param)
+        e.message = _CHAT_TOOL.sub(r"tools[\1]", e.message)
+    return e
 
 
 # ---- the store ---------------------------------------------------------------------------
@@ -181,6 +230,7 @@ def to_chat(
     """The chat request this request means, and its conversation (without instructions),
     which the store keeps with the reply."""
     check_extras(req)
+    fmt = response_format(req.text)
     conv = Conversation()
     if req.previous_response_id is not None:
         stored = store.get(req.previous_response_id)
@@ -210,13 +260,12 @@ def to_chat(
             fields[name] = getattr(req, name)
     if req.max_output_tokens is not None:
         fields["max_tokens"] = req.max_output_tokens
+    if fmt is not None:
+        fields["response_format"] = fmt
     try:
         return validate(fields, ChatCompletionRequest), conv
     except APIError as e:
-        if e.param == "max_tokens":
-            e.param = "max_output_tokens"
-            e.message = e.message.replace("max_tokens", "max_output_tokens")
-        raise
+        raise chat_error(e) from None
 
 
 def _item(conv: Conversation, item: Any, where: str) -> None:
@@ -334,20 +383,16 @@ def _tools(tools: list[Any] | None) -> list[dict[str, Any]]:
                 f"{where}.type",
             )
         refuse_unknown_keys(tool, _TOOL_KEYS, where)
-        if tool.get("strict") not in (None, False):
-            raise bad_request(
-                f"{where}.strict={echo(tool.get('strict'))} needs constrained decoding, which "
-                "this server does not implement yet; send strict: false",
-                f"{where}.strict",
-                "unsupported",
-            )
-        fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        # strict goes to the chat route, which enforces it when the call is forced and
+        # refuses it under tool_choice auto/none (the model may write any arguments then).
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
         out.append({"type": "function", "function": fn})
     return out
 
 
 def _choice(choice: Any) -> Any:
-    # Chat's shape, so the chat route judges it (and refuses what needs constrained decoding).
+    # Chat's shape, so the chat route judges it ("required" and a named function are
+    # enforced by constrained decoding there).
     if (
         isinstance(choice, dict)
         and choice.get("type") == "function"
@@ -405,7 +450,7 @@ def response_json(
         "reasoning": None,
         "store": req.store,
         "temperature": req.temperature,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": _format_echo(req.text)},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": tools,
         "top_p": req.top_p,
@@ -413,6 +458,14 @@ def response_json(
         "usage": usage,
         "metadata": req.model_extra.get("metadata") if req.model_extra else None,
     }
+
+
+def _format_echo(text: Any) -> dict[str, Any]:
+    """``text.format`` as the response echoes it (checked by ``response_format``)."""
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        return fmt if isinstance(fmt, dict) else {"type": "text"}
+    return {"description": None, "strict": None} | fmt
 
 
 Event = dict[str, Any]

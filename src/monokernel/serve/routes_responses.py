@@ -1,8 +1,9 @@
 """``POST /v1/responses``: OpenAI's Responses API.
 
 The request is made a chat request (``responses_protocol.to_chat``) and takes the chat
-route's own path: the same checks, template, queue, generation, reasoning split and
-tool-call parsing. Errors are in OpenAI's shape, as on the chat route.
+route's own path: the same checks, template, queue, generation (constrained for
+``text.format`` and a forced call), reasoning split and tool-call parsing. Errors are in
+OpenAI's shape, as on the chat route, naming this request's fields.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from monokernel.serve.responses_protocol import (
     Event,
     Items,
     ResponsesRequest,
+    chat_error,
     new_id,
     response_json,
     to_chat,
@@ -85,10 +87,7 @@ async def responses(request: Request) -> Response:
     try:
         gen, parsing = await admit(state, chat, time.perf_counter())
     except APIError as e:
-        if e.param == "max_tokens":  # the chat route's name for it
-            e.param = "max_output_tokens"
-            e.message = e.message.replace("max_tokens", "max_output_tokens")
-        raise
+        raise chat_error(e) from None  # named as this request names the field
     call = _Call(state, req, chat, conv, gen)
     if req.stream:
         return GenerationStream(gen, _sse(call, request, parsing), state)

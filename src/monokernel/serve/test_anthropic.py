@@ -437,11 +437,11 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("thinking-in-user", _m(messages=[
         {"role": "user", "content": [{"type": "thinking", "thinking": "x", "signature": ""}]}]),
      "thinking blocks are only taken in assistant messages"),
-    ("any", _m(tool_choice={"type": "any"}), "tool_choice type 'any' needs constrained decoding"),
-    ("tool", _m(tool_choice={"type": "tool", "name": "get_time"}),
-     "tool_choice type 'tool' needs constrained decoding"),
     ("tool-unknown", _m(tool_choice={"type": "tool", "name": "nope"}), "not in tools"),
     ("any-without-tools", _m(tools=None, tool_choice={"type": "any"}), "needs tools"),
+    ("tool-without-name", _m(tool_choice={"type": "tool"}), "not in tools"),
+    ("disable-parallel", _m(tool_choice={"type": "any", "disable_parallel_tool_use": 1}),
+     "disable_parallel_tool_use must be a boolean"),
     ("choice-garbage", _m(tool_choice="auto"), "tool_choice must be"),
     ("server-tool", _m(tools=[{"type": "web_search_20250305", "name": "web_search"}]),
      "server tools"),
@@ -520,9 +520,13 @@ def test_sdk_raises_the_errors(qwen: Served) -> None:
         client.messages.create(
             model=MODEL_NAME, max_tokens=10, messages=[{"role": "user", "content": [IMAGE]}]
         )
-    with pytest.raises(anthropic.BadRequestError, match="constrained decoding"):
+    with pytest.raises(anthropic.BadRequestError, match="not in tools"):
         client.messages.create(
-            model=MODEL_NAME, max_tokens=10, messages=USER, tools=TOOLS, tool_choice={"type": "any"}
+            model=MODEL_NAME,
+            max_tokens=10,
+            messages=USER,
+            tools=TOOLS,
+            tool_choice={"type": "tool", "name": "nope"},
         )
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="claude-haiku-4-5", max_tokens=10, messages=USER)

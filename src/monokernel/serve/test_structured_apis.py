@@ -1,0 +1,381 @@
+"""Structured output through the Anthropic Messages and OpenAI Responses APIs on loopback,
+with the reference engine on the tiny random-weight model (as test_structured.py does for
+chat): Anthropic's ``tool_choice`` ``any``/``tool`` and the Responses API's ``text.format``
+and ``strict`` tools take the chat route's constrained decoding, so even random weights
+write a valid call or valid JSON and the checks are exact; what still cannot run is
+refused by name."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("llguidance")
+
+from monokernel.runtime.engine import Engine, EngineConfig
+from monokernel.serve.anthropic_protocol import MessagesRequest, to_chat
+from monokernel.serve.app import create_app
+from monokernel.serve.body import validate
+from monokernel.serve.settings import ServerSettings
+from monokernel.serve.testing import live_server, wait_ready
+from monokernel.serve.testing_names import MODEL_NAME
+from monokernel.testing.tiny_models import CHATML_TEMPLATE
+
+MESSAGES = "/v1/messages"
+RESPONSES = "/v1/responses"
+# Short, so prompt and reply fit the tiny model's 256 positions; Hermes's <tool_call>
+# marker tells the server the format.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t.function.name }} "
+    "{% endfor %}</tools> Reply with <tool_call></tool_call>.<|im_end|>\n{% endif %}"
+    + CHATML_TEMPLATE
+)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+ZONE = {
+    "type": "object",
+    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+A_TOOLS = [
+    {"name": "get_weather", "input_schema": SCHEMA},
+    {"name": "get_time", "description": "The time.", "input_schema": ZONE},
+]
+R_WEATHER = {"type": "function", "name": "get_weather", "parameters": SCHEMA, "strict": True}
+R_CLOCK = {"type": "function", "name": "get_time", "parameters": ZONE, "strict": False}
+USER = [{"role": "user", "content": "Weather?"}]
+UNSUPPORTED = "constrained decoding runs on the torch and reference engines for now"
+
+
+def _weather(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and set(value) == {"city", "days"}
+        and value["city"] in ("Paris", "Rome")
+        and type(value["days"]) is int
+        and 1 <= value["days"] <= 7
+    )
+
+
+def _valid(name: str, value: Any) -> bool:
+    if name == "get_weather":
+        return _weather(value)
+    return name == "get_time" and value in ({"zone": "UTC"}, {"zone": "CET"})
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir: Path) -> Iterator[tuple[Engine, str]]:
+    eng = Engine(tiny_model_dir, EngineConfig(engine="reference", device="cpu", progress=False))
+    eng.tokenizer.hf.chat_template = TOOLS_TEMPLATE
+    with live_server(create_app(ServerSettings(MODEL_NAME), lambda: eng)) as url:
+        wait_ready(url)
+        yield eng, url
+
+
+def _post(served: tuple[Engine, str], path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(served[1] + path, json={"model": MODEL_NAME} | body, timeout=60)
+
+
+def _sse(r: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
+    assert r.status_code == 200, r.text
+    events = []
+    for chunk in r.text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in chunk.split("\n"))
+        events.append((lines["event"], json.loads(lines["data"])))
+    return events
+
+
+# ---- Anthropic Messages ------------------------------------------------------------------
+
+
+def _streamed_message(events: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The message the events build (as the anthropic client accumulates it)."""
+    names = [name for name, _ in events]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == [
+        "message_delta",
+        "message_stop",
+    ]
+    message = events[0][1]["message"]
+    partial: dict[int, list[str]] = {}
+    for name, data in events:
+        if name == "content_block_start":
+            assert data["index"] == len(message["content"])
+            message["content"].append(dict(data["content_block"]))
+        elif name == "content_block_delta":
+            block, delta = message["content"][data["index"]], data["delta"]
+            if delta["type"] == "input_json_delta":
+                partial.setdefault(data["index"], []).append(delta["partial_json"])
+            else:
+                block["text"] += delta["text"]
+        elif name == "content_block_stop" and data["index"] in partial:
+            message["content"][data["index"]]["input"] = json.loads("".join(partial[data["index"]]))
+        elif name == "message_delta":
+            message |= data["delta"]
+    return message
+
+
+def _m(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "max_tokens": 120, "messages": USER, "tools": A_TOOLS} | fields
+
+
+def _anthropic(served: tuple[Engine, str], stream: bool, **fields: Any) -> dict[str, Any]:
+    body = {"max_tokens": 120, "messages": USER, "tools": A_TOOLS, "stream": stream} | fields
+    r = _post(served, MESSAGES, body)
+    if stream:
+        return _streamed_message(_sse(r))
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("kind", ["any", "tool"])
+def test_anthropic_forced_tool_use(served: tuple[Engine, str], stream: bool, kind: str) -> None:
+    choice: dict[str, Any] = {"type": "any", "disable_parallel_tool_use": True}
+    if kind == "tool":
+        choice = {"type": "tool", "name": "get_time"}
+    m = _anthropic(served, stream, temperature=0, tool_choice=choice)
+    assert m["stop_reason"] == "tool_use", m
+    (block,) = m["content"]
+    assert block["type"] == "tool_use" and block["id"].startswith("toolu_"), m
+    assert _valid(block["name"], block["input"]), block
+    if kind == "tool":
+        assert block["name"] == "get_time"
+
+
+def test_anthropic_any_with_parallel_calls(served: tuple[Engine, str]) -> None:
+    """Without disable_parallel_tool_use, one or more calls, each valid: the random model
+    may go on calling until max_tokens cuts the last call (which stays text)."""
+    chat = to_chat(validate(_m(tool_choice={"type": "any"}), MessagesRequest))
+    assert (chat.tool_choice, chat.parallel_tool_calls) == ("required", True)
+    one = {"type": "any", "disable_parallel_tool_use": True}
+    chat = to_chat(validate(_m(tool_choice=one), MessagesRequest))
+    assert (chat.tool_choice, chat.parallel_tool_calls) == ("required", False)
+    for temperature in (0.0, 1.0):
+        m = _anthropic(served, False, temperature=temperature, tool_choice={"type": "any"})
+        calls = [b for b in m["content"] if b["type"] == "tool_use"]
+        assert calls and all(_valid(b["name"], b["input"]) for b in calls), m
+        if m["stop_reason"] == "tool_use":
+            assert len(calls) == len(m["content"]), m
+        else:
+            assert m["stop_reason"] == "max_tokens", m
+            assert m["content"][-1]["text"].startswith("<tool_call>"), m
+
+
+def test_anthropic_auto_and_none_still_run(served: tuple[Engine, str]) -> None:
+    for choice in (
+        {"type": "auto"},
+        {"type": "none"},
+        {"type": "auto", "disable_parallel_tool_use": True},
+    ):
+        m = _anthropic(served, False, max_tokens=8, temperature=0, tool_choice=choice)
+        assert m["stop_reason"] in ("end_turn", "max_tokens", "tool_use"), m
+        if choice["type"] == "none":
+            assert all(b["type"] == "text" for b in m["content"]), m
+
+
+def test_anthropic_sdk_forced_tool_use(served: tuple[Engine, str]) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=served[1], api_key="x", max_retries=0, timeout=60)
+    args: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "max_tokens": 120,
+        "messages": USER,
+        "tools": A_TOOLS,
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "extra_body": {"temperature": 0},  # not every client version takes it by name
+    }
+    m = client.messages.create(**args)
+    with client.messages.stream(**args) as stream:
+        streamed = stream.get_final_message()
+    for message in (m, streamed):
+        assert message.stop_reason == "tool_use"
+        (block,) = message.content
+        assert block.type == "tool_use" and block.name == "get_weather"
+        assert _weather(block.input), block.input
+    # count_tokens renders a forced choice exactly as /v1/messages does.
+    r = _post(served, MESSAGES + "/count_tokens", {k: args[k] for k in ("messages", "tools")})
+    forced = _post(
+        served,
+        MESSAGES + "/count_tokens",
+        {k: args[k] for k in ("messages", "tools", "tool_choice")},
+    )
+    assert r.status_code == forced.status_code == 200, forced.text
+    assert r.json() == forced.json()
+
+
+def test_anthropic_monokernel_refuses_forced_calls(
+    served: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(served[0], "engine_name", "monokernel")
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_time"}):
+        r = _post(
+            served,
+            MESSAGES,
+            {"max_tokens": 8, "messages": USER, "tools": A_TOOLS} | {"tool_choice": choice},
+        )
+        assert r.status_code == 400, r.text
+        error = r.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+        assert UNSUPPORTED in error["error"]["message"]
+    # An unforced call still runs there.
+    body = {"max_tokens": 4, "messages": USER, "tools": A_TOOLS, "tool_choice": {"type": "auto"}}
+    assert _post(served, MESSAGES, body).status_code == 200
+
+
+# ---- OpenAI Responses --------------------------------------------------------------------
+
+JSON_SCHEMA_FORMAT = {"type": "json_schema", "name": "weather", "schema": SCHEMA, "strict": True}
+
+
+def _response(served: tuple[Engine, str], stream: bool, **fields: Any) -> dict[str, Any]:
+    body = {"input": "Weather?", "max_output_tokens": 80, "stream": stream} | fields
+    r = _post(served, RESPONSES, body)
+    if not stream:
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+    events = _sse(r)
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    assert events[-1][0] == "response.completed", events[-1]
+    final = dict(events[-1][1]["response"])
+    # The deltas add up to the final output.
+    text = "".join(d["delta"] for name, d in events if name == "response.output_text.delta")
+    assert text == "".join(
+        p["text"] for i in final["output"] if i["type"] == "message" for p in i["content"]
+    )
+    return final
+
+
+def _output_text(response: dict[str, Any]) -> str:
+    (item,) = response["output"]
+    assert item["type"] == "message", item
+    return str(item["content"][0]["text"])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_json_schema(
+    served: tuple[Engine, str], stream: bool, temperature: float
+) -> None:
+    r = _response(served, stream, temperature=temperature, text={"format": JSON_SCHEMA_FORMAT})
+    assert r["status"] == "completed", r
+    assert _weather(json.loads(_output_text(r))), r
+    assert r["text"] == {"format": JSON_SCHEMA_FORMAT | {"description": None}}
+
+
+def test_responses_json_object(served: tuple[Engine, str]) -> None:
+    r = _response(
+        served,
+        False,
+        max_output_tokens=150,
+        temperature=0.7,
+        text={"format": {"type": "json_object"}},
+    )
+    assert r["status"] == "completed", r
+    assert isinstance(json.loads(_output_text(r)), dict)
+    assert r["text"] == {"format": {"type": "json_object"}}
+    # text.format text asks for nothing.
+    plain = _response(served, False, max_output_tokens=4, text={"format": {"type": "text"}})
+    assert plain["text"] == {"format": {"type": "text"}}
+
+
+def test_responses_sdk_json_schema(served: tuple[Engine, str]) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=served[1] + "/v1", api_key="x", max_retries=0, timeout=60)
+    r = client.responses.create(
+        model=MODEL_NAME,
+        input="Weather?",
+        max_output_tokens=80,
+        temperature=0,
+        text={"format": JSON_SCHEMA_FORMAT},  # type: ignore[typeddict-item]
+    )
+    assert _weather(json.loads(r.output_text)), r.output_text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_responses_strict_forced_call(
+    served: tuple[Engine, str], stream: bool, choice: str
+) -> None:
+    tool_choice: Any = "required"
+    if choice == "named":
+        tool_choice = {"type": "function", "name": "get_weather"}
+    r = _response(
+        served,
+        stream,
+        max_output_tokens=120,
+        temperature=0,
+        tools=[R_WEATHER, R_CLOCK],
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+    )
+    (item,) = r["output"]
+    assert item["type"] == "function_call", item
+    assert _valid(item["name"], json.loads(item["arguments"])), item
+    if choice == "named":
+        assert item["name"] == "get_weather"
+    assert [t["strict"] for t in r["tools"]] == [True, False]
+
+
+# (id, body, param, message fragment)
+# fmt: off
+R_REFUSED: list[tuple[str, dict[str, Any], str, str]] = [
+    ("strict-auto", {"tools": [R_WEATHER]}, "tools[0].strict",
+     "tools[0].strict=True is enforced only when the call is forced"),
+    ("strict-none", {"tools": [R_WEATHER], "tool_choice": "none"}, "tools[0].strict",
+     "enforced only when the call is forced"),
+    ("schema-keyword", {"text": {"format": JSON_SCHEMA_FORMAT | {
+        "schema": {"type": "string", "format": "bogus"}}}}, "text.format",
+     "Unknown format: bogus"),
+    ("schema-not-object", {"text": {"format": JSON_SCHEMA_FORMAT | {"schema": [1]}}},
+     "text.format.schema", "text.format.schema must be a JSON Schema object"),
+    ("strict-not-bool", {"text": {"format": JSON_SCHEMA_FORMAT | {"strict": "yes"}}},
+     "text.format.strict", "text.format.strict must be a boolean"),
+    ("format-and-forced-call", {"text": {"format": {"type": "json_object"}}, "tools": [R_CLOCK],
+     "tool_choice": "required"}, "text.format", "text.format cannot be combined with tool_choice"),
+    ("format-not-object", {"text": {"format": "json_object"}}, "text.format.type",
+     "must be one of"),
+    ("tool-params", {"tools": [R_CLOCK | {"parameters": {"type": "array"}}]},
+     "tools[0].parameters", "tools[0].parameters must be a JSON Schema object"),
+]
+# fmt: on
+
+
+def test_responses_refusals_name_the_field(served: tuple[Engine, str]) -> None:
+    failures = []
+    for name, body, param, fragment in R_REFUSED:
+        r = _post(served, RESPONSES, {"input": "Hi", "max_output_tokens": 8} | body)
+        error = r.json().get("error", {}) if r.status_code == 400 else {}
+        if error.get("param") != param or fragment not in error.get("message", ""):
+            failures.append(f"{name}: {r.status_code} {r.text}")
+    assert not failures, "\n".join(failures)
+
+
+def test_responses_monokernel_refuses_constrained_requests(
+    served: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(served[0], "engine_name", "monokernel")
+    for body, param in (
+        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"text": {"format": JSON_SCHEMA_FORMAT}}, "text.format"),
+        ({"tools": [R_WEATHER], "tool_choice": "required"}, "tool_choice"),
+    ):
+        r = _post(served, RESPONSES, {"input": "Hi", "max_output_tokens": 8} | body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert UNSUPPORTED in error["message"] and error["param"] == param, error
+    # Unconstrained requests still run.
+    plain = {"input": "Hi", "max_output_tokens": 4, "text": {"format": {"type": "text"}}}
+    assert _post(served, RESPONSES, plain).status_code == 200
