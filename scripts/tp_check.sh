@@ -297,6 +297,7 @@ else:
     failed = True
 
 # 3. chat, not streamed
+content = None
 t = time.monotonic()
 status, text = call("/v1/chat/completions",
                     params | {"messages": [{"role": "user", "content": "Write fib in Python."}]})
@@ -308,6 +309,35 @@ if status == 200:
 else:
     print(f"   POST /v1/chat/completions: {status}, body {text[:300]!r}")
     failed = True
+
+# 4. chat, streamed: the deltas, the finish and [DONE]
+req = urllib.request.Request(
+    base + "/v1/chat/completions",
+    data=json.dumps(params | {"messages": [{"role": "user", "content": "Write fib in Python."}],
+                              "stream": True}).encode(),
+    headers={"Content-Type": "application/json"})
+t = time.monotonic()
+try:
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        status, deltas, done, finish = resp.status, [], False, None
+        for raw in resp:
+            line = raw.decode().strip()
+            if line == "data: [DONE]":
+                done = True
+                break
+            if line.startswith("data: "):
+                obj = json.loads(line[6:])
+                failed |= bool(obj.get("error"))
+                for c in obj.get("choices") or []:
+                    deltas.append((c.get("delta") or {}).get("content") or "")
+                    finish = c.get("finish_reason") or finish
+except urllib.error.HTTPError as e:
+    status, deltas, done, finish = e.code, [], False, None
+chat_stream = "".join(deltas)
+print(f"   POST /v1/chat/completions stream: {status}, {len(deltas)} deltas, [DONE] {done}, "
+      f"finish {finish}, text {len(chat_stream)} chars, {time.monotonic() - t:.1f} s; "
+      f"== non-stream: {chat_stream == content if status == 200 else 'n/a'}")
+failed |= status != 200 or not done or finish is None
 
 # Greedy, same prompt: report whether streamed, non-streamed and `run` agree.
 try:
