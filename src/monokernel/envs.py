@@ -183,7 +183,8 @@ _SETTINGS: tuple[Setting, ...] = (
         "With prefill graphs on, capture the graph of every fresh prompt's bucket (16 tokens "
         "up to the chunk) when the monokernel loads, so no request pays a capture or a Triton "
         "compile in its time to first token; 0 captures each the first time it is needed "
-        "(a faster load).",
+        "(a faster load). Under `--tp N` (no prefill graphs yet) a two-token request runs "
+        "at load instead, for the same reason.",
         _PREFILL,
     ),
     Setting(

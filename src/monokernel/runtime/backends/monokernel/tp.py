@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from monokernel import envs
 from monokernel.errors import BackendUnavailableError, EngineFailedError, InvalidRequestError
 from monokernel.kernels import layout
 from monokernel.models.config import ModelConfig
@@ -150,6 +151,12 @@ class MonokernelTPBackend:
             del shard
         self._tag = 1  # next generation; carried across requests so buffers are never reset
         self.failure: str | None = None  # why no more requests can run (RequestDriver's)
+        if envs.MONOKERNEL_PREFILL_WARMUP:
+            # A two-token request now, so the first real one pays none of the first-use costs
+            # (the ranks' first launches, the prefill's first kernels); each request prefills
+            # its whole prompt, so what it leaves in the caches is never read.
+            for _ in self._run((0, 0), 2, SamplingParams(temperature=0.0), [], None):
+                pass
 
     # ---- one request --------------------------------------------------------------------
 
