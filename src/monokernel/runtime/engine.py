@@ -44,7 +44,7 @@ from monokernel.runtime.memory_plan import (
     plan_context,
 )
 from monokernel.runtime.prefill_graphs import graphs_enabled
-from monokernel.runtime.sampling import SamplingParams
+from monokernel.runtime.sampling import SamplingParams, unsupported_penalty_reason
 from monokernel.runtime.speculative import SpeculativeConfig
 from monokernel.tokenizer.detokenize import IncrementalDetokenizer
 from monokernel.tokenizer.stop_strings import StopStringMatcher
@@ -352,6 +352,10 @@ class Engine:
         """Stream a completion. ``prompt_ids`` skips tokenisation when the caller already
         has them. Setting ``cancel`` (from any thread) ends the stream within a token."""
         params = (params or SamplingParams()).with_seed()
+        # The monokernel decodes on the GPU and cannot apply penalties: refused, not ignored.
+        why = unsupported_penalty_reason(params, self.engine_name, self.speculative is not None)
+        if why is not None:
+            raise InvalidRequestError(why)
         ids = prompt_ids if prompt_ids is not None else self.encode(prompt)
         self.check_fits(len(ids), params.max_tokens)
         stop_ids = frozenset(params.stop_token_ids) | (

@@ -12,11 +12,19 @@ draws of this file. The rule, which every backend implements identically:
    probability at which the descending cumulative sum first reaches top_p (ties kept).
 5. Gumbel-max: the kept token maximising z + g, g = -log(-log(u)), u = uniform(seed, pos, id)
    (ties to the lowest token id). This draws exactly from softmax(z) over the kept set.
+
+``min_p`` > 0 adds a step between 2 and 3: keep tokens whose softmax(z) probability is at
+least min_p times the largest (greedy is unchanged by it). Before the rule, ``penalize``
+turns the raw logits into the ones sampled from (OpenAI's ``logit_bias``,
+``presence_penalty``, ``frequency_penalty`` and vLLM's ``repetition_penalty``); only the
+reference and torch engines apply it, and the monokernel refuses non-neutral values
+(``unsupported_penalty_reason``).
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,10 +53,20 @@ class SamplingParams:
     # DecodeRequest because it is part of what the caller asks of the sampling rule, like
     # top_p; the per-request matcher the Engine builds from it rides on the DecodeRequest.
     constraint: Constraint | None = None
+    # Logit processing (``penalize``): OpenAI's penalties on the output so far, vLLM's
+    # repetition_penalty on prompt + output, min_p, and logit_bias as (token id, bias)
+    # pairs sorted by id (a mapping is accepted and converted).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         self.validate()
 
     def validate(self) -> None:
@@ -68,6 +86,45 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be a non-negative integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop must be a list of non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2 <= v <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {v!r}")
+        rp = self.repetition_penalty
+        if not _is_real(rp) or not 0 < rp < float("inf"):
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {rp!r}")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise InvalidRequestError("logit_bias must map token ids to biases")
+            token, bias = pair
+            if type(token) is not int or token < 0:
+                raise InvalidRequestError(
+                    f"logit_bias keys must be token ids (integers >= 0), got {token!r}"
+                )
+            if not _is_real(bias) or not -100 <= bias <= 100:
+                raise InvalidRequestError(
+                    f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}"
+                )
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise InvalidRequestError("logit_bias names a token id more than once")
+
+    def penalty_fields(self) -> list[str]:
+        """The logit-processing fields set to other than their neutral value."""
+        neutral = {
+            "presence_penalty": self.presence_penalty == 0,
+            "frequency_penalty": self.frequency_penalty == 0,
+            "repetition_penalty": self.repetition_penalty == 1,
+            "min_p": self.min_p == 0,
+            "logit_bias": not self.logit_bias,
+        }
+        return [name for name, is_neutral in neutral.items() if not is_neutral]
+
+    @property
+    def penalized(self) -> bool:
+        """Whether ``penalize`` changes the logits (or min_p the kept set)."""
+        return bool(self.penalty_fields())
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +135,33 @@ class SamplingParams:
         if self.seed is not None:
             return self
         return _replace(self, seed=secrets.randbits(63))
+
+
+def _is_real(v: object) -> bool:
+    return type(v) in (int, float)
+
+
+# Engines whose decode loop samples on the host from logits it can process first.
+PENALTY_ENGINES = ("reference", "torch")
+
+
+def unsupported_penalty_reason(
+    params: SamplingParams, engine: str, speculative: bool
+) -> str | None:
+    """Why an engine cannot honour ``params``' logit processing, or None when it can.
+    The message starts with the first non-neutral field's name."""
+    fields = params.penalty_fields()
+    if not fields:
+        return None
+    name = fields[0]
+    if engine not in PENALTY_ENGINES:
+        return (
+            f"{name} is supported by the torch and reference engines only; this server runs "
+            f"the {engine} engine (start it with --engine torch)"
+        )
+    if speculative:
+        return f"{name} does not combine with --speculative yet"
+    return None
 
 
 def _replace(p: SamplingParams, **changes: object) -> SamplingParams:
@@ -146,6 +230,64 @@ def allowed_mask(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return keep
 
 
+def min_p_mask(z: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Boolean [V]: tokens whose softmax(z) probability is >= min_p * the largest."""
+    if min_p <= 0:
+        return torch.ones_like(z, dtype=torch.bool)
+    probs = torch.softmax(z, dim=-1)
+    return probs >= min_p * probs.max()
+
+
+def _kept(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    if params.min_p <= 0:
+        return allowed_mask(z, params.top_k, params.top_p)
+    first = min_p_mask(z, params.min_p)
+    return first & allowed_mask(torch.where(first, z, float("-inf")), params.top_k, params.top_p)
+
+
+def penalize(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    output_ids: Sequence[int] | torch.Tensor,
+) -> torch.Tensor:
+    """The logits the sampling rule draws from, float32 [V] (a new tensor when changed):
+
+    1. logit_bias: z[t] += bias[t].
+    2. repetition_penalty r (vLLM/HF): for t in prompt or output, z[t] / r if z[t] > 0,
+       else z[t] * r.
+    3. frequency_penalty f and presence_penalty p (OpenAI/vLLM, on the output only):
+       z[t] -= f * count(t in output) + p * (count > 0).
+
+    -inf logits (a grammar's mask) stay -inf. min_p is part of ``sample``, as it depends
+    on the temperature."""
+    z = logits.float()
+    counting = params.frequency_penalty != 0 or params.presence_penalty != 0
+    if not (params.logit_bias or params.repetition_penalty != 1 or counting):
+        return z
+    z = z.clone()
+    v, dev = z.numel(), z.device
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
+        if int(ids.max()) >= v:
+            raise InvalidRequestError(
+                f"logit_bias names token {int(ids.max())}, past the vocabulary of {v}"
+            )
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
+        z.index_add_(0, ids.to(dev), bias.to(dev))
+    out = torch.as_tensor(output_ids, dtype=torch.long).to(dev)
+    if params.repetition_penalty != 1:
+        seen = torch.zeros(v, dtype=torch.bool, device=dev)
+        seen[torch.as_tensor(prompt_ids, dtype=torch.long).to(dev)] = True
+        seen[out] = True
+        r = params.repetition_penalty
+        z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
+    if counting:
+        counts = torch.bincount(out, minlength=v)[:v].float()
+        z = z - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    return z
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     """One token from logits [V] (any float dtype) at absolute position ``position``."""
     z = logits.float()
@@ -154,7 +296,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
     if params.seed is None:
         raise InvalidRequestError("sample() needs a fixed seed; call params.with_seed() first")
     z = z / params.temperature
-    keep = allowed_mask(z, params.top_k, params.top_p)
+    keep = _kept(z, params)
     scores = torch.where(
         keep, z + gumbel(params.seed, position, z.numel(), z.device), float("-inf")
     )
@@ -164,5 +306,5 @@ def sample(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution ``sample`` draws from: softmax(z) restricted to the kept set."""
     z = logits.float() / max(params.temperature, 1e-30)
-    keep = allowed_mask(z, params.top_k, params.top_p)
+    keep = _kept(z, params)
     return torch.softmax(torch.where(keep, z, float("-inf")), dim=-1)

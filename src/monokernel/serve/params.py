@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from monokernel.errors import InvalidRequestError
 from monokernel.runtime.constrained import Constraint
 from monokernel.runtime.engine import Engine
-from monokernel.runtime.sampling import SamplingParams
+from monokernel.runtime.sampling import SamplingParams, unsupported_penalty_reason
 from monokernel.serve import structured
 from monokernel.serve.body import clip, echo, unknown_field
 from monokernel.serve.errors import APIError, bad_request
@@ -30,6 +30,8 @@ from monokernel.serve.tools import (
 )
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+_PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+_MAX_LOGIT_BIAS = 1024  # entries: OpenAI's own limit is lower; each costs the host a copy
 # The longest token, in characters, of a tokenizer that cannot list its vocabulary: far
 # above any real vocabulary's, so the bound below still never refuses a prompt that fits.
 _UNKNOWN_TOKEN_CHARS = 1024
@@ -85,9 +87,7 @@ def _is_empty(v: Any) -> bool:
 # Fields clients send (OpenAI's, and vLLM's extras) that this server does not implement:
 # the value that asks for nothing is accepted, any other is refused naming the field.
 _NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "repetition_penalty": _is_number(1.0),
     "length_penalty": _is_number(1.0),
-    "min_p": _is_number(0.0),
     "min_tokens": _is_number(0),
     "use_beam_search": _is_false,
     "continue_final_message": _is_false,
@@ -241,9 +241,6 @@ def unsupported_fields(req: CompletionRequest | ChatCompletionRequest) -> None:
         ("best_of", req.best_of is not None and req.best_of != 1),
         ("logprobs", req.logprobs not in (None, False, 0)),
         ("top_logprobs", bool(req.top_logprobs)),
-        ("presence_penalty", bool(req.presence_penalty)),
-        ("frequency_penalty", bool(req.frequency_penalty)),
-        ("logit_bias", bool(req.logit_bias)),
     ]
     if isinstance(req, CompletionRequest):
         checks += [("echo", req.echo), ("suffix", bool(req.suffix))]
@@ -362,6 +359,58 @@ def _range_checks(req: CompletionRequest | ChatCompletionRequest, max_tokens: in
         )
     if req.seed is not None and not 0 <= req.seed <= _MAX_SEED:
         raise bad_request(f"seed must be an integer in [0, 2^64), got {echo(req.seed)}", "seed")
+    for field in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, field)
+        if v is not None and not -2 <= v <= 2:  # also refuses NaN and the infinities
+            raise bad_request(f"{field} must be in [-2, 2], got {echo(v)}", field)
+    rp = req.repetition_penalty
+    if rp is not None and not 0 < rp < float("inf"):
+        raise bad_request(f"repetition_penalty must be > 0, got {echo(rp)}", "repetition_penalty")
+    if req.min_p is not None and not 0 <= req.min_p <= 1:
+        raise bad_request(f"min_p must be in [0, 1], got {echo(req.min_p)}", "min_p")
+    _logit_bias(req.logit_bias)
+
+
+def _logit_bias(value: dict[str, float] | None, vocab: int | None = None) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token id (a decimal string) -> bias in [-100, 100]."""
+    if not value:
+        return {}
+    if len(value) > _MAX_LOGIT_BIAS:
+        raise bad_request(
+            f"logit_bias may name at most {_MAX_LOGIT_BIAS} tokens, got {len(value)}: "
+            f"{echo(value)}",
+            "logit_bias",
+        )
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 12:
+            raise bad_request(
+                f"logit_bias keys must be token ids (decimal integers), got {echo(key)}",
+                "logit_bias",
+            )
+        token = int(key)
+        if vocab is not None and token >= vocab:
+            raise bad_request(
+                f"logit_bias names token {token}; token ids must be in [0, {vocab})",
+                "logit_bias",
+            )
+        if not -100 <= bias <= 100:
+            raise bad_request(
+                f"logit_bias values must be in [-100, 100], got {echo(bias)} for token {token}",
+                "logit_bias",
+            )
+        if token in out:
+            raise bad_request(f"logit_bias names token {token} more than once", "logit_bias")
+        out[token] = float(bias)
+    return out
+
+
+def check_penalty_engine(engine: Engine, params: SamplingParams) -> None:
+    """400 naming the field when the engine cannot apply the request's logit processing
+    (the monokernel, or --speculative)."""
+    why = unsupported_penalty_reason(params, engine.engine_name, engine.speculative is not None)
+    if why is not None:
+        raise bad_request(why, why.split(" ", 1)[0], "unsupported")
 
 
 def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -520,8 +569,15 @@ def prepare(
             stop_token_ids=stop_ids,
             ignore_eos=req.ignore_eos,
             constraint=constraint,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_p=req.min_p or 0.0,
+            logit_bias=_logit_bias(req.logit_bias, engine.model_config.vocab_size),
         )
     except InvalidRequestError as e:
         first = str(e).split(" ", 1)[0]
-        raise bad_request(str(e), first if first in _SAMPLING_FIELDS else None) from e
+        known = first in _SAMPLING_FIELDS or first in _PENALTY_FIELDS or first == "logit_bias"
+        raise bad_request(str(e), first if known else None) from e
+    check_penalty_engine(engine, params)
     return Prepared(prompt_ids, params)

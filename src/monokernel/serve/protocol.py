@@ -2,9 +2,10 @@
 
 Request fields are strictly typed (``"5"`` is not an integer, ``"yes"`` not a boolean).
 Fields that change the output but that this engine does not implement (``logprobs``,
-penalties, vLLM's ``min_p``...) are accepted only at their neutral value and
-refused otherwise, and a field the server does not know is refused as OpenAI's API
-refuses it (see ``params.check_request``), so nothing a client asks for is dropped.
+``n``...) are accepted only at their neutral value and refused otherwise, and a field
+the server does not know is refused as OpenAI's API refuses it (see
+``params.check_request``), so nothing a client asks for is dropped. Penalties, ``min_p``
+and ``logit_bias`` are implemented on the torch and reference engines.
 """
 
 from __future__ import annotations
@@ -40,12 +41,15 @@ class _SamplingFields(BaseModel):
     # vLLM's extras, accepted as top-level body fields (`extra_body` in the openai client).
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # Logit processing (runtime/sampling.py ``penalize``): torch and reference engines.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's
+    min_p: float | None = None  # vLLM's
+    logit_bias: dict[str, float] | None = None
     # Accepted only at their neutral values.
     logprobs: Any = None
     top_logprobs: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     best_of: int | None = None
 
 

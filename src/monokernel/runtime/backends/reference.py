@@ -6,10 +6,12 @@ from collections.abc import Iterator
 
 import torch
 
+from monokernel.errors import InvalidRequestError
 from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import Transformer
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.constrained import sample_masked
+from monokernel.runtime.sampling import penalize, unsupported_penalty_reason
 from monokernel.runtime.speculative import Speculating
 from monokernel.weights.names import Weights
 
@@ -29,16 +31,24 @@ class ReferenceBackend(Speculating):
         return self.model.forward(ids, start, self.cache)
 
     def stream(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[int]:
+        sp = request.sampling
+        reason = unsupported_penalty_reason(sp, self.name, self.speculative is not None)
+        if reason is not None:
+            raise InvalidRequestError(reason)
         prompt = torch.tensor(request.prompt_ids, dtype=torch.long, device=self.device)
         logits = self.model.prefill(prompt, self.cache)
         if self.speculative is not None:
             yield from self._speculate(logits, request, cancel, self.cache.max_len)
             return
         pos = len(request.prompt_ids)  # where the token being sampled will sit
+        output: list[int] = []  # the tokens so far, for the penalties
         for produced in range(1, request.max_new_tokens + 1):
             if cancel.is_set():
                 return
-            token = sample_masked(logits, request.sampling, pos, request.matcher)
+            if sp.penalized:
+                logits = penalize(logits, sp, request.prompt_ids, output)
+            token = sample_masked(logits, sp, pos, request.matcher)
+            output.append(token)
             yield token
             if token in request.stop_token_ids or produced == request.max_new_tokens:
                 return

@@ -20,6 +20,7 @@ from monokernel.models.rope import apply_rope
 from monokernel.models.transformer import KVCache, Transformer, rms_norm
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.constrained import sample_masked
+from monokernel.runtime.sampling import penalize, unsupported_penalty_reason
 from monokernel.runtime.speculative import Speculating
 from monokernel.weights.names import Weights
 
@@ -131,6 +132,9 @@ class TorchBackend(Speculating):
         n = len(ids)
         if n == 0 or n > self.max_seq_len:
             raise InvalidRequestError(f"prompt length {n} must be in [1, {self.max_seq_len}]")
+        reason = unsupported_penalty_reason(sp, self.name, self.speculative is not None)
+        if reason is not None:
+            raise InvalidRequestError(reason)
         prompt = torch.tensor(ids, dtype=torch.long, device=self.device)
         logits = self.ref.prefill(prompt, self.cache)
         if self.speculative is not None:
@@ -139,21 +143,25 @@ class TorchBackend(Speculating):
             yield from self._speculate(logits, request, cancel, self.max_seq_len)
             return
         tok = self.module.tok  # [1] int64 buffer, the step's input and greedy output
-        # The step's in-graph argmax ignores the grammar: a constrained request draws on
-        # the host from the masked logits, as sampling does.
-        on_device = sp.greedy and request.matcher is None
+        # The step's in-graph argmax ignores the grammar and the penalties: such a request
+        # draws on the host from the processed logits, as sampling does.
+        on_device = sp.greedy and request.matcher is None and not sp.penalized
         if on_device:
             tok.copy_(torch.argmax(logits).view(1))
         self.module.pos.fill_(n)
         pos = n  # where the token being sampled will sit
+        output: list[int] = []  # the tokens so far, for the penalties
         for produced in range(1, request.max_new_tokens + 1):
             if cancel.is_set():
                 return
             if on_device:
                 token = int(tok)  # the one sync per token: the host needs the id
             else:
+                if sp.penalized:
+                    logits = penalize(logits, sp, ids, output)
                 token = sample_masked(logits, sp, pos, request.matcher)
                 tok.fill_(token)
+                output.append(token)
             yield token
             if token in request.stop_token_ids or produced == request.max_new_tokens:
                 return
