@@ -16,30 +16,17 @@ import pytest
 pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
 
-from monokernel.runtime.engine import Engine, EngineConfig  # noqa: E402
-from monokernel.serve.app import create_app  # noqa: E402
-from monokernel.serve.settings import ServerSettings  # noqa: E402
-from monokernel.serve.testing import Served, live_server, wait_ready  # noqa: E402
+from monokernel.runtime.engine import Engine  # noqa: E402
+from monokernel.serve.testing import Served  # noqa: E402
 from monokernel.serve.testing_names import CHAT, COMPLETIONS, MODEL_NAME  # noqa: E402
-from monokernel.serve.testing_tools import MISTRAL_V03_TEMPLATE  # noqa: E402
-from monokernel.testing.tiny_models import CHATML_TEMPLATE  # noqa: E402
-
-# Short, so prompt and reply fit the tiny model's 256 positions; Hermes's <tool_call>
-# marker tells the server the format.
-TOOLS_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t.function.name }} "
-    "{% endfor %}</tools> Reply with <tool_call></tool_call>.<|im_end|>\n{% endif %}"
-    + CHATML_TEMPLATE
+from monokernel.serve.testing_structured import (  # noqa: E402
+    SCHEMA,
+    USER,
+    matches_schema,
+    structured_server,
 )
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
+from monokernel.serve.testing_tools import MISTRAL_V03_TEMPLATE  # noqa: E402
+
 WEATHER = {
     "type": "function",
     "function": {"name": "get_weather", "parameters": SCHEMA, "strict": True},
@@ -56,26 +43,12 @@ CLOCK = {
         },
     },
 }
-USER = [{"role": "user", "content": "Weather?"}]
-
-
-def _matches(value: Any) -> bool:
-    return (
-        isinstance(value, dict)
-        and set(value) == {"city", "days"}
-        and value["city"] in ("Paris", "Rome")
-        and type(value["days"]) is int
-        and 1 <= value["days"] <= 7
-    )
 
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir: Path) -> Iterator[tuple[Engine, str]]:
-    eng = Engine(tiny_model_dir, EngineConfig(engine="reference", device="cpu", progress=False))
-    eng.tokenizer.hf.chat_template = TOOLS_TEMPLATE
-    with live_server(create_app(ServerSettings(MODEL_NAME), lambda: eng)) as url:
-        wait_ready(url)
-        yield eng, url
+    with structured_server(tiny_model_dir) as got:
+        yield got
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +85,7 @@ def test_json_schema(client: openai.OpenAI, temperature: float, stream: bool) ->
         r = client.chat.completions.create(**args)
         text, finish = r.choices[0].message.content or "", r.choices[0].finish_reason
     assert finish == "stop"
-    assert _matches(json.loads(text)), text
+    assert matches_schema(json.loads(text)), text
 
 
 def test_json_object(client: openai.OpenAI) -> None:
@@ -148,7 +121,7 @@ def test_vllm_fields_and_completions(
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     text = choice["message"]["content"] if path == CHAT else choice["text"]
-    assert _matches(json.loads(text)), text
+    assert matches_schema(json.loads(text)), text
 
 
 def test_choice_and_regex(served: tuple[Engine, str]) -> None:
@@ -199,7 +172,7 @@ def test_forced_tool_call(client: openai.OpenAI, stream: bool, choice: str) -> N
         assert name == "get_time" and arguments in ({"zone": "UTC"}, {"zone": "CET"})
     else:
         assert name in ("get_weather", "get_time")
-        assert _matches(arguments) if name == "get_weather" else set(arguments) == {"zone"}
+        assert matches_schema(arguments) if name == "get_weather" else set(arguments) == {"zone"}
 
 
 def test_required_with_parallel_calls_parses_every_call(client: openai.OpenAI) -> None:
@@ -215,7 +188,7 @@ def test_required_with_parallel_calls_parses_every_call(client: openai.OpenAI) -
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     calls = _calls(choice.message)
-    assert calls and all(n == "get_weather" and _matches(a) for n, a in calls)
+    assert calls and all(n == "get_weather" and matches_schema(a) for n, a in calls)
 
 
 # (id, body, message fragment, param)

@@ -17,72 +17,39 @@ import pytest
 
 pytest.importorskip("llguidance")
 
-from monokernel.runtime.engine import Engine, EngineConfig
+from monokernel.runtime.engine import Engine
 from monokernel.serve.anthropic_protocol import MessagesRequest, to_chat
-from monokernel.serve.app import create_app
 from monokernel.serve.body import validate
-from monokernel.serve.settings import ServerSettings
-from monokernel.serve.testing import live_server, wait_ready
 from monokernel.serve.testing_names import MODEL_NAME
-from monokernel.testing.tiny_models import CHATML_TEMPLATE
+from monokernel.serve.testing_structured import (
+    SCHEMA,
+    USER,
+    ZONE,
+    matches_schema,
+    structured_server,
+)
 
 MESSAGES = "/v1/messages"
 RESPONSES = "/v1/responses"
-# Short, so prompt and reply fit the tiny model's 256 positions; Hermes's <tool_call>
-# marker tells the server the format.
-TOOLS_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t.function.name }} "
-    "{% endfor %}</tools> Reply with <tool_call></tool_call>.<|im_end|>\n{% endif %}"
-    + CHATML_TEMPLATE
-)
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-ZONE = {
-    "type": "object",
-    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
 A_TOOLS = [
     {"name": "get_weather", "input_schema": SCHEMA},
     {"name": "get_time", "description": "The time.", "input_schema": ZONE},
 ]
 R_WEATHER = {"type": "function", "name": "get_weather", "parameters": SCHEMA, "strict": True}
 R_CLOCK = {"type": "function", "name": "get_time", "parameters": ZONE, "strict": False}
-USER = [{"role": "user", "content": "Weather?"}]
 UNSUPPORTED = "constrained decoding runs on the torch and reference engines for now"
-
-
-def _weather(value: Any) -> bool:
-    return (
-        isinstance(value, dict)
-        and set(value) == {"city", "days"}
-        and value["city"] in ("Paris", "Rome")
-        and type(value["days"]) is int
-        and 1 <= value["days"] <= 7
-    )
 
 
 def _valid(name: str, value: Any) -> bool:
     if name == "get_weather":
-        return _weather(value)
+        return matches_schema(value)
     return name == "get_time" and value in ({"zone": "UTC"}, {"zone": "CET"})
 
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir: Path) -> Iterator[tuple[Engine, str]]:
-    eng = Engine(tiny_model_dir, EngineConfig(engine="reference", device="cpu", progress=False))
-    eng.tokenizer.hf.chat_template = TOOLS_TEMPLATE
-    with live_server(create_app(ServerSettings(MODEL_NAME), lambda: eng)) as url:
-        wait_ready(url)
-        yield eng, url
+    with structured_server(tiny_model_dir) as got:
+        yield got
 
 
 def _post(served: tuple[Engine, str], path: str, body: dict[str, Any]) -> httpx.Response:
@@ -204,7 +171,7 @@ def test_anthropic_sdk_forced_tool_use(served: tuple[Engine, str]) -> None:
         assert message.stop_reason == "tool_use"
         (block,) = message.content
         assert block.type == "tool_use" and block.name == "get_weather"
-        assert _weather(block.input), block.input
+        assert matches_schema(block.input), block.input
     # count_tokens renders a forced choice exactly as /v1/messages does.
     r = _post(served, MESSAGES + "/count_tokens", {k: args[k] for k in ("messages", "tools")})
     forced = _post(
@@ -271,7 +238,7 @@ def test_responses_json_schema(
 ) -> None:
     r = _response(served, stream, temperature=temperature, text={"format": JSON_SCHEMA_FORMAT})
     assert r["status"] == "completed", r
-    assert _weather(json.loads(_output_text(r))), r
+    assert matches_schema(json.loads(_output_text(r))), r
     assert r["text"] == {"format": JSON_SCHEMA_FORMAT | {"description": None}}
 
 
@@ -301,7 +268,7 @@ def test_responses_sdk_json_schema(served: tuple[Engine, str]) -> None:
         temperature=0,
         text={"format": JSON_SCHEMA_FORMAT},  # type: ignore[typeddict-item]
     )
-    assert _weather(json.loads(r.output_text)), r.output_text
+    assert matches_schema(json.loads(r.output_text)), r.output_text
 
 
 @pytest.mark.parametrize("stream", [False, True])
