@@ -64,13 +64,14 @@ class BackendRunner:
         max_len: int,
         device: torch.device,
         owned: bool = False,
-        quantize: str | None = None,
     ) -> None:
-        """``name``: the label (``monokernel:fp8``); ``owned``: no one else holds ``weights``,
-        so the monokernel may consume them; ``quantize``: the layers' format (--quantize)."""
+        """``name``: the label, an engine with the layers' format after a colon when it
+        quantises them (``monokernel:fp8``); ``owned``: no one else holds ``weights``, so the
+        monokernel may consume them."""
         self.name = name
+        engine, quantize = split_engine(name)
         self.backend: Any = construct_backend(
-            split_engine(name)[0], cfg, weights, max_len, device, owned, quantize
+            engine, cfg, weights, max_len, device, owned, quantize
         )
 
     @property
@@ -119,7 +120,7 @@ def open_runner(
     owned = callable(weights)
     if callable(weights):
         weights = weights()
-    engine, quantize = split_engine(name)
+    engine = split_engine(name)[0]
     if engine in ("torch", "hf") and device.type == "cuda":
         fresh_compile_state()
     if name == "hf":
@@ -127,7 +128,7 @@ def open_runner(
 
         return HFRunner(cfg, weights, max_len, device, cache=options.hf_cache)
     if engine in BACKENDS:
-        return BackendRunner(name, cfg, weights, max_len, device, owned, quantize)
+        return BackendRunner(name, cfg, weights, max_len, device, owned)
     raise ValueError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
 
 
