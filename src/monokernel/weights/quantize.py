@@ -47,18 +47,23 @@ def is_quantized(name: str) -> bool:
     return len(parts) == 3 and parts[0] == "layers" and parts[2] in LINEAR_NAMES
 
 
-def fake_quantize(weights: Mapping[str, torch.Tensor], method: str) -> dict[str, torch.Tensor]:
+def fake_quantize(
+    weights: Mapping[str, torch.Tensor], method: str, consume: bool = False
+) -> dict[str, torch.Tensor]:
     """A new dict of ``weights`` where each layer's linear weight w is what the kernel
     multiplies by once w is packed in format ``method``: ``dense(pack(w))`` in w's dtype
     (exact for float32, the reference's precision). Everything else (the embedding, the LM
-    head, norms, biases) is the same tensor object, untouched; ``weights`` is not changed.
+    head, norms, biases) is the same tensor object, untouched.
 
-    One matrix at a time, so the working memory on top of the two dicts is one matrix's
-    float32 copy and its packed bytes.
+    One matrix at a time, so the working memory is one matrix's float32 copy and its packed
+    bytes on top of the dicts. ``weights`` is not changed, unless ``consume`` (a dict the
+    caller owns, as cast_weights empties its input): each tensor is then popped as it is
+    replaced, so the model is held once, not twice.
     """
     fmt = get_format(check_method(method))
     out: dict[str, torch.Tensor] = {}
-    for name, w in weights.items():
+    for name in list(weights):
+        w = weights.pop(name) if consume else weights[name]  # type: ignore[attr-defined]
         out[name] = fmt.dense(fmt.pack(w), dtype=w.dtype) if is_quantized(name) else w
     return out
 

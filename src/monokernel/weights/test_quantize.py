@@ -156,3 +156,18 @@ def test_the_dequantized_view_reads_what_the_kernel_multiplies_by() -> None:
     fmt = get_format("fp8")
     assert torch.equal(view["layers.0.wq"], fmt.dense(fmt.pack(w), torch.float32))
     assert view["layers.0.attn_norm"].dtype == torch.float32 and len(view) == 2
+
+
+def test_consuming_empties_the_input_and_gives_the_same_weights() -> None:
+    """What the engine uses for a checkpoint it owns: the same values, the input dict
+    emptied as it goes, so the bf16 and the dequantised matrices are never all held."""
+    w = {
+        "layers.0.wq": torch.randn(8, 32, generator=torch.Generator().manual_seed(7)),
+        "norm": torch.ones(32),
+    }
+    want = fake_quantize(dict(w), "int8")
+    given = dict(w)
+    got = fake_quantize(given, "int8", consume=True)
+    assert given == {}
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert got["norm"] is w["norm"]

@@ -123,7 +123,7 @@ def construct_backend(
         # The other engines compute with the dequantised values the kernel multiplies by.
         from monokernel.weights.quantize import fake_quantize
 
-        weights = fake_quantize(weights, quantize)
+        weights = fake_quantize(weights, quantize, consume=owned)
     backend: Backend = backend_cls(cfg, weights, max_seq_len, device, **extra)
     return backend
 
