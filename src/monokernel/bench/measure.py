@@ -12,7 +12,7 @@ import torch
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.backends.base import Backend, CancelToken, DecodeRequest, planned_reuse
 from monokernel.runtime.sampling import SamplingParams
-from monokernel.weights.formats import get_format
+from monokernel.weights.quantize import config_format
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
@@ -74,7 +74,7 @@ def bytes_per_token(
     kv = cfg.num_layers * 2 * cfg.kv_size * context * weight_bytes
     if fmt is None:
         return params * weight_bytes + kv
-    f = get_format(fmt)
+    f = config_format(fmt, cfg)
     shapes = layer_matrix_shapes(cfg)
     matrices = cfg.num_layers * sum(r * c for r, c in shapes)
     stored = cfg.num_layers * sum(f.matrix_bytes(r, c) for r, c in shapes)

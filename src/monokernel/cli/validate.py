@@ -174,10 +174,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--quantize",
-        choices=["fp8", "int8"],
+        choices=["fp8", "int8", "int4"],
         default=None,
-        help="quantise the layers' weights at load, one scale per output channel (fp8: E4M3; "
-        "int8: symmetric); the LM head and the embedding keep the checkpoint's format",
+        help="quantise the layers' weights at load: fp8 (E4M3) and int8 (symmetric) with one "
+        "scale per output channel, int4 with a scale and offset per 128 input columns; the "
+        "LM head and the embedding keep the checkpoint's format",
     )
     spec = p.add_argument_group("speculative decoding (torch and reference engines)")
     spec.add_argument(

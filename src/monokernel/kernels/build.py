@@ -34,6 +34,7 @@ from monokernel.kernels import layout
 from monokernel.kernels.plan import head_units_fit
 from monokernel.models.config import ModelConfig
 from monokernel.weights.formats import FORMATS
+from monokernel.weights.formats.int4 import GROUPS as INT4_GROUPS
 
 CSRC = Path(__file__).parent / "csrc"
 ENTRY = "decode.cu"
@@ -75,6 +76,8 @@ class KernelDims:
     group_units: bool = True
     weight_format: str = "bf16"  # the layers' matrices: a key of WEIGHT_FORMATS
     head_format: str = "bf16"  # the LM head's (the checkpoint's own under --quantize)
+    # int4's columns a group's scale pair covers (weights/formats/int4.py); 0 otherwise.
+    weight_group: int = 0
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> KernelDims:
@@ -120,22 +123,39 @@ class KernelDims:
             "MK_QKV_BIAS": int(self.qkv_bias),
             "MK_O_BIAS": int(self.o_bias),
             "MK_QK_NORM": int(self.qk_norm),
-            "MK_WEIGHT_FORMAT": WEIGHT_FORMATS[self.weight_format],
+            "MK_WEIGHT_FORMAT": self.kernel_format(),
             "MK_HEAD_FORMAT": WEIGHT_FORMATS[self.head_format],
             **(choices := self.choices(flags)),
             "MK_SMEM_BYTES": layout.smem_bytes(self, choices["MK_ATTN_CHUNK"]),
         }
         return [f"-D{k}={v}" for k, v in vals.items()]
 
+    def kernel_format(self) -> str:
+        """The layers' C++ format type: int4's is a template over its group."""
+        cxx = WEIGHT_FORMATS[self.weight_format]
+        return f"{cxx}<{self.weight_group}>" if self.weight_format == "int4" else cxx
+
     def check_formats(self) -> None:
         """Refuse a format the kernel has no type for, or a shape whose rows are not whole
-        16-byte loads in it (a GEMV reads a row in loads of ``weights_per_load`` weights)."""
+        16-byte loads in it (a GEMV reads a row in loads of ``weights_per_load`` weights),
+        or for int4 whole groups."""
         for what, name in (("weight", self.weight_format), ("LM head", self.head_format)):
             if name not in WEIGHT_FORMATS:
                 raise UnsupportedModelError(
                     f"{what} format {name!r}; the kernel has {', '.join(sorted(WEIGHT_FORMATS))}"
                 )
-        n = FORMATS[self.weight_format].weights_per_load
+        if self.head_format == "int4":
+            raise UnsupportedModelError("LM head format 'int4': the head streams bf16, fp8 or int8")
+        if (self.weight_format == "int4") != (self.weight_group > 0):
+            raise UnsupportedModelError(
+                f"weight group {self.weight_group} with format {self.weight_format!r}: "
+                "a group size goes with int4 only, and int4 needs one"
+            )
+        if self.weight_group and self.weight_group not in INT4_GROUPS:
+            raise UnsupportedModelError(
+                f"int4 groups of {self.weight_group} columns; the kernel reads {INT4_GROUPS}"
+            )
+        n = max(FORMATS[self.weight_format].weights_per_load, self.weight_group)
         rows = {
             "hidden": self.hidden,
             "q heads x head_dim": self.q_size,
@@ -144,7 +164,7 @@ class KernelDims:
         odd = [f"{k} {v}" for k, v in rows.items() if v % n]
         if odd:
             raise UnsupportedModelError(
-                f"weight format {self.weight_format!r} reads rows {n} weights a load; this "
+                f"weight format {self.weight_format!r} reads rows in units of {n} weights; this "
                 f"shape's {', '.join(odd)} is not a multiple of {n}"
             )
         if self.hidden % FORMATS[self.head_format].weights_per_load:
@@ -176,9 +196,10 @@ class KernelDims:
         leave every unit two rows or more on 132 SMs (fewer rows than units leave warps
         idle)."""
         chunks = self.intermediate // FORMATS[self.weight_format].weights_per_load
+        unit = 8 if self.weight_group else 1  # int4's slices: whole 8 chunks (csrc Split)
         for split in (1, 2, 4, 8, 16):
             loads = -(-chunks // split // 32)  # a lane's loads in one row slice
-            if chunks % split or loads > BATCH:
+            if chunks % (split * unit) or loads > BATCH:
                 continue
             half = split // 2
             if loads > MAX_DOWN_LOADS and half and self.hidden >= 2 * HOPPER_SMS * (WARPS // half):

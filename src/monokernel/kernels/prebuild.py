@@ -22,6 +22,7 @@ from monokernel import envs
 from monokernel.errors import UnsupportedModelError
 from monokernel.kernels.build import KernelDims, build
 from monokernel.models.shapes import SHAPES
+from monokernel.weights.formats.int4 import DEFAULT_GROUP
 
 
 def main(argv: list[str]) -> int:
@@ -31,7 +32,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument(
         "--formats",
         default="bf16",
-        help="comma-separated layer weight formats to build each shape for (e.g. bf16,fp8,int8); "
+        help="comma-separated layer weight formats to build each shape for (e.g. "
+        "bf16,fp8,int8,int4,int4:32; int4 is in groups of 128 columns unless :GROUP says); "
         "a shape whose rows are not whole loads in a format is skipped for it",
     )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
@@ -44,7 +46,11 @@ def main(argv: list[str]) -> int:
     jobs: list[tuple[str, KernelDims]] = []
     for n in names:
         for fmt in formats:
-            d = dataclasses.replace(KernelDims.from_config(SHAPES[n]), weight_format=fmt)
+            name, _, group = fmt.partition(":")
+            g = int(group or DEFAULT_GROUP) if name == "int4" else 0
+            d = dataclasses.replace(
+                KernelDims.from_config(SHAPES[n]), weight_format=name, weight_group=g
+            )
             try:
                 d.check_formats()
             except UnsupportedModelError as e:

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--quantize", choices=["fp8", "int8"], help="the layers' weight format")
+    ap.add_argument("--quantize", choices=["fp8", "int8", "int4"], help="the layers' weight format")
     args = ap.parse_args(argv)
     from monokernel.runtime.backends.monokernel import MonokernelBackend
     from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from monokernel.models.architecture import DENSE, EXPERTS, HEAD, ModelShape, Precision
 
-# Bits per weight as stored. The block formats carry their scales in the spec, so those are
-# counted; int4's per-group scales depend on the packer (≈3% at group 128) and are left out.
+# Bits per weight as stored, scales counted. int4 is the kernel's (weights/formats/int4.py):
+# a float32 scale and offset a group of 128 columns, half a bit a weight (at groups of 32,
+# a GGUF Q4_0/Q4_1's, 6 bits a weight).
 DTYPE_BITS: dict[str, float] = {
     "fp32": 32.0,
     "bf16": 16.0,
@@ -22,7 +23,7 @@ DTYPE_BITS: dict[str, float] = {
     "int8": 8.0,
     "mxfp4": 4.25,  # 32 fp4 values + one 8-bit shared exponent
     "nvfp4": 4.5,  # 16 fp4 values + one fp8 scale
-    "int4": 4.0,
+    "int4": 4.5,
 }
 DTYPE_ALIASES: dict[str, str] = {
     "float32": "fp32",

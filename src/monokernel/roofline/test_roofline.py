@@ -123,8 +123,9 @@ def test_moe_with_shared_expert_and_dense_layer() -> None:
     }
     p = profile_from_shape(moe, Precision("bf16"))
     assert p.active_params == 616
-    # Experts (routed + shared = 264 params) in int4, the other 352 in bf16.
-    assert weight_bytes(p.groups, Precision("bf16", experts="int4")) == 264 * 0.5 + 352 * 2
+    # Experts (routed + shared = 264 params) in int4 (4.5 bits with its scales), the other
+    # 352 in bf16.
+    assert weight_bytes(p.groups, Precision("bf16", experts="int4")) == 264 * 4.5 / 8 + 352 * 2
 
 
 def test_mla_counts_latent_projections_and_caches_the_latent() -> None:
@@ -368,7 +369,7 @@ def test_cli_model_dir_dtype_and_measured(
         capsys,
     )
     p = get_preset("deepseek-v3")
-    assert out["bytes_per_token"] == round(p.active_params * 0.5)
+    assert out["bytes_per_token"] == round(p.active_params * 4.5 / 8)
     assert out["measured_tok_s"] == 300.0
     assert out["measured_fraction_of_ceiling"] == pytest.approx(300 / out["ceiling_tok_s"], 1e-3)
     # The table shows the measurement beside the ceiling.

@@ -215,6 +215,18 @@ class Engine:
         self.quantize: str | None = (
             self.config.quantize if self.config.quantize is not None else ckpt.quantization
         )
+        # A 4-bit checkpoint (GGUF Q4_0/Q4_1, AWQ, GPTQ) streams its own groups as int4 on
+        # one GPU; the tensor-parallel build has no int4, so there it runs as loaded.
+        groups = ckpt.groups
+        if self.quantize == "int4" and groups is not None and self.config.tp > 1:
+            if self.config.quantize is not None:
+                raise InvalidRequestError(
+                    "--quantize int4 with --tp > 1: the tensor-parallel build streams bf16, "
+                    "fp8 or int8"
+                )
+            self.quantize = None
+        if self.quantize != "int4":
+            groups = None
         auto = self.config.engine == "auto" and self.engine_name == "monokernel"
         self.backend: Backend = create_backend(
             self.config.engine if auto else self.engine_name,
@@ -226,6 +238,7 @@ class Engine:
             on_fallback=self._fall_back if auto else None,
             owned=owned,
             quantize=self.quantize,
+            groups=groups,
         )
         if self.speculative is not None:
             self.backend.set_speculative(self.speculative)  # type: ignore[attr-defined]

@@ -1,5 +1,5 @@
 """`monokernel perplexity`: a model's perplexity on the packaged text, to compare
-``--quantize fp8|int8`` with the checkpoint as loaded (runtime/perplexity.py)."""
+``--quantize fp8|int8|int4`` with the checkpoint as loaded (runtime/perplexity.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from monokernel.runtime.perplexity import DEFAULT_WINDOW
 
 # weights.quantize.QUANTIZE_METHODS, spelled out so that `-h` and a bad flag need no import
 # of the weight formats; test_perplexity checks that the two agree.
-QUANTIZE_CHOICES: tuple[str, ...] = ("fp8", "int8")
+QUANTIZE_CHOICES: tuple[str, ...] = ("fp8", "int8", "int4")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 
 

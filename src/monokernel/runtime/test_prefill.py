@@ -94,14 +94,15 @@ def test_fp32_prefill_is_the_reference_forward(name: str) -> None:
     assert not pf.k[:, :, 70:].any(), "wrote past the prompt"
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
 def test_a_quantised_prefill_is_the_reference_on_the_dequantised_weights(fmt: str) -> None:
     """Packed in a 1-byte format (--quantize), the fp32 prefill multiplies by the stored
-    values and scales the outputs: the reference forward on fake_quantize's weights, to fp32
-    rounding, on a shape whose rows are whole 16-weight loads."""
-    cfg = dataclasses.replace(
-        SHAPES["odd"], hidden_size=528, intermediate_size=1424, num_heads=5, head_dim=112
-    )
+    values and scales the outputs; in int4, by the dequantised groups: the reference forward
+    on fake_quantize's weights, to fp32 rounding, on a shape whose rows are whole loads."""
+    sizes = {"hidden_size": 528, "intermediate_size": 1424, "num_heads": 5, "head_dim": 112}
+    if fmt == "int4":  # whole 32-column groups
+        sizes = {"hidden_size": 640, "intermediate_size": 1408, "num_heads": 7, "head_dim": 96}
+    cfg = dataclasses.replace(SHAPES["odd"], **sizes)
     weights = random_weights(cfg, dtype=torch.float32, seed=3)
     tokens = _tokens(40, cfg.vocab_size, seed=4)
     want, ref_cache = _reference(cfg, fake_quantize(weights, fmt), tokens)

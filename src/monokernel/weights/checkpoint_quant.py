@@ -1,12 +1,13 @@
-"""FP8 checkpoints: what a ``config.json``'s ``quantization_config`` says, and the weights.
+"""Quantised checkpoints: what a ``config.json``'s ``quantization_config`` says, and the
+weights. Two families are read: FP8 and 4-bit (AWQ, GPTQ).
 
-A checkpoint quantised by its publisher stores each quantised linear weight as float8 (one
-byte a weight) beside a float32 or bf16 scale tensor; the loader (safetensors_loader.py)
-reads both and hands the model ``q * scale`` in the engine's dtype, so every engine runs it
-as it runs a bf16 checkpoint, and ``Checkpoint.quantization`` says ``"fp8"``: the engine then
-streams fp8 on the monokernel by default (runtime/engine.py).
+A checkpoint quantised by its publisher to FP8 stores each quantised linear weight as
+float8 (one byte a weight) beside a float32 or bf16 scale tensor; the loader
+(safetensors_loader.py) reads both and hands the model ``q * scale`` in the engine's dtype,
+so every engine runs it as it runs a bf16 checkpoint, and ``Checkpoint.quantization`` says
+``"fp8"``: the engine then streams fp8 on the monokernel by default (runtime/engine.py).
 
-Read (all weight-only, E4M3 values, symmetric, w = q * scale):
+FP8 schemes read (all weight-only, E4M3 values, symmetric, w = q * scale):
 
 - ``quant_method: "fp8"`` with ``weight_block_size: [bm, bn]``: HF's fine-grained FP8
   (transformers' FineGrainedFP8, DeepSeek-V3's and Qwen3-*-FP8's format): one scale per
@@ -24,8 +25,28 @@ bf16 or float32, which only removes a rounding the publisher's scheme added. Mod
 config leaves out (``ignore``, ``modules_to_not_convert``: usually the LM head) are stored
 unquantised and load as they always did.
 
-Everything else (AWQ, GPTQ, bitsandbytes, MXFP4, integer or 4-bit compressed-tensors, ...)
-is refused by name before a weight is read.
+A 4-bit checkpoint stores each quantised module as ``qweight`` (eight 4-bit values an
+int32), ``qzeros`` (eight zero points an int32) and fp16 ``scales``, one scale and zero point
+per group of ``group_size`` input columns, w = s * (q - z). Each module is decoded to a
+``GroupQuant`` (weights/group_quant.py: the same bits, unpacked), which the layer linear
+weights keep in ``Checkpoint.groups`` (``Checkpoint.quantization`` "int4" when all of them
+are 4-bit), and its dense values go to the weights as an FP8 module's do. Read:
+
+- ``quant_method: "awq"`` (AutoAWQ, as transformers' AwqConfig writes it): ``bits: 4``,
+  ``zero_point: true``, ``version: "gemm"`` (qweight [in, out/8] in AutoAWQ's nibble
+  order), ``group_size`` a multiple of 32;
+- ``quant_method: "gptq"`` (AutoGPTQ, GPTQModel): ``bits: 4``, ``group_size`` a multiple
+  of 32 or -1 (one group a row), ``sym`` true or false, ``checkpoint_format`` "gptq"
+  (AutoGPTQ's v1: zero points stored minus one; the default) or "gptq_v2", without
+  act-order: ``desc_act: false``, or a ``g_idx`` of arange(in) // group in every module
+  (any other is refused when the weights are read; safetensors_loader reads the g_idx
+  tensors before any weight).
+
+Modules the config leaves out (``modules_to_not_convert``; the LM head unless GPTQ's
+``lm_head``) are stored unquantised and load as they always did.
+
+Everything else (AWQ GEMV or Marlin packing, act-order GPTQ, bitsandbytes, MXFP4, integer
+or 4-bit compressed-tensors, ...) is refused by name before a weight is read.
 """
 
 from __future__ import annotations
@@ -39,6 +60,13 @@ from typing import Any
 import torch
 
 from monokernel.errors import TensorShapeError
+from monokernel.weights.group_quant import (
+    GPTQ_FORMATS,
+    GROUP_MULTIPLE,
+    GroupQuant,
+    from_awq,
+    from_gptq,
+)
 from monokernel.weights.quantize import UnsupportedQuantizationError
 
 # What Checkpoint.quantization says for every scheme read here: the weights are E4M3 bytes,
@@ -50,7 +78,9 @@ SCALE_SUFFIX = ".scale"
 STRATEGIES = ("channel", "tensor", "block")
 SUPPORTED = (
     "fp8 (HF fine-grained, block scales; or per-tensor), fbgemm_fp8, compressed-tensors "
-    "float8 (channel, tensor or block scales)"
+    "float8 (channel, tensor or block scales), awq (4-bit, zero point, GEMM packing, "
+    "group_size a multiple of 32), gptq (4-bit, sym or not, checkpoint_format gptq or "
+    "gptq_v2, group_size a multiple of 32 or -1, without act-order)"
 )
 # Tensors of the float schemes that describe activations or the KV cache, not weights: the
 # engines compute those unquantised, so these are read past. A float scheme is symmetric
@@ -80,13 +110,14 @@ class CheckpointQuant:
     scale_is_inverse: bool = False
 
 
-_FOUR_BIT = ("awq", "gptq", "bitsandbytes", "hqq", "aqlm", "exl2", "gptq_marlin", "awq_marlin")
+# Low-bit methods other than the two read: their refusal says which 4-bit formats are.
+_LOW_BIT = ("bitsandbytes", "hqq", "aqlm", "exl2", "gptq_marlin", "awq_marlin", "quanto", "eetq")
 
 
 def _refuse(method: str, detail: str = "", low_bit: bool = False) -> UnsupportedQuantizationError:
     hint = ""
-    if low_bit or method.lower() in _FOUR_BIT:
-        hint = ". AWQ, GPTQ and other 4-bit checkpoints are not read yet"
+    if low_bit or method.lower() in _LOW_BIT:
+        hint = ". 4-bit checkpoints are read in AWQ (GEMM) and GPTQ packing only"
     what = f"checkpoint quantization {method!r}" + (f" ({detail})" if detail else "")
     return UnsupportedQuantizationError(f"{what} is not supported; supported: {SUPPORTED}{hint}")
 
@@ -148,7 +179,115 @@ def _compressed_tensors(qc: Mapping[str, Any]) -> CheckpointQuant:
     return CheckpointQuant(method, strategy, block, "weight_scale")
 
 
-def parse_quantization_config(hf_config: Mapping[str, Any]) -> CheckpointQuant | None:
+# --------------------------------------------------------------------------- 4-bit
+
+# The tensors of a 4-bit module, "<module>.<part>"; g_idx only in GPTQ (and optional).
+PACKED_PARTS: tuple[str, ...] = ("qweight", "qzeros", "scales", "g_idx")
+REQUIRED_PARTS: tuple[str, ...] = ("qweight", "qzeros", "scales")
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Quant:
+    """How a checkpoint's 4-bit modules are packed (the module docstring's AWQ and GPTQ)."""
+
+    method: str  # awq | gptq
+    group: int  # input columns a group; -1 (GPTQ): one group a row
+    sym: bool = False  # GPTQ: the zero point is 8, whatever qzeros holds
+    checkpoint_format: str = "gemm"  # awq: gemm; gptq: gptq (v1 zeros) | gptq_v2
+    desc_act: bool = False  # GPTQ: act-order was asked for (g_idx then decides)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bits(qc: Mapping[str, Any], method: str, *keys: str) -> None:
+    bits = next((qc[k] for k in keys if k in qc), None)
+    if bits != 4:
+        raise _refuse(method, f"bits={bits!r}; 4 is read")
+
+
+def _group_size(value: Any, method: str, whole_row: bool) -> int:
+    if whole_row and value == -1:
+        return -1
+    if not _is_int(value) or value <= 0 or value % GROUP_MULTIPLE:
+        raise _refuse(
+            method, f"group_size={value!r} is not a positive multiple of {GROUP_MULTIPLE}"
+        )
+    return int(value)
+
+
+def _awq(qc: Mapping[str, Any], method: str) -> Int4Quant:
+    # AutoAWQ's own quant_config.json spells bits and group size w_bit and q_group_size.
+    _bits(qc, method, "bits", "w_bit")
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise _refuse(method, f"version {version!r}; the GEMM packing is read")
+    if qc.get("zero_point", True) is not True:
+        raise _refuse(method, "without zero points (zero_point=false)")
+    backend = str(qc.get("backend") or "autoawq").lower()
+    if backend != "autoawq":  # llm-awq's own packing differs from AutoAWQ's
+        raise _refuse(method, f"backend {backend!r}; AutoAWQ's packing is read")
+    group = qc.get("group_size", qc.get("q_group_size"))
+    return Int4Quant("awq", _group_size(group, method, whole_row=False))
+
+
+def _gptq(qc: Mapping[str, Any], method: str) -> Int4Quant:
+    _bits(qc, method, "bits")
+    fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
+    if qc.get("is_marlin_format"):
+        fmt = "marlin"
+    if fmt not in GPTQ_FORMATS:
+        raise _refuse(method, f"checkpoint_format {fmt!r}; read: {', '.join(GPTQ_FORMATS)}")
+    if qc.get("dynamic"):
+        raise _refuse(method, "with per-module overrides (dynamic)")
+    pack = str(qc.get("pack_dtype") or "int32").lower().removeprefix("torch.")
+    if pack != "int32":
+        raise _refuse(method, f"pack_dtype {pack!r}; int32 words are read")
+    sym = qc.get("sym", True)
+    desc_act = qc.get("desc_act", False)
+    group = _group_size(qc.get("group_size"), method, whole_row=True)
+    return Int4Quant("gptq", group, sym is not False, fmt, desc_act is True)
+
+
+def packed_shapes(quant: Int4Quant, qweight_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Every part's shape for a module whose qweight has ``qweight_shape``, and under
+    "weight" the [out, in] it decodes to; {} when no [out, in] fits (qweight not 2-D, or
+    the group does not divide the input size)."""
+    if len(qweight_shape) != 2:
+        return {}
+    rows, words = qweight_shape
+    out, inp = (words * 8, rows) if quant.method == "awq" else (words, rows * 8)
+    group = inp if quant.group == -1 else quant.group
+    if inp % group or group % GROUP_MULTIPLE:
+        return {}
+    return {
+        "weight": (out, inp),
+        "qweight": tuple(qweight_shape),
+        "qzeros": (inp // group, -(-out // 8)),
+        "scales": (inp // group, out),
+        "g_idx": (inp,),
+    }
+
+
+def decode_int4(parts: Mapping[str, torch.Tensor], quant: Int4Quant) -> GroupQuant:
+    """One module's packed tensors (PACKED_PARTS -> tensor) as a GroupQuant [out, in]."""
+    if quant.method == "awq":
+        return from_awq(parts["qweight"], parts["qzeros"], parts["scales"], quant.group)
+    return from_gptq(
+        parts["qweight"],
+        parts["qzeros"],
+        parts["scales"],
+        parts.get("g_idx"),
+        quant.group,
+        quant.sym,
+        quant.checkpoint_format,
+    )
+
+
+def parse_quantization_config(
+    hf_config: Mapping[str, Any],
+) -> CheckpointQuant | Int4Quant | None:
     """The scheme of a checkpoint's ``config.json`` (as a dict); None when it has no
     ``quantization_config``. UnsupportedQuantizationError for a scheme not read here."""
     qc = hf_config.get("quantization_config")
@@ -167,6 +306,10 @@ def parse_quantization_config(hf_config: Mapping[str, Any]) -> CheckpointQuant |
         return CheckpointQuant(method, "channel", None, "weight_scale")
     if key == "compressed-tensors":
         return _compressed_tensors(qc)
+    if key == "awq":
+        return _awq(qc, method)
+    if key == "gptq":
+        return _gptq(qc, method)
     raise _refuse(method)
 
 

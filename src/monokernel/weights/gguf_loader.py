@@ -3,6 +3,8 @@
 GGUF metadata is turned into an HF-config-shaped dict and sent through
 ``config_from_hf_dict`` so GGUF and safetensors checkpoints meet the same refusals.
 Tensors are dequantised to float32 and renamed through one explicit table into our names.
+Each layer's linear weights stored as Q4_0 or Q4_1 also come back as their blocks' bits
+(``GroupQuant``, weights/group_quant.py), for the kernel to stream as they are.
 
 ``gguf`` is imported inside functions only: the GPU machines need not have it installed.
 """
@@ -20,7 +22,14 @@ import torch
 from monokernel.errors import UnexpectedTensorError, UnsupportedModelError, WeightLoadError
 from monokernel.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, config_from_hf_dict
 from monokernel.weights.gguf_file import GGUFFile, TensorInfo, read_gguf
+from monokernel.weights.group_quant import (
+    GGUF_BLOCK_BYTES,
+    GroupQuant,
+    from_gguf_blocks,
+    permute_rows,
+)
 from monokernel.weights.names import Weights, check_weights
+from monokernel.weights.quantize import is_quantized
 
 # GGUF architectures whose Q/K rows llama.cpp's converter permutes for its interleaved RoPE.
 PERMUTED_QK_ARCHS: tuple[str, ...] = ("llama", "mistral")
@@ -320,22 +329,79 @@ def _unpermute_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tenso
 
 def load_gguf_weights(path: Path, cfg: ModelConfig) -> Weights:
     """All tensors of a GGUF file as float32, in our names and HF layout, checked vs ``cfg``."""
+    return load_gguf_tensors(path, cfg)[0]
+
+
+def load_gguf_tensors(path: Path, cfg: ModelConfig) -> tuple[Weights, dict[str, GroupQuant]]:
+    """``load_gguf_weights``'s weights, and in the same pass over the file each layer
+    linear weight stored as Q4_0 or Q4_1 as a GroupQuant of its blocks' bits (our names, HF
+    row order; its ``dense()`` is the weight, up to the sign of a Q4_0 zero)."""
     path = Path(path)
     reader = _reader(path)
     arch = _meta(reader, "general.architecture")
     weights: Weights = {}
+    groups: dict[str, GroupQuant] = {}
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:
             continue  # folded into cfg.rope_scaling by load_gguf_config
         ours = gguf_to_ours(tensor.name)
         if ours is None:
             raise UnexpectedTensorError(f"{path}: tensor {tensor.name!r} is not one we know")
-        weights[ours] = torch.from_numpy(_dequantize(reader, tensor))
+        gq = _group_quant(reader, tensor, ours)
+        if gq is None:
+            weights[ours] = torch.from_numpy(_dequantize(reader, tensor))
+        else:
+            groups[ours] = gq
+            weights[ours] = _dense_4bit(gq, tensor)
     if arch in PERMUTED_QK_ARCHS:
         for name in list(weights):
-            short = name.rsplit(".", 1)[-1]
-            if short in ("wq", "bq"):
-                weights[name] = _unpermute_rows(weights[name], cfg.num_heads, cfg.head_dim)
-            elif short in ("wk", "bk"):
-                weights[name] = _unpermute_rows(weights[name], cfg.num_kv_heads, cfg.head_dim)
-    return check_weights(weights, cfg, source=str(path))
+            heads = _permuted_heads(name, cfg)
+            if heads is not None:
+                weights[name] = _unpermute_rows(weights[name], heads, cfg.head_dim)
+                if name in groups:
+                    groups[name] = _unpermute_group_rows(groups[name], heads, cfg.head_dim)
+    return check_weights(weights, cfg, source=str(path)), groups
+
+
+def _permuted_heads(name: str, cfg: ModelConfig) -> int | None:
+    """The head count of a tensor whose rows llama.cpp permuted (Q and K, weight and bias);
+    None for every other tensor."""
+    short = name.rsplit(".", 1)[-1]
+    if short in ("wq", "bq"):
+        return cfg.num_heads
+    if short in ("wk", "bk"):
+        return cfg.num_kv_heads
+    return None
+
+
+def _group_quant(reader: GGUFFile, tensor: TensorInfo, ours: str) -> GroupQuant | None:
+    """A layer linear weight's Q4_0/Q4_1 blocks as a GroupQuant; None for any other tensor
+    (another type, the embedding, the LM head, a norm)."""
+    from gguf import GGMLQuantizationType
+
+    kind = GGMLQuantizationType(tensor.tensor_type).name
+    if kind not in GGUF_BLOCK_BYTES or not is_quantized(ours) or len(tensor.shape) != 2:
+        return None
+    # The memory map's bytes are read-only: copy, as _dequantize does.
+    raw = torch.from_numpy(np.array(reader.tensor_bytes(tensor)))
+    return from_gguf_blocks(raw.reshape(-1), kind, tensor.shape)
+
+
+def _dense_4bit(gq: GroupQuant, tensor: TensorInfo) -> torch.Tensor:
+    """``_dequantize_blocks`` of the tensor, from its GroupQuant's unpacked quants: the same
+    float32 operations on the same values, so the same bits (the nibbles are split once)."""
+    from gguf import GGMLQuantizationType
+
+    if GGMLQuantizationType(tensor.tensor_type).name == "Q4_1":
+        return gq.dense()  # q * d + m, as _dequantize_blocks
+    # Q4_0's (q - 8) * d, not the scale form q * d - 8d: that gives +0.0 where this -0.0.
+    out = gq.q.to(torch.float32).view(gq.rows, -1, gq.group).sub_(8.0)
+    return out.mul_(gq.scale[:, :, None]).view(gq.rows, gq.cols)
+
+
+def _unpermute_group_rows(gq: GroupQuant, n_heads: int, head_dim: int) -> GroupQuant:
+    """``_unpermute_rows`` for a GroupQuant: the same reorder of its rows (q, scale and
+    offset alike), so its dense() stays the unpermuted weight."""
+    if gq.rows != n_heads * head_dim:
+        return gq  # check_weights names the misshaped weight
+    return permute_rows(gq, _unpermute_rows(torch.arange(gq.rows), n_heads, head_dim))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +20,11 @@ import torch
 
 from monokernel.errors import ModelNotFoundError
 from monokernel.models.config import ModelConfig, load_hf_config
+from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.names import Weights
 
+# Checkpoint.quantization of a checkpoint whose layer matrices are all 4-bit.
+CHECKPOINT_INT4 = "int4"
 # load_checkpoint's hook: called with the config before any weight is read.
 BeforeWeights = Callable[[ModelConfig], None] | None
 
@@ -40,9 +43,16 @@ class Checkpoint:
     eos_token_ids: tuple[int, ...]  # config's and generation_config's, deduplicated
     source: str
     # "fp8" when the checkpoint stored its weights as FP8 (weights/checkpoint_quant.py; they
-    # are dequantised in ``weights``): the engine then quantises to fp8 by default. GGUF and
-    # unquantised checkpoints: None.
+    # are dequantised in ``weights``): the engine then quantises to fp8 by default. "int4"
+    # when every layer linear weight is stored in 4 bits (GGUF Q4_0/Q4_1, AWQ, GPTQ; then
+    # in ``groups``). Other GGUF files and unquantised checkpoints: None.
     quantization: str | None = None
+    # With quantization "int4": each layer linear weight ("layers.{n}.wq", ... w_down) as
+    # the checkpoint's own 4-bit values (weights/group_quant.py), in HF row order; its
+    # dense() is what ``weights`` holds for it (cast to the weights' dtype; a GGUF Q4_0
+    # zero may differ in sign). On the device the weights were read to (GGUF: the CPU).
+    # None otherwise.
+    groups: Mapping[str, GroupQuant] | None = None
 
 
 def _local_hint(ref: str) -> str:
@@ -85,7 +95,7 @@ def _load_gguf(
     from monokernel.weights.gguf_loader import (
         gguf_generation_eos_ids,
         load_gguf_config,
-        load_gguf_weights,
+        load_gguf_tensors,
     )
     from monokernel.weights.progress import format_bytes, slow_step
 
@@ -97,7 +107,8 @@ def _load_gguf(
     # seconds for a GGUF of a few GB.
     size = format_bytes(path.stat().st_size)
     with slow_step(f"loading weights: dequantising {path.name} ({size}) to float32", progress):
-        weights = load_gguf_weights(path, cfg)
+        weights, groups = load_gguf_tensors(path, cfg)
+    int4 = _every_layer_linear(groups, cfg)
     return Checkpoint(
         config=cfg,
         weights=weights,
@@ -105,7 +116,18 @@ def _load_gguf(
         gguf_file=path.name,
         eos_token_ids=eos,
         source=str(path),
+        quantization=CHECKPOINT_INT4 if int4 else None,
+        groups=groups if int4 else None,
     )
+
+
+def _every_layer_linear(groups: Mapping[str, GroupQuant], cfg: ModelConfig) -> bool:
+    """Whether ``groups`` holds each of every layer's seven linear weights: the engine
+    streams a model in 4 bits only whole (a GGUF Q4_K_M mixes in Q6_K matrices, an AWQ
+    checkpoint may leave modules unquantised)."""
+    from monokernel.weights.quantize import LINEAR_NAMES
+
+    return all(f"layers.{n}.{m}" in groups for n in range(cfg.num_layers) for m in LINEAR_NAMES)
 
 
 def _load_hf_dir(
@@ -115,25 +137,39 @@ def _load_hf_dir(
     dtype: torch.dtype | None,
     before_weights: BeforeWeights = None,
 ) -> Checkpoint:
-    from monokernel.weights.checkpoint_quant import CHECKPOINT_FP8, parse_quantization_config
-    from monokernel.weights.safetensors_loader import load_safetensors_weights
+    from monokernel.weights.checkpoint_quant import (
+        CHECKPOINT_FP8,
+        CheckpointQuant,
+        Int4Quant,
+        parse_quantization_config,
+    )
+    from monokernel.weights.safetensors_loader import (
+        check_group_indices,
+        load_safetensors_tensors,
+    )
 
     cfg = load_hf_config(model_dir)
     # ModelConfig keeps the architecture only: the scheme is read from the file again, and
     # one we cannot read is refused before the memory plan or any weight.
     quant = parse_quantization_config(json.loads((model_dir / "config.json").read_text()))
+    if isinstance(quant, Int4Quant):
+        check_group_indices(model_dir, quant)
     if before_weights is not None:
         before_weights(cfg)
+    weights, groups = load_safetensors_tensors(
+        model_dir, cfg, device=device, dtype=dtype, progress=progress, quant=quant
+    )
+    int4 = isinstance(quant, Int4Quant) and _every_layer_linear(groups, cfg)
+    fp8 = isinstance(quant, CheckpointQuant) and _has_float8(model_dir)
     return Checkpoint(
         config=cfg,
-        weights=load_safetensors_weights(
-            model_dir, cfg, device=device, dtype=dtype, progress=progress, quant=quant
-        ),
+        weights=weights,
         tokenizer_dir=model_dir,
         gguf_file=None,
         eos_token_ids=_eos_ids(model_dir, cfg),
         source=str(model_dir),
-        quantization=CHECKPOINT_FP8 if quant is not None and _has_float8(model_dir) else None,
+        quantization=CHECKPOINT_INT4 if int4 else CHECKPOINT_FP8 if fp8 else None,
+        groups=groups if int4 else None,
     )
 
 

@@ -1,11 +1,14 @@
-"""``--quantize fp8|int8``: a bf16 or float32 checkpoint quantised at load.
+"""``--quantize fp8|int8|int4``: a bf16 or float32 checkpoint quantised at load.
 
 The monokernel packs each layer's matrices in the asked-for weight format
-(``weights/formats``: one byte a weight, a float32 scale a row) and streams half the bytes
-of bf16. The other engines (the reference, torch-compiled) cannot read those bytes; they get
-``fake_quantize``'s weights instead: each quantised matrix replaced by the dequantised values
-the kernel multiplies by, in the checkpoint's dtype, so every engine computes the same model
-and the monokernel's tokens can still be checked against the reference's.
+(``weights/formats``): fp8 and int8 one byte a weight and a float32 scale a row, half the
+bytes of bf16; int4 four bits a weight and a float32 scale and offset a group of 128
+columns (int4_group: fewer where 128 does not divide the model's sizes; asymmetric
+round-to-nearest), 28% of bf16's bytes. The other engines (the reference, torch-compiled)
+cannot read those bytes; they get ``fake_quantize``'s weights instead: each quantised
+matrix replaced by the dequantised values the kernel multiplies by, in the checkpoint's
+dtype, so every engine computes the same model and the monokernel's tokens can still be
+checked against the reference's.
 
 Only the seven matrices of every layer are quantised. The LM head and the embedding keep the
 checkpoint's format, as vLLM's ``--quantize`` does: they are the most sensitive matrices
@@ -15,14 +18,18 @@ embedding is a table the kernel gathers one row of a token, not a matrix it stre
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
 from monokernel.errors import MonokernelError
-from monokernel.weights.formats import get_format
+from monokernel.models.config import ModelConfig
+from monokernel.weights.formats import WeightFormat, get_format
+from monokernel.weights.formats.int4 import DEFAULT_GROUP, Int4Groups
+from monokernel.weights.formats.int4 import GROUPS as INT4_GROUPS
+from monokernel.weights.group_quant import GroupQuant
 
-QUANTIZE_METHODS: tuple[str, ...] = ("fp8", "int8")  # each also a weight format's name
+QUANTIZE_METHODS: tuple[str, ...] = ("fp8", "int8", "int4")  # each also a weight format's name
 # A layer's linear weights, as weights/names.py spells them ("layers.{n}.wq", ...).
 LINEAR_NAMES: tuple[str, ...] = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
@@ -38,6 +45,40 @@ def check_method(method: str) -> str:
             f"--quantize {method!r} is not supported; choose from {', '.join(QUANTIZE_METHODS)}"
         )
     return method
+
+
+def int4_group(cols: Iterable[int]) -> int:
+    """``--quantize int4``'s group for a model whose matrices have these input sizes: 128
+    where it divides them all, else the largest of the kernel's smaller groups that does
+    (64 for the default model's 576)."""
+    sizes = tuple(cols)
+    for group in sorted((g for g in INT4_GROUPS if g <= DEFAULT_GROUP), reverse=True):
+        if all(c % group == 0 for c in sizes):
+            return group
+    raise UnsupportedQuantizationError(
+        f"--quantize int4: input sizes {sorted(set(sizes))} are not whole groups of "
+        f"{min(INT4_GROUPS)} columns"
+    )
+
+
+def method_format(method: str, weights: Mapping[str, torch.Tensor]) -> WeightFormat:
+    """The weight format ``method`` (a --quantize method, or bf16) packs ``weights``' layers
+    in: int4's group is the one int4_group picks for their matrices' input sizes."""
+    fmt = get_format(method)
+    if method != "int4":
+        return fmt
+    cols = (w.shape[1] for name, w in weights.items() if is_quantized(name))
+    return Int4Groups(int4_group(cols))
+
+
+def int4_group_of(cfg: ModelConfig) -> int:
+    """int4_group for the model ``cfg`` describes (its matrices' input sizes)."""
+    return int4_group((cfg.hidden_size, cfg.q_size, cfg.intermediate_size))
+
+
+def config_format(method: str, cfg: ModelConfig) -> WeightFormat:
+    """method_format for a model known by its config (the bytes it will stream)."""
+    return Int4Groups(int4_group_of(cfg)) if method == "int4" else get_format(method)
 
 
 def is_quantized(name: str) -> bool:
@@ -60,12 +101,23 @@ def fake_quantize(
     caller owns, as cast_weights empties its input): each tensor is then popped as it is
     replaced, so the model is held once, not twice.
     """
-    fmt = get_format(check_method(method))
+    fmt = method_format(check_method(method), weights)
     out: dict[str, torch.Tensor] = {}
     for name in list(weights):
         w = weights.pop(name) if consume else weights[name]  # type: ignore[attr-defined]
         out[name] = fmt.dense(fmt.pack(w), dtype=w.dtype) if is_quantized(name) else w
     return out
+
+
+def groups_size(groups: Mapping[str, GroupQuant]) -> int:
+    """The one group size of a 4-bit checkpoint's matrices (the kernel's int4 build reads
+    one); UnsupportedQuantizationError naming them where they differ."""
+    sizes = sorted({gq.group for gq in groups.values()})
+    if len(sizes) != 1:
+        raise UnsupportedQuantizationError(
+            f"4-bit matrices in groups of {sizes} columns; the kernel reads one group size"
+        )
+    return sizes[0]
 
 
 class DequantizedView(Mapping[str, torch.Tensor]):
@@ -75,7 +127,7 @@ class DequantizedView(Mapping[str, torch.Tensor]):
     when read (an 8B model's float32 copy would not fit beside the kernel's)."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], method: str) -> None:
-        self._w, self._fmt = weights, get_format(check_method(method))
+        self._w, self._fmt = weights, method_format(check_method(method), weights)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         w = self._w[name]

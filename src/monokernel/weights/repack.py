@@ -26,7 +26,12 @@ import torch
 from monokernel.models.config import ModelConfig
 from monokernel.models.rope import rope_tables
 from monokernel.weights.formats import DEFAULT_FORMAT, PackedMatrix, get_format
+from monokernel.weights.formats.int4 import Int4Groups
+from monokernel.weights.group_quant import GroupQuant
+from monokernel.weights.group_quant import fuse_rows as gq_fuse_rows
+from monokernel.weights.group_quant import interleave_rows as gq_interleave_rows
 from monokernel.weights.names import Weights
+from monokernel.weights.quantize import method_format
 
 MATRICES: tuple[str, ...] = ("wqkv", "wo", "wgu", "wdown")  # a layer's streamed matrices
 
@@ -94,6 +99,23 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float().contiguous()
 
 
+def _pack_groups(groups: Mapping[str, GroupQuant], p: str) -> dict[str, PackedMatrix]:
+    """Layer ``p``'s matrices in int4 from the checkpoint's own 4-bit groups, fused as
+    repack_layer fuses the dense ones, their bits unchanged."""
+    fmt = Int4Groups(groups[p + "wq"].group)
+
+    def pack(gq: GroupQuant) -> PackedMatrix:
+        return fmt.pack_groups(gq.q, gq.scale, gq.offset)
+
+    g = {name: groups[p + name] for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+    return {
+        "wqkv": pack(gq_fuse_rows(g["wq"], g["wk"], g["wv"])),
+        "wo": pack(g["wo"]),
+        "wgu": pack(gq_interleave_rows(g["w_gate"], g["w_up"])),
+        "wdown": pack(g["w_down"]),
+    }
+
+
 def repack_layer(
     cfg: ModelConfig,
     w: Weights,
@@ -101,6 +123,7 @@ def repack_layer(
     fold: bool = True,
     fmt: str = DEFAULT_FORMAT,
     row_scales: Mapping[str, torch.Tensor] | None = None,
+    groups: Mapping[str, GroupQuant] | None = None,
 ) -> LayerPack:
     p = f"layers.{n}."
     scales = row_scales or {}
@@ -109,14 +132,20 @@ def repack_layer(
     bqkv = None
     if cfg.qkv_bias:
         bqkv = torch.cat((w[p + "bq"], w[p + "bk"], w[p + "bv"])).float().contiguous()
-    pack = get_format(fmt).pack
-    return LayerPack(
-        matrices={
+    if groups is not None:
+        if fold:
+            raise ValueError("a checkpoint's 4-bit groups cannot take a folded norm gain")
+        matrices = _pack_groups(groups, p)
+    else:
+        pack = method_format(fmt, w).pack
+        matrices = {
             "wqkv": pack(fold_or_keep(fuse_rows(w[p + "wq"], w[p + "wk"], w[p + "wv"]), attn_g)),
             "wo": pack(w[p + "wo"], scales.get(p + "wo")),
             "wgu": pack(fold_or_keep(interleave_rows(w[p + "w_gate"], w[p + "w_up"]), ffn_g)),
             "wdown": pack(w[p + "w_down"], scales.get(p + "w_down")),
-        },
+        }
+    return LayerPack(
+        matrices=matrices,
         bqkv=bqkv,
         q_norm=_f32(w.get(p + "q_norm")) if cfg.qk_norm else None,
         k_norm=_f32(w.get(p + "k_norm")) if cfg.qk_norm else None,
@@ -135,6 +164,7 @@ def repack(
     consume: bool = False,
     head_fmt: str = DEFAULT_FORMAT,
     row_scales: Mapping[str, torch.Tensor] | None = None,
+    groups: Mapping[str, GroupQuant] | None = None,
 ) -> Repacked:
     """All of the kernel's tensors, on the device of ``weights``: the layers' streamed
     matrices packed in the weight format ``fmt`` (weights/formats), the LM head in
@@ -144,7 +174,9 @@ def repack(
     ``fold=False`` keeps the norm gains as fp32 vectors the kernel applies itself: the same
     bytes per token (a gain is h floats), without rounding W*g to the weights' dtype.
     ``row_scales``: the scales to pack the named matrices with (a rank's column blocks get
-    the whole rows', weights/quantize.py whole_row_scales).
+    the whole rows', weights/quantize.py whole_row_scales). ``groups``: a 4-bit
+    checkpoint's own groups of each layer's seven matrices (Checkpoint.groups), packed in
+    int4 with their bits unchanged instead of quantising ``weights``; needs ``fold=False``.
     ``consume``: each layer's tensors are popped from ``weights`` once packed, so where the
     caller holds no other reference the repacking needs one layer's memory on top of the
     model, not a second copy (a 32B model's 65 GB fit an 80 GB GPU once, not twice).
@@ -155,7 +187,7 @@ def repack(
     pack_head = get_format(head_fmt).pack
     layers = []
     for n in range(cfg.num_layers):
-        layers.append(repack_layer(cfg, weights, n, fold, fmt, row_scales))
+        layers.append(repack_layer(cfg, weights, n, fold, fmt, row_scales, groups))
         if consume:
             for name in [k for k in weights if k.startswith(f"layers.{n}.")]:
                 del weights[name]

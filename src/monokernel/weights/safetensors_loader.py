@@ -11,6 +11,13 @@ An FP8 checkpoint (weights/checkpoint_quant.py) also holds a scale tensor a quan
 weight: each float8 weight is read as it is, then replaced, once its scale has been read,
 by ``q * scale`` in the asked-for dtype (bfloat16 for the memory-mapped path) on the same
 device, one matrix at a time; the scales are not part of the result.
+
+A 4-bit checkpoint (AWQ, GPTQ) holds packed tensors a quantised module instead of its
+weight (``qweight``, ``qzeros``, ``scales``, GPTQ's ``g_idx``): they are read as they are,
+and once a module's are all in, decoded to a GroupQuant (the same bits, unpacked), whose
+dense values in the asked-for dtype (bfloat16 when none) become the weight. The layer
+linear weights' GroupQuants come back too (``load_safetensors_tensors``), on the same
+device.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch
 from monokernel.errors import (
     MissingTensorError,
     ModelNotFoundError,
+    TensorShapeError,
     UnexpectedTensorError,
     WeightLoadError,
 )
@@ -36,14 +44,21 @@ from monokernel.models.config import ModelConfig
 from monokernel.weights.checkpoint_quant import (
     ACTIVATION_TENSORS,
     FLOAT8_DTYPES,
+    PACKED_PARTS,
+    REQUIRED_PARTS,
     SCALE_SUFFIX,
     CheckpointQuant,
+    Int4Quant,
     check_scale_shape,
+    decode_int4,
     dequantize,
+    packed_shapes,
     scaled_weight,
 )
+from monokernel.weights.group_quant import GroupQuant, GroupQuantError, gptq_trivial_g_idx
 from monokernel.weights.names import HF_IGNORED, Weights, check_weights, hf_to_ours
 from monokernel.weights.progress import ByteProgress, progress_wanted
+from monokernel.weights.quantize import UnsupportedQuantizationError, is_quantized
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -209,33 +224,59 @@ def _read_exactly(fh: io.FileIO, view: memoryview, path: Path) -> None:
         got += n
 
 
+Quant = CheckpointQuant | Int4Quant | None
+
+
+def _side_tensor(hf_name: str, quant: Quant) -> tuple[str, str] | None:
+    """(our weight, our name for this tensor) when ``hf_name`` is an FP8 weight's scale
+    ("layers.0.wq", "layers.0.wq.scale") or a 4-bit module's packed tensor ("layers.0.wq",
+    "layers.0.wq.qweight"); None for any other tensor."""
+    if isinstance(quant, CheckpointQuant):
+        weight = scaled_weight(hf_name, quant)
+        of = hf_to_ours(weight) if weight is not None else None
+        return (of, of + SCALE_SUFFIX) if of is not None else None
+    if isinstance(quant, Int4Quant):
+        module, _, part = hf_name.rpartition(".")
+        of = hf_to_ours(module + ".weight") if part in PACKED_PARTS else None
+        return (of, f"{of}.{part}") if of is not None else None
+    return None
+
+
+def _weight_of(ours: str) -> str | None:
+    """The weight a scale or packed tensor (as _side_tensor names it) belongs to; None
+    for a weight (no name of ours ends as those do)."""
+    head, _, tail = ours.rpartition(".")
+    return head if "." + tail == SCALE_SUFFIX or tail in PACKED_PARTS else None
+
+
 def _plan(
-    files: list[Path], cfg: ModelConfig, source: str, quant: CheckpointQuant | None = None
+    files: list[Path], cfg: ModelConfig, source: str, quant: Quant = None
 ) -> list[tuple[Path, list[tuple[TensorEntry, str | None]]]]:
     """Each file's tensors with our name (None: ignored), and the names and shapes checked
     from the headers alone, so a broken 16 GB checkpoint fails before a byte is read.
 
-    With ``quant``, a weight's scale is ours too: the weight's name plus SCALE_SUFFIX
-    ("layers.0.wq.scale"); activation tensors of the scheme are ignored. The checks
-    against ``cfg`` see the weights alone; every float8 weight must have a scale that fits
-    it, and every scale a float8 weight."""
+    With an FP8 ``quant``, a weight's scale is ours too: the weight's name plus
+    SCALE_SUFFIX ("layers.0.wq.scale"); activation tensors of the scheme are ignored; every
+    float8 weight must have a scale that fits it, and every scale a float8 weight. With a
+    4-bit one, a module's packed tensors are the weight's name plus the part
+    ("layers.0.wq.qweight"), and must fit together. The checks against ``cfg`` see the
+    weights alone (a 4-bit module's as the [out, in] its tensors decode to)."""
     plan: list[tuple[Path, list[tuple[TensorEntry, str | None]]]] = []
     where: dict[str, Path] = {}
     meta: Weights = {}
     headers: dict[str, TensorEntry] = {}  # our weight name -> its entry
     scales: dict[str, TensorEntry] = {}  # our weight name -> its scale's entry
+    packed: dict[str, dict[str, TensorEntry]] = {}  # our weight name -> part -> entry
+    fp8 = isinstance(quant, CheckpointQuant)
     for path in files:
         named: list[tuple[TensorEntry, str | None]] = []
         for e in read_header(path):
-            if HF_IGNORED.match(e.name) or (quant is not None and ACTIVATION_TENSORS.match(e.name)):
+            if HF_IGNORED.match(e.name) or (fp8 and ACTIVATION_TENSORS.match(e.name)):
                 named.append((e, None))
                 continue
             ours = hf_to_ours(e.name)
-            scale_of = None
-            if ours is None and quant is not None:
-                weight = scaled_weight(e.name, quant)
-                scale_of = hf_to_ours(weight) if weight is not None else None
-                ours = scale_of + SCALE_SUFFIX if scale_of is not None else None
+            side = _side_tensor(e.name, quant) if ours is None else None
+            ours = side[1] if side is not None else ours
             if ours is None:
                 raise UnexpectedTensorError(
                     f"{path.name}: tensor {e.name} is not used by a {cfg.family} model"
@@ -246,13 +287,17 @@ def _plan(
                 )
             where[ours] = path
             named.append((e, ours))
-            if scale_of is not None:
-                scales[scale_of] = e
-            else:
+            if side is None:
                 headers[ours] = e
                 meta[ours] = torch.empty(e.shape, dtype=e.dtype, device="meta")
+            elif fp8:
+                scales[side[0]] = e
+            else:
+                packed.setdefault(side[0], {})[ours.rpartition(".")[2]] = e
         plan.append((path, named))
     _check_scales(headers, scales, quant, source)
+    if isinstance(quant, Int4Quant):
+        meta |= _check_packed(packed, headers, quant, source)
     if cfg.tie_word_embeddings:
         # Whether a tied lm_head equals embed needs the values: the full check does it.
         meta.pop("lm_head", None)
@@ -263,7 +308,7 @@ def _plan(
 def _check_scales(
     weights: dict[str, TensorEntry],
     scales: dict[str, TensorEntry],
-    quant: CheckpointQuant | None,
+    quant: Quant,
     source: str,
 ) -> None:
     """Each float8 weight paired with a scale of the scheme's shape, and each scale with a
@@ -271,10 +316,11 @@ def _check_scales(
     for ours, e in weights.items():
         if e.dtype not in FLOAT8_DTYPES or ours in scales:
             continue
-        if quant is None:
+        if not isinstance(quant, CheckpointQuant):
             raise WeightLoadError(
                 f"{source}: tensor {e.name} is {e.dtype} but config.json has no "
-                "quantization_config, so its scales are unknown"
+                + ("quantization_config" if quant is None else "FP8 quantization_config")
+                + ", so its scales are unknown"
             )
         raise MissingTensorError(
             f"{source}: tensor {e.name} is {e.dtype} but has no scale "
@@ -282,7 +328,7 @@ def _check_scales(
         )
     if not scales:
         return
-    assert quant is not None  # only a scheme names scales
+    assert isinstance(quant, CheckpointQuant)  # only an FP8 scheme names scales
     for ours, se in scales.items():
         w = weights.get(ours)
         if w is None:
@@ -301,6 +347,58 @@ def _check_scales(
         check_scale_shape(se.name, w.shape, se.shape, quant)
 
 
+def _check_packed(
+    packed: dict[str, dict[str, TensorEntry]],
+    weights: dict[str, TensorEntry],
+    quant: Int4Quant,
+    source: str,
+) -> Weights:
+    """Each 4-bit module's tensors complete, of the packing's dtypes and of shapes that fit
+    together; the error names the tensor. Returns each module's weight as a meta tensor of
+    the [out, in] shape it decodes to, for the checks against the config."""
+    out: Weights = {}
+    for ours, parts in packed.items():
+        module = next(iter(parts.values())).name.rpartition(".")[0]
+        if ours in weights:
+            raise UnexpectedTensorError(
+                f"{source}: {module} has both a weight and 4-bit tensors ({', '.join(parts)})"
+            )
+        missing = [f"{module}.{p}" for p in REQUIRED_PARTS if p not in parts]
+        if missing:
+            raise MissingTensorError(
+                f"{source}: 4-bit module {module} has no {', '.join(missing)} in any shard"
+            )
+        if quant.method == "awq" and "g_idx" in parts:
+            raise UnexpectedTensorError(f"{source}: tensor {module}.g_idx in an AWQ checkpoint")
+        shapes = packed_shapes(quant, parts["qweight"].shape)
+        if not shapes:
+            group = "one group a row" if quant.group == -1 else f"groups of {quant.group}"
+            raise TensorShapeError(
+                f"{source}: tensor {module}.qweight of shape {parts['qweight'].shape} is no "
+                f"{quant.method} packing of an [out, in] weight in {group} (in a multiple "
+                "of the group, the group of 32)"
+            )
+        for part, e in parts.items():
+            _check_part(e, part, shapes[part], quant.method)
+        out[ours] = torch.empty(shapes["weight"], dtype=torch.float32, device="meta")
+    return out
+
+
+def _check_part(e: TensorEntry, part: str, shape: tuple[int, ...], method: str) -> None:
+    if part in ("qweight", "qzeros"):
+        ok, want = e.dtype == torch.int32, "int32"
+    elif part == "scales":
+        ok, want = e.dtype.is_floating_point and e.dtype not in FLOAT8_DTYPES, "float16"
+    else:
+        ok, want = not e.dtype.is_floating_point and e.dtype != torch.bool, "int32"
+    if not ok:
+        raise WeightLoadError(f"tensor {e.name} is {e.dtype}; a {method} {part} is {want}")
+    if e.shape != shape:
+        raise TensorShapeError(
+            f"tensor {e.name} has shape {e.shape}; its module's qweight makes it {shape}"
+        )
+
+
 def _dequantize_ready(
     pending: Weights, quant: CheckpointQuant, dtype: torch.dtype | None
 ) -> Weights:
@@ -316,6 +414,51 @@ def _dequantize_ready(
     return out
 
 
+def _decode_ready(
+    pending: Weights,
+    quant: Int4Quant,
+    dtype: torch.dtype | None,
+    modules: dict[str, tuple[str, frozenset[str]]],
+    groups: dict[str, GroupQuant],
+    source: str,
+) -> Weights:
+    """The 4-bit modules of ``pending`` whose tensors are all there, each decoded to a
+    GroupQuant (kept in ``groups`` for a layer linear weight) and replaced by its dense
+    values in ``dtype`` (bfloat16 when None); the packed tensors leave ``pending``.
+    ``modules``: our weight name -> (HF module name, its parts)."""
+    out: Weights = {}
+    for name, (module, parts) in modules.items():
+        keys = [f"{name}.{p}" for p in parts]
+        if not all(k in pending for k in keys):
+            continue
+        tensors = {p: pending.pop(k) for p, k in zip(parts, keys, strict=True)}
+        try:
+            gq = decode_int4(tensors, quant)
+        except (GroupQuantError, UnsupportedQuantizationError) as e:
+            raise type(e)(f"{source}: {quant.method} module {module}: {e}") from e
+        del tensors
+        out[name] = gq.dense(dtype or torch.bfloat16)
+        if is_quantized(name):
+            groups[name] = gq
+    return out
+
+
+def _packed_modules(
+    plan: list[tuple[Path, list[tuple[TensorEntry, str | None]]]],
+) -> dict[str, tuple[str, frozenset[str]]]:
+    """Our weight name -> (HF module name, the parts it has) for every 4-bit module (the
+    plan of a 4-bit checkpoint: its only side tensors are packed ones)."""
+    parts: dict[str, set[str]] = {}
+    hf: dict[str, str] = {}
+    for _, named in plan:
+        for e, o in named:
+            weight = _weight_of(o) if o is not None else None
+            if o is not None and weight is not None:
+                parts.setdefault(weight, set()).add(o.rpartition(".")[2])
+                hf[weight] = e.name.rpartition(".")[0]
+    return {w: (hf[w], frozenset(p)) for w, p in parts.items()}
+
+
 def load_safetensors_weights(
     model_dir: Path,
     cfg: ModelConfig,
@@ -323,7 +466,7 @@ def load_safetensors_weights(
     dtype: torch.dtype | None = None,
     progress: bool = False,
     force_progress: bool = False,
-    quant: CheckpointQuant | None = None,
+    quant: CheckpointQuant | Int4Quant | None = None,
 ) -> Weights:
     """Every tensor in our names, checked against ``cfg``.
 
@@ -333,28 +476,49 @@ def load_safetensors_weights(
     ``force_progress`` always; either ends with a line such as ``loaded 16.1 GB in
     12.3 s (1.31 GB/s) from 4 shards``.
 
-    ``quant``: the checkpoint's FP8 scheme (checkpoint_quant.parse_quantization_config);
-    each float8 weight comes back dequantised, in ``dtype`` or else bfloat16.
+    ``quant``: the checkpoint's FP8 or 4-bit scheme
+    (checkpoint_quant.parse_quantization_config); each float8 weight or 4-bit module comes
+    back dequantised, in ``dtype`` or else bfloat16.
     """
+    return load_safetensors_tensors(model_dir, cfg, device, dtype, progress, force_progress, quant)[
+        0
+    ]
+
+
+def load_safetensors_tensors(
+    model_dir: Path,
+    cfg: ModelConfig,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    progress: bool = False,
+    force_progress: bool = False,
+    quant: CheckpointQuant | Int4Quant | None = None,
+) -> tuple[Weights, dict[str, GroupQuant]]:
+    """``load_safetensors_weights``'s weights, and with a 4-bit ``quant`` each layer linear
+    weight stored in 4 bits as a GroupQuant of its bits (our names, on the device the
+    tensors were read to: ``device``, else the CPU); {} for any other checkpoint."""
     source = str(model_dir)
     files = safetensors_files(model_dir)
     plan = _plan(files, cfg, source, quant)
-    scale_names = {o for _, named in plan for _, o in named if o and o.endswith(SCALE_SUFFIX)}
-    # Float8 weights and their scales are read as they are (a scale cast to bf16 would lose
-    # bits) and leave `pending` once both are in, which may be in different shards.
-    raw = frozenset(scale_names | {o.removesuffix(SCALE_SUFFIX) for o in scale_names})
+    side_names = {o for _, named in plan for _, o in named if o and _weight_of(o) is not None}
+    # Float8 weights, their scales and 4-bit modules' tensors are read as they are (a scale
+    # cast to bf16 would lose bits, an int32 word all of them) and leave `pending` once a
+    # weight's are all in, which may be in different shards.
+    raw = frozenset(side_names | {w for o in side_names if (w := _weight_of(o)) is not None})
+    modules = _packed_modules(plan) if isinstance(quant, Int4Quant) else {}
     order = [
-        o
+        o if o not in side_names else o.removesuffix(".qweight")
         for _, named in plan
         # In the order safetensors lists a file (by HF name), as before, whichever path
-        # read it: files are read in offset order.
+        # read it: files are read in offset order. A 4-bit weight is where its qweight is.
         for _, o in sorted(named, key=lambda x: x[0].name)
-        if o and o not in scale_names
+        if o and (o not in side_names or o.endswith(".qweight"))
     ]
     total = sum(e.nbytes for _, named in plan for e, _ in named)
     target = None if device is None and dtype is None else _resolve(device)
     done: Weights = {}
     pending: Weights = {}
+    groups: dict[str, GroupQuant] = {}
     wanted = progress_wanted(progress, force_progress)
     with ByteProgress(total, f"loading {model_dir.name}", wanted) as bar:
         reader = None
@@ -369,15 +533,42 @@ def load_safetensors_weights(
                 got = _load_to(path, named, reader, dtype, bar.update, raw)
             pending |= {o: got.pop(o) for o in raw & got.keys()}
             done |= got
-            if quant is not None:
+            if isinstance(quant, CheckpointQuant):
                 done |= _dequantize_ready(pending, quant, dtype)
-        assert not pending, sorted(pending)  # _plan paired every weight with its scale
+            elif isinstance(quant, Int4Quant):
+                done |= _decode_ready(pending, quant, dtype, modules, groups, source)
+        assert not pending, sorted(pending)  # _plan paired every weight with its scales
         weights = {o: done.pop(o) for o in order}
         if target is not None and target.type == "cuda":
             torch.cuda.synchronize(target)  # the copies are asynchronous: time them all
         checked = check_weights(weights, cfg, source=source)
         bar.finish(len(files))
-    return checked
+    return checked, groups
+
+
+def check_group_indices(model_dir: Path, quant: Int4Quant) -> None:
+    """UnsupportedQuantizationError naming the first GPTQ module whose g_idx is act-order's
+    (not arange(in) // group): read before the memory plan and any weight, since a config's
+    desc_act alone does not say (g_idx is one integer an input column: a few MB)."""
+    if quant.method != "gptq":
+        return
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_dir):
+        entries = [e for e in read_header(path) if e.name.endswith(".g_idx")]
+        if not entries:
+            continue
+        with safe_open(str(path), framework="pt") as f:
+            for e in entries:
+                cols = e.shape[0] if len(e.shape) == 1 else 0
+                if not cols or (quant.group != -1 and cols % quant.group):
+                    continue  # misshaped: _plan names it with the module's other tensors
+                if not gptq_trivial_g_idx(f.get_tensor(e.name), cols, quant.group):
+                    raise UnsupportedQuantizationError(
+                        f"{model_dir}: checkpoint quantization 'gptq' with act-order "
+                        f"(desc_act: {e.name} is not arange(in) // group) is not supported; "
+                        "supported: GPTQ quantised with desc_act=false"
+                    )
 
 
 def _resolve(device: torch.device | str | None) -> torch.device:

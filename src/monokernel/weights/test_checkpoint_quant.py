@@ -284,12 +284,13 @@ def _refusal(config: dict[str, Any]) -> str:
     return message
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq", "bitsandbytes", "mxfp4", "hqq", "torchao"])
+@pytest.mark.parametrize("method", ["bitsandbytes", "mxfp4", "hqq", "torchao", "exl2"])
 def test_other_methods_are_refused_by_name(method: str) -> None:
     message = _refusal({"quant_method": method, "bits": 4})
     assert message.startswith(f"checkpoint quantization {method!r} is not supported")
-    four_bit = method in ("awq", "gptq", "bitsandbytes", "hqq")
-    assert ("4-bit checkpoints are not read yet" in message) == four_bit
+    assert "awq (4-bit" in message and "gptq (4-bit" in message
+    four_bit = method in ("bitsandbytes", "hqq", "exl2")
+    assert ("4-bit checkpoints are read in AWQ (GEMM) and GPTQ packing only" in message) == four_bit
 
 
 @pytest.mark.parametrize(
@@ -436,8 +437,8 @@ def test_a_config_left_over_on_bf16_weights(source: tuple[Path, Weights], tmp_pa
 @pytest.mark.parametrize(
     ("config", "says"),
     [
-        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}, "'awq'"),
-        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False}, "'gptq'"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "'awq'"),
+        ({"quant_method": "gptq", "bits": 8, "group_size": 128, "desc_act": False}, "'gptq'"),
         (ct_config("group", bits=4, kind="int", group_size=128), "num_bits=4 type=int"),
     ],
 )

@@ -91,13 +91,15 @@ def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def tiny_hf(arch: str, tied: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def tiny_hf(
+    arch: str, tied: bool, sizes: dict[str, Any] = SIZES
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     if arch == "llama":
-        hf_cfg = transformers.LlamaConfig(**SIZES, tie_word_embeddings=tied, rope_theta=5e5)
+        hf_cfg = transformers.LlamaConfig(**sizes, tie_word_embeddings=tied, rope_theta=5e5)
         model = transformers.LlamaForCausalLM(hf_cfg)
     else:
-        hf_cfg = transformers.Qwen2Config(**SIZES, tie_word_embeddings=tied, rope_theta=1e6)
+        hf_cfg = transformers.Qwen2Config(**sizes, tie_word_embeddings=tied, rope_theta=1e6)
         model = transformers.Qwen2ForCausalLM(hf_cfg)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
@@ -118,22 +120,23 @@ def write_gguf(
     extra_tensors: dict[str, np.ndarray] | None = None,
     drop: tuple[str, ...] = (),
     meta: Callable[[Any], None] | None = None,
+    sizes: dict[str, Any] = SIZES,
 ) -> Path:
     """Write ``state`` (HF names) as llama.cpp would; ``types`` maps GGUF names to a type."""
     types = types or {}
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(SIZES["num_hidden_layers"])
-    w.add_context_length(SIZES["max_position_embeddings"])
-    w.add_embedding_length(SIZES["hidden_size"])
-    w.add_feed_forward_length(SIZES["intermediate_size"])
-    w.add_head_count(SIZES["num_attention_heads"])
-    w.add_head_count_kv(SIZES["num_key_value_heads"])
-    w.add_key_length(SIZES["head_dim"])
-    w.add_value_length(SIZES["head_dim"])
-    w.add_rope_dimension_count(SIZES["head_dim"])
-    w.add_layer_norm_rms_eps(SIZES["rms_norm_eps"])
+    w.add_block_count(sizes["num_hidden_layers"])
+    w.add_context_length(sizes["max_position_embeddings"])
+    w.add_embedding_length(sizes["hidden_size"])
+    w.add_feed_forward_length(sizes["intermediate_size"])
+    w.add_head_count(sizes["num_attention_heads"])
+    w.add_head_count_kv(sizes["num_key_value_heads"])
+    w.add_key_length(sizes["head_dim"])
+    w.add_value_length(sizes["head_dim"])
+    w.add_rope_dimension_count(sizes["head_dim"])
+    w.add_layer_norm_rms_eps(sizes["rms_norm_eps"])
     w.add_rope_freq_base(5e5 if arch == "llama" else 1e6)
-    w.add_vocab_size(SIZES["vocab_size"])
+    w.add_vocab_size(sizes["vocab_size"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     if meta:
@@ -144,9 +147,9 @@ def write_gguf(
             continue
         a = t.float().numpy()
         if arch == "llama" and ".attn_q." in name:
-            a = llamacpp_permute(a, SIZES["num_attention_heads"])
+            a = llamacpp_permute(a, sizes["num_attention_heads"])
         if arch == "llama" and ".attn_k." in name:
-            a = llamacpp_permute(a, SIZES["num_key_value_heads"])
+            a = llamacpp_permute(a, sizes["num_key_value_heads"])
         qtype = types.get(name, QT.F32)
         if qtype == QT.F32:
             w.add_tensor(name, np.ascontiguousarray(a))
@@ -236,6 +239,94 @@ def test_llama_quantised_within_error(tmp_path: Path, llama: Any) -> None:
         else:
             rel = (got - v).abs().max() / v.abs().max()
             assert rel < tol[qtype], (k, qtype.name, float(rel))
+
+
+# Sizes whose every input dimension 32 divides (hidden, q = 4 x 16, intermediate), so every
+# layer matrix can be a 4-bit block type; two heads of K to unpermute.
+SIZES_4BIT = SIZES | dict(
+    hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2
+)
+LAYER_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _all_4bit(kind: Any, state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    types = {"token_embd.weight": QT.Q8_0, "output.weight": QT.Q8_0}
+    for k in state:
+        name = hf_to_gguf(k)
+        parts = name.split(".")
+        if parts[0] == "blk" and parts[2] in LAYER_LINEARS and parts[3] == "weight":
+            types[name] = kind
+    return types
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", [QT.Q4_0, QT.Q4_1], ids=["Q4_0", "Q4_1"])
+def test_4bit_layer_matrices_keep_their_bits(tmp_path: Path, arch: str, kind: Any) -> None:
+    from monokernel.weights.gguf_loader import _dequantize_blocks
+    from monokernel.weights.loader import load_checkpoint
+    from monokernel.weights.quantize import is_quantized
+
+    _, state = tiny_hf(arch, tied=False, sizes=SIZES_4BIT)
+    types = _all_4bit(kind, state)
+    path = write_gguf(tmp_path / "q4.gguf", arch, state, types=types, sizes=SIZES_4BIT)
+    ckpt = load_checkpoint(path, progress=False)
+    assert ckpt.quantization == "int4" and ckpt.groups is not None
+    assert set(ckpt.groups) == {n for n in ckpt.weights if is_quantized(n)}
+    assert len(ckpt.groups) == 7 * SIZES_4BIT["num_hidden_layers"]
+    reader = gguf.GGUFReader(str(path))
+    raw = {t.name: torch.from_numpy(np.array(t.data)).reshape(-1) for t in reader.tensors}
+    for hf_name, v in state.items():
+        name = hf_to_ours(hf_name)
+        w = ckpt.weights[name]
+        if name not in ckpt.groups:
+            continue
+        gq = ckpt.groups[name]
+        assert gq.group == 32 and gq.shape == tuple(v.shape), name
+        # The weights are today's (the same bits as dequantising the blocks, rows
+        # unpermuted), and the GroupQuant's dense() is them: its rows unpermuted alike.
+        blocks = _dequantize_blocks(raw[hf_to_gguf(hf_name)], kind.name, tuple(v.shape))
+        if arch == "llama" and name.rsplit(".", 1)[1] in ("wq", "wk"):
+            heads = "num_attention_heads" if name.endswith("wq") else "num_key_value_heads"
+            blocks = _unpermute(blocks, SIZES_4BIT[heads])
+        assert torch.equal(w.view(torch.int32), blocks.view(torch.int32)), name
+        assert torch.equal(gq.dense(), w), name
+        assert (w - v).abs().max() <= 0.2 * v.abs().max(), name
+        assert int(gq.q.max()) <= 15 and gq.q.dtype == torch.uint8
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of llamacpp_permute, written as its inverse: per head, the rows at even
+    positions are the first half, those at odd positions the second."""
+    head_dim = w.shape[0] // n_heads
+    heads = w.reshape(n_heads, head_dim, *w.shape[1:])
+    return torch.cat((heads[:, 0::2], heads[:, 1::2]), dim=1).reshape(w.shape)
+
+
+def test_a_gguf_not_all_4bit_is_not_int4(tmp_path: Path) -> None:
+    from monokernel.weights.loader import load_checkpoint
+
+    _, state = tiny_hf("llama", tied=True, sizes=SIZES_4BIT)
+    types = _all_4bit(QT.Q4_1, state) | {"blk.1.ffn_down.weight": QT.Q8_0}
+    path = write_gguf(tmp_path / "mixed.gguf", "llama", state, types=types, sizes=SIZES_4BIT)
+    ckpt = load_checkpoint(path, progress=False)
+    assert ckpt.quantization is None and ckpt.groups is None
+
+
+@pytest.mark.slow
+def test_the_default_model_is_all_q4_1() -> None:
+    """SmolLM2-135M-Instruct.Q4_1.gguf: every layer matrix Q4_1 (the embedding is Q8_0,
+    the norms F32, the head tied), so it loads as int4 with each matrix's blocks."""
+    from monokernel.weights.loader import load_checkpoint
+
+    try:
+        path = default_model.default_model_path(progress=False)
+    except ModelNotFoundError as e:
+        pytest.skip(f"default model unavailable (offline?): {e}")
+    ckpt = load_checkpoint(path, progress=False)
+    assert ckpt.quantization == "int4" and ckpt.groups is not None
+    assert len(ckpt.groups) == 7 * ckpt.config.num_layers == 210
+    for name, gq in ckpt.groups.items():
+        assert gq.group == 32 and torch.equal(gq.dense(), ckpt.weights[name]), name
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -16,10 +16,15 @@ using SC = Split<WeightFormat, MK_Q, kSplitC>;     // C: O projection
 using SE = Split<WeightFormat, MK_I, MK_SPLIT_E>;  // E: down projection
 using SF = Split<HeadFormat, MK_H, kSplitF>;       // F: the LM head (its own format)
 using GateUp = RowShape<WeightFormat, MK_H, MK_BATCH2>;  // D: one gate or up row
+using WeightLoad = WeightFormat::Load;
+using HeadLoad = HeadFormat::Load;
 // A buffer issued on one path only would stay live through every layer and spill: the LM
 // head's first row goes into A's buffer (its first entries where its rows are shorter; the
-// buffer is the longer of the two where the head's format differs).
+// buffer is the longer of the two where the head's format differs). Where the two formats'
+// loads differ in type (int4 layers, a bf16 head), each has its own.
+constexpr bool kSharedPreAF = std::is_same_v<WeightLoad, HeadLoad>;
 constexpr int kPreAF = cmax(SA::Shape::B, SF::Shape::B);
+constexpr int kPreF = kSharedPreAF ? 1 : SF::Shape::B;
 
 struct Cta {
   // Shared memory.
@@ -47,14 +52,18 @@ struct Cta {
   unsigned attn_done;  // attention ranges finished so far, per head and per KV head group
   unsigned attn_done_g;
   // First batches held in registers across hand-offs, one buffer per stage shape.
-  uint4 preAF[kPreAF], preC[SC::Shape::B], preE[SE::Shape::B];
-  uint4 preG[GateUp::B], preU[GateUp::B];
+  WeightLoad preAF[kPreAF], preC[SC::Shape::B], preE[SE::Shape::B];
+  WeightLoad preG[GateUp::B], preU[GateUp::B];
+  HeadLoad preF_[kPreF];  // unused where kSharedPreAF
 
-  __device__ __forceinline__ uint4 (&preA())[SA::Shape::B] {
-    return *reinterpret_cast<uint4(*)[SA::Shape::B]>(&preAF);
+  __device__ __forceinline__ WeightLoad (&preA())[SA::Shape::B] {
+    return *reinterpret_cast<WeightLoad(*)[SA::Shape::B]>(&preAF);
   }
-  __device__ __forceinline__ uint4 (&preF())[SF::Shape::B] {
-    return *reinterpret_cast<uint4(*)[SF::Shape::B]>(&preAF);
+  __device__ __forceinline__ HeadLoad (&preF())[SF::Shape::B] {
+    if constexpr (kSharedPreAF)
+      return *reinterpret_cast<HeadLoad(*)[SF::Shape::B]>(&preAF);
+    else
+      return *reinterpret_cast<HeadLoad(*)[SF::Shape::B]>(&preF_);
   }
   // The split-K partial sums [WARPS, SLOTS]: the attention scratch is idle during the GEMVs.
   __device__ __forceinline__ float* part() const { return att; }

@@ -73,19 +73,19 @@ __device__ __forceinline__ void gemv_drawn(Matrix<F> M, const RowTickets& tk, un
                                            const float* __restrict__ xs, int lane, Out out,
                                            float scale) {
   using S = RowShape<F, K, BATCH>;
-  const typename F::Elem* __restrict__ W = M.rows;
-  uint4 a[S::B], b[S::B];
+  using L = typename F::Load;
+  L a[S::B], b[S::B];
   int r = tk.row(__shfl_sync(0xffffffffu, got, 0));
   if (r < 0) return;
-  issue_first<F, K, BATCH>(a, W + (size_t)r * K, lane);
+  issue_first<F, K, BATCH>(a, M.at((size_t)r * K), lane);
   if (lane == 0) got = draw_ticket(tk.counter);
   // Row r from cur; the next row's first batch into nxt. False once the tail is done.
-  auto one = [&](uint4(&cur)[S::B], uint4(&nxt)[S::B]) {
+  auto one = [&](L(&cur)[S::B], L(&nxt)[S::B]) {
     const int rn = tk.row(__shfl_sync(0xffffffffu, got, 0));  // drawn a row ago
     if (rn >= 0 && lane == 0) got = draw_ticket(tk.counter);
-    issue_first<F, K, BATCH>(nxt, W + (size_t)(rn >= 0 ? rn : r) * K, lane, rn >= 0);
+    issue_first<F, K, BATCH>(nxt, M.at((size_t)(rn >= 0 ? rn : r) * K), lane, rn >= 0);
     const float rs = M.row_scale(r);
-    const float d = warp_sum(row_partial<F, K, BATCH>(cur, W + (size_t)r * K, xs, lane));
+    const float d = warp_sum(row_partial<F, K, BATCH>(cur, M.at((size_t)r * K), xs, lane));
     if (lane == 0) out(r, F::kScaled ? d * (scale * rs) : d * scale);
     r = rn;
     return rn >= 0;

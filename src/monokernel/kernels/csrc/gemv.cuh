@@ -23,27 +23,29 @@ struct RowShape {
 // "next row" after a warp's last: no load, so the copy into the next row's buffer waits for
 // nothing on the way to the hand-off).
 template <class F, int K, int BATCH>
-__device__ __forceinline__ void issue_first(uint4 (&buf)[RowShape<F, K, BATCH>::B],
-                                            const typename F::Elem* __restrict__ w, int lane,
-                                            bool live = true) {
+__device__ __forceinline__ void issue_first(typename F::Load (&buf)[RowShape<F, K, BATCH>::B],
+                                            typename F::Ptr w, int lane, bool live = true) {
   using S = RowShape<F, K, BATCH>;
-  const uint4* wp = reinterpret_cast<const uint4*>(w);
 #pragma unroll
   for (int i = 0; i < S::B; ++i) {
     const int c = i * 32 + lane;
-    buf[i] = live && c < S::C ? ld_stream(wp + c) : make_uint4(0u, 0u, 0u, 0u);
+    buf[i] = live && c < S::C ? F::load(w, c) : F::zero();
   }
 }
 
 // Dot of 16-byte chunk c of a row with the same kPerLoad floats of xs (stored swizzled,
 // common.cuh). o: 4 where this lane's chunks have their halves swapped, else 0 (lane_half).
 template <class F>
-__device__ __forceinline__ float dot_load(const uint4 u, const float* __restrict__ xs, int c,
-                                          int o) {
+__device__ __forceinline__ float dot_load(const typename F::Load u, const float* __restrict__ xs,
+                                          int c, int o) {
   static_assert(F::kPerLoad % 8 == 0, "the input is read in 8-float units (32-byte swizzle)");
-  float4 x[F::kPerLoad / 4];
-  load_inputs<F::kPerLoad>(x, xs + F::kPerLoad * c, o);
-  return F::dot(u, x);
+  if constexpr (F::kGroups) {
+    return F::dot_chunk(u, xs + F::kPerLoad * c, c, o);
+  } else {
+    float4 x[F::kPerLoad / 4];
+    load_inputs<F::kPerLoad>(x, xs + F::kPerLoad * c, o);
+    return F::dot(u, x);
+  }
 }
 
 // dot_load's o for a lane: its chunks c = i * 32 + lane lie a multiple of 1 KB apart, so all
@@ -55,11 +57,10 @@ __device__ __forceinline__ int lane_half(const float* xs, int lane) {
 
 // Lane-partial dot of row w with xs; the first batch was issued earlier into `first`.
 template <class F, int K, int BATCH>
-__device__ __forceinline__ float row_partial(const uint4 (&first)[RowShape<F, K, BATCH>::B],
-                                             const typename F::Elem* __restrict__ w,
-                                             const float* __restrict__ xs, int lane) {
+__device__ __forceinline__ float row_partial(
+    const typename F::Load (&first)[RowShape<F, K, BATCH>::B], typename F::Ptr w,
+    const float* __restrict__ xs, int lane) {
   using S = RowShape<F, K, BATCH>;
-  const uint4* wp = reinterpret_cast<const uint4*>(w);
   const int o = lane_half<F>(xs, lane);
   float acc = 0.f;
 #pragma unroll
@@ -69,11 +70,11 @@ __device__ __forceinline__ float row_partial(const uint4 (&first)[RowShape<F, K,
   }
 #pragma unroll
   for (int b0 = S::B; b0 < S::N; b0 += S::B) {
-    uint4 buf[S::B];
+    typename F::Load buf[S::B];
 #pragma unroll
     for (int i = 0; i < S::B; ++i) {
       const int c = (b0 + i) * 32 + lane;
-      if (b0 + i < S::N && c < S::C) buf[i] = ld_stream(wp + c);
+      if (b0 + i < S::N && c < S::C) buf[i] = F::load(w, c);
     }
 #pragma unroll
     for (int i = 0; i < S::B; ++i) {
@@ -88,9 +89,11 @@ __device__ __forceinline__ float row_partial(const uint4 (&first)[RowShape<F, K,
 // so short stages get more loads in flight and rows balance over fewer, larger units.
 // Partial sums meet in shared memory (fixed order: deterministic, no atomics).
 // Unit u = blockIdx * (WARPS/SPLIT) + warp/SPLIT owns rows u, u + units, ...
+// A group format's slices start on a multiple of 8 chunks (int4.cuh: its rotation).
 template <class F, int K, int SPLIT>
 struct Split {
-  static constexpr int S = (K % (F::kPerLoad * SPLIT) == 0) ? SPLIT : 1;  // else no split
+  static constexpr int kSliceUnit = F::kPerLoad * (F::kGroups ? 8 : 1);
+  static constexpr int S = (K % (kSliceUnit * SPLIT) == 0) ? SPLIT : 1;  // else no split
   static constexpr int KP = K / S;                                         // slice length
   static constexpr int GROUPS = kWarps / S;                                // units per CTA
   using Shape = RowShape<F, KP, kBatch>;
@@ -99,18 +102,19 @@ struct Split {
 // This warp's first row slice of a split GEMV over W [rows, K] (clamped: always valid).
 // cta: the CTA's rank in the stage's row order (gemv_split).
 template <int K, int SPLIT, class F>
-__device__ __forceinline__ const typename F::Elem* split_first(Matrix<F> W, int rows, int warp,
-                                                               int cta = (int)blockIdx.x) {
+__device__ __forceinline__ typename F::Ptr split_first(Matrix<F> W, int rows, int warp,
+                                                       int cta = (int)blockIdx.x) {
   using P = Split<F, K, SPLIT>;
   const int unit = cta * P::GROUPS + warp / P::S;
   const int r = unit < rows ? unit : rows - 1;
-  return W.rows + (size_t)r * K + (warp % P::S) * P::KP;
+  return W.at((size_t)r * K + (warp % P::S) * P::KP);
 }
 
 // Issue this warp's first row slice of a split GEMV (split_first) into buf.
 template <int K, int SPLIT, class F>
 __device__ __forceinline__ void issue_split_first(
-    uint4 (&buf)[Split<F, K, SPLIT>::Shape::B], Matrix<F> W, int rows, int warp, int lane,
+    typename F::Load (&buf)[Split<F, K, SPLIT>::Shape::B], Matrix<F> W, int rows, int warp,
+    int lane,
     int cta = (int)blockIdx.x) {
   issue_first<F, Split<F, K, SPLIT>::KP, kBatch>(buf, split_first<K, SPLIT>(W, rows, warp, cta),
                                                  lane);
@@ -118,9 +122,9 @@ __device__ __forceinline__ void issue_split_first(
 
 // Issue row r of W [rows, K] (BATCH loads a lane) into buf.
 template <int K, int BATCH, class F>
-__device__ __forceinline__ void issue_row(uint4 (&buf)[RowShape<F, K, BATCH>::B], Matrix<F> W,
-                                          size_t r, int lane) {
-  issue_first<F, K, BATCH>(buf, W.rows + r * K, lane);
+__device__ __forceinline__ void issue_row(typename F::Load (&buf)[RowShape<F, K, BATCH>::B],
+                                          Matrix<F> W, size_t r, int lane) {
+  issue_first<F, K, BATCH>(buf, W.at(r * K), lane);
 }
 
 // out(r, value) is called once per row, by one thread. All threads of the CTA must call.
@@ -135,13 +139,13 @@ __device__ __forceinline__ void issue_row(uint4 (&buf)[RowShape<F, K, BATCH>::B]
 template <int K, int SPLIT, bool PINGPONG = false, class F, class Out>
 __device__ __forceinline__ void gemv_split(Matrix<F> M, int rows, const float* __restrict__ xs,
                                            float* part, int warp, int lane,
-                                           uint4 (&pre)[Split<F, K, SPLIT>::Shape::B], Out out,
+                                           typename F::Load (&pre)[Split<F, K, SPLIT>::Shape::B],
+                                           Out out,
                                            int cta = (int)blockIdx.x,
                                            const float* __restrict__ bias = nullptr,
                                            float scale = 1.f) {
   using P = Split<F, K, SPLIT>;
-  using E = typename F::Elem;
-  const E* __restrict__ W = M.rows;
+  using L = typename F::Load;
   using S = typename P::Shape;
   constexpr bool PIPE = S::N <= S::B;
   const int units = gridDim.x * P::GROUPS;
@@ -157,14 +161,14 @@ __device__ __forceinline__ void gemv_split(Matrix<F> M, int rows, const float* _
   }
   const RowScales<F> scales(M, u0, units, iters, rows, lane);
   // Row it of this unit: its first batch is in cur; the next row's goes into nxt.
-  auto row = [&](uint4(&cur)[S::B], uint4(&nxt)[S::B], int it, int it0) {
+  auto row = [&](L(&cur)[S::B], L(&nxt)[S::B], int it, int it0) {
     const int r = u0 + it * units;
     const int rn = r + units;
-    const E* wn = W + (size_t)(rn < rows ? rn : (r < rows ? r : rows - 1)) * K + s * P::KP;
+    const auto wn = M.at((size_t)(rn < rows ? rn : (r < rows ? r : rows - 1)) * K + s * P::KP);
     if (PIPE) issue_first<F, P::KP, kBatch>(nxt, wn, lane, rn < rows);
     float d = 0.f;
     if (r < rows)
-      d = warp_sum(row_partial<F, P::KP, kBatch>(cur, W + (size_t)r * K + s * P::KP, xp, lane));
+      d = warp_sum(row_partial<F, P::KP, kBatch>(cur, M.at((size_t)r * K + s * P::KP), xp, lane));
     if constexpr (F::kScaled) d *= r < rows ? scales.at(M, it, r) : 0.f;
     if (lane == 0) part[warp * kSplitSlots + (it - it0)] = d;
     if (!PIPE) issue_first<F, P::KP, kBatch>(nxt, wn, lane, rn < rows);
@@ -173,14 +177,14 @@ __device__ __forceinline__ void gemv_split(Matrix<F> M, int rows, const float* _
     const int it1 = min(iters, it0 + kSplitSlots);
     if (PINGPONG) {
       static_assert(kSplitSlots % 2 == 0, "a whole round must end with the next row in pre");
-      uint4 alt[S::B];
+      L alt[S::B];
       for (int it = it0; it < it1; it += 2) {
         row(pre, alt, it, it0);
         if (it + 1 < it1) row(alt, pre, it + 1, it0);
       }
     } else {
       for (int it = it0; it < it1; ++it) {
-        uint4 nxt[S::B];
+        L nxt[S::B];
         row(pre, nxt, it, it0);
 #pragma unroll
         for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
@@ -208,10 +212,10 @@ __device__ __forceinline__ void gemv_split(Matrix<F> M, int rows, const float* _
 template <int K, class F, class Out>
 __device__ __forceinline__ void gemv_pairs(Matrix<F> M, int pairs, int p0, int step,
                                            const float* __restrict__ xs, int lane,
-                                           uint4 (&pre0)[RowShape<F, K, MK_BATCH2>::B],
-                                           uint4 (&pre1)[RowShape<F, K, MK_BATCH2>::B], Out out) {
+                                           typename F::Load (&pre0)[RowShape<F, K, MK_BATCH2>::B],
+                                           typename F::Load (&pre1)[RowShape<F, K, MK_BATCH2>::B],
+                                           Out out) {
   using S = RowShape<F, K, MK_BATCH2>;
-  const typename F::Elem* __restrict__ W = M.rows;
   // Two rows already stream together; a second pair in flight would need 128 registers.
   constexpr bool PIPE = false;
   // Lane j: the scale of row j of this warp's rows 2p0, 2p0 + 1, 2(p0 + step), ...
@@ -222,16 +226,16 @@ __device__ __forceinline__ void gemv_pairs(Matrix<F> M, int pairs, int p0, int s
     if (lane < count && r < 2 * (size_t)pairs) sc = M.row_scale(r);
   }
   for (int p = p0, k = 0; p < pairs; p += step, ++k) {
-    uint4 n0[S::B], n1[S::B];
+    typename F::Load n0[S::B], n1[S::B];
     const int pn = p + step;
     const size_t q = (size_t)(pn < pairs ? pn : p);
     if (PIPE) {
-      issue_first<F, K, MK_BATCH2>(n0, W + (2 * q) * K, lane, pn < pairs);
-      issue_first<F, K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane, pn < pairs);
+      issue_first<F, K, MK_BATCH2>(n0, M.at((2 * q) * K), lane, pn < pairs);
+      issue_first<F, K, MK_BATCH2>(n1, M.at((2 * q + 1) * K), lane, pn < pairs);
     }
     // While row 2p is reduced, row 2p+1's first batch is already in flight.
-    const float a = row_partial<F, K, MK_BATCH2>(pre0, W + (size_t)(2 * p) * K, xs, lane);
-    const float b = row_partial<F, K, MK_BATCH2>(pre1, W + (size_t)(2 * p + 1) * K, xs, lane);
+    const float a = row_partial<F, K, MK_BATCH2>(pre0, M.at((size_t)(2 * p) * K), xs, lane);
+    const float b = row_partial<F, K, MK_BATCH2>(pre1, M.at((size_t)(2 * p + 1) * K), xs, lane);
     if constexpr (F::kScaled) {
       const bool held = 2 * k + 1 < 32;
       const float s0 = held ? __shfl_sync(0xffffffffu, sc, 2 * k) : M.row_scale(2 * (size_t)p);
@@ -241,8 +245,8 @@ __device__ __forceinline__ void gemv_pairs(Matrix<F> M, int pairs, int p0, int s
     } else
       out(p, warp_sum(a), warp_sum(b));
     if (!PIPE) {
-      issue_first<F, K, MK_BATCH2>(n0, W + (2 * q) * K, lane, pn < pairs);
-      issue_first<F, K, MK_BATCH2>(n1, W + (2 * q + 1) * K, lane, pn < pairs);
+      issue_first<F, K, MK_BATCH2>(n0, M.at((2 * q) * K), lane, pn < pairs);
+      issue_first<F, K, MK_BATCH2>(n1, M.at((2 * q + 1) * K), lane, pn < pairs);
     }
 #pragma unroll
     for (int i = 0; i < S::B; ++i) {

@@ -8,6 +8,44 @@ __device__ __forceinline__ void mlp_down_first(const Params&, Cta& c, const Laye
   issue_split_first<MK_I, MK_SPLIT_E>(c.preE, lw.wdown, MK_H, c.warp, c.lane);
 }
 
+// The hand-off to the next layer's stage A or, after the last layer, the LM head, issuing
+// that stage's first loads (a template so that only the branch of this build's formats is
+// compiled).
+template <class WF, class HF>
+__device__ __forceinline__ void mlp_down_hand_off(const Params& p, Cta& c, const Step& s,
+                                                  const Layer& l) {
+  const bool more = l.index + 1 < MK_L;
+  // Where the head's rows are as long as A's slices in the same format, one path issues both.
+  constexpr bool kOnePath = std::is_same_v<WF, HF> && SF::KP == SA::KP;
+  if constexpr (std::is_same_v<typename WF::Load, typename HF::Load>) {
+    using WE = const typename WF::Elem*;
+    using HE = const typename HF::Elem*;
+    const Matrix<WF> wa = p.layers[more ? l.index + 1 : l.index].wqkv;
+    const Matrix<HF> wf = p.lm_head;
+    const void* next = more ? (const void*)split_first<MK_H, kSplitA>(wa, kQkv, c.warp)
+                            : (const void*)split_first<MK_H, kSplitF>(wf, MK_V, c.warp);
+    hand_off(p, c, s, l, kMarkMlpDownWork, kMarkMlpDownWait, [&] {
+      stage_gain<MK_H>(c.gn, more ? p.layers[l.index + 1].attn_gain : p.norm_gain);
+      if (kOnePath || more)
+        issue_first<WF, SA::KP, kBatch>(c.preA(), static_cast<WE>(next), c.lane);
+      else
+        issue_first<HF, SF::KP, kBatch>(c.preF(), static_cast<HE>(next), c.lane);
+    });
+  } else {
+    // The formats' positions differ in type (int4.cuh): the next layer's rows, or the head's.
+    const auto next_a =
+        split_first<MK_H, kSplitA>(p.layers[more ? l.index + 1 : l.index].wqkv, kQkv, c.warp);
+    const auto next_f = split_first<MK_H, kSplitF>(p.lm_head, MK_V, c.warp);
+    hand_off(p, c, s, l, kMarkMlpDownWork, kMarkMlpDownWait, [&] {
+      stage_gain<MK_H>(c.gn, more ? p.layers[l.index + 1].attn_gain : p.norm_gain);
+      if (more)
+        issue_first<WF, SA::KP, kBatch>(c.preA(), next_a, c.lane);
+      else
+        issue_first<HF, SF::KP, kBatch>(c.preF(), next_f, c.lane);
+    });
+  }
+}
+
 __device__ __forceinline__ void mlp_down(const Params& p, Cta& c, const Step& s, const Layer& l) {
   load_vec<MK_I>(c.xs, flow_copy(p.act, MK_I), l.tag, false, p.eps, c.red);
   skew(p, s.index, l.index, kSkewMlpDownInput);
@@ -19,19 +57,5 @@ __device__ __forceinline__ void mlp_down(const Params& p, Cta& c, const Step& s,
   // The next stage's first loads: the next layer's stage A (attn_norm_qkv_first) or, after
   // the last layer, the LM head's, into A's buffer. The row's address is read before the
   // arrival, off the way from the hand-off's barrier to the loads.
-  const bool more = l.index + 1 < MK_L;
-  // Where the head's rows are as long as A's slices in the same format, one path issues both.
-  constexpr bool kOnePath = std::is_same_v<WeightFormat, HeadFormat> && SF::KP == SA::KP;
-  const void* next =
-      more ? (const void*)split_first<MK_H, kSplitA>(p.layers[l.index + 1].wqkv, kQkv, c.warp)
-           : (const void*)split_first<MK_H, kSplitF>(p.lm_head, MK_V, c.warp);
-  hand_off(p, c, s, l, kMarkMlpDownWork, kMarkMlpDownWait, [&] {
-    stage_gain<MK_H>(c.gn, more ? p.layers[l.index + 1].attn_gain : p.norm_gain);
-    if (kOnePath || more)
-      issue_first<WeightFormat, SA::KP, kBatch>(
-          c.preA(), static_cast<const WeightFormat::Elem*>(next), c.lane);
-    else
-      issue_first<HeadFormat, SF::KP, kBatch>(
-          c.preF(), static_cast<const HeadFormat::Elem*>(next), c.lane);
-  });
+  mlp_down_hand_off<WeightFormat, HeadFormat>(p, c, s, l);
 }

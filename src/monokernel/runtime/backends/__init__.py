@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import gc
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
 from monokernel.errors import BackendUnavailableError, MonokernelError
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.backends.base import Backend
+from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.names import Weights
 
 ENGINES: tuple[str, ...] = ("auto", "reference", "torch", "monokernel")
@@ -110,8 +111,9 @@ def construct_backend(
     device: torch.device,
     owned: bool = False,
     quantize: str | None = None,
+    groups: Mapping[str, GroupQuant] | None = None,
 ) -> Backend:
-    """Engine ``name``'s backend; ``owned``, ``quantize``: as in create_backend."""
+    """Engine ``name``'s backend; ``owned``, ``quantize``, ``groups``: as in create_backend."""
     module, cls = BACKEND_CLASSES[name]
     backend_cls = getattr(importlib.import_module(module), cls)
     extra: dict[str, object] = {}
@@ -119,7 +121,9 @@ def construct_backend(
         extra = {"consume_weights": True} if owned else {}
         if quantize is not None:
             extra["quantize"] = quantize
-    elif quantize is not None:
+        if groups is not None:
+            extra["groups"] = groups
+    elif quantize is not None and groups is None:
         # The other engines compute with the dequantised values the kernel multiplies by.
         from monokernel.weights.quantize import fake_quantize
 
@@ -138,13 +142,17 @@ def create_backend(
     on_fallback: OnFallback | None = None,
     owned: bool = False,
     quantize: str | None = None,
+    groups: Mapping[str, GroupQuant] | None = None,
 ) -> Backend:
     """Build the backend for engine ``name``. For ``auto`` a monokernel that cannot serve
     this model (see FALLBACK_ERRORS) gives way to ``fallback_engine()``; ``on_fallback``
     hears why and picks that engine's context. A named engine fails with its own error.
     ``owned``: the caller holds no other reference to ``weights``, so the monokernel repacks
     them in place (a model the GPU holds once but not twice). ``quantize``: the layers'
-    matrices quantised at load (weights/quantize.py), on every engine."""
+    matrices quantised at load (weights/quantize.py), on every engine. ``groups``: a 4-bit
+    checkpoint's own groups (Checkpoint.groups, with ``quantize`` "int4"): the monokernel
+    streams them as they are; the other engines compute with ``weights``, already their
+    dequantised values."""
     resolved = resolve_engine(name, device)
     if tp > 1:
         # Only the monokernel splits a request over GPUs (docs/tensor-parallel.md).
@@ -156,10 +164,14 @@ def create_backend(
 
         return MonokernelTPBackend(cfg, weights, max_seq_len, device, tp, quantize)
     if name != "auto" or resolved != "monokernel":
-        return construct_backend(resolved, cfg, weights, max_seq_len, device, owned, quantize)
+        return construct_backend(
+            resolved, cfg, weights, max_seq_len, device, owned, quantize, groups
+        )
     names = set(weights)
     try:
-        return construct_backend(resolved, cfg, weights, max_seq_len, device, owned, quantize)
+        return construct_backend(
+            resolved, cfg, weights, max_seq_len, device, owned, quantize, groups
+        )
     except FALLBACK_ERRORS as e:
         if set(weights) != names:
             raise  # it took the weights apart (repack's `consume`): nothing left to fall back on
@@ -170,4 +182,6 @@ def create_backend(
     other = fallback_engine()
     if on_fallback is not None:
         max_seq_len = on_fallback(other, reason)
-    return construct_backend(other, cfg, weights, max_seq_len, device, quantize=quantize)
+    return construct_backend(
+        other, cfg, weights, max_seq_len, device, quantize=quantize, groups=groups
+    )

@@ -4,9 +4,11 @@ were built with, so the choice logic runs on the CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 from collections.abc import Iterator
+from typing import ClassVar
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from monokernel.errors import BackendUnavailableError, UnsupportedModelError
 from monokernel.models.shapes import DENSE_SHAPES
 from monokernel.runtime import backends
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
+from monokernel.weights.random_weights import random_weights
 
 CFG = DENSE_SHAPES["odd"]
 GPU = torch.device("cuda")  # only named: nothing is allocated on it
@@ -143,3 +146,41 @@ def test_no_fallback_once_the_monokernel_took_the_weights_apart(
     weights = {"consume": torch.zeros(1), "embed": torch.zeros(1)}
     with pytest.raises(BackendUnavailableError, match="nvcc failed"):
         backends.create_backend("auto", CFG, weights, 4096, GPU)  # type: ignore[arg-type]
+
+
+class Recording(_Built):
+    """Records its weights and keyword arguments (quantize, groups)."""
+
+    got: ClassVar[dict[str, object]] = {}
+
+    def __init__(
+        self, cfg: object, weights: object, max_seq_len: int, device: object, **kw: object
+    ) -> None:
+        super().__init__(cfg, weights, max_seq_len, device)
+        Recording.got = {"weights": weights, **kw}
+
+
+SMALL = dataclasses.replace(
+    CFG, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16
+)
+
+
+@pytest.mark.parametrize("engine", ["monokernel", "torch"])
+def test_a_checkpoints_4bit_groups_reach_only_the_monokernel(
+    monkeypatch: pytest.MonkeyPatch, engine: str
+) -> None:
+    """A 4-bit checkpoint's groups (Checkpoint.groups) are the monokernel's to stream; the
+    other engines compute with the weights as loaded, already the groups' values, which
+    --quantize int4 would otherwise round again."""
+    monkeypatch.setitem(backends.BACKEND_CLASSES, engine, (__name__, "Recording"))
+    weights = random_weights(SMALL, seed=1)
+    groups = {"layers.0.wq": object()}
+    backends.create_backend(engine, SMALL, weights, 64, GPU, quantize="int4", groups=groups)
+    if engine == "monokernel":
+        assert Recording.got["groups"] is groups and Recording.got["quantize"] == "int4"
+    else:
+        assert Recording.got["weights"] is weights and "groups" not in Recording.got
+    backends.create_backend(engine, SMALL, weights, 64, GPU, quantize="int4")
+    if engine == "torch":  # --quantize int4 on a bf16 checkpoint: the dequantised values
+        got = Recording.got["weights"]
+        assert isinstance(got, dict) and not torch.equal(got["layers.0.wq"], weights["layers.0.wq"])

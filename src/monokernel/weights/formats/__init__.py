@@ -8,6 +8,7 @@ from monokernel.errors import MonokernelError
 from monokernel.weights.formats.base import PackedMatrix, WeightFormat
 from monokernel.weights.formats.bf16 import Bf16
 from monokernel.weights.formats.fp8 import Fp8Rows
+from monokernel.weights.formats.int4 import Int4Groups
 from monokernel.weights.formats.int8 import Int8Rows
 
 __all__ = [
@@ -21,7 +22,7 @@ __all__ = [
 
 DEFAULT_FORMAT = "bf16"
 
-_FORMATS: tuple[type[WeightFormat], ...] = (Bf16, Fp8Rows, Int8Rows)
+_FORMATS: tuple[type[WeightFormat], ...] = (Bf16, Fp8Rows, Int8Rows, Int4Groups)
 FORMATS: dict[str, WeightFormat] = {cls.name: cls() for cls in _FORMATS}
 
 

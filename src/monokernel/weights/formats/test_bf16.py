@@ -120,4 +120,6 @@ def test_an_unknown_format_names_the_accepted_ones(name: str) -> None:
     with pytest.raises(UnknownWeightFormatError) as e:
         get_format(name)
     assert isinstance(e.value, ValueError)
-    assert str(e.value) == f"unknown weight format {name!r}; accepted formats: bf16, fp8, int8"
+    assert (
+        str(e.value) == f"unknown weight format {name!r}; accepted formats: bf16, fp8, int8, int4"
+    )

@@ -191,7 +191,7 @@ def test_packing_is_deterministic_and_per_row(name: str) -> None:
 def test_the_registry(name: str) -> None:
     assert isinstance(get_format(name), CLASS[name]) and FORMATS[name] is get_format(name)
     assert get_format(name).kernel_type == KERNEL_TYPE[name]
-    assert list(FORMATS) == ["bf16", "fp8", "int8"]
+    assert list(FORMATS) == ["bf16", "fp8", "int8", "int4"]
 
 
 @pytest.mark.parametrize(

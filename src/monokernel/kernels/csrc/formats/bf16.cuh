@@ -1,10 +1,9 @@
 // bf16 weights, row-major: a 16-byte load holds 8 consecutive weights of one row, which
 // widen to fp32 exactly, so a load's dot product is 8 fused multiply-adds.
 #pragma once
-#include "../common.cuh"
+#include "plain_rows.cuh"
 
-struct Bf16Rows {
-  using Elem = bf16;                  // storage element: a row of K weights is K of them
+struct Bf16Rows : PlainRows<bf16> {
   static constexpr int kPerLoad = 8;  // weights in one 16-byte load
   static constexpr bool kScaled = false;
   static constexpr float kUnit = 1.f;

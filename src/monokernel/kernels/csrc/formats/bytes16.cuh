@@ -2,7 +2,7 @@
 // 32-bit word, each widened to fp32 by the format's W::widen<k> (byte k of a word) and dotted
 // with the matching 4 of the load's 16 inputs, in order, fp32 accumulation.
 #pragma once
-#include "../common.cuh"
+#include "plain_rows.cuh"
 
 template <class W>
 __device__ __forceinline__ float dot_bytes4(uint32_t w, const float4 a, float acc) {

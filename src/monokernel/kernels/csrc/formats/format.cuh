@@ -1,6 +1,8 @@
 // The weight format seam. A format is a type with
 //   Elem        the storage element (a row of K weights is K of them: one element a weight),
-//   kPerLoad    the weights one 16-byte load holds (8 or 16),
+//   kPerLoad    the weights one 16-byte load holds (8, 16 or 32),
+//   Ptr, Load   a position in a matrix and what one lane's load brings, with at() and
+//               load() (plain_rows.cuh for the formats that are only their weights),
 //   kScaled     whether each row's dot product is multiplied by its fp32 scale,
 //   kUnit       a constant that scale is multiplied by (a dequantisation's fixed factor),
 //   dot(u, x)   one load's weights dotted with kPerLoad fp32 inputs x, fp32 accumulation,
@@ -13,6 +15,7 @@
 
 #include "bf16.cuh"
 #include "fp8.cuh"
+#include "int4.cuh"
 #include "int8.cuh"
 
 // A row-major weight matrix [rows, K] in format F, as the kernel's LayerWeights hold it.
@@ -21,7 +24,10 @@ template <class F>
 struct Matrix {
   using Format = F;
   const typename F::Elem* rows;
-  const float* scales;
+  const float* scales;  // int4: the groups' (a, b) pairs
+
+  // Element e (= row * K + column) of the matrix.
+  __device__ __forceinline__ typename F::Ptr at(size_t e) const { return F::at(rows, scales, e); }
 
   // Row r's scale (1 for an unscaled format).
   __device__ __forceinline__ float row_scale(size_t r) const {

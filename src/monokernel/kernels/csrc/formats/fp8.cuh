@@ -17,8 +17,7 @@ __device__ __forceinline__ float e4m3_scaled(uint32_t w) {
   return __uint_as_float((t << 4) & 0x87f00000u);
 }
 
-struct Fp8Rows {
-  using Elem = uint8_t;
+struct Fp8Rows : PlainRows<uint8_t> {
   static constexpr int kPerLoad = 16;
   static constexpr bool kScaled = true;
   static constexpr float kUnit = 0x1p120f;

@@ -5,8 +5,7 @@
 #pragma once
 #include "bytes16.cuh"
 
-struct Int8Rows {
-  using Elem = int8_t;
+struct Int8Rows : PlainRows<int8_t> {
   static constexpr int kPerLoad = 16;
   static constexpr bool kScaled = true;
   static constexpr float kUnit = 1.f;

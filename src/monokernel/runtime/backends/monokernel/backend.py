@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -37,8 +37,9 @@ from monokernel.runtime.backends.monokernel.request import FIRST_TOKEN_SOURCES, 
 from monokernel.runtime.prefill_graphs import graphs_enabled
 from monokernel.runtime.prefix_cache import PrefixCache
 from monokernel.weights.formats import DEFAULT_FORMAT
+from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.names import Weights
-from monokernel.weights.quantize import check_method
+from monokernel.weights.quantize import check_method, groups_size, int4_group_of
 from monokernel.weights.repack import repack
 
 
@@ -60,6 +61,7 @@ class MonokernelBackend:
         handoff_search: int | None = None,
         consume_weights: bool = False,
         quantize: str | None = None,
+        groups: Mapping[str, GroupQuant] | None = None,
     ) -> None:
         """Knobs (docs/long-context.md; each ``None`` takes its setting in monokernel/envs.py):
 
@@ -74,9 +76,11 @@ class MonokernelBackend:
         MONOKERNEL_HANDOFF_SEARCH; 0: off). ``consume_weights``: each layer's tensors are
         popped from ``weights`` as they are repacked (weights.repack), for callers that hold
         no other reference and a model the GPU holds once but not twice. ``quantize``: the
-        weight format the layers' matrices are packed in (weights/quantize.py: fp8, int8),
-        quantised from the checkpoint at load; the LM head and the embedding stay as they
-        are (None: bf16 throughout).
+        weight format the layers' matrices are packed in (weights/quantize.py: fp8, int8,
+        int4), quantised from the checkpoint at load; the LM head and the embedding stay as
+        they are (None: bf16 throughout). ``groups``: a 4-bit checkpoint's own groups
+        (Checkpoint.groups), packed in int4 with their bits unchanged; needs ``quantize``
+        "int4", and ``weights`` are then only read for what is not a layer's matrix.
         """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -98,7 +102,12 @@ class MonokernelBackend:
         if fold_norms and fmt != DEFAULT_FORMAT:
             # Folding would quantise W * g, not the checkpoint's W that the other engines use.
             raise InvalidRequestError("fold_norms: not with a quantised weight format")
-        dims = kernel_dims(cfg, weight_format=fmt)  # refuses unsupported shapes first
+        if groups is not None and fmt != "int4":
+            raise InvalidRequestError(f"a checkpoint's 4-bit groups stream as int4, not {fmt}")
+        group = 0
+        if fmt == "int4":
+            group = groups_size(groups) if groups is not None else int4_group_of(cfg)
+        dims = kernel_dims(cfg, weight_format=fmt, weight_group=group)  # refuses bad shapes first
         # Compiled (or found cached) before the weights are touched: a failed build leaves
         # them whole, for the engine `auto` falls back to, even when repacking consumes them.
         for d in (dims, dataclasses.replace(dims, group_units=False)):
@@ -124,8 +133,16 @@ class MonokernelBackend:
             weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
         # Prefill and decode both run on the repacked tensors, so nothing here keeps the
         # checkpoint's own (fused-away) matrices alive.
+        if groups is not None:
+            groups = {k: v.to(device) for k, v in groups.items()}
         packed = repack(
-            cfg, weights, max_seq_len, fold=fold_norms, fmt=fmt, consume=consume_weights
+            cfg,
+            weights,
+            max_seq_len,
+            fold=fold_norms,
+            fmt=fmt,
+            consume=consume_weights,
+            groups=groups,
         )
         del weights
         if snapshot_bytes is None:

@@ -1,6 +1,7 @@
-"""The monokernel streaming quantised weights (--quantize fp8 / int8) against the float32
-reference on the dequantised weights: the same values the kernel multiplies by, so what is
-left is the kernel's arithmetic (teacher-forced logits), and free-running greedy.
+"""The monokernel streaming quantised weights (--quantize fp8 / int8 / int4) against the
+float32 reference on the dequantised weights: the same values the kernel multiplies by, so
+what is left is the kernel's arithmetic (teacher-forced logits), and free-running greedy;
+and the real default model decoding from its own Q4_1 blocks against HF transformers.
 
 The quantised matrices come from the code that quantises at load (weights/formats): the
 kernel's from its repacking, the reference's from ``fake_quantize`` on the checkpoint's.
@@ -37,10 +38,28 @@ ODD16: ModelConfig = dataclasses.replace(
     num_kv_heads=1,
     head_dim=112,
 )
+# An odd shape for int4, whose rows are whole 32-column groups: int4_group picks groups of
+# 32 for it (q heads x head_dim 672), the real shapes get 128.
+ODD32: ModelConfig = dataclasses.replace(
+    SHAPES["odd"],
+    hidden_size=640,
+    intermediate_size=1408,
+    num_heads=7,
+    num_kv_heads=1,
+    head_dim=96,
+)
 CONFIGS: dict[str, ModelConfig] = {
     "llama-3.1-8b": SHAPES["llama-3.1-8b"],
     "qwen2.5-coder-1.5b": SHAPES["qwen2.5-coder-1.5b"],
     "odd16": ODD16,
+    "odd32": ODD32,
+}
+# The formats each shape runs in (odd16's rows are not whole int4 groups, odd32's are).
+FORMATS: dict[str, tuple[str, ...]] = {
+    "llama-3.1-8b": ("fp8", "int8", "int4"),
+    "qwen2.5-coder-1.5b": ("fp8", "int8", "int4"),
+    "odd16": ("fp8", "int8"),
+    "odd32": ("int4",),
 }
 
 
@@ -50,7 +69,7 @@ def _needs(shape: str) -> pytest.MarkDecorator:
 
 
 CASES = [
-    pytest.param(shape, fmt, marks=_needs(shape)) for shape in CONFIGS for fmt in ("fp8", "int8")
+    pytest.param(shape, fmt, marks=_needs(shape)) for shape in CONFIGS for fmt in FORMATS[shape]
 ]
 
 
@@ -63,7 +82,13 @@ def test_teacher_forced_logits(shape: str, fmt: str) -> None:
     cfg, dev = CONFIGS[shape], torch.device("cuda")
     weights = random_weights(cfg, device=dev, seed=31)
     seq = random_ids(PROMPT + STEPS, cfg.vocab_size, seed=32)
-    mk = MonokernelBackend(cfg, weights, PROMPT + STEPS, dev, quantize=fmt)
+    # int4's values (a * q + b) are not bf16 numbers, as fp8's and int8's stored values are:
+    # the bf16 prefill would multiply the prompt by them rounded, so it runs in fp32 here and
+    # what is compared is the kernel's arithmetic (weights/formats/int4.py says so).
+    precision = "fp32" if fmt == "int4" else None
+    mk = MonokernelBackend(
+        cfg, weights, PROMPT + STEPS, dev, quantize=fmt, prefill_precision=precision
+    )
     assert mk.kernel.packed.format == fmt and mk.kernel.packed.head_format == "bf16"
     got = mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])  # [STEPS, V]
     mk.close()
@@ -73,7 +98,7 @@ def test_teacher_forced_logits(shape: str, fmt: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("shape", "fmt"), [c for c in CASES if c.values[0] in ("qwen2.5-coder-1.5b", "odd16")]
+    ("shape", "fmt"), [c for c in CASES if c.values[0] in ("qwen2.5-coder-1.5b", "odd16", "odd32")]
 )
 def test_greedy_matches_reference(shape: str, fmt: str) -> None:
     """Free-running greedy on peaked random weights: the reference's argmax on the
@@ -93,7 +118,7 @@ def test_greedy_matches_reference(shape: str, fmt: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
 def test_default_model_greedy(fmt: str) -> None:
     """The real default model (SmolLM2-135M-Instruct, its Q4_1 GGUF dequantised) quantised
     at load: the kernel's greedy tokens are the reference's on the same dequantised values,
@@ -111,3 +136,78 @@ def test_default_model_greedy(fmt: str) -> None:
     del mk
     assert len(got) == STEPS
     assert_greedy_matches(cfg, DequantizedView(weights, fmt), prompt, got, f"default model {fmt}")
+
+
+CHAT_PROMPTS = (
+    "Write a Python function that adds.",
+    "What is the capital of France?",
+    "Explain recursion in one sentence.",
+)
+
+
+@pytest.mark.gpu
+def test_default_model_from_its_q4_1_blocks_is_hf_transformers() -> None:
+    """The real default model decoding from its own Q4_1 blocks (Checkpoint.groups, int4 in
+    groups of 32, no bf16 detour): greedy tokens equal to HF transformers' on the same GGUF
+    dequantised (float32), for 64 tokens on three chat prompts."""
+    if not hopper_with(8):
+        pytest.skip("needs a Hopper GPU")
+    pytest.importorskip("gguf")
+    transformers = pytest.importorskip("transformers")
+    from monokernel.errors import ModelNotFoundError
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+    from monokernel.tokenizer.tokenizer import Tokenizer
+    from monokernel.weights.default_model import default_model_path
+    from monokernel.weights.loader import load_checkpoint
+
+    try:
+        path = default_model_path(progress=False)
+    except ModelNotFoundError as e:
+        pytest.skip(f"the default model is not cached and cannot be fetched here: {e}")
+    ckpt = load_checkpoint(str(path))
+    assert ckpt.quantization == "int4" and ckpt.groups is not None
+    tok = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file)
+    dev = torch.device("cuda")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
+    ).to(dev)
+    weights = {k: v.to(device=dev, dtype=torch.bfloat16) for k, v in ckpt.weights.items()}
+    mk = MonokernelBackend(
+        ckpt.config,
+        weights,
+        512,
+        dev,
+        quantize="int4",
+        groups=ckpt.groups,
+        prefill_precision="fp32",
+    )
+    assert mk.kernel.packed.format == "int4"
+    n = 64
+    try:
+        for message in CHAT_PROMPTS:
+            prompt = tok.encode_chat([{"role": "user", "content": message}])
+            ids = torch.tensor([prompt], device=dev)
+            with torch.no_grad():
+                out = hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    do_sample=False,
+                    eos_token_id=sorted(ckpt.eos_token_ids),
+                    pad_token_id=ckpt.eos_token_ids[0],
+                )
+            want = out[0, len(prompt) :].tolist()
+            request = DecodeRequest(
+                tuple(prompt), SamplingParams(temperature=0.0), n, frozenset(ckpt.eos_token_ids)
+            )
+            got = list(mk.stream(request, CancelToken()))
+            print(f"default model int4 from Q4_1: {message!r}: {len(got)} tokens, hf {len(want)}")
+            # Compared up to the EOS, which one side may hand back and the other not.
+            eos = ckpt.eos_token_ids
+            assert [t for t in got if t not in eos] == [t for t in want if t not in eos], (
+                message,
+                got,
+                want,
+            )
+    finally:
+        mk.close()

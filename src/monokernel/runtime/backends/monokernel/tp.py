@@ -138,6 +138,11 @@ class MonokernelTPBackend:
             weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
         weights = {k: v.to(self.device) for k, v in weights.items()}
         fmt = DEFAULT_FORMAT if quantize is None else check_method(quantize)
+        if fmt == "int4":
+            raise InvalidRequestError(
+                "int4 weights at --tp > 1: the tensor-parallel build streams bf16, fp8 or int8 "
+                "(--quantize fp8 or int8; a 4-bit checkpoint runs at --tp 1)"
+            )
         # Unsharded fp32 prefill on rank 0 (as the single-GPU backend does), on the values
         # the kernels multiply by.
         view = Float32View(weights) if quantize is None else DequantizedView(weights, fmt)

@@ -1,0 +1,129 @@
+"""int4 groups: each weight 4 bits, each group of ``group`` input columns of a row one
+float32 scale a and one float32 offset b; the weight is ``a * q + b`` with q in 0..15.
+
+That one form holds every 4-bit format we read with its bits unchanged: GGUF Q4_0 (a = d,
+b = -8d) and Q4_1 (a = d, b = m) in groups of 32, AWQ and GPTQ (a = s, b = -z * s) in groups
+of 128 (weights/group_quant.py decodes them), and ``--quantize int4`` (asymmetric
+round-to-nearest in groups of 128).
+
+Layout (csrc/formats/int4.cuh reads it): ``data`` is uint8 [rows, cols / 2], row-major; the
+16 bytes of chunk c of a row hold its columns 32c .. 32c + 31. Word u (4 bytes) of a chunk
+holds columns 8u .. 8u + 7: byte k column 8u + k in its low nibble and 8u + 4 + k in its high
+one. The words are stored rotated by rho = (c >> 1) & 3: stored word t is word (t + rho) & 3,
+which spreads the lanes' reads of the input over the shared-memory banks. ``scales[0]`` is
+float32 [rows, cols / group, 2]: each group's (a, b).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from monokernel.weights.formats.base import PackedMatrix, WeightFormat, check_block
+
+CHUNK = 32  # columns in one 16-byte load
+DEFAULT_GROUP = 128  # --quantize int4's, AWQ's and GPTQ's usual group
+GROUPS = (32, 64, 128, 256)  # group sizes the kernel reads: whole chunks dividing 8 chunks
+_PAIR_BYTES = 8  # float32 a and b
+
+
+def _rotation(chunks: int, device: torch.device) -> torch.Tensor:
+    """[chunks, 4] int64: for chunk c, the natural word stored at each word position."""
+    c = torch.arange(chunks, device=device)[:, None]
+    t = torch.arange(4, device=device)[None, :]
+    return (t + ((c >> 1) & 3)) & 3
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [rows, cols] (0..15; cols a multiple of 32) -> the streamed bytes [rows, cols/2]."""
+    rows, cols = q.shape
+    chunks = cols // CHUNK
+    v = q.reshape(rows, chunks, 4, 2, 4)  # [row, chunk, word u, low/high nibble, byte k]
+    words = v[:, :, :, 0, :] | (v[:, :, :, 1, :] << 4)  # [row, chunk, u, k]
+    idx = _rotation(chunks, q.device)[None, :, :, None].expand(rows, chunks, 4, 4)
+    return torch.gather(words, 2, idx).reshape(rows, cols // 2).contiguous()
+
+
+def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
+    """pack_nibbles' inverse: uint8 [rows, cols]."""
+    rows, half = data.shape
+    chunks = 2 * half // CHUNK
+    stored = data.reshape(rows, chunks, 4, 4)  # [row, chunk, stored word t, byte k]
+    words = torch.empty_like(stored)
+    idx = _rotation(chunks, data.device)[None, :, :, None].expand(rows, chunks, 4, 4)
+    words.scatter_(2, idx, stored)
+    out = torch.stack((words & 0x0F, words >> 4), dim=3)  # [row, chunk, u, nibble, k]
+    return out.reshape(rows, 2 * half)
+
+
+class Int4Groups(WeightFormat):
+    name = "int4"
+    kernel_type = "Int4Groups"  # a template over the group: build.py adds <group>
+    weights_per_load = CHUNK
+    packs_in_place = False
+
+    def __init__(self, group: int = DEFAULT_GROUP) -> None:
+        if group not in GROUPS:
+            raise ValueError(f"int4 group {group}: the kernel reads groups of {GROUPS}")
+        self.group = group
+
+    def pack(self, w: torch.Tensor, scales: torch.Tensor | None = None) -> PackedMatrix:
+        """Round-to-nearest in groups of ``self.group`` (weights/group_quant.py)."""
+        from monokernel.weights.group_quant import quantize_rtn
+
+        if scales is not None:
+            raise ValueError("int4 packs with its groups' own scales (pack_groups)")
+        if w.dim() != 2 or not w.is_floating_point():
+            raise ValueError(f"int4 packs a floating-point matrix; got {w.dtype} {tuple(w.shape)}")
+        if w.shape[1] % self.group:
+            raise ValueError(f"int4: {w.shape[1]} columns are not whole groups of {self.group}")
+        gq = quantize_rtn(w, self.group)
+        return self.pack_groups(gq.q, gq.scale, gq.offset)
+
+    def pack_groups(self, q: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> PackedMatrix:
+        """q uint8 [rows, cols] (0..15), a and b [rows, cols / group] -> the packed matrix,
+        its bits unchanged (a checkpoint's own 4-bit groups)."""
+        rows, cols = q.shape
+        group = cols // a.shape[1] if a.dim() == 2 and a.shape[1] else 0
+        if group not in GROUPS or a.shape != (rows, cols // group) or b.shape != a.shape:
+            raise ValueError(
+                f"int4: groups {tuple(a.shape)} and {tuple(b.shape)} for a [{rows}, {cols}] "
+                f"matrix; accepted groups of {GROUPS} columns"
+            )
+        if q.dtype != torch.uint8:
+            raise ValueError(f"int4: quants are uint8 0..15; got {q.dtype}")
+        pairs = torch.stack((a.float(), b.float()), dim=2).contiguous()  # [rows, groups, 2]
+        return PackedMatrix(self.name, rows, cols, pack_nibbles(q), (pairs,))
+
+    @staticmethod
+    def group_of(m: PackedMatrix) -> int:
+        return m.cols // m.scales[0].shape[1]
+
+    def dense(self, m: PackedMatrix, dtype: torch.dtype | None = None) -> torch.Tensor:
+        # float32 a * q + b per group: exactly the value group_quant's dense computes.
+        (pairs,) = m.scales
+        g = self.group_of(m)
+        q = unpack_nibbles(m.data).float().reshape(m.rows, -1, g)
+        w = q * pairs[:, :, 0:1] + pairs[:, :, 1:2]
+        return w.reshape(m.rows, m.cols).to(dtype or torch.bfloat16)
+
+    def matrix_bytes(self, rows: int, cols: int) -> int:
+        return rows * cols // 2 + _PAIR_BYTES * rows * (cols // self.group)
+
+    def slice_rows(self, m: PackedMatrix, start: int, size: int) -> PackedMatrix:
+        check_block(m, start, size, "rows")
+        (pairs,) = m.scales
+        end = start + size
+        return dataclasses.replace(m, rows=size, data=m.data[start:end], scales=(pairs[start:end],))
+
+    def slice_cols(self, m: PackedMatrix, start: int, size: int) -> PackedMatrix:
+        # Repacked: a block's chunks are numbered from its own first column (the rotation).
+        check_block(m, start, size, "cols")
+        g = self.group_of(m)
+        if start % g or size % g:
+            raise ValueError(f"int4: columns [{start}, {start + size}) cut groups of {g}")
+        (pairs,) = m.scales
+        q = unpack_nibbles(m.data)[:, start : start + size]
+        ab = pairs[:, start // g : (start + size) // g]
+        return self.pack_groups(q.contiguous(), ab[:, :, 0], ab[:, :, 1])

@@ -1,0 +1,152 @@
+"""The int4 weight format (4-bit quants, a float32 scale and offset a group of a row's
+columns): its bytes against the layout csrc/formats/int4.cuh reads, emulated here bit for
+bit (the rotated words, the 1 + q/128 floats, the two sums), its bits kept from a
+checkpoint's groups, and its row and column blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from monokernel.weights.formats import FORMATS, get_format
+from monokernel.weights.formats.int4 import GROUPS, Int4Groups, pack_nibbles, unpack_nibbles
+from monokernel.weights.group_quant import quantize_rtn
+
+SIZES = [(1, 32), (3, 64), (7, 96), (5, 256), (9, 576), (2, 1408)]
+
+
+def groups_of(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gq = quantize_rtn(w, group)
+    return gq.q, gq.scale, gq.offset
+
+
+def random_matrix(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+
+
+def kernel_dot(data: torch.Tensor, pairs: torch.Tensor, x: torch.Tensor) -> np.ndarray:
+    """What Int4Groups::dot_chunk computes for every row, summed over its chunks in order,
+    in float32: each byte 0x80 | q under 0x3f is the float 1 + q/128; the words of chunk c
+    are read with the inputs of word (t + rho) & 3, rho = (c >> 1) & 3."""
+    rows, half = data.shape
+    cols, group = 2 * half, 2 * half // pairs.shape[1]
+    b = data.numpy().reshape(rows, cols // 32, 4, 4).astype(np.uint32)  # [row, chunk, t, k]
+    xs = x.numpy().astype(np.float32)
+    out = np.zeros(rows, dtype=np.float32)
+    for c in range(cols // 32):
+        rho = (c >> 1) & 3
+        f = np.zeros(rows, dtype=np.float32)
+        s = np.float32(0)
+        for t in range(4):
+            unit = 32 * c + 8 * ((t + rho) & 3)
+            for k in range(4):
+                for nib, col in (
+                    (b[:, c, t, k] & 15, unit + k),
+                    (b[:, c, t, k] >> 4, unit + 4 + k),
+                ):
+                    word = (0x3F << 24) | ((0x80 | nib) << 16)
+                    f = f + word.astype(np.uint32).view(np.float32) * xs[col]
+        for col in range(32 * c, 32 * c + 32):
+            s = s + xs[col]
+        a, off = pairs[:, 32 * c // group, 0].numpy(), pairs[:, 32 * c // group, 1].numpy()
+        out = out + (a * np.float32(128) * (f - s) + off * s).astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize(("rows", "cols"), SIZES)
+def test_nibbles_unpack_to_what_was_packed(rows: int, cols: int) -> None:
+    q = torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=torch.Generator())
+    data = pack_nibbles(q)
+    assert data.shape == (rows, cols // 2) and data.dtype == torch.uint8
+    assert torch.equal(unpack_nibbles(data), q)
+
+
+def test_the_byte_layout() -> None:
+    """Chunk 2 (rho 1): its first stored word is natural word 1, columns 72..79; byte k
+    holds column 72 + k low and 76 + k high."""
+    q = torch.randint(
+        0, 16, (1, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)
+    )
+    data = pack_nibbles(q)
+    for k in range(4):
+        byte = int(data[0, 32 + k])  # chunk 2's first word
+        assert byte & 15 == int(q[0, 72 + k]) and byte >> 4 == int(q[0, 76 + k])
+        byte = int(data[0, k])  # chunk 0 is not rotated
+        assert byte & 15 == int(q[0, k]) and byte >> 4 == int(q[0, 4 + k])
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "group"), [(r, c, g) for r, c in SIZES for g in GROUPS if c % g == 0]
+)
+def test_the_kernels_arithmetic_is_the_dense_matrix_times_x(
+    rows: int, cols: int, group: int
+) -> None:
+    fmt = Int4Groups(group)
+    m = fmt.pack(random_matrix(rows, cols, seed=rows))
+    x = torch.randn(cols, generator=torch.Generator().manual_seed(cols))
+    want = (fmt.dense(m, torch.float64) @ x.double()).numpy()
+    got = kernel_dot(m.data, m.scales[0], x)
+    bound = np.abs(fmt.dense(m, torch.float64).numpy()) @ np.abs(x.double().numpy())
+    scale = float(bound.max())
+    assert np.abs(got - want).max() <= 1e-5 * max(scale, 1.0)
+
+
+def test_a_checkpoints_groups_keep_their_bits() -> None:
+    q, a, b = groups_of(random_matrix(6, 256, seed=1), 32)
+    a, b = a.half().float(), b.half().float()  # fp16 d and m, as a Q4_1 block has them
+    fmt = Int4Groups(32)
+    m = fmt.pack_groups(q, a, b)
+    assert torch.equal(unpack_nibbles(m.data), q)
+    assert torch.equal(m.scales[0][:, :, 0], a) and torch.equal(m.scales[0][:, :, 1], b)
+    want = q.float().reshape(6, 8, 32) * a[:, :, None] + b[:, :, None]
+    assert torch.equal(fmt.dense(m, torch.float32), want.reshape(6, 256))
+
+
+def test_pack_is_round_to_nearest_in_groups() -> None:
+    w = random_matrix(4, 256, seed=2)
+    fmt = Int4Groups(128)
+    m = fmt.pack(w)
+    assert m.scales[0].shape == (4, 2, 2)
+    step = m.scales[0][:, :, 0].repeat_interleave(128, dim=1)
+    err = (fmt.dense(m, torch.float32) - w).abs()
+    assert bool((err <= step / 2 + 1e-6).all())
+
+
+@pytest.mark.parametrize(("start", "size"), [(0, 256), (256, 128), (128, 384)])
+def test_column_and_row_blocks_are_the_dense_blocks(start: int, size: int) -> None:
+    fmt = Int4Groups(128)
+    m = fmt.pack(random_matrix(10, 512, seed=4))
+    dense = fmt.dense(m, torch.float32)
+    cols = fmt.slice_cols(m, start, size)
+    assert cols.cols == size and torch.equal(
+        fmt.dense(cols, torch.float32), dense[:, start : start + size]
+    )
+    rows = fmt.slice_rows(m, 3, 5)
+    assert torch.equal(fmt.dense(rows, torch.float32), dense[3:8])
+
+
+def test_a_block_cutting_a_group_is_refused() -> None:
+    fmt = Int4Groups(128)
+    m = fmt.pack(random_matrix(2, 256))
+    with pytest.raises(ValueError, match="cut groups of 128"):
+        fmt.slice_cols(m, 64, 128)
+
+
+def test_bytes_are_what_packing_allocates() -> None:
+    for group in GROUPS:
+        fmt = Int4Groups(group)
+        m = fmt.pack(random_matrix(3, 512))
+        held = m.data.numel() * m.data.element_size() + m.scales[0].numel() * 4
+        assert fmt.matrix_bytes(3, 512) == held
+
+
+def test_the_registry_and_refusals() -> None:
+    assert get_format("int4") is FORMATS["int4"] and get_format("int4").group == 128
+    with pytest.raises(ValueError, match="the kernel reads groups of"):
+        Int4Groups(96)
+    with pytest.raises(ValueError, match="not whole groups of 128"):
+        Int4Groups(128).pack(random_matrix(2, 96))
+    q, a, b = groups_of(random_matrix(2, 96), 32)
+    with pytest.raises(ValueError, match="quants are uint8"):
+        Int4Groups(32).pack_groups(q.to(torch.int32), a, b)

@@ -1,0 +1,376 @@
+"""4-bit weights with a scale and an offset per group of input columns: ``GroupQuant``.
+
+One representation for every 4-bit source the engine reads or makes, so the kernel's int4
+packer has one input: w[r, c] = scale[r, c // group] * q[r, c] + offset[r, c // group],
+q in 0..15. Each source maps onto it without changing a bit:
+
+- GGUF Q4_0 (w = d * (q - 8)): scale d, offset -8d; Q4_1 (w = d * q + m): scale d,
+  offset m; group 32 (a block);
+- AutoAWQ GEMM and AutoGPTQ / GPTQModel (w = s * (q - z)): scale s, offset -z * s, exact
+  in float32 (s is fp16, z at most 16: the product needs 16 bits of mantissa);
+- ``quantize_rtn``: ``--quantize int4``'s asymmetric round-to-nearest.
+
+``q`` is one weight a byte, unpacked: the kernel's packer lays the nibbles out as the kernel
+streams them. Rows are output features and columns input features ([out, in], as every
+weight of ours), so fusing and interleaving rows (weights/repack.py) keeps each row's
+groups whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from monokernel.errors import WeightLoadError
+
+QMAX = 15  # 4-bit unsigned
+GROUP_MULTIPLE = 32  # the kernel reads a row in 32-weight steps: a group never splits one
+GGUF_GROUP = 32  # a Q4_0/Q4_1 block
+GGUF_BLOCK_BYTES: dict[str, int] = {"Q4_0": 18, "Q4_1": 20}  # fp16 d, [fp16 m,] 16 bytes
+# AutoAWQ packs the eight columns of an int32 in this order: nibble i (bits 4i..4i+3) holds
+# column AWQ_ORDER[i] of the eight (its GEMM kernel's dequantisation wants them so); a
+# column's nibble is therefore AWQ_NIBBLE[column], the inverse permutation.
+AWQ_ORDER: tuple[int, ...] = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_NIBBLE: tuple[int, ...] = (0, 4, 1, 5, 2, 6, 3, 7)
+GPTQ_FORMATS: tuple[str, ...] = ("gptq", "gptq_v2")  # v1: stored zeros are zero - 1
+GPTQ_SYM_ZERO = 8  # 2 ** (bits - 1): a symmetric GPTQ checkpoint's zero point
+
+
+class GroupQuantError(WeightLoadError, ValueError):
+    """A 4-bit matrix whose tensors do not fit together, or that cannot be made."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GroupQuant:
+    """A [rows, cols] weight matrix in 4 bits: w = scale * q + offset, per group of ``group``
+    consecutive columns of a row. All three tensors are on one device; construction checks
+    their shapes and dtypes (``check`` also the values, which reads them all)."""
+
+    q: torch.Tensor  # uint8 [rows, cols], 0..15
+    scale: torch.Tensor  # float32 [rows, cols // group]
+    offset: torch.Tensor  # float32 [rows, cols // group]
+    group: int  # a multiple of 32 dividing cols
+
+    def __post_init__(self) -> None:
+        _check_layout(self.q, self.scale, self.offset, self.group)
+
+    @property
+    def rows(self) -> int:
+        return int(self.q.shape[0])
+
+    @property
+    def cols(self) -> int:
+        return int(self.q.shape[1])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The [rows, cols] matrix, computed in float32 (scale * q rounds nowhere: q has 4
+        bits; adding the offset rounds once), then cast to ``dtype``."""
+        w = self.q.to(torch.float32).view(self.rows, -1, self.group)
+        # Two separate in-place passes, never one fused multiply-add: the same rounding on
+        # every device, and the same bits as GGUF's own Q4_1 dequantisation.
+        w.mul_(self.scale[:, :, None]).add_(self.offset[:, :, None])
+        return w.view(self.rows, self.cols).to(dtype)
+
+    def check(self) -> GroupQuant:
+        """``self`` when q is in 0..15 and every scale and offset is finite; else
+        GroupQuantError saying which."""
+        _check_layout(self.q, self.scale, self.offset, self.group)
+        if self.q.numel() and int(self.q.max()) > QMAX:
+            raise GroupQuantError(f"4-bit quants must be 0..{QMAX}; found {int(self.q.max())}")
+        for name in ("scale", "offset"):
+            if not bool(torch.isfinite(getattr(self, name)).all()):
+                raise GroupQuantError(f"a 4-bit matrix has a non-finite {name}")
+        return self
+
+    def to(self, device: torch.device | str) -> GroupQuant:
+        return GroupQuant(
+            self.q.to(device), self.scale.to(device), self.offset.to(device), self.group
+        )
+
+
+def _check_layout(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int) -> None:
+    if q.dtype != torch.uint8 or q.dim() != 2:
+        raise GroupQuantError(f"q must be a 2-D uint8 tensor; got {q.dtype} {tuple(q.shape)}")
+    rows, cols = q.shape
+    if not isinstance(group, int) or group <= 0 or group % GROUP_MULTIPLE or cols % group:
+        raise GroupQuantError(
+            f"group {group!r} must be a positive multiple of {GROUP_MULTIPLE} dividing the "
+            f"{cols} columns"
+        )
+    want = (rows, cols // group)
+    for name, t in (("scale", scale), ("offset", offset)):
+        if t.dtype != torch.float32 or tuple(t.shape) != want:
+            raise GroupQuantError(
+                f"{name} must be float32 {want} for q {tuple(q.shape)} in groups of {group}; "
+                f"got {t.dtype} {tuple(t.shape)}"
+            )
+        if t.device != q.device:
+            raise GroupQuantError(f"{name} is on {t.device}, q on {q.device}")
+
+
+# --------------------------------------------------------------------------- row operations
+
+
+def fuse_rows(*gqs: GroupQuant) -> GroupQuant:
+    """The matrices one above the other (wq, wk, wv -> wqkv), as repack.fuse_rows does for
+    dense ones; all must have the same columns and group."""
+    if not gqs:
+        raise GroupQuantError("fuse_rows needs at least one matrix")
+    first = gqs[0]
+    for g in gqs[1:]:
+        if (g.cols, g.group) != (first.cols, first.group):
+            raise GroupQuantError(
+                f"cannot fuse rows of {g.cols} columns in groups of {g.group} onto rows of "
+                f"{first.cols} columns in groups of {first.group}"
+            )
+    return GroupQuant(
+        torch.cat([g.q for g in gqs]).contiguous(),
+        torch.cat([g.scale for g in gqs]).contiguous(),
+        torch.cat([g.offset for g in gqs]).contiguous(),
+        first.group,
+    )
+
+
+def interleave_rows(a: GroupQuant, b: GroupQuant) -> GroupQuant:
+    """Rows a0, b0, a1, b1, ... (gate and up -> wgu), as repack.interleave_rows does."""
+    if (a.shape, a.group) != (b.shape, b.group):
+        raise GroupQuantError(
+            f"cannot interleave {a.shape} (group {a.group}) with {b.shape} (group {b.group})"
+        )
+
+    def mix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.stack((x, y), dim=1).reshape(2 * x.shape[0], x.shape[1]).contiguous()
+
+    return GroupQuant(mix(a.q, b.q), mix(a.scale, b.scale), mix(a.offset, b.offset), a.group)
+
+
+def permute_rows(gq: GroupQuant, index: torch.Tensor) -> GroupQuant:
+    """Rows index[0], index[1], ... of ``gq`` (a permutation, such as the GGUF Q/K row
+    unpermute, or any selection of rows)."""
+    if index.dim() != 1 or index.dtype.is_floating_point or index.dtype == torch.bool:
+        raise GroupQuantError(f"a row index must be 1-D integers; got {index.dtype} {index.shape}")
+    i = index.to(device=gq.q.device, dtype=torch.long)
+    if i.numel() and (int(i.min()) < 0 or int(i.max()) >= gq.rows):
+        raise GroupQuantError(f"a row index is out of range for {gq.rows} rows")
+    # index_select, not q[i]: advanced indexing of uint8 rows is ~50x slower on the CPU.
+    return GroupQuant(
+        gq.q.index_select(0, i), gq.scale.index_select(0, i), gq.offset.index_select(0, i), gq.group
+    )
+
+
+# --------------------------------------------------------------------------- --quantize int4
+
+
+def pick_group(cols: int, preferred: int = 128) -> int:
+    """The largest of ``preferred``, its half, its quarter, ... down to 32 that divides
+    ``cols``: 128 where it divides, else a smaller power-of-two group (64 for the default
+    model's 576 columns; the kernel reads groups that divide its 8-chunk step, never 96).
+    GroupQuantError when ``cols`` is not a multiple of 32."""
+    group = preferred
+    while group >= GROUP_MULTIPLE:
+        if group % GROUP_MULTIPLE == 0 and cols % group == 0:
+            return group
+        group //= 2
+    raise GroupQuantError(
+        f"4-bit groups need the input size to be a multiple of {GROUP_MULTIPLE}; it is {cols}"
+    )
+
+
+def quantize_rtn(w: torch.Tensor, group: int = 128) -> GroupQuant:
+    """``w`` [rows, cols] to 4 bits, round to nearest per group, asymmetric as AWQ's and
+    GPTQ's zero-point schemes: the range [min(lo, 0), max(hi, 0)] in 15 steps
+    (scale = range / 15), an integer zero point in 0..15 (so 0 is exact: q = zero gives
+    scale * zero - zero * scale = 0), offset = -zero * scale. A group of zeros gets scale 1
+    (any nonzero scale is exact for it); a range too small for a normal float32 scale gets
+    the smallest normal one, so the kernel never meets a subnormal or zero scale.
+    On w's device, in float32 whatever w's dtype."""
+    if w.dim() != 2 or not w.dtype.is_floating_point:
+        raise GroupQuantError(f"quantize_rtn takes a 2-D float matrix; got {w.dtype} {w.shape}")
+    rows, cols = w.shape
+    if group <= 0 or group % GROUP_MULTIPLE or cols % group:
+        raise GroupQuantError(
+            f"a [{rows}, {cols}] matrix cannot be quantised in groups of {group}: the group "
+            f"must be a multiple of {GROUP_MULTIPLE} dividing {cols} "
+            f"(pick_group chooses {_group_hint(cols, group)})"
+        )
+    x = w.to(torch.float32).reshape(rows, cols // group, group)
+    if not bool(torch.isfinite(x).all()):
+        raise GroupQuantError("cannot quantise a matrix with an infinite or NaN weight")
+    lo = x.amin(dim=2).clamp_max(0.0)
+    hi = x.amax(dim=2).clamp_min(0.0)
+    span = hi - lo
+    scale = torch.where(span > 0, span / QMAX, torch.ones_like(span))
+    scale = scale.clamp_min(torch.finfo(torch.float32).tiny)
+    zero = torch.round(-lo / scale).clamp_(0, QMAX)
+    q = torch.round(x / scale[:, :, None]).add_(zero[:, :, None]).clamp_(0, QMAX)
+    return GroupQuant(
+        q.to(torch.uint8).reshape(rows, cols),
+        scale.contiguous(),
+        (-zero * scale).contiguous(),
+        group,
+    )
+
+
+def _group_hint(cols: int, group: int) -> str:
+    try:
+        return str(pick_group(cols, max(group, GROUP_MULTIPLE)))
+    except GroupQuantError:
+        return f"none: {cols} is not a multiple of {GROUP_MULTIPLE}"
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+def from_gguf_blocks(raw: torch.Tensor, kind: str, shape: tuple[int, ...]) -> GroupQuant:
+    """A GGUF Q4_0 or Q4_1 tensor's stored bytes (uint8, whole blocks in row-major order)
+    as a GroupQuant of ``shape`` [rows, cols] in groups of 32, one a block. ``dense()``
+    equals gguf_loader's dequantisation in float32 (Q4_0 up to the sign of a zero:
+    d * (q - 8) is -0.0 where the scale form gives +0.0)."""
+    if kind not in GGUF_BLOCK_BYTES:
+        raise GroupQuantError(f"GGUF type {kind} is not 4-bit; 4-bit types: Q4_0, Q4_1")
+    if len(shape) != 2 or shape[1] % GGUF_GROUP:
+        raise GroupQuantError(f"a {kind} matrix must be 2-D with columns in 32s; got {shape}")
+    rows, cols = (int(s) for s in shape)
+    size = GGUF_BLOCK_BYTES[kind]
+    if raw.dtype != torch.uint8 or raw.numel() != rows * cols // GGUF_GROUP * size:
+        raise GroupQuantError(
+            f"{kind} {shape} takes {rows * cols // GGUF_GROUP * size} bytes; "
+            f"got {raw.numel()} of {raw.dtype}"
+        )
+    blocks = raw.reshape(-1, size)
+    d = blocks[:, 0:2].contiguous().view(torch.float16).to(torch.float32).reshape(-1)
+    if kind == "Q4_0":
+        offset = d * -8.0  # exact: a power of two times an fp16 value
+        qs = blocks[:, 2:]
+    else:
+        offset = blocks[:, 2:4].contiguous().view(torch.float16).to(torch.float32).reshape(-1)
+        qs = blocks[:, 4:]
+    # Within a block the low nibbles are weights 0-15 and the high nibbles 16-31.
+    q = torch.empty(blocks.shape[0], GGUF_GROUP, dtype=torch.uint8, device=raw.device)
+    torch.bitwise_and(qs, 0x0F, out=q[:, :16])
+    torch.bitwise_right_shift(qs, 4, out=q[:, 16:])
+    ngroups = cols // GGUF_GROUP
+    return GroupQuant(
+        q.reshape(rows, cols), d.reshape(rows, ngroups), offset.reshape(rows, ngroups), GGUF_GROUP
+    )
+
+
+# --------------------------------------------------------------------------- AWQ and GPTQ
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [..., n] -> uint8 [..., n, 8]: nibble i (bits 4i..4i+3) of each word at i."""
+    if packed.dtype not in (torch.int32, torch.uint32):
+        raise GroupQuantError(f"packed 4-bit weights must be int32; got {packed.dtype}")
+    words = packed.view(torch.int32) if packed.dtype == torch.uint32 else packed
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    # An arithmetic shift drags the sign bit in from the left; the mask drops it again.
+    return ((words[..., None] >> shifts) & 0x0F).to(torch.uint8)
+
+
+def _scales_of(scales: torch.Tensor, want: tuple[int, int], what: str) -> torch.Tensor:
+    if not scales.dtype.is_floating_point or tuple(scales.shape) != want:
+        raise GroupQuantError(
+            f"{what} scales must be floating point {want}; got {scales.dtype} {tuple(scales.shape)}"
+        )
+    # [in / group, out] -> [out, in / group]; float16 and bfloat16 widen to float32 exactly.
+    return scales.to(torch.float32).t().contiguous()
+
+
+def _expect(t: torch.Tensor, want: tuple[int, ...], what: str) -> None:
+    if tuple(t.shape) != want:
+        raise GroupQuantError(f"{what} must have shape {want}; got {tuple(t.shape)}")
+
+
+def _group_of(group: int, cols: int, what: str) -> int:
+    if group == -1:  # GPTQ's "no groups": one a row
+        group = cols
+    if group <= 0 or group % GROUP_MULTIPLE or cols % group:
+        raise GroupQuantError(
+            f"{what}: group size {group} must be a multiple of {GROUP_MULTIPLE} dividing the "
+            f"input size {cols}"
+        )
+    return group
+
+
+def from_awq(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group: int
+) -> GroupQuant:
+    """An AutoAWQ GEMM module: qweight int32 [in, out/8], qzeros int32 [in/group, out/8]
+    (eight output columns a word, in AWQ_ORDER), scales [in/group, out] ->
+    GroupQuant [out, in] with scale s and offset -z * s (w = s * (q - z))."""
+    if qweight.dim() != 2:
+        raise GroupQuantError(f"AWQ qweight must be 2-D; got {tuple(qweight.shape)}")
+    cols, out = int(qweight.shape[0]), int(qweight.shape[1]) * 8
+    group = _group_of(group, cols, "AWQ")
+    ngroups = cols // group
+    _expect(qzeros, (ngroups, out // 8), "AWQ qzeros")
+    reorder = torch.tensor(AWQ_NIBBLE, device=qweight.device)
+    # [in, out/8, 8 nibbles] -> [in, out/8, 8 columns] -> [in, out] -> [out, in]
+    q = _nibbles(qweight)[..., reorder].reshape(cols, out).t().contiguous()
+    z = _nibbles(qzeros)[..., reorder].reshape(ngroups, out).t().to(torch.float32)
+    s = _scales_of(scales, (ngroups, out), "AWQ")
+    return GroupQuant(q, s, (-z * s).contiguous(), group)
+
+
+def gptq_trivial_g_idx(g_idx: torch.Tensor | None, cols: int, group: int) -> bool:
+    """Whether a GPTQ module's g_idx is the one without act-order (input column c in group
+    c // group), or absent."""
+    if g_idx is None:
+        return True
+    want = torch.arange(cols, device=g_idx.device) // _group_of(group, cols, "GPTQ")
+    return tuple(g_idx.shape) == (cols,) and bool(torch.equal(g_idx.to(torch.long), want))
+
+
+def from_gptq(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    group: int,
+    sym: bool,
+    checkpoint_format: str = "gptq",
+) -> GroupQuant:
+    """An AutoGPTQ / GPTQModel module: qweight int32 [in/8, out] (eight input rows a word,
+    row 8k + i in nibble i), qzeros int32 [in/group, out/8] (eight output columns a word, in
+    order), scales [in/group, out], g_idx [in] or None -> GroupQuant [out, in] with scale s
+    and offset -z * s (w = s * (q - z)). ``group`` -1: one group a row.
+
+    ``checkpoint_format`` "gptq" (AutoGPTQ's, v1, the default) stores each zero point
+    minus one, decoded as AutoGPTQ's and vLLM's kernels do (stored + 1, so 1..16);
+    "gptq_v2" (GPTQModel's) stores it as it is. ``sym``: the zero point is 8 by definition,
+    as vLLM's Marlin kernels take it (the stored zeros are not read).
+    Act-order (a g_idx other than arange(in) // group) is refused."""
+    # Imported here: weights/formats (which quantize.py imports) may import this module.
+    from monokernel.weights.quantize import UnsupportedQuantizationError
+
+    if checkpoint_format not in GPTQ_FORMATS:
+        raise UnsupportedQuantizationError(
+            f"GPTQ checkpoint_format {checkpoint_format!r} is not supported; supported: "
+            f"{', '.join(GPTQ_FORMATS)}"
+        )
+    if qweight.dim() != 2:
+        raise GroupQuantError(f"GPTQ qweight must be 2-D; got {tuple(qweight.shape)}")
+    cols, out = int(qweight.shape[0]) * 8, int(qweight.shape[1])
+    group = _group_of(group, cols, "GPTQ")
+    ngroups = cols // group
+    _expect(qzeros, (ngroups, -(-out // 8)), "GPTQ qzeros")
+    if not gptq_trivial_g_idx(g_idx, cols, group):
+        raise UnsupportedQuantizationError(
+            "GPTQ act-order (desc_act, a g_idx other than arange(in) // group) is not "
+            "supported; supported: GPTQ checkpoints quantised with desc_act=false"
+        )
+    # [in/8, out, 8 nibbles] -> [in/8, 8, out] -> [in, out] -> [out, in]
+    q = _nibbles(qweight).permute(0, 2, 1).reshape(cols, out).t().contiguous()
+    s = _scales_of(scales, (ngroups, out), "GPTQ")
+    if sym:
+        z = torch.full_like(s, float(GPTQ_SYM_ZERO))
+    else:
+        stored = _nibbles(qzeros).reshape(ngroups, -1)[:, :out].t().to(torch.float32)
+        z = stored + 1.0 if checkpoint_format == "gptq" else stored
+    return GroupQuant(q, s, (-z * s).contiguous(), group)

@@ -1,0 +1,435 @@
+"""4-bit checkpoints (AWQ, GPTQ): tiny random bf16 checkpoints quantised and packed here as
+AutoAWQ and AutoGPTQ / GPTQModel write them, then read back through load_checkpoint: the
+same 4-bit values in ``Checkpoint.groups``, their dense values in ``Checkpoint.weights``,
+and every malformed or unsupported one refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from monokernel.errors import (
+    MissingTensorError,
+    TensorShapeError,
+    UnexpectedTensorError,
+    WeightLoadError,
+)
+from monokernel.models.config import ModelConfig
+from monokernel.models.shapes import DENSE_SHAPES
+from monokernel.weights.checkpoint_quant import Int4Quant, parse_quantization_config
+from monokernel.weights.loader import load_checkpoint
+from monokernel.weights.names import Weights, ours_to_hf
+from monokernel.weights.quantize import UnsupportedQuantizationError, is_quantized
+from monokernel.weights.random_checkpoint import write_random_checkpoint
+from monokernel.weights.safetensors_loader import INDEX_FILE, SINGLE_FILE
+
+# Every optional tensor (q/k norms, q/k/v and o biases, an untied head), in two sizes: one
+# whose input sizes 128 divides (the real group size), one that only 32 divides.
+SHAPES: dict[str, tuple[ModelConfig, int]] = {
+    "group128": (
+        dataclasses.replace(
+            DENSE_SHAPES["odd"],
+            hidden_size=256,
+            intermediate_size=384,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+        ),
+        128,
+    ),
+    "group32-odd": (
+        dataclasses.replace(
+            DENSE_SHAPES["odd"],
+            hidden_size=160,
+            intermediate_size=224,
+            num_layers=3,
+            num_heads=5,
+            num_kv_heads=1,
+            head_dim=32,
+        ),
+        32,
+    ),
+}
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i holds column order[i] of 8
+Stored = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q [out, in], z, fp16 s [out, in/g]
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def source(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Weights, int]:
+    shape, group = SHAPES[request.param]
+    out = tmp_path_factory.mktemp(request.param) / "bf16"
+    return out, write_random_checkpoint(out, shape, seed=3, vocab_from_tokenizer=True), group
+
+
+# -- the publishers' quantisers and packings, written apart from the loader -----------------
+
+
+def quantize(w: torch.Tensor, group: int, kind: str, zmin: int = 0) -> Stored:
+    """AWQ's min-max (``awq``), GPTQ's range through zero (``asym``) or GPTQ's symmetric
+    (``sym``) 4-bit quantisation, one fp16 scale and one zero point per group."""
+    out, cols = w.shape
+    wg = w.float().reshape(out, cols // group, group)
+    mn, mx = wg.amin(dim=2), wg.amax(dim=2)
+    if kind == "sym":
+        amax = torch.maximum(mn.abs(), mx)
+        s = (2 * amax / 15).half()
+        z = torch.full_like(mn, 8.0)
+    else:
+        if kind == "asym":
+            mn, mx = mn.clamp(max=0), mx.clamp(min=0)
+        s = ((mx - mn).clamp(min=1e-5) / 15).half()
+        z = (-torch.round(mn / s.float())).clamp(zmin, 15)
+    q = (torch.round(wg / s.float()[..., None]) + z[..., None]).clamp(0, 15)
+    return q.reshape(out, cols).long(), z.long(), s
+
+
+def words(nibbles: torch.Tensor) -> torch.Tensor:
+    """[..., 8] values 0..15 -> int32 [...], nibble i in bits 4i..4i+3."""
+    acc = torch.zeros(nibbles.shape[:-1], dtype=torch.int64)
+    for i in range(8):
+        acc |= nibbles[..., i].long() << (4 * i)
+    return torch.where(acc >= 2**31, acc - 2**32, acc).to(torch.int32)
+
+
+def pack_awq(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor) -> dict[str, torch.Tensor]:
+    order = list(AWQ_PACK_ORDER)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:  # [rows, out] -> [rows, out/8]
+        return words(t.reshape(t.shape[0], -1, 8)[:, :, order])
+
+    return {"qweight": pack(q.t()), "qzeros": pack(z.t()), "scales": s.t().contiguous()}
+
+
+def pack_gptq(q: torch.Tensor, zstored: torch.Tensor, s: torch.Tensor) -> dict[str, torch.Tensor]:
+    out, cols = q.shape
+    qweight = words(q.t().reshape(cols // 8, 8, out).permute(0, 2, 1))  # input rows 8k + i
+    qzeros = words(zstored.t().reshape(zstored.shape[1], out // 8, 8))  # output columns
+    return {"qweight": qweight, "qzeros": qzeros, "scales": s.t().contiguous()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    config: dict[str, Any]
+    kind: str  # the quantiser: awq | asym | sym
+    v1: bool = False  # GPTQ: zeros stored minus one
+    g_idx: bool = False  # GPTQ: write the (trivial) g_idx
+
+
+def awq_config(group: int, **more: Any) -> dict[str, Any]:
+    return {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group,
+        "zero_point": True,
+        "version": "gemm",
+        "modules_to_not_convert": None,
+    } | more
+
+
+def gptq_config(group: int, sym: bool, fmt: str | None = "gptq", **more: Any) -> dict[str, Any]:
+    config = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group,
+        "desc_act": False,
+        "sym": sym,
+        "damp_percent": 0.01,
+        "true_sequential": True,
+    } | more
+    if fmt is not None:
+        config["checkpoint_format"] = fmt
+    return config
+
+
+def schemes(group: int) -> dict[str, Scheme]:
+    return {
+        "awq": Scheme(awq_config(group), "awq"),
+        "gptq-sym-v1": Scheme(gptq_config(group, True), "sym", v1=True, g_idx=True),
+        "gptq-asym-v1": Scheme(gptq_config(group, False, None), "asym", v1=True),
+        "gptq-asym-v2-desc-act": Scheme(
+            gptq_config(group, False, "gptq_v2", desc_act=True), "asym", g_idx=True
+        ),
+    }
+
+
+def write_int4(
+    source: tuple[Path, Weights, int],
+    dst: Path,
+    scheme: Scheme,
+    split: bool = False,
+    plain: tuple[str, ...] = (),
+    head: bool = False,
+    edit: Callable[[dict[str, torch.Tensor]], None] | None = None,
+) -> dict[str, Stored]:
+    """``source`` with each layer matrix (and the LM head when ``head``) quantised and
+    packed, except the modules of our names in ``plain``; the rest stays bf16. ``split``:
+    the packed tensors but qweight in a second shard. ``edit`` may change the HF-named
+    tensors before they are saved. Returns {our name: (q, z, s)}."""
+    src, weights, group = source
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = scheme.config
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    (dst / SINGLE_FILE).unlink()
+    first: dict[str, torch.Tensor] = {}
+    second: dict[str, torch.Tensor] = {}
+    stored: dict[str, Stored] = {}
+    for name, w in weights.items():
+        hf = ours_to_hf(name)
+        if not (is_quantized(name) or (head and name == "lm_head")) or name in plain:
+            first[hf] = w
+            continue
+        q, z, s = quantize(w, group, scheme.kind, zmin=1 if scheme.v1 else 0)
+        stored[name] = (q, z, s)
+        packed = pack_awq(q, z, s) if scheme.kind == "awq" else pack_gptq(q, z - int(scheme.v1), s)
+        if scheme.g_idx:
+            packed["g_idx"] = torch.arange(w.shape[1], dtype=torch.int32) // group
+        module = hf.removesuffix(".weight")
+        for part, t in packed.items():
+            tensor = t.contiguous()  # safetensors saves no views
+            (second if split and part != "qweight" else first)[f"{module}.{part}"] = tensor
+    if edit is not None:
+        both = first | second
+        edit(both)
+        first = {k: v for k, v in both.items() if k not in second}
+        second = {k: v for k, v in both.items() if k in second}
+    if split:
+        files = {
+            "model-00001-of-00002.safetensors": first,
+            "model-00002-of-00002.safetensors": second,
+        }
+        for fname, part in files.items():
+            save_file(part, str(dst / fname), metadata={"format": "pt"})
+        weight_map = {k: f for f, part in files.items() for k in part}
+        (dst / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    else:
+        save_file(first, str(dst / SINGLE_FILE), metadata={"format": "pt"})
+    return stored
+
+
+def expected(stored: Stored, group: int) -> torch.Tensor:
+    """s * (q - z) in float64 (exact there), then float32 (exact too: 11 + 5 bits)."""
+    q, z, s = stored
+    return (
+        s.double().repeat_interleave(group, 1)
+        * (q.double() - z.double().repeat_interleave(group, 1))
+    ).float()
+
+
+# -- quantization_config ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "want"),
+    [
+        (awq_config(128), Int4Quant("awq", 128)),
+        ({"quant_method": "awq", "w_bit": 4, "q_group_size": 64}, Int4Quant("awq", 64)),
+        (gptq_config(128, True), Int4Quant("gptq", 128, True, "gptq")),
+        (gptq_config(-1, False, None), Int4Quant("gptq", -1, False, "gptq")),
+        (
+            gptq_config(32, False, None, format="gptq_v2", desc_act=True),
+            Int4Quant("gptq", 32, False, "gptq_v2", True),
+        ),
+    ],
+)
+def test_int4_schemes(config: dict[str, Any], want: Int4Quant) -> None:
+    assert parse_quantization_config({"quantization_config": config}) == want
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        (awq_config(128, version="gemv"), "version 'gemv'"),
+        (awq_config(128, version="GEMV_fast"), "version 'gemv_fast'"),
+        (awq_config(128, bits=8), "bits=8"),
+        (awq_config(128, zero_point=False), "zero_point=false"),
+        (awq_config(48), "group_size=48"),
+        (awq_config(-1), "group_size=-1"),
+        (awq_config(128, backend="llm-awq"), "backend 'llm-awq'"),
+        (gptq_config(128, True, bits=3), "bits=3"),
+        (gptq_config(128, True, "marlin"), "checkpoint_format 'marlin'"),
+        (gptq_config(128, True, is_marlin_format=True), "checkpoint_format 'marlin'"),
+        (gptq_config(128, True, dynamic={"-:.*down": {}}), "dynamic"),
+        (gptq_config(100, True), "group_size=100"),
+        (gptq_config(128, True, pack_dtype="int16"), "pack_dtype 'int16'"),
+    ],
+)
+def test_other_int4_schemes_are_refused(config: dict[str, Any], says: str) -> None:
+    with pytest.raises(UnsupportedQuantizationError) as e:
+        parse_quantization_config({"quantization_config": config})
+    message = str(e.value)
+    method = config["quant_method"]
+    assert message.startswith(f"checkpoint quantization {method!r} (") and says in message
+    assert "supported: fp8" in message and "awq (4-bit" in message and "gptq (4-bit" in message
+
+
+# -- through the loader ------------------------------------------------------------------
+
+
+def assert_loads(
+    dst: Path, stored: dict[str, Stored], source: tuple[Path, Weights, int], head: bool = False
+) -> None:
+    _, weights, group = source
+    ckpt = load_checkpoint(dst, progress=False, dtype=torch.float32)
+    mapped = load_checkpoint(dst, progress=False)  # memory-mapped: bf16 for the 4-bit ones
+    assert ckpt.quantization == mapped.quantization == "int4"
+    assert ckpt.groups is not None and mapped.groups is not None
+    assert set(ckpt.groups) == {n for n in weights if is_quantized(n)} == set(mapped.groups)
+    assert set(ckpt.weights) == set(weights) == set(mapped.weights)
+    for n, w in weights.items():
+        got, view = ckpt.weights[n], mapped.weights[n]
+        assert got.dtype == torch.float32, n
+        if n not in stored:  # embed, norms, biases, an unquantised head: as they were
+            assert torch.equal(got, w.float()) and torch.equal(view, w), n
+            continue
+        want = expected(stored[n], group)
+        assert torch.equal(got, want), n
+        assert view.dtype == torch.bfloat16 and torch.equal(view, want.bfloat16()), n
+        # A checkpoint of the weights, not only of itself: within a step of each.
+        step = stored[n][2].float().abs().repeat_interleave(group, 1)
+        assert bool(((got - w.float()).abs() <= step * 1.01).all()), n
+        if n == "lm_head":
+            assert head and n not in ckpt.groups
+            continue
+        q, z, s = stored[n]
+        for gq in (ckpt.groups[n], mapped.groups[n]):
+            assert gq.group == group and gq.q.device.type == "cpu", n
+            assert torch.equal(gq.q, q.to(torch.uint8)), n
+            assert torch.equal(gq.scale, s.float()), n
+            assert torch.equal(gq.offset, (-z.double() * s.double()).float()), n
+            assert torch.equal(gq.dense(), got), n
+
+
+@pytest.mark.parametrize("name", ["awq", "gptq-sym-v1", "gptq-asym-v1", "gptq-asym-v2-desc-act"])
+def test_loads_the_4bit_values(
+    source: tuple[Path, Weights, int], tmp_path: Path, name: str
+) -> None:
+    scheme = schemes(source[2])[name]
+    stored = write_int4(source, tmp_path / name, scheme)
+    assert_loads(tmp_path / name, stored, source)
+
+
+def test_packed_tensors_in_another_shard(source: tuple[Path, Weights, int], tmp_path: Path) -> None:
+    stored = write_int4(source, tmp_path / "awq", schemes(source[2])["awq"], split=True)
+    assert_loads(tmp_path / "awq", stored, source)
+    # The order is the bf16 loader's: each weight where its qweight is listed.
+    plain = load_checkpoint(source[0], progress=False)
+    assert list(load_checkpoint(tmp_path / "awq", progress=False).weights) == list(plain.weights)
+
+
+def test_a_quantised_lm_head_is_dense_only(
+    source: tuple[Path, Weights, int], tmp_path: Path
+) -> None:
+    group = source[2]
+    scheme = Scheme(gptq_config(group, True, lm_head=True), "sym", v1=True)
+    stored = write_int4(source, tmp_path / "head", scheme, head=True)
+    assert "lm_head" in stored
+    assert_loads(tmp_path / "head", stored, source, head=True)
+
+
+def test_a_module_left_unquantised(source: tuple[Path, Weights, int], tmp_path: Path) -> None:
+    """modules_to_not_convert: that weight loads as it was; the model is not all 4-bit, so
+    the engine is not told to stream it as such."""
+    _, weights, group = source
+    config = awq_config(group, modules_to_not_convert=["model.layers.1.mlp.down_proj"])
+    stored = write_int4(source, tmp_path / "awq", Scheme(config, "awq"), plain=("layers.1.w_down",))
+    ckpt = load_checkpoint(tmp_path / "awq", progress=False, dtype=torch.float32)
+    assert ckpt.quantization is None and ckpt.groups is None
+    assert torch.equal(ckpt.weights["layers.1.w_down"], weights["layers.1.w_down"].float())
+    assert torch.equal(ckpt.weights["layers.0.w_down"], expected(stored["layers.0.w_down"], group))
+
+
+def test_a_config_left_over_on_bf16_weights(
+    source: tuple[Path, Weights, int], tmp_path: Path
+) -> None:
+    """A checkpoint converted back to bf16 that kept its AWQ quantization_config loads as
+    bf16: no module is 4-bit, so neither are the model's groups."""
+    src, weights, group = source
+    shutil.copytree(src, tmp_path / "bf16")
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    config["quantization_config"] = awq_config(group)
+    (tmp_path / "bf16" / "config.json").write_text(json.dumps(config))
+    ckpt = load_checkpoint(tmp_path / "bf16", progress=False)
+    assert ckpt.quantization is None and ckpt.groups is None
+    assert all(torch.equal(ckpt.weights[n], w) for n, w in weights.items())
+
+
+def test_act_order_is_refused_before_any_weight(
+    source: tuple[Path, Weights, int], tmp_path: Path
+) -> None:
+    group = source[2]
+    scheme = Scheme(gptq_config(group, False, desc_act=True), "asym", v1=True, g_idx=True)
+    name = "model.layers.1.self_attn.o_proj.g_idx"
+
+    def act_order(t: dict[str, torch.Tensor]) -> None:
+        t[name] = t[name].flip(0).contiguous()
+
+    write_int4(source, tmp_path / "gptq", scheme, edit=act_order)
+
+    def before(_: object) -> None:
+        raise AssertionError("the memory plan ran for a checkpoint that cannot load")
+
+    with pytest.raises(UnsupportedQuantizationError, match=rf"act-order \(desc_act: {name}"):
+        load_checkpoint(tmp_path / "gptq", progress=False, before_weights=before)
+
+
+# -- malformed checkpoints, refused from the headers ------------------------------------------
+
+
+Edit = Callable[[dict[str, torch.Tensor]], None]
+MODULE = "model.layers.0.mlp.up_proj"
+
+
+def _pop(part: str) -> Edit:
+    return lambda t: t.pop(f"{MODULE}.{part}")
+
+
+def _set(part: str, make: Callable[[torch.Tensor], torch.Tensor]) -> Edit:
+    return lambda t: t.update({f"{MODULE}.{part}": make(t[f"{MODULE}.{part}"])})
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "says"),
+    [
+        (_pop("qzeros"), MissingTensorError, rf"{MODULE} has no {MODULE}\.qzeros"),
+        (
+            _set("scales", lambda s: s[:, :-8].contiguous()),
+            TensorShapeError,
+            rf"{MODULE}\.scales has shape",
+        ),
+        (_set("qzeros", lambda z: z[:-1]), TensorShapeError, rf"{MODULE}\.qzeros has shape"),
+        (_set("qweight", lambda q: q.float()), WeightLoadError, r"qweight is torch\.float32"),
+        (_set("qweight", lambda q: q[:-8]), TensorShapeError, r"qweight of shape"),
+        (
+            lambda t: t.update({f"{MODULE}.weight": torch.zeros(2, 2)}),
+            UnexpectedTensorError,
+            rf"{MODULE} has both a weight and 4-bit tensors",
+        ),
+        (
+            lambda t: t.update({f"{MODULE}.g_idx": torch.zeros(2, dtype=torch.int32)}),
+            UnexpectedTensorError,
+            r"g_idx in an AWQ checkpoint",
+        ),
+    ],
+)
+def test_malformed_awq_modules(
+    source: tuple[Path, Weights, int],
+    tmp_path: Path,
+    edit: Edit,
+    error: type[Exception],
+    says: str,
+) -> None:
+    write_int4(source, tmp_path / "awq", schemes(source[2])["awq"], edit=edit)
+    with pytest.raises(error, match=says):
+        load_checkpoint(tmp_path / "awq", progress=False)

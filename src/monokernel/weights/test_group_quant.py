@@ -1,0 +1,384 @@
+"""GroupQuant: each 4-bit source decoded to the same bits, checked against packings written
+here apart from the decoders (loops over words and nibbles), and the row operations and
+the round-to-nearest quantiser."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from monokernel.weights import repack
+from monokernel.weights.gguf_loader import _dequantize_blocks
+from monokernel.weights.group_quant import (
+    GroupQuant,
+    GroupQuantError,
+    from_awq,
+    from_gguf_blocks,
+    from_gptq,
+    fuse_rows,
+    interleave_rows,
+    permute_rows,
+    pick_group,
+    quantize_rtn,
+)
+from monokernel.weights.quantize import UnsupportedQuantizationError
+
+# --------------------------------------------------------------------------- helpers
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """float32 bit patterns, with -0.0 counted as +0.0 (adding +0.0 turns one into the
+    other and changes nothing else)."""
+    return (t + 0.0).view(torch.int32)
+
+
+def word(nibbles: list[int]) -> int:
+    """One int32 holding ``nibbles[i]`` in bits 4i..4i+3, as a signed value."""
+    value = 0
+    for i, n in enumerate(nibbles):
+        assert 0 <= n <= 15
+        value |= n << (4 * i)
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def random_case(
+    out: int, cols: int, group: int, seed: int, zmin: int = 0, zmax: int = 15
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [out, cols] 0..15, zeros [out, cols/group] in zmin..zmax, fp16 scales of mixed
+    sign and size [out, cols/group]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out, cols), generator=g)
+    z = torch.randint(zmin, zmax + 1, (out, cols // group), generator=g)
+    s = (torch.randn(out, cols // group, generator=g) * 0.02).to(torch.float16)
+    return q, z, s
+
+
+def expected_dense(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group: int) -> torch.Tensor:
+    """s * (q - z) in float64, exact there, then float32 (where it is exact too)."""
+    s64 = s.double().repeat_interleave(group, dim=1)
+    z64 = z.double().repeat_interleave(group, dim=1)
+    return (s64 * (q.double() - z64)).float()
+
+
+def assert_decoded(
+    gq: GroupQuant, q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group: int
+) -> None:
+    assert gq.group == group and gq.shape == tuple(q.shape)
+    assert gq.q.dtype == torch.uint8 and torch.equal(gq.q, q.to(torch.uint8))
+    assert torch.equal(gq.scale, s.float())
+    assert torch.equal(gq.offset, (-z.double() * s.double()).float())
+    assert torch.equal(bits(gq.dense()), bits(expected_dense(q, z, s, group)))
+    assert gq.check() is gq
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+def gguf_raw(rows: int, cols: int, kind: str, seed: int) -> torch.Tensor:
+    """Random Q4_0/Q4_1 blocks: fp16 d (some zero, some negative), m, random quant bytes."""
+    rng = np.random.default_rng(seed)
+    n = rows * cols // 32
+    d = (rng.standard_normal(n) * rng.uniform(1e-4, 2, n)).astype(np.float16)
+    d[::7] = 0.0
+    parts = [d.view(np.uint8).reshape(n, 2)]
+    if kind == "Q4_1":
+        m = (rng.standard_normal(n) * 3).astype(np.float16)
+        parts.append(m.view(np.uint8).reshape(n, 2))
+    parts.append(rng.integers(0, 256, (n, 16), dtype=np.uint8))
+    return torch.from_numpy(np.concatenate(parts, axis=1).reshape(-1).copy())
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("shape", [(1, 32), (7, 96), (13, 64), (3, 576)])
+def test_gguf_blocks_give_the_loaders_floats(kind: str, shape: tuple[int, int]) -> None:
+    raw = gguf_raw(*shape, kind, seed=shape[0] * 1000 + shape[1])
+    gq = from_gguf_blocks(raw, kind, shape)
+    want = _dequantize_blocks(raw.clone(), kind, shape)
+    assert gq.dense().dtype == torch.float32
+    assert torch.equal(bits(gq.dense()), bits(want))
+    assert gq.check() is gq and gq.group == 32
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_gguf_blocks_decoded_weight_by_weight(kind: str) -> None:
+    rows, cols = 3, 64
+    raw = gguf_raw(rows, cols, kind, seed=3)
+    gq = from_gguf_blocks(raw, kind, (rows, cols))
+    size = 18 if kind == "Q4_0" else 20
+    data = raw.numpy().tobytes()
+    for r in range(rows):
+        for c in range(cols):
+            b = (r * cols + c) // 32
+            block = data[b * size : (b + 1) * size]
+            d = float(np.frombuffer(block[0:2], np.float16)[0])
+            qs = block[size - 16 :]
+            j = c % 32
+            q = qs[j] & 0x0F if j < 16 else qs[j - 16] >> 4
+            offset = -8.0 * d if kind == "Q4_0" else float(np.frombuffer(block[2:4], np.float16)[0])
+            assert int(gq.q[r, c]) == q
+            assert float(gq.scale[r, c // 32]) == d
+            assert float(gq.offset[r, c // 32]) == offset
+
+
+def test_gguf_blocks_of_a_real_quantiser() -> None:
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((5, 128)).astype(np.float32)
+    a[1] = np.abs(a[1])
+    for qtype in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1):
+        raw = torch.from_numpy(np.array(gguf.quants.quantize(a, qtype)).reshape(-1))
+        gq = from_gguf_blocks(raw, qtype.name, a.shape)
+        want = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype).reshape(a.shape))
+        assert torch.equal(bits(gq.dense()), bits(want.float()))
+        assert (gq.dense() - torch.from_numpy(a)).abs().max() < 0.4
+
+
+def test_gguf_blocks_refusals() -> None:
+    raw = gguf_raw(2, 64, "Q4_1", seed=0)
+    with pytest.raises(GroupQuantError, match="not 4-bit"):
+        from_gguf_blocks(raw, "Q8_0", (2, 64))
+    with pytest.raises(GroupQuantError, match="takes 80 bytes"):
+        from_gguf_blocks(raw[:-1], "Q4_1", (2, 64))
+    with pytest.raises(GroupQuantError, match="columns in 32s"):
+        from_gguf_blocks(raw, "Q4_1", (4, 40))
+
+
+# --------------------------------------------------------------------------- AWQ
+
+
+AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's pack: nibble i <- column order[i]
+
+
+def pack_awq(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """AutoAWQ's WQLinear_GEMM tensors for q [out, in], z/s [out, in/group], word by word."""
+    out = q.shape[0]
+    qt, zt = q.t().tolist(), z.t().tolist()  # AWQ stores [in, out]
+
+    def pack(rows: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(
+            [
+                [word([r[8 * c + AWQ_PACK_ORDER[i]] for i in range(8)]) for c in range(out // 8)]
+                for r in rows
+            ],
+            dtype=torch.int32,
+        )
+
+    return pack(qt), pack(zt), s.t().contiguous()
+
+
+@pytest.mark.parametrize(
+    ("out", "cols", "group"), [(8, 32, 32), (24, 96, 32), (40, 256, 128), (104, 192, 64)]
+)
+def test_awq(out: int, cols: int, group: int) -> None:
+    q, z, s = random_case(out, cols, group, seed=out + cols)
+    qweight, qzeros, scales = pack_awq(q, z, s)
+    assert qweight.shape == (cols, out // 8) and qzeros.shape == (cols // group, out // 8)
+    assert_decoded(from_awq(qweight, qzeros, scales, group), q, z, s, group)
+
+
+def test_awq_nibble_order_of_one_word() -> None:
+    # Nibble i holds the value i: AutoAWQ put column order[i] there, so columns 0..7 read
+    # 0, 4, 1, 5, 2, 6, 3, 7.
+    qweight = torch.full((32, 1), word(list(range(8))), dtype=torch.int32)
+    qzeros = torch.zeros(1, 1, dtype=torch.int32)
+    gq = from_awq(qweight, qzeros, torch.ones(1, 8, dtype=torch.float16), 32)
+    assert gq.q[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def test_awq_refusals() -> None:
+    q, z, s = random_case(16, 64, 32, seed=0)
+    qweight, qzeros, scales = pack_awq(q, z, s)
+    with pytest.raises(GroupQuantError, match="multiple of 32 dividing the input size 64"):
+        from_awq(qweight, qzeros, scales, 48)
+    with pytest.raises(GroupQuantError, match=r"qzeros must have shape \(2, 2\)"):
+        from_awq(qweight, qzeros[:1], scales, 32)
+    with pytest.raises(GroupQuantError, match="scales must be floating point"):
+        from_awq(qweight, qzeros, scales[:, :8], 32)
+    with pytest.raises(GroupQuantError, match="must be int32"):
+        from_awq(qweight.long(), qzeros, scales, 32)
+
+
+# --------------------------------------------------------------------------- GPTQ
+
+
+def pack_gptq(
+    q: torch.Tensor, zstored: torch.Tensor, s: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AutoGPTQ's QuantLinear tensors for q [out, in], stored zeros / s [out, in/group]:
+    qweight [in/8, out] (input rows 8k..8k+7 in a word), qzeros [in/group, out/8]."""
+    out, cols = q.shape
+    qt, zt = q.t().tolist(), zstored.t().tolist()
+    qweight = torch.tensor(
+        [
+            [word([qt[8 * k + i][o] for i in range(8)]) for o in range(out)]
+            for k in range(cols // 8)
+        ],
+        dtype=torch.int32,
+    )
+    qzeros = torch.tensor(
+        [[word([r[8 * c + j] for j in range(8)]) for c in range(out // 8)] for r in zt],
+        dtype=torch.int32,
+    )
+    return qweight, qzeros, s.t().contiguous()
+
+
+def trivial_g_idx(cols: int, group: int) -> torch.Tensor:
+    return torch.tensor([c // group for c in range(cols)], dtype=torch.int32)
+
+
+@pytest.mark.parametrize(("out", "cols", "group"), [(8, 32, 32), (24, 96, 32), (40, 256, 128)])
+def test_gptq_asymmetric_v1_stores_zero_minus_one(out: int, cols: int, group: int) -> None:
+    # v1 cannot store a zero point of 0 (AutoGPTQ's -1 would spill into the next nibble):
+    # its zero points are 1..16.
+    q, z, s = random_case(out, cols, group, seed=cols, zmin=1, zmax=16)
+    qweight, qzeros, scales = pack_gptq(q, z - 1, s)
+    for g_idx in (None, trivial_g_idx(cols, group)):
+        gq = from_gptq(qweight, qzeros, scales, g_idx, group, sym=False)
+        assert_decoded(gq, q, z, s, group)
+
+
+def test_gptq_asymmetric_v2_stores_the_zero() -> None:
+    q, z, s = random_case(16, 128, 64, seed=9)
+    qweight, qzeros, scales = pack_gptq(q, z, s)
+    gq = from_gptq(qweight, qzeros, scales, None, 64, sym=False, checkpoint_format="gptq_v2")
+    assert_decoded(gq, q, z, s, 64)
+
+
+@pytest.mark.parametrize(("fmt", "stored"), [("gptq", 7), ("gptq_v2", 8)])
+def test_gptq_symmetric_zero_is_eight(fmt: str, stored: int) -> None:
+    q, _, s = random_case(24, 64, 32, seed=4)
+    z = torch.full_like(s, 8, dtype=torch.long)
+    qweight, qzeros, scales = pack_gptq(q, torch.full_like(z, stored), s)
+    gq = from_gptq(
+        qweight, qzeros, scales, trivial_g_idx(64, 32), 32, sym=True, checkpoint_format=fmt
+    )
+    assert_decoded(gq, q, z, s, 32)
+
+
+def test_gptq_group_minus_one_is_one_group_a_row() -> None:
+    q, z, s = random_case(8, 96, 96, seed=2, zmin=1, zmax=16)
+    qweight, qzeros, scales = pack_gptq(q, z - 1, s)
+    gq = from_gptq(qweight, qzeros, scales, torch.zeros(96, dtype=torch.int32), -1, sym=False)
+    assert_decoded(gq, q, z, s, 96)
+
+
+def test_gptq_act_order_is_refused() -> None:
+    q, z, s = random_case(8, 64, 32, seed=5, zmin=1)
+    qweight, qzeros, scales = pack_gptq(q, z - 1, s)
+    act_order = trivial_g_idx(64, 32)[
+        torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    ]
+    with pytest.raises(UnsupportedQuantizationError, match=r"act-order \(desc_act"):
+        from_gptq(qweight, qzeros, scales, act_order, 32, sym=False)
+    with pytest.raises(UnsupportedQuantizationError, match="'marlin' is not supported"):
+        from_gptq(qweight, qzeros, scales, None, 32, sym=False, checkpoint_format="marlin")
+
+
+def test_gptq_bit_layout_of_one_word() -> None:
+    # Input rows 8k + i sit in nibble i of qweight[k]: a word 0x76543210 is rows valued 0..7.
+    qweight = torch.full((4, 8), word(list(range(8))), dtype=torch.int32)
+    qzeros = torch.full((1, 1), word([0, 1, 2, 3, 4, 5, 6, 15]), dtype=torch.int32)
+    gq = from_gptq(qweight, qzeros, torch.ones(1, 8, dtype=torch.float16), None, 32, sym=False)
+    assert gq.q[0].tolist() == list(range(8)) * 4
+    assert (-gq.offset[:, 0]).tolist() == [1, 2, 3, 4, 5, 6, 7, 16]
+
+
+# --------------------------------------------------------------------------- row operations
+
+
+def some(rows: int, cols: int, group: int, seed: int) -> GroupQuant:
+    q, z, s = random_case(rows, cols, group, seed=seed)
+    return GroupQuant(q.to(torch.uint8), s.float(), -(z * s.float()), group)
+
+
+def test_row_operations_match_the_dense_ones() -> None:
+    a, b, c = some(5, 64, 32, 1), some(5, 64, 32, 2), some(3, 64, 32, 3)
+    fused = fuse_rows(a, b, c)
+    assert torch.equal(fused.dense(), repack.fuse_rows(a.dense(), b.dense(), c.dense()))
+    mixed = interleave_rows(a, b)
+    assert torch.equal(mixed.dense(), repack.interleave_rows(a.dense(), b.dense()))
+    assert mixed.q[2].tolist() == a.q[1].tolist() and mixed.q[3].tolist() == b.q[1].tolist()
+    index = torch.tensor([4, 0, 3, 1, 2])
+    assert torch.equal(permute_rows(a, index).dense(), a.dense()[index])
+    for g in (fused, mixed):
+        assert g.q.is_contiguous() and g.scale.is_contiguous() and g.offset.is_contiguous()
+
+
+def test_row_operations_refuse_mismatches() -> None:
+    a = some(4, 64, 32, 1)
+    with pytest.raises(
+        GroupQuantError, match="groups of 64 onto rows of 64 columns in groups of 32"
+    ):
+        fuse_rows(a, some(4, 64, 64, 2))
+    with pytest.raises(GroupQuantError, match="cannot interleave"):
+        interleave_rows(a, some(3, 64, 32, 2))
+    with pytest.raises(GroupQuantError, match="out of range"):
+        permute_rows(a, torch.tensor([0, 4]))
+
+
+def test_dense_in_another_dtype_rounds_the_float32_values() -> None:
+    a = some(6, 96, 32, 7)
+    assert torch.equal(a.dense(torch.bfloat16), a.dense().bfloat16())
+
+
+def test_construction_and_check_refuse_bad_tensors() -> None:
+    q = torch.zeros(4, 64, dtype=torch.uint8)
+    s = torch.ones(4, 2)
+    with pytest.raises(GroupQuantError, match="uint8"):
+        GroupQuant(q.int(), s, s, 32)
+    with pytest.raises(GroupQuantError, match="multiple of 32 dividing the 64 columns"):
+        GroupQuant(q, torch.ones(4, 4), torch.ones(4, 4), 16)
+    with pytest.raises(GroupQuantError, match=r"offset must be float32 \(4, 2\)"):
+        GroupQuant(q, s, s.double(), 32)
+    with pytest.raises(GroupQuantError, match=r"scale must be float32 \(4, 2\)"):
+        GroupQuant(q, torch.ones(4, 1), s, 32)
+    with pytest.raises(GroupQuantError, match=r"0\.\.15; found 16"):
+        GroupQuant(q + 16, s, s, 32).check()
+    with pytest.raises(GroupQuantError, match="non-finite scale"):
+        GroupQuant(q, s / 0.0, s, 32).check()
+
+
+# --------------------------------------------------------------------------- quantize_rtn
+
+
+def test_rtn_is_within_half_a_step_and_zero_exact() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(33, 384) * torch.rand(33, 1) * 3
+    w[:, 5] = 0.0
+    gq = quantize_rtn(w.bfloat16(), 128)
+    assert gq.group == 128 and gq.shape == (33, 384)
+    dense = gq.dense()
+    step = gq.scale.repeat_interleave(128, dim=1)
+    assert bool(((dense - w.bfloat16().float()).abs() <= step * (0.5 + 1e-5)).all())
+    assert bool((dense[:, 5] == 0.0).all())
+    zero = (-gq.offset / gq.scale).round()
+    assert torch.equal(gq.offset, -zero * gq.scale)  # an integer zero point times the scale
+    assert int(zero.min()) >= 0 and int(zero.max()) <= 15
+    # Each group spans the range: its extremes land on the end steps (the zero point's
+    # rounding can move the far end in by one).
+    groups = gq.q.view(33, 3, 128)
+    assert int(groups.amin(dim=2).max()) <= 1 and int(groups.amax(dim=2).min()) >= 14
+
+
+def test_rtn_constant_and_one_signed_groups() -> None:
+    w = torch.zeros(3, 64)
+    w[1, 32:] = 2.5  # positive only: the range is [0, 2.5], zero point 0
+    w[2, :32] = -1e-42  # subnormal: the smallest normal scale instead
+    gq = quantize_rtn(w, 32)
+    assert gq.scale[0].tolist() == [1.0, 1.0] and bool((gq.dense()[0] == 0).all())
+    assert float(gq.offset[1, 1]) == 0.0 and bool((gq.q[1, 32:] == 15).all())
+    assert torch.allclose(gq.dense()[1, 32:], torch.full((32,), 2.5))
+    assert float(gq.scale[2, 0]) == torch.finfo(torch.float32).tiny
+    assert bool((gq.scale > 0).all()) and gq.check() is gq
+
+
+def test_rtn_refusals_and_pick_group() -> None:
+    assert [pick_group(c) for c in (4096, 576, 1536, 160, 32)] == [128, 64, 128, 32, 32]
+    assert pick_group(576, 256) == 64 and pick_group(1536, 256) == 256
+    with pytest.raises(GroupQuantError, match=r"\[2, 576\].*groups of 128.*chooses 64"):
+        quantize_rtn(torch.randn(2, 576), 128)
+    with pytest.raises(GroupQuantError, match="multiple of 32; it is 520"):
+        pick_group(520)
+    with pytest.raises(GroupQuantError, match="NaN"):
+        quantize_rtn(torch.full((1, 32), float("nan")), 32)
