@@ -75,7 +75,6 @@ __device__ __forceinline__ void gemv_drawn(Matrix<F> M, const RowTickets& tk, un
   using S = RowShape<F, K, BATCH>;
   using L = typename F::Load;
   L a[S::B], b[S::B];
-  const LaneInputs<F, K, BATCH> in(xs, lane);
   int r = tk.row(__shfl_sync(0xffffffffu, got, 0));
   if (r < 0) return;
   issue_first<F, K, BATCH>(a, M.at((size_t)r * K), lane);
@@ -86,7 +85,7 @@ __device__ __forceinline__ void gemv_drawn(Matrix<F> M, const RowTickets& tk, un
     if (rn >= 0 && lane == 0) got = draw_ticket(tk.counter);
     issue_first<F, K, BATCH>(nxt, M.at((size_t)(rn >= 0 ? rn : r) * K), lane, rn >= 0);
     const float rs = M.row_scale(r);
-    const float d = warp_sum(row_partial<F, K, BATCH>(cur, M.at((size_t)r * K), xs, lane, in));
+    const float d = warp_sum(row_partial<F, K, BATCH>(cur, M.at((size_t)r * K), xs, lane));
     if (lane == 0) out(r, F::kScaled ? d * (scale * rs) : d * scale);
     r = rn;
     return rn >= 0;

@@ -35,13 +35,12 @@ __device__ __forceinline__ void issue_first(typename F::Load (&buf)[RowShape<F, 
 
 // Dot of 16-byte chunk c of a row with the same kPerLoad floats of xs (stored swizzled,
 // common.cuh). o: 4 where this lane's chunks have their halves swapped, else 0 (lane_half).
-// s: the chunk's input sum where the format needs it (LaneInputs), else unused.
 template <class F>
 __device__ __forceinline__ float dot_load(const typename F::Load u, const float* __restrict__ xs,
-                                          int c, int o, float s) {
+                                          int c, int o) {
   static_assert(F::kPerLoad % 8 == 0, "the input is read in 8-float units (32-byte swizzle)");
   if constexpr (F::kGroups) {
-    return F::dot_chunk(u, xs + F::kPerLoad * c, c, o, s);
+    return F::dot_chunk(u, xs + F::kPerLoad * c, c, o);
   } else {
     float4 x[F::kPerLoad / 4];
     load_inputs<F::kPerLoad>(x, xs + F::kPerLoad * c, o);
@@ -56,39 +55,18 @@ __device__ __forceinline__ int lane_half(const float* xs, int lane) {
   return swz_off(xs + F::kPerLoad * lane);
 }
 
-// What a lane needs of the input for every row of a GEMV, read once a call: for a group
-// format (int4.cuh) the sums of its chunks' inputs; for the others nothing.
-template <class F, int K, int BATCH, bool kGroups = F::kGroups>
-struct LaneInputs {
-  __device__ __forceinline__ LaneInputs(const float*, int) {}
-  __device__ __forceinline__ float at(int) const { return 0.f; }
-};
-template <class F, int K, int BATCH>
-struct LaneInputs<F, K, BATCH, true> {
-  using S = RowShape<F, K, BATCH>;
-  float sum[S::N];
-  __device__ __forceinline__ LaneInputs(const float* __restrict__ xs, int lane) {
-#pragma unroll
-    for (int i = 0; i < S::N; ++i) {
-      const int c = i * 32 + lane;
-      sum[i] = c < S::C ? F::chunk_sum(xs + F::kPerLoad * c) : 0.f;
-    }
-  }
-  __device__ __forceinline__ float at(int i) const { return sum[i]; }
-};
-
 // Lane-partial dot of row w with xs; the first batch was issued earlier into `first`.
 template <class F, int K, int BATCH>
 __device__ __forceinline__ float row_partial(
     const typename F::Load (&first)[RowShape<F, K, BATCH>::B], typename F::Ptr w,
-    const float* __restrict__ xs, int lane, const LaneInputs<F, K, BATCH>& in) {
+    const float* __restrict__ xs, int lane) {
   using S = RowShape<F, K, BATCH>;
   const int o = lane_half<F>(xs, lane);
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < S::B; ++i) {
     const int c = i * 32 + lane;
-    if (c < S::C) acc += dot_load<F>(first[i], xs, c, o, in.at(i));
+    if (c < S::C) acc += dot_load<F>(first[i], xs, c, o);
   }
 #pragma unroll
   for (int b0 = S::B; b0 < S::N; b0 += S::B) {
@@ -101,7 +79,7 @@ __device__ __forceinline__ float row_partial(
 #pragma unroll
     for (int i = 0; i < S::B; ++i) {
       const int c = (b0 + i) * 32 + lane;
-      if (b0 + i < S::N && c < S::C) acc += dot_load<F>(buf[i], xs, c, o, in.at(b0 + i));
+      if (b0 + i < S::N && c < S::C) acc += dot_load<F>(buf[i], xs, c, o);
     }
   }
   return acc;
@@ -182,7 +160,6 @@ __device__ __forceinline__ void gemv_split(Matrix<F> M, int rows, const float* _
     if (j < iters && r < rows) b0 = bias[r];
   }
   const RowScales<F> scales(M, u0, units, iters, rows, lane);
-  const LaneInputs<F, P::KP, kBatch> in(xp, lane);
   // Row it of this unit: its first batch is in cur; the next row's goes into nxt.
   auto row = [&](L(&cur)[S::B], L(&nxt)[S::B], int it, int it0) {
     const int r = u0 + it * units;
@@ -191,8 +168,7 @@ __device__ __forceinline__ void gemv_split(Matrix<F> M, int rows, const float* _
     if (PIPE) issue_first<F, P::KP, kBatch>(nxt, wn, lane, rn < rows);
     float d = 0.f;
     if (r < rows)
-      d = warp_sum(
-          row_partial<F, P::KP, kBatch>(cur, M.at((size_t)r * K + s * P::KP), xp, lane, in));
+      d = warp_sum(row_partial<F, P::KP, kBatch>(cur, M.at((size_t)r * K + s * P::KP), xp, lane));
     if constexpr (F::kScaled) d *= r < rows ? scales.at(M, it, r) : 0.f;
     if (lane == 0) part[warp * kSplitSlots + (it - it0)] = d;
     if (!PIPE) issue_first<F, P::KP, kBatch>(nxt, wn, lane, rn < rows);
@@ -249,7 +225,6 @@ __device__ __forceinline__ void gemv_pairs(Matrix<F> M, int pairs, int p0, int s
     const size_t r = 2 * ((size_t)p0 + (size_t)(lane >> 1) * step) + (lane & 1);
     if (lane < count && r < 2 * (size_t)pairs) sc = M.row_scale(r);
   }
-  const LaneInputs<F, K, MK_BATCH2> in(xs, lane);
   for (int p = p0, k = 0; p < pairs; p += step, ++k) {
     typename F::Load n0[S::B], n1[S::B];
     const int pn = p + step;
@@ -259,10 +234,8 @@ __device__ __forceinline__ void gemv_pairs(Matrix<F> M, int pairs, int p0, int s
       issue_first<F, K, MK_BATCH2>(n1, M.at((2 * q + 1) * K), lane, pn < pairs);
     }
     // While row 2p is reduced, row 2p+1's first batch is already in flight.
-    const float a =
-        row_partial<F, K, MK_BATCH2>(pre0, M.at((size_t)(2 * p) * K), xs, lane, in);
-    const float b =
-        row_partial<F, K, MK_BATCH2>(pre1, M.at((size_t)(2 * p + 1) * K), xs, lane, in);
+    const float a = row_partial<F, K, MK_BATCH2>(pre0, M.at((size_t)(2 * p) * K), xs, lane);
+    const float b = row_partial<F, K, MK_BATCH2>(pre1, M.at((size_t)(2 * p + 1) * K), xs, lane);
     if constexpr (F::kScaled) {
       const bool held = 2 * k + 1 < 32;
       const float s0 = held ? __shfl_sync(0xffffffffu, sc, 2 * k) : M.row_scale(2 * (size_t)p);

@@ -8,10 +8,8 @@
 //
 // Widening: a byte 0x80 | q put in bits 16..23 under 0x3f is the float 1 + q / 128, one byte
 // permute a weight (after one mask a word for four low nibbles, a shift and a mask for the
-// high ones). So a chunk sums f = sum (1 + q/128) x, and with s = sum x its dot product is
-// a * 128 * (f - s) + b * s: exact in q, the rounding that of fp32 sums over 32 terms. s is
-// the same for every row, so a lane sums its chunks' inputs once a GEMV (gemv.cuh
-// LaneInputs), not once a row.
+// high ones). So a chunk sums f = sum (1 + q/128) x and s = sum x, and its dot product is
+// a * 128 * (f - s) + b * s: exact in q, the rounding that of fp32 sums over 32 terms.
 //
 // Inputs: a chunk takes 32 floats (128 bytes) of the swizzled input, so lanes 128 bytes
 // apart would all read the same banks. The packer stores chunk c's words rotated by
@@ -71,25 +69,12 @@ struct Int4Groups {
     return {make_uint4(0u, 0u, 0u, 0u), make_float2(0.f, 0.f)};
   }
 
-  // The sum of a chunk's 32 inputs at q (the same for every row: gemv.cuh LaneInputs; the
-  // swizzle moves them within the chunk, so the sum reads them where they lie).
-  __device__ static __forceinline__ float chunk_sum(const float* __restrict__ q) {
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float4 x = *reinterpret_cast<const float4*>(q + 4 * j);
-      s += (x.x + x.y) + (x.z + x.w);
-    }
-    return s;
-  }
-
-  // Chunk c's dot product with its 32 inputs at q (swizzled, o as gemv.cuh dot_load's),
-  // whose sum is s: the lows and the highs on two chains, so each waits half as long.
+  // Chunk c's dot product with its 32 inputs at q (swizzled, o as gemv.cuh dot_load's).
   __device__ static __forceinline__ float dot_chunk(const Load u, const float* __restrict__ q,
-                                                    int c, int o, float s) {
+                                                    int c, int o) {
     const int rho = (c >> 1) & 3;
     const uint32_t w[4] = {u.w.x, u.w.y, u.w.z, u.w.w};
-    float f0 = 0.f, f1 = 0.f;
+    float f = 0.f, s = 0.f;
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
       const float* unit = q + 8 * ((t + rho) & 3);
@@ -97,15 +82,16 @@ struct Int4Groups {
       const float4 x1 = *reinterpret_cast<const float4*>(unit + 4 - o);
       const uint32_t lo = (w[t] & 0x0f0f0f0fu) | 0x80808080u;
       const uint32_t hi = ((w[t] >> 4) & 0x0f0f0f0fu) | 0x80808080u;
-      f0 = fmaf(nibble_unit<0>(lo), x0.x, f0);
-      f1 = fmaf(nibble_unit<0>(hi), x1.x, f1);
-      f0 = fmaf(nibble_unit<1>(lo), x0.y, f0);
-      f1 = fmaf(nibble_unit<1>(hi), x1.y, f1);
-      f0 = fmaf(nibble_unit<2>(lo), x0.z, f0);
-      f1 = fmaf(nibble_unit<2>(hi), x1.z, f1);
-      f0 = fmaf(nibble_unit<3>(lo), x0.w, f0);
-      f1 = fmaf(nibble_unit<3>(hi), x1.w, f1);
+      f = fmaf(nibble_unit<0>(lo), x0.x, f);
+      f = fmaf(nibble_unit<1>(lo), x0.y, f);
+      f = fmaf(nibble_unit<2>(lo), x0.z, f);
+      f = fmaf(nibble_unit<3>(lo), x0.w, f);
+      f = fmaf(nibble_unit<0>(hi), x1.x, f);
+      f = fmaf(nibble_unit<1>(hi), x1.y, f);
+      f = fmaf(nibble_unit<2>(hi), x1.z, f);
+      f = fmaf(nibble_unit<3>(hi), x1.w, f);
+      s += ((x0.x + x0.y) + (x0.z + x0.w)) + ((x1.x + x1.y) + (x1.z + x1.w));
     }
-    return fmaf(u.ab.x * 128.f, (f0 + f1) - s, u.ab.y * s);
+    return fmaf(u.ab.x * 128.f, f - s, u.ab.y * s);
   }
 };
