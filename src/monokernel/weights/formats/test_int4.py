@@ -150,3 +150,53 @@ def test_the_registry_and_refusals() -> None:
     q, a, b = groups_of(random_matrix(2, 96), 32)
     with pytest.raises(ValueError, match="quants are uint8"):
         Int4Groups(32).pack_groups(q.to(torch.int32), a, b)
+
+
+# The Triton dequantisation (int4_triton.py) run by Triton's interpreter on the CPU: it
+# converts to bf16 by truncation (the GPU rounds to nearest), so it is checked against the
+# float32 values truncated; the GPU test below checks the rounding.
+_INTERPRETED = """
+import torch
+from monokernel.weights.formats.int4 import Int4Groups
+from monokernel.weights.formats.int4_triton import BLOCK, _kernel
+for rows, cols, group in [(5, 576, 64), (3, 1408, 32), (2, 4096, 128), (1, 96, 32)]:
+    fmt = Int4Groups(group)
+    m = fmt.pack(torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols)))
+    out = torch.empty(rows, cols, dtype=torch.bfloat16)
+    _kernel()[(rows, -(-cols // BLOCK))](m.data, m.scales[0], out, cols, G=group, BLOCK=BLOCK)
+    w = fmt.dense(m, torch.float32)
+    truncated = (w.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+    assert torch.equal(out, truncated), (rows, cols, group)
+print("ok")
+"""
+
+
+def test_the_triton_dequantisation_reads_the_layout() -> None:
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.gpu
+def test_the_triton_dequantisation_is_the_dense_matrix_in_bf16() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from monokernel.weights.formats.int4_triton import dequantize_bf16
+
+    for rows, cols, group in [(37, 576, 64), (300, 1408, 32), (1024, 4096, 128)]:
+        fmt = Int4Groups(group)
+        m = fmt.pack(random_matrix(rows, cols, seed=cols).cuda())
+        got = dequantize_bf16(m.data, m.scales[0], cols).float()
+        w = fmt.dense(m, torch.float32)
+        # Triton may fuse a * q + b: one bf16 rounding of the float32 value, or where that is
+        # 0 (q = the zero point) a residue far below the group's step.
+        ulp = torch.finfo(torch.bfloat16).eps * w.abs()
+        step = m.scales[0][:, :, 0].repeat_interleave(group, dim=1)
+        assert bool(((got - w).abs() <= torch.maximum(ulp, 1e-6 * step)).all())

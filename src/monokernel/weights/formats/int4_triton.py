@@ -1,0 +1,56 @@
+"""int4's dequantisation on the GPU in one Triton kernel: what the bf16 prefill multiplies
+by, made once a prompt for every matrix (int4.py dense). The torch path takes ~8 passes over
+~8 bytes a weight; this one reads the packed byte and its group's pair and writes the bf16
+weight, one launch a matrix (on the 8B shape it was most of a 64-token prompt's TTFT)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+BLOCK = 1024  # output columns a program writes
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dequant_int4(
+        data_ptr, pairs_ptr, out_ptr, cols, G: tl.constexpr, BLOCK: tl.constexpr
+    ):  # fmt: skip
+        # Program (row, column block): int4.py's layout read backwards, a weight at a time.
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = col < cols
+        chunk = col // 32
+        within = col % 32
+        word = ((within // 8) - ((chunk >> 1) & 3)) & 3  # stored word of natural word
+        j = within % 8
+        byte = tl.load(
+            data_ptr + row * (cols // 2) + chunk * 16 + word * 4 + (j % 4), mask=live, other=0
+        )
+        q = ((byte.to(tl.int32) >> (4 * (j // 4))) & 15).to(tl.float32)
+        pair = pairs_ptr + (row * (cols // G) + col // G) * 2
+        a = tl.load(pair, mask=live, other=0.0)
+        b = tl.load(pair + 1, mask=live, other=0.0)
+        tl.store(out_ptr + row * cols + col, (q * a + b).to(tl.bfloat16), mask=live)
+
+    return dequant_int4
+
+
+def dequantize_bf16(data: torch.Tensor, pairs: torch.Tensor, cols: int) -> torch.Tensor:
+    """The packed int4 matrix (data uint8 [rows, cols / 2], pairs float32 [rows, groups, 2])
+    as bf16 [rows, cols], on data's CUDA device: a * q + b, which Triton may fuse into one
+    multiply-add, rounded to bf16. So each weight is within one bf16 rounding of dense()'s
+    float32 value; where that is 0 (q at the group's zero point) a fused residue of the
+    scale's own rounding, ~1e-8 of the step, may stand in for it."""
+    rows = data.shape[0]
+    out = torch.empty(rows, cols, dtype=torch.bfloat16, device=data.device)
+    group = cols // pairs.shape[1]
+    grid = (rows, -(-cols // BLOCK))
+    _kernel()[grid](data, pairs, out, cols, G=group, BLOCK=BLOCK)
+    return out
