@@ -25,6 +25,9 @@ from monokernel.bench.engines import (
     WeightSource,
     check_engine_label,
 )
+from monokernel.bench.llama_cpp import ENGINE as LLAMA_CPP
+from monokernel.bench.llama_cpp import INSTALL_HINT as LLAMA_CPP_HINT
+from monokernel.bench.llama_cpp import available as llama_cpp_available
 from monokernel.bench.measure import split_engine
 from monokernel.bench.records import prompt_label
 from monokernel.bench.sweep import EngineLimits, SweepConfig, run_benchmark
@@ -141,6 +144,14 @@ def _parser() -> argparse.ArgumentParser:
         "--endpoint-prompt", choices=["ids", "text"], default="ids", help="send token ids or text"
     )
     ap.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="also time llama.cpp (llama-cpp-python, if installed) on the --model GGUF file",
+    )
+    ap.add_argument(
+        "--llama-cpp-threads", type=int, metavar="N", help="llama.cpp's threads (default: torch's)"
+    )
+    ap.add_argument(
         "--time-budget", type=float, metavar="S", help="start no new cell after S seconds"
     )
     ap.add_argument("--seed", type=int, default=0, help="weights and prompts")
@@ -179,6 +190,8 @@ def _engines(args: argparse.Namespace) -> list[str]:
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
     if args.endpoint and "endpoint" not in names:
         names.append("endpoint")
+    if args.llama_cpp and LLAMA_CPP not in names:
+        names.append(LLAMA_CPP)
     return list(dict.fromkeys(names))
 
 
@@ -203,12 +216,19 @@ def main(argv: list[str]) -> int:
     if "endpoint" in names and not args.endpoint:
         print("engine 'endpoint' needs --endpoint URL", file=sys.stderr)
         return 2
+    if LLAMA_CPP in names:
+        if not llama_cpp_available():
+            print(LLAMA_CPP_HINT, file=sys.stderr)
+            return 2
+        if not (args.model or "").endswith(".gguf"):
+            print("engine 'llama.cpp' runs a GGUF file: pass --model FILE.gguf", file=sys.stderr)
+            return 2
     device = _device(args.device)
     gpu_only = [n for n in names if split_engine(n)[0] in GPU_ONLY]
     if device.type != "cuda" and gpu_only:
         print(
             f"monokernel bench needs an NVIDIA GPU for engine(s) {', '.join(gpu_only)} "
-            "(on the CPU: --engines reference,torch,hf,endpoint)",
+            "(on the CPU: --engines reference,torch,hf,endpoint,llama.cpp)",
             file=sys.stderr,
         )
         return 2
@@ -233,6 +253,8 @@ def main(argv: list[str]) -> int:
                 endpoint_model=args.endpoint_model,
                 endpoint_api_key=args.endpoint_api_key,
                 endpoint_prompt=args.endpoint_prompt,
+                gguf_path=args.model if LLAMA_CPP in names else None,
+                threads=args.llama_cpp_threads,
             ),
         )
     except ValueError as e:

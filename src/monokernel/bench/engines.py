@@ -1,7 +1,8 @@
 """The engines the bench can time, behind one small interface.
 
 ``monokernel``, ``torch`` and ``reference`` are our decode backends; ``hf`` is transformers'
-``model.generate`` on the same weights; ``endpoint`` is any OpenAI-compatible server. Each is
+``model.generate`` on the same weights; ``endpoint`` is any OpenAI-compatible server;
+``llama.cpp`` is llama-cpp-python on the same GGUF file (a CPU peer, when installed). Each is
 opened per (prompt, gen) cell, sized for that cell's context, and closed after it, so an
 engine whose cost depends on the allocated context (a static KV cache read whole) is timed at
 the context the cell needs and not at the sweep's largest.
@@ -27,7 +28,7 @@ from monokernel.weights.names import Weights
 WeightSource = Weights | Callable[[], Weights]
 
 BACKENDS = BACKEND_CLASSES  # our engines, by name (runtime/backends)
-ENGINES: tuple[str, ...] = (*BACKENDS, "hf", "endpoint")
+ENGINES: tuple[str, ...] = (*BACKENDS, "hf", "endpoint", "llama.cpp")
 GPU_ONLY: frozenset[str] = frozenset({"monokernel"})
 
 
@@ -51,6 +52,8 @@ class EngineOptions:
     endpoint_api_key: str | None = None
     endpoint_prompt: str = "ids"  # "ids" | "text"
     endpoint_transport: str = "auto"  # "auto" (httpx if installed) | "httpx" | "urllib"
+    gguf_path: str | None = None  # the model's GGUF file, for llama.cpp
+    threads: int | None = None  # llama.cpp's threads; None: torch's
 
 
 class BackendRunner:
@@ -115,6 +118,13 @@ def open_runner(
             prompt_mode=options.endpoint_prompt,
             transport=options.endpoint_transport,
         )
+    if name == "llama.cpp":
+        from monokernel.bench.llama_cpp import LlamaCppRunner
+
+        if not options.gguf_path:
+            raise ValueError("engine 'llama.cpp' needs --model FILE.gguf")
+        threads = options.threads or torch.get_num_threads()
+        return LlamaCppRunner(options.gguf_path, max_len, threads)
     if weights is None:
         raise ValueError(f"engine {name!r} needs the model's weights")
     owned = callable(weights)

@@ -76,7 +76,6 @@ NO_GPU_CASES: list[tuple[str, list[str], str]] = [
     ("--stop", ["--stop", "", "hi"], "must not be empty"),
     ("--engine", ["--engine", "monokernel", "hi"], "needs an NVIDIA GPU"),
     ("--engine", ["--engine", "monokernel", "--device", "cpu", "hi"], "needs an NVIDIA GPU"),
-    ("--engine", ["--engine", "torch", "hi"], "needs an NVIDIA GPU"),
     ("--engine", ["--engine", "tpu", "hi"], "invalid choice"),
     ("--speculative", ["--speculative", "eagle", "hi"], "invalid choice: 'eagle'"),
     (

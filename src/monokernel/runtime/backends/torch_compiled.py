@@ -3,7 +3,9 @@
 The reference model's math with a static KV cache, one decode step compiled by
 ``torch.compile(mode="reduce-overhead")`` so that it replays as a CUDA graph; greedy argmax
 inside the graph, the next input fed back on the device. Prefill runs on the reference model
-straight into the same cache. On the CPU (tests) the same step runs eagerly.
+straight into the same cache. On the CPU the same step runs eagerly, or with ``cpu_packed``
+(what the engine builds there: runtime/backends/__init__.py) on 4- and 8-bit matrices
+(cpu_packed.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from monokernel.models.config import ModelConfig
 from monokernel.models.rope import apply_rope
 from monokernel.models.transformer import KVCache, Transformer, rms_norm
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
+from monokernel.runtime.backends.cpu_packed import PackedCpuStep
 from monokernel.runtime.constrained import sample_masked
 from monokernel.runtime.sampling import penalize, unsupported_penalty_reason
 from monokernel.runtime.speculative import Speculating
@@ -104,21 +107,33 @@ class TorchBackend(Speculating):
         max_seq_len: int,
         device: torch.device,
         compile: bool | None = None,
+        cpu_packed: bool = False,
     ) -> None:
+        """``cpu_packed``: on the CPU, decode from the layers' matrices packed in 4 or 8 bits
+        (cpu_packed.py: close to the float32 step, not bitwise); off, the float32 step that
+        matches the reference exactly (the tests compare the engines with it)."""
         self.cfg, self.device, self.max_seq_len = cfg, torch.device(device), max_seq_len
         self.ref = Transformer(cfg, weights, max_seq_len)
         self.cache = self.ref.new_cache(max_seq_len)
-        self.module = _DecodeStep(self.ref, self.cache)
+        self.packed: PackedCpuStep | None = None
+        self.module: _DecodeStep | PackedCpuStep
+        if cpu_packed and self.device.type == "cpu":
+            self.module = self.packed = PackedCpuStep(self.ref, self.cache)
+        else:
+            self.module = _DecodeStep(self.ref, self.cache)
         use_compile = self.device.type == "cuda" if compile is None else compile
-        self.compiled = use_compile
+        self.compiled = use_compile and self.packed is None
         self._step = (
             torch.compile(self.module, mode="reduce-overhead", fullgraph=True)
-            if use_compile
+            if self.compiled
             else self.module
         )
 
     def _forward(self, tokens: list[int], start: int) -> torch.Tensor:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        if self.packed is not None:
+            # Drafts verified with the decode step's own arithmetic (cpu_packed.py).
+            return self.packed.forward_tokens(ids, start)
         return self.ref.forward(ids, start, self.cache)
 
     def _call(self) -> torch.Tensor:
@@ -171,4 +186,4 @@ class TorchBackend(Speculating):
             pos += 1
 
     def close(self) -> None:
-        del self._step, self.module, self.cache, self.ref
+        del self._step, self.module, self.packed, self.cache, self.ref

@@ -1,0 +1,262 @@
+"""The torch engine's decode step on the CPU: each layer's matrices read as 4- or 8-bit
+integers by PyTorch's own CPU kernels.
+
+At batch 1 a decode step reads every weight once, so on a CPU the bytes a token set the
+speed: the float32 step of the default model (SmolLM2-135M) reads ~540 MB a token, ~12
+tokens/s on 2 cores. Here each matrix is packed once, at load, as
+
+* int4 in groups of 32 with a scale and a zero each (``torch._weight_int4pack_mm_for_cpu``)
+  when its values already lie on such a grid, as a Q4_1 GGUF's do once dequantised: the
+  packing then loses only the bf16 rounding of each group's scale and zero;
+* int8 with one bf16 scale a row (``torch._weight_int8pack_mm``) otherwise, and for the LM
+  head (+0.3% perplexity for int8 layers on the default model);
+* float32, as loaded, where a shape fits neither kernel (int4 needs rows % 16 == 0 and
+  cols % 32 == 0; int8 cols % 8 == 0: other widths sum wrongly, or crash).
+
+Both kernels want bf16 activations (float32 ones take a path ~10x slower), so each matrix
+input is rounded to bf16; the residual stream, norms, RoPE, attention and the KV cache stay
+float32, as in the reference. The head's bf16 logits carry ~3 significant digits, so the
+top ``RESCORE`` candidates are scored again from the float32 table: greedy picks what the
+float32 head would pick for that hidden state.
+
+The prompt's prefill stays on the float32 reference (Transformer.prefill): for many tokens
+float32 GEMMs beat these GEMV kernels on a CPU. A forward of several tokens here
+(speculative verification) gives bitwise the logits of as many single steps, because both
+kernels compute each input row on its own and attention runs a query at a time, so drafts
+are accepted exactly when plain decoding would have produced them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from monokernel.models.config import ModelConfig
+from monokernel.models.transformer import KVCache, Transformer, rms_norm
+
+GROUP = 32  # weights sharing an int4 scale and zero: a Q4_1 block
+RESCORE = 16  # LM-head candidates scored again in float32
+_ACT = torch.bfloat16  # the kernels' fast activation dtype
+# A float32 value is "on the grid" within this fraction of the grid's step: float32
+# dequantisation (q * d + m) is off by a few ulps, an off-grid weight by up to half a step.
+_GRID_TOL = 1e-3
+
+
+@dataclass(frozen=True, slots=True)
+class PackedLinear:
+    """``y = x W^T + b`` with W [rows, cols] stored as ``kind``."""
+
+    kind: str  # "int4" | "int8" | "float32"
+    data: torch.Tensor  # int4: the kernel's packed bytes; int8: [rows, cols]; float32: W
+    scales: torch.Tensor | None  # int4: [cols/32, rows, 2] (scale, zero); int8: [rows]; bf16
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, cols] -> [T, rows]: bf16 from the integer kernels (the next matrix reads
+        bf16 anyway), float32 from a float32 matrix or with a bias."""
+        if self.kind != "float32" and x.dtype != _ACT:  # a call saved when already bf16
+            x = x.to(_ACT)
+        if self.kind == "int4":
+            y = torch._weight_int4pack_mm_for_cpu(x, self.data, GROUP, self.scales)
+        elif self.kind == "int8":
+            y = torch._weight_int8pack_mm(x, self.data, self.scales)
+        else:
+            y = F.linear(x.float(), self.data)
+        return y if self.bias is None else y + self.bias
+
+    def dense(self) -> torch.Tensor:
+        """The [rows, cols] float32 matrix the kernel multiplies by (for tests)."""
+        if self.kind == "float32":
+            return self.data
+        if self.kind == "int8":
+            assert self.scales is not None
+            return self.data.float() * self.scales.float()[:, None]
+        assert self.scales is not None
+        cols = self.scales.shape[0] * GROUP
+        # The kernel applied to the identity (its float32 path: exact sums) reads back the
+        # values it dequantises, whatever its packed layout.
+        eye = torch.eye(cols)
+        return torch._weight_int4pack_mm_for_cpu(eye, self.data, GROUP, self.scales.float()).T
+
+
+def int4_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q [rows, cols] int32 in 0..15, scale, zero [rows, cols/32] float32) such that
+    ``w = (q - 8) * scale + zero`` group by group, when every group of 32 in a row holds at
+    most 16 evenly spaced values from its minimum to its maximum (a Q4_1 block's
+    ``q * d + m``); None when a group does not, or the shape fits no int4 kernel."""
+    rows, cols = w.shape
+    if rows % 16 or cols % GROUP:
+        return None
+    # The first rows decide quickly for a matrix that was never 4-bit (most checkpoints).
+    if rows > 16 and _on_grid(w[:16]) is None:
+        return None
+    return _on_grid(w)
+
+
+def _on_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    rows, cols = w.shape
+    g = w.float().reshape(rows, cols // GROUP, GROUP)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    step = (hi - lo) / 15
+    q = torch.where(step > 0, (g - lo) / torch.where(step > 0, step, 1.0), 0.0).round()
+    if ((q * step + lo - g).abs() > _GRID_TOL * step).any():
+        return None
+    return q.reshape(rows, cols).to(torch.int32), step[..., 0], (lo + 8 * step)[..., 0]
+
+
+def pack_int8(w: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+    """W [rows, cols] (cols % 8 == 0) as int8, symmetric, one bf16 scale a row."""
+    wf = w.float()
+    amax = wf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127, 1.0).to(_ACT)
+    q = (wf / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return PackedLinear("int8", q, scale, None if bias is None else bias.float())
+
+
+def pack_linear(w: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+    """W [rows, cols] (any float dtype) in the best format its values and shape allow."""
+    grid = int4_grid(w)
+    if grid is not None:
+        q, scale, zero = grid
+        packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        sz = torch.stack((scale.T, zero.T), dim=-1).to(_ACT).contiguous()
+        return PackedLinear("int4", packed, sz, None if bias is None else bias.float())
+    if w.shape[1] % 8 == 0:
+        return pack_int8(w, bias)
+    return PackedLinear("float32", w.float(), None, None if bias is None else bias.float())
+
+
+class PackedCpuStep:
+    """The decode step of ``TorchBackend`` on the CPU: the same buffers (``tok``, ``pos``)
+    and the same contract as its ``_DecodeStep``, on packed matrices. Reads and writes the
+    reference's KV cache, so the prompt's prefill can run on the reference.
+
+    Written for few torch calls a layer (~30): each costs ~3-5 µs of dispatch on a small
+    CPU, ~5 ms a token over 30 layers, as much as a third of the kernels' time."""
+
+    def __init__(self, ref: Transformer, cache: KVCache) -> None:
+        cfg, w = ref.cfg, ref.w
+        self.cfg, self.cache = cfg, cache
+        self.k_layers, self.v_layers = list(cache.k), list(cache.v)  # views, indexed once
+        self.embed = w["embed"].float()
+        self.head_table = self.embed if cfg.tie_word_embeddings else w["lm_head"].float()
+        # int8 whatever the table holds: the top candidates are rescored anyway.
+        self.head = pack_int8(self.head_table) if cfg.hidden_size % 8 == 0 else None
+        self.norm = self._gain(w["norm"])
+        # RoPE as x * cos2 + roll(x, d/2) * sin2: three calls instead of apply_rope's dozen.
+        self.cos2 = torch.cat((ref.cos, ref.cos), dim=-1)[:, None, :]  # [max_len, 1, d]
+        self.sin2 = torch.cat((-ref.sin, ref.sin), dim=-1)[:, None, :]
+        self.layers = [_Layer.pack(cfg, w, n, self._gain) for n in range(cfg.num_layers)]
+        self.tok = torch.zeros(1, dtype=torch.long)  # the input token; then the greedy next
+        self.pos = torch.zeros(1, dtype=torch.long)  # the input token's position
+
+    def _gain(self, g: torch.Tensor) -> torch.Tensor:
+        # rms_norm(x) * g == x / ||x|| * (g * sqrt(h)) up to eps / (2 mean(x^2)) relative,
+        # far below the bf16 rounding the result meets next; one norm call instead of six.
+        return g.float() * self.cfg.hidden_size**0.5
+
+    @staticmethod
+    def _normed(x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        return x * gain / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+
+    def _attention(self, h: torch.Tensor, lw: _Layer, n: int, start: int) -> torch.Tensor:
+        cfg, t, end = self.cfg, h.shape[0], start + h.shape[0]
+        nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        heads = lw.qkv(h).view(t, nh + 2 * kvh, d)  # Q, K, V heads side by side
+        qk = heads[:, : nh + kvh]
+        if lw.q_norm is not None and lw.k_norm is not None:
+            qk = torch.cat(
+                (
+                    rms_norm(qk[:, :nh].float(), lw.q_norm, cfg.rms_norm_eps),
+                    rms_norm(qk[:, nh:].float(), lw.k_norm, cfg.rms_norm_eps),
+                ),
+                dim=1,
+            )
+        # The bf16 product with the float32 tables is float32, as the reference's RoPE.
+        qk = torch.addcmul(qk * self.cos2[start:end], qk.roll(d // 2, -1), self.sin2[start:end])
+        k_cache, v_cache = self.k_layers[n], self.v_layers[n]  # [kvh, max_len, d]
+        if t == 1:  # one indexing call fewer than the slice below, which a decode step feels
+            k_cache[:, start] = qk[0, nh:]
+            v_cache[:, start] = heads[0, nh + kvh :]
+        else:
+            k_cache[:, start:end] = qk[:, nh:].transpose(0, 1)
+            v_cache[:, start:end] = heads[:, nh + kvh :].transpose(0, 1)
+        q = qk if qk.dtype == k_cache.dtype else qk.to(k_cache.dtype)  # bf16 engine: bf16 cache
+        # A query at a time, over exactly the keys it sees: the same arithmetic whether a
+        # token comes alone (decode) or with others (verification).
+        out = [
+            F.scaled_dot_product_attention(
+                q[i, :nh, None],
+                k_cache[:, : start + i + 1],
+                v_cache[:, : start + i + 1],
+                enable_gqa=True,
+            ).view(1, cfg.q_size)
+            for i in range(t)
+        ]
+        return lw.wo(out[0] if t == 1 else torch.cat(out))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.head is None:
+            return F.linear(x, self.head_table)
+        logits = self.head(x).float()  # [T, V], within ~1% of the float32 head's
+        top = logits.topk(min(RESCORE, logits.shape[-1]), dim=-1).indices  # [T, k]
+        exact = (self.head_table[top] * x[:, None, :]).sum(-1)
+        return logits.scatter_(1, top, exact)
+
+    @torch.inference_mode()
+    def forward_tokens(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """tokens [T] int64 at positions start.. -> logits [T, V] float32 (the cache must
+        hold positions < start)."""
+        x = self.embed[tokens]
+        for n, lw in enumerate(self.layers):
+            x = x + self._attention(self._normed(x, lw.attn_norm), lw, n, start)
+            gate, up = lw.gate_up(self._normed(x, lw.ffn_norm)).chunk(2, dim=-1)
+            x = x + lw.down(F.silu(gate) * up)
+        return self._logits(self._normed(x, self.norm))
+
+    def __call__(self) -> torch.Tensor:
+        """Input ``tok`` at ``pos`` -> logits [V] float32; leaves the greedy next token in
+        ``tok`` and advances ``pos``, as the GPU step does."""
+        logits = self.forward_tokens(self.tok, int(self.pos))[0]
+        self.pos.add_(1)
+        self.tok.copy_(torch.argmax(logits).view(1))
+        return logits
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    attn_norm: torch.Tensor  # the norms' gains, times sqrt(hidden) (PackedCpuStep._gain)
+    ffn_norm: torch.Tensor
+    qkv: PackedLinear  # Q, K and V in one call, gate and up in one: fewer passes over x
+    wo: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+    @classmethod
+    def pack(
+        cls,
+        cfg: ModelConfig,
+        w: Mapping[str, torch.Tensor],
+        n: int,
+        gain: Callable[[torch.Tensor], torch.Tensor],
+    ) -> _Layer:
+        p = f"layers.{n}."
+        qkv_bias = None
+        if cfg.qkv_bias:
+            qkv_bias = torch.cat([w[p + "bq"], w[p + "bk"], w[p + "bv"]])
+        q_norm, k_norm = w.get(p + "q_norm"), w.get(p + "k_norm")
+        return cls(
+            attn_norm=gain(w[p + "attn_norm"]),
+            ffn_norm=gain(w[p + "ffn_norm"]),
+            qkv=pack_linear(torch.cat([w[p + "wq"], w[p + "wk"], w[p + "wv"]]), qkv_bias),
+            wo=pack_linear(w[p + "wo"], w.get(p + "bo")),
+            gate_up=pack_linear(torch.cat([w[p + "w_gate"], w[p + "w_up"]])),
+            down=pack_linear(w[p + "w_down"]),
+            q_norm=None if q_norm is None else q_norm.float(),
+            k_norm=None if k_norm is None else k_norm.float(),
+        )

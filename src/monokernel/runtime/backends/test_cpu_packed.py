@@ -1,0 +1,279 @@
+"""The CPU decode step on 4- and 8-bit matrices (cpu_packed.py) against the float32 reference.
+
+Not bitwise: each matrix input is rounded to bf16 (2^-9 relative) and the kernels return
+bf16, so logits differ from the reference's on the same dequantised values by ~1% of their
+spread (the tolerance below). Greedy tokens match where the logits have no near ties, which
+``logit_scale`` provides as in the other engine tests. What is bitwise: a forward of several
+tokens against as many single steps, hence speculation against plain decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from monokernel.models.config import ModelConfig
+from monokernel.models.shapes import SHAPES
+from monokernel.models.transformer import Transformer
+from monokernel.runtime.backends import construct_backend, resolve_engine
+from monokernel.runtime.backends.base import CancelToken, DecodeRequest
+from monokernel.runtime.backends.cpu_packed import (
+    GROUP,
+    PackedCpuStep,
+    int4_grid,
+    pack_linear,
+)
+from monokernel.runtime.backends.reference import ReferenceBackend
+from monokernel.runtime.backends.torch_compiled import TorchBackend
+from monokernel.runtime.sampling import SamplingParams
+from monokernel.runtime.speculative import SpeculativeConfig
+from monokernel.weights.quantize import LINEAR_NAMES
+from monokernel.weights.random_weights import random_weights
+from monokernel.weights.test_repack import CONFIGS
+
+CPU = torch.device("cpu")
+# |packed - reference| / the reference logits' spread (max - min): measured 0.3-0.8% on these
+# small random models (bf16 inputs to every matrix, bf16 logits outside the rescored top).
+LOGIT_TOL = 0.02
+# A greedy pick is decided where the best logit beats the second by this much of the spread:
+# the rescored candidates' error was at most 0.6% of it.
+DECIDED = 0.02
+_TIED = CONFIGS["llama3-tied"]
+SMALL = {
+    **CONFIGS,
+    # Widths neither integer kernel takes (cols % 8 != 0): every matrix stays float32.
+    "ragged": dataclasses.replace(
+        _TIED, hidden_size=44, intermediate_size=60, num_heads=2, head_dim=22
+    ),
+    # Every matrix fits the int4 kernel (rows % 16, cols % 32); weights on Q4_1 grids.
+    "int4": dataclasses.replace(
+        _TIED, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16
+    ),
+}
+REAL = SHAPES["smollm2-135m"]  # the default model's shape
+
+
+def q4_1(w: torch.Tensor) -> torch.Tensor:
+    """``w`` through a GGUF Q4_1 round trip, as the loader dequantises it: per block of 32,
+    fp16 d = (max - min) / 15 and m = min, q = round((w - m) / d), then q * d + m in
+    float32."""
+    rows, cols = w.shape
+    g = w.float().reshape(rows, cols // GROUP, GROUP)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    d = ((hi - lo) / 15).half().float()
+    m = lo.half().float()
+    q = ((g - m) / d).round().clamp(0, 15)
+    return (q * d + m).reshape(rows, cols)
+
+
+def q4_1_weights(cfg: ModelConfig, seed: int, logit_scale: float) -> dict[str, torch.Tensor]:
+    """Random float32 weights whose layer matrices lie on Q4_1 grids, as the default
+    model's do (its embedding is Q8_0, so here it stays as drawn)."""
+    weights = random_weights(cfg, dtype=torch.float32, seed=seed, logit_scale=logit_scale)
+    for name, t in weights.items():
+        if name.rsplit(".", 1)[-1] in LINEAR_NAMES:
+            weights[name] = q4_1(t)
+    return weights
+
+
+def dequantized(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` with each layer matrix replaced by the values its packed form multiplies
+    by (a matrix packs row by row alike alone or fused with others)."""
+    out = dict(weights)
+    for name, t in weights.items():
+        if name.rsplit(".", 1)[-1] in LINEAR_NAMES:
+            out[name] = pack_linear(t).dense()
+    return out
+
+
+def _prompt(cfg: ModelConfig, n: int = 12, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (n,), generator=gen)
+
+
+def test_a_q4_1_matrix_packs_as_int4_with_its_own_grid() -> None:
+    w = q4_1(torch.randn(48, 96))
+    grid = int4_grid(w)
+    assert grid is not None
+    q, scale, zero = grid
+    assert torch.allclose(
+        (q - 8) * scale.repeat_interleave(GROUP, 1) + zero.repeat_interleave(GROUP, 1), w, atol=1e-6
+    )
+    packed = pack_linear(w)
+    assert packed.kind == "int4"
+    # Only the bf16 rounding of each group's scale and zero: far below one grid step.
+    step = scale.repeat_interleave(GROUP, 1)
+    assert ((packed.dense() - w).abs() <= 0.05 * step + 1e-6).all()
+    x = torch.randn(3, 96)
+    want = x.bfloat16().float() @ packed.dense().T
+    assert torch.allclose(packed(x).float(), want, rtol=1e-2, atol=1e-2 * want.abs().max())
+
+
+@pytest.mark.parametrize(
+    ("shape", "kind"),
+    [((48, 96), "int8"), ((40, 64), "int8"), ((16, 100), "float32"), ((7, 9), "float32")],
+)
+def test_other_matrices_fall_back_by_values_and_shape(shape: tuple[int, int], kind: str) -> None:
+    """Off any 4-bit grid (or rows % 16): int8 where cols % 8 == 0 (the kernel sums other
+    widths wrongly, or crashes), else float32 as loaded."""
+    w = torch.randn(*shape)
+    if shape == (40, 64):
+        w = q4_1(w)  # on a grid, but 40 rows fit no int4 kernel
+    packed = pack_linear(w, bias=torch.randn(shape[0]))
+    assert packed.kind == kind and int4_grid(w) is None
+    x = torch.randn(2, shape[1])
+    want = x @ packed.dense().T + packed.bias
+    got = packed(x).float()
+    assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max())
+    if kind == "int8":  # one step of the row's scale at most, rounding to nearest
+        scale = packed.scales.float()[:, None]  # type: ignore[union-attr]
+        assert ((packed.dense() - w).abs() <= 0.5 * scale * 1.01).all()
+
+
+def _packed_logits(
+    cfg: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch.Tensor
+) -> torch.Tensor:
+    """Logits [n, V] the engine's CPU build gives along ``tokens`` (teacher-forced): the
+    first from the float32 prefill, as TorchBackend does, the rest one packed step each."""
+    model = Transformer(cfg, weights, 64)
+    cache = model.new_cache(64)
+    step = PackedCpuStep(model, cache)
+    rows = [model.forward(tokens[:1], 0, cache)[0]]
+    rows += [step.forward_tokens(tokens[p : p + 1], p)[0] for p in range(1, len(tokens))]
+    return torch.stack(rows)
+
+
+def _reference_logits(
+    cfg: ModelConfig, weights: dict[str, torch.Tensor], tokens: torch.Tensor
+) -> torch.Tensor:
+    ref = Transformer(cfg, weights, 64)
+    return ref.forward(tokens, 0, ref.new_cache(64))
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got - want| per position, over the reference's spread (max - min) there."""
+    spread = want.amax(-1) - want.amin(-1)
+    return (got - want).abs().amax(-1) / spread
+
+
+def _weights(name: str, seed: int, logit_scale: float = 1.0) -> dict[str, torch.Tensor]:
+    cfg = SMALL[name]
+    if name == "int4":
+        return q4_1_weights(cfg, seed, logit_scale)
+    return random_weights(cfg, dtype=torch.float32, seed=seed, logit_scale=logit_scale)
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_logits_track_the_reference_on_odd_sizes(name: str) -> None:
+    cfg, weights = SMALL[name], _weights(name, 3)
+    tokens = _prompt(cfg)
+    got = _packed_logits(cfg, weights, tokens)
+    want = _reference_logits(cfg, dequantized(cfg, weights), tokens)
+    assert float(_relative(got[1:], want[1:]).max()) < LOGIT_TOL
+
+
+@pytest.mark.parametrize("name", list(SMALL))
+def test_greedy_picks_match_the_reference_where_decided(name: str) -> None:
+    """Along the reference's own greedy path, the packed step picks the reference's token
+    wherever the reference's best beats its second by more than DECIDED of the spread."""
+    cfg, weights = SMALL[name], _weights(name, 5, logit_scale=8.0)
+    ref = ReferenceBackend(cfg, dequantized(cfg, weights), 64, CPU)
+    prompt = _prompt(cfg)
+    path = torch.cat([prompt, torch.tensor(_greedy(ref, cfg, 24))])
+    want = _reference_logits(cfg, dequantized(cfg, weights), path)[len(prompt) - 1 : -1]
+    got = _packed_logits(cfg, weights, path)[len(prompt) - 1 : -1]
+    top2 = want.topk(2, dim=-1).values
+    decided = (top2[:, 0] - top2[:, 1]) > DECIDED * (want.amax(-1) - want.amin(-1))
+    assert int(decided.sum()) >= 12  # most of the 24 steps: the test is not vacuous
+    assert torch.equal(got.argmax(-1)[decided], want.argmax(-1)[decided])
+
+
+def test_the_engines_greedy_stream_matches_the_reference() -> None:
+    """End to end (construct_backend, as the engine builds it), int4 layers from Q4_1 grids
+    against the float32 reference on the very same weights, until the first near tie."""
+    cfg, weights = SMALL["int4"], _weights("int4", 6, logit_scale=8.0)
+    backend = construct_backend("torch", cfg, dict(weights), 64, CPU)
+    assert isinstance(backend, TorchBackend) and backend.packed is not None
+    assert {lw.qkv.kind for lw in backend.packed.layers} == {"int4"}
+    want = _greedy(ReferenceBackend(cfg, weights, 64, CPU), cfg, 32)
+    prompt = _prompt(cfg)
+    logits = _reference_logits(cfg, weights, torch.cat([prompt, torch.tensor(want)]))
+    steps = logits[len(prompt) - 1 : -1]
+    top2 = steps.topk(2, dim=-1).values
+    near = (top2[:, 0] - top2[:, 1]) <= DECIDED * (steps.amax(-1) - steps.amin(-1))
+    agree = int(near.nonzero()[0]) if near.any() else len(want)
+    assert agree >= 8
+    assert _greedy(backend, cfg, 32)[:agree] == want[:agree]
+
+
+@pytest.mark.slow
+def test_the_default_models_shape() -> None:
+    """SmolLM2-135M's shape with Q4_1 layer matrices (every layer int4, the head int8):
+    logits within LOGIT_TOL of the float32 reference on the same weights."""
+    weights = q4_1_weights(REAL, seed=4, logit_scale=1.0)
+    model = Transformer(REAL, weights, 8)
+    step = PackedCpuStep(model, model.new_cache(8))
+    assert {lw.qkv.kind for lw in step.layers} == {"int4"}
+    assert step.head is not None and step.head.kind == "int8"
+    tokens = _prompt(REAL, 6)
+    got = _packed_logits(REAL, weights, tokens)
+    want = _reference_logits(REAL, weights, tokens)
+    assert float(_relative(got[1:], want[1:]).max()) < LOGIT_TOL
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def _greedy(backend: object, cfg: ModelConfig, n: int) -> list[int]:
+    prompt = tuple(_prompt(cfg).tolist())
+    req = DecodeRequest(prompt, SamplingParams(temperature=0.0), n, frozenset())
+    return list(backend.stream(req, CancelToken()))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", ["llama3-tied", "odd"])
+def test_several_tokens_at_once_equal_single_steps_bitwise(name: str) -> None:
+    """What makes speculation emit exactly what plain decoding does."""
+    cfg = SMALL[name]
+    model = Transformer(cfg, random_weights(cfg, dtype=torch.float32, seed=7), 32)
+    tokens = _prompt(cfg, 9)
+    caches = [model.new_cache(32), model.new_cache(32)]
+    steps = [PackedCpuStep(model, c) for c in caches]
+    for c in caches:
+        model.forward(tokens[:3], 0, c)
+    together = steps[0].forward_tokens(tokens[3:], 3)
+    alone = torch.cat([steps[1].forward_tokens(tokens[p : p + 1], p) for p in range(3, 9)])
+    assert torch.equal(together, alone)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=20, seed=3)],
+    ids=["greedy", "sampled"],
+)
+def test_speculation_gives_the_packed_steps_tokens(sp: SamplingParams) -> None:
+    cfg = SHAPES["odd"]
+    weights = random_weights(cfg, dtype=torch.float32, seed=2)
+    gen = torch.Generator().manual_seed(5)
+    piece = torch.randint(0, cfg.vocab_size, (30,), generator=gen).tolist()
+    request = DecodeRequest(tuple(piece + piece[:20]), sp, 40, frozenset())
+    backend = TorchBackend(cfg, weights, 128, CPU, cpu_packed=True)
+    plain = list(backend.stream(request, CancelToken()))
+    backend.set_speculative(SpeculativeConfig(num_tokens=5, ngram_min=1))
+    assert list(backend.stream(request, CancelToken())) == plain
+    assert backend.speculation is not None and backend.speculation.drafted > 0
+
+
+def test_a_bfloat16_engine_runs_packed_too() -> None:
+    cfg = CONFIGS["llama3-tied"]
+    weights = random_weights(cfg, dtype=torch.bfloat16, seed=5, logit_scale=8.0)
+    backend = construct_backend("torch", cfg, weights, 64, CPU)
+    assert len(_greedy(backend, cfg, 8)) == 8
+
+
+def test_auto_on_the_cpu_is_the_packed_torch_engine() -> None:
+    assert resolve_engine("auto", CPU) == "torch"
+    assert resolve_engine("torch", CPU) == "torch"
+    # Built directly, the torch engine keeps the float32 step (the engine tests' oracle).
+    cfg = CONFIGS["llama3-tied"]
+    assert TorchBackend(cfg, random_weights(cfg, dtype=torch.float32), 16, CPU).packed is None
