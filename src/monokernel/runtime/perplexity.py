@@ -1,6 +1,6 @@
 """Perplexity of a model on a fixed text kept in the package, with the reference forward.
 
-It exists to put a number on what a change to the weights costs (``--quantize fp8|int8``
+It exists to put a number on what a change to the weights costs (``--quantize fp8|int8|int4``
 against the checkpoint as loaded): the reference (``models/transformer.py``) computes in the
 weights' own dtype with no kernel of ours in the way, so two runs differ only by their
 weights. The text (``workloads/texts/perplexity.txt``, about 10k tokens for a SmolLM2-style

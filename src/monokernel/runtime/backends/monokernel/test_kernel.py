@@ -62,5 +62,14 @@ def test_a_one_byte_format_needs_rows_of_whole_loads() -> None:
         SHAPES["odd"], hidden_size=528, intermediate_size=1424, num_heads=5, head_dim=112
     )
     assert kernel_dims(cfg, weight_format="int8").weight_format == "int8"
-    with pytest.raises(UnsupportedModelError, match="weight format 'int4'"):
-        kernel_dims(cfg, weight_format="int4")
+    with pytest.raises(UnsupportedModelError, match="weight format 'int8x'; the kernel has"):
+        kernel_dims(cfg, weight_format="int8x")
+    # int4: rows of whole groups, and a group of the kernel's.
+    with pytest.raises(UnsupportedModelError, match=r"hidden 528.* not a multiple of 32"):
+        kernel_dims(cfg, weight_format="int4", weight_group=32)
+    with pytest.raises(UnsupportedModelError, match="a group size goes with int4 only"):
+        kernel_dims(SHAPES["llama-3.2-1b"], weight_format="int4")
+    with pytest.raises(UnsupportedModelError, match="the kernel reads"):
+        kernel_dims(SHAPES["llama-3.2-1b"], weight_format="int4", weight_group=96)
+    dims = kernel_dims(SHAPES["llama-3.2-1b"], weight_format="int4", weight_group=128)
+    assert "-DMK_WEIGHT_FORMAT=Int4Groups<128>" in dims.defines()
