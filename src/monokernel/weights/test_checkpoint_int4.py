@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from monokernel.errors import (
     MissingTensorError,
@@ -24,12 +23,13 @@ from monokernel.errors import (
 )
 from monokernel.models.config import ModelConfig
 from monokernel.models.shapes import DENSE_SHAPES
+from monokernel.testing.checkpoint_files import save_checkpoint_tensors
 from monokernel.weights.checkpoint_quant import Int4Quant, parse_quantization_config
 from monokernel.weights.loader import load_checkpoint
 from monokernel.weights.names import Weights, ours_to_hf
 from monokernel.weights.quantize import UnsupportedQuantizationError, is_quantized
 from monokernel.weights.random_checkpoint import write_random_checkpoint
-from monokernel.weights.safetensors_loader import INDEX_FILE, SINGLE_FILE
+from monokernel.weights.safetensors_loader import SINGLE_FILE
 
 # Every optional tensor (q/k norms, q/k/v and o biases, an untied head), in two sizes: one
 # whose input sizes 128 divides (the real group size), one that only 32 divides.
@@ -199,22 +199,7 @@ def write_int4(
         for part, t in packed.items():
             tensor = t.contiguous()  # safetensors saves no views
             (second if split and part != "qweight" else first)[f"{module}.{part}"] = tensor
-    if edit is not None:
-        both = first | second
-        edit(both)
-        first = {k: v for k, v in both.items() if k not in second}
-        second = {k: v for k, v in both.items() if k in second}
-    if split:
-        files = {
-            "model-00001-of-00002.safetensors": first,
-            "model-00002-of-00002.safetensors": second,
-        }
-        for fname, part in files.items():
-            save_file(part, str(dst / fname), metadata={"format": "pt"})
-        weight_map = {k: f for f, part in files.items() for k in part}
-        (dst / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    else:
-        save_file(first, str(dst / SINGLE_FILE), metadata={"format": "pt"})
+    save_checkpoint_tensors(dst, first, second, split, edit)
     return stored
 
 

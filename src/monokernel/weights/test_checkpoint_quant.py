@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from monokernel.errors import (
     MissingTensorError,
@@ -23,6 +23,7 @@ from monokernel.errors import (
     WeightLoadError,
 )
 from monokernel.models.shapes import DENSE_SHAPES
+from monokernel.testing.checkpoint_files import save_checkpoint_tensors
 from monokernel.weights import safetensors_loader
 from monokernel.weights.checkpoint_quant import (
     CheckpointQuant,
@@ -35,7 +36,7 @@ from monokernel.weights.names import Weights, ours_to_hf
 from monokernel.weights.progress import ByteProgress
 from monokernel.weights.quantize import UnsupportedQuantizationError, is_quantized
 from monokernel.weights.random_checkpoint import write_random_checkpoint
-from monokernel.weights.safetensors_loader import INDEX_FILE, SINGLE_FILE, read_header
+from monokernel.weights.safetensors_loader import SINGLE_FILE, read_header
 
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -203,22 +204,7 @@ def write_fp8(
                     f"{attn}.k_scale": torch.tensor(1.0),
                     f"{attn}.v_scale": torch.tensor(1.0),
                 }
-    if edit is not None:
-        both = tensors | extra
-        edit(both)
-        tensors = {k: v for k, v in both.items() if k not in extra}
-        extra = {k: v for k, v in both.items() if k in extra}
-    if split:
-        files = {
-            "model-00001-of-00002.safetensors": tensors,
-            "model-00002-of-00002.safetensors": extra,
-        }
-        for fname, part in files.items():
-            save_file(part, str(dst / fname), metadata={"format": "pt"})
-        weight_map = {k: f for f, part in files.items() for k in part}
-        (dst / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    else:
-        save_file(tensors | extra, str(dst / SINGLE_FILE), metadata={"format": "pt"})
+    save_checkpoint_tensors(dst, tensors, extra, split, edit)
     return stored
 
 
