@@ -75,7 +75,9 @@ def main(argv: list[str]) -> int:
         "--own-weights", action="store_true", help="each variant its own backend and weights"
     )
     ap.add_argument(
-        "--quantize", choices=["fp8", "int8"], help="the layers' weight format (--quantize)"
+        "--quantize",
+        choices=["fp8", "int8", "int4"],
+        help="the layers' weight format (--quantize)",
     )
     ap.add_argument("--json", dest="json_file")
     args = ap.parse_args(argv)

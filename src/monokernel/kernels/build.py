@@ -215,7 +215,11 @@ class KernelDims:
         hidden 4096 with intermediate < 4 x hidden (the 14B presets), 7 without q/k norms
         and 4 with them: measured 15-18% faster there than 5, the best of 4, 5, 7 and 10 on
         each, for reasons of the stage's register schedule not yet understood; the 32B
-        shape (intermediate 5.4 x hidden) runs at 94% of the bandwidth with 5."""
+        shape (intermediate 5.4 x hidden) runs at 94% of the bandwidth with 5. int4: 2 in
+        both builds (a load is 24 bytes of registers with its group's pair): 8B 3,288 ->
+        2,887 µs/token against 4, the 1B and the 1.5B unchanged (1 or 3 no better)."""
+        if self.weight_group:
+            return 2
         if self.group_units:
             return 4
         if self.hidden > 4096 and self.intermediate < 4 * self.hidden:

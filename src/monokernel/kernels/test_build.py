@@ -103,6 +103,8 @@ def test_per_shape_choices() -> None:
     short = [dataclasses.replace(d, group_units=False) for d in (llama, qwen, small)]
     assert [d.gate_up_batch() for d in short] == [5, 3, 4]
     assert llama.gate_up_batch() == qwen.gate_up_batch() == 4
+    int4 = [dataclasses.replace(d, weight_format="int4", weight_group=128) for d in (llama, *short)]
+    assert [d.gate_up_batch() for d in int4] == [2, 2, 2, 2]
     assert [d.lm_head_drawn_rows() for d in (llama, qwen, small)] == [0, 8, 8]
     assert _tp_dims("qwen2.5-coder-1.5b").lm_head_drawn_rows() == 0
     assert [d.attn_range() for d in (llama, qwen)] == [256, 128]
