@@ -120,6 +120,9 @@ def cmd_run(argv: Sequence[str]) -> int:
             sys.stdout.flush()
     assert final is not None and final.timings is not None
     t = final.timings
+    # The layers' weights as the engine holds them: the quantisation in effect (--quantize,
+    # or the checkpoint's own: a Q4_1 GGUF's int4 groups), else the dtype.
+    weights = engine.quantize or str(engine.dtype).removeprefix("torch.")
     if args.json:
         print(
             json.dumps(
@@ -132,6 +135,7 @@ def cmd_run(argv: Sequence[str]) -> int:
                     "decode_tok_s": round(t.decode_tok_s, 3),
                     "engine": engine.engine_name,
                     "device": str(engine.device),
+                    "weights": weights,
                 }
                 | (
                     {"drafted_tokens": t.drafted_tokens, "accepted_tokens": t.accepted_tokens}
@@ -143,7 +147,8 @@ def cmd_run(argv: Sequence[str]) -> int:
     else:
         sys.stdout.write("\n")
         print(
-            f"[{engine.engine_name} on {engine.device}] prompt: {t.prompt_tokens} tokens, "
+            f"[{engine.engine_name} on {engine.device}, {weights} weights] prompt: "
+            f"{t.prompt_tokens} tokens, "
             f"TTFT {t.ttft_s * 1e3:.1f} ms ({t.prompt_tok_s:.1f} tok/s) | decode: "
             f"{t.generated_tokens} tokens, {t.decode_tok_s:.2f} tok/s | finish: "
             f"{final.finish_reason}"

@@ -46,6 +46,8 @@ def test_run_json(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
         "decode_tok_s",
     }
     assert 1 <= len(out["token_ids"]) <= 7 and out["prompt_tokens"] > 3
+    # A safetensors checkpoint of random bf16 weights, as loaded, on the CPU.
+    assert out["weights"] in ("float32", "bfloat16")
 
 
 def test_run_speculative_json(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -81,6 +83,7 @@ def test_run_streams_text_and_timings(model: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "TTFT" in proc.stderr and "tok/s" in proc.stderr
+    assert " weights] prompt: " in proc.stderr
     # The startup line: the context chosen and why (the CPU default, capped by the model).
     assert "context: " in proc.stderr and "tokens (the CPU default; model max" in proc.stderr
 
