@@ -5,12 +5,15 @@ default model in the `slow` test)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from monokernel.errors import ModelNotFoundError
+from monokernel.tokenizer import light
 from monokernel.tokenizer import tokenizer as tokenizer_module
 from monokernel.tokenizer.tokenizer import Tokenizer, gguf_tokenizer_entry
 
@@ -202,3 +205,48 @@ def test_default_model_cached_tokenizer_equals_transformers(tmp_path: Path) -> N
     hf = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     assert_same_ids(first, hf)
     assert_same_ids(cached, hf)
+
+
+def test_a_probed_entry_serves_without_transformers(tiny_gguf: Path, tmp_path: Path) -> None:
+    """The first load through transformers probes the light path (light.py) and marks the
+    entry; later loads encode, render and decode through it, the same ids and text as
+    transformers', and build transformers' tokenizer only when ``hf`` is asked for."""
+    cache = tmp_path / "tokenizers"
+    Tokenizer.load(tiny_gguf.parent, tiny_gguf.name, cache_dir=cache)
+    entry = gguf_tokenizer_entry(tiny_gguf, cache)
+    assert entry is not None and light.marked(entry)
+    served = Tokenizer.load(tiny_gguf.parent, tiny_gguf.name, cache_dir=cache)
+    assert isinstance(served._fast, light.LightTokenizer)
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
+    assert_same_ids(served, hf)
+    assert served.has_chat_template and served.vocab_size == len(hf)
+    assert served._fast is not None  # all of that without transformers' tokenizer
+    assert Path(served.hf.name_or_path) == entry and served._fast is None
+
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from monokernel.tokenizer.tokenizer import Tokenizer\n"
+        f"t = Tokenizer.load(Path({str(tiny_gguf.parent)!r}), {tiny_gguf.name!r}, "
+        f"cache_dir=Path({str(cache)!r}))\n"
+        "t.decode(t.encode_chat([{'role': 'user', 'content': 'hi'}]))\n"
+        "assert 'transformers' not in sys.modules, 'transformers imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_an_entry_the_light_path_disagrees_with_is_not_marked(
+    tiny_gguf: Path, tmp_path: Path
+) -> None:
+    """A template feature only transformers has ({% generation %}) fails the probe: the
+    entry stays transformers'. A marker from other library versions does not count."""
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
+    hf.chat_template = (
+        "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+    )
+    entry = tmp_path / "entry"
+    hf.save_pretrained(str(entry))
+    assert not light.probe(hf, entry) and not (entry / light.MARKER).exists()
+    (entry / light.MARKER).write_text("transformers-0.0.1 tokenizers-0 jinja2-0\n")
+    assert not light.marked(entry)

@@ -9,7 +9,8 @@ start). The converted tokenizer is saved once under ``<cache>/tokenizers/<key>/`
 starts load those files (under a second). The key is the sha256 of the GGUF's header (all
 metadata and the tensor table, read by our loader's parse anyway) with the transformers
 version, so a copy of the file hits the entry and an edited file or a transformers that
-converts differently does not.
+converts differently does not. An entry shown to agree with transformers on a few probes is
+read without importing transformers at all on later starts (light.py).
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from monokernel.errors import InvalidRequestError, ModelNotFoundError
+from monokernel.tokenizer import light as light_entry
+from monokernel.tokenizer.light import LightTokenizer
 from monokernel.weights.progress import slow_step
 
 # Bump when what is saved changes shape, so old entries are not read as new ones.
@@ -36,8 +40,37 @@ Prompt = str | Sequence[ChatMessage]
 
 
 class Tokenizer:
-    def __init__(self, hf_tokenizer: Any) -> None:
-        self.hf = hf_tokenizer
+    """``hf``: transformers' tokenizer; or ``light`` (light.py, an entry shown to agree with
+    transformers) with ``hf_from`` building transformers' on first use of ``hf``. Once
+    ``hf`` exists every call goes through it: a caller that reached for it (the server's
+    tools, a test setting a template) sees its own changes."""
+
+    def __init__(
+        self,
+        hf_tokenizer: Any = None,
+        *,
+        light: LightTokenizer | None = None,
+        hf_from: Callable[[], Any] | None = None,
+    ) -> None:
+        if hf_tokenizer is None and (light is None or hf_from is None):
+            raise ValueError(
+                "a Tokenizer needs transformers' tokenizer, or a light one and a way to it"
+            )
+        self._hf = hf_tokenizer
+        self._light = light
+        self._hf_from = hf_from
+
+    @property
+    def hf(self) -> Any:
+        """transformers' tokenizer, built now if the light one stood in so far."""
+        if self._hf is None:
+            assert self._hf_from is not None
+            self._hf = self._hf_from()
+        return self._hf
+
+    @property
+    def _fast(self) -> LightTokenizer | None:
+        return self._light if self._hf is None else None
 
     @classmethod
     def load(
@@ -59,8 +92,16 @@ class Tokenizer:
         gguf_path = Path(directory) / gguf_file
         entry = gguf_tokenizer_entry(gguf_path, cache_dir)
         if entry is not None and (entry / _ENTRY_MARKER).is_file():
+            if light_entry.marked(entry):
+                try:
+                    where = str(entry)
+                    return cls(light=LightTokenizer(entry), hf_from=lambda: _from_pretrained(where))
+                except (OSError, ValueError, Exception):
+                    pass
             try:
-                return cls(_from_pretrained(str(entry)))
+                hf = _from_pretrained(str(entry))
+                light_entry.probe(hf, entry)  # the next start may skip transformers
+                return cls(hf)
             except ModelNotFoundError:
                 # A damaged entry: convert again and replace it.
                 shutil.rmtree(entry, ignore_errors=True)
@@ -69,19 +110,28 @@ class Tokenizer:
             hf = _from_pretrained(str(directory), gguf_file=gguf_file)
         if entry is not None:
             _save_entry(hf, entry)
+            if (entry / _ENTRY_MARKER).is_file():
+                light_entry.probe(hf, entry)
         return cls(hf)
 
     @property
     def vocab_size(self) -> int:
-        return len(self.hf)
+        fast = self._fast
+        return len(fast) if fast is not None else len(self.hf)
 
     @property
     def has_chat_template(self) -> bool:
+        fast = self._fast
+        if fast is not None:
+            return bool(fast.chat_template)
         return bool(getattr(self.hf, "chat_template", None))
 
     def encode(self, text: str) -> list[int]:
         """As `transformers` does by default: special tokens (BOS) added where the model
         adds them."""
+        fast = self._fast
+        if fast is not None:
+            return fast.encode(text, add_special_tokens=True)
         return list(self.hf(text, add_special_tokens=True)["input_ids"])
 
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
@@ -94,10 +144,13 @@ class Tokenizer:
                 raise InvalidRequestError(
                     "each chat message must be an object with 'role' and 'content'"
                 )
+        # The template writes BOS and the like as text: no special tokens added after it.
+        fast = self._fast
+        if fast is not None:
+            return fast.encode(fast.render_chat(messages), add_special_tokens=False)
         text = self.hf.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=True
         )
-        # The template already wrote BOS and the like as text.
         return list(self.hf(text, add_special_tokens=False)["input_ids"])
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
@@ -106,6 +159,9 @@ class Tokenizer:
         return self.encode_chat(prompt)
 
     def decode(self, ids: Sequence[int]) -> str:
+        fast = self._fast
+        if fast is not None:
+            return fast.decode(ids)
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
 
@@ -141,10 +197,9 @@ def gguf_tokenizer_entry(gguf_path: Path, cache_dir: Path | None = None) -> Path
 
 
 def _converter_version() -> str:
-    """The version of what converts a GGUF's tokenizer: part of the cache key."""
-    import transformers
-
-    return str(transformers.__version__)
+    """The version of what converts a GGUF's tokenizer: part of the cache key (read from
+    the installed metadata: importing transformers is ~2 s of a CPU start)."""
+    return metadata.version("transformers")
 
 
 def _save_entry(hf: Any, entry: Path) -> None:

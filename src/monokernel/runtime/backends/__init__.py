@@ -128,9 +128,12 @@ def construct_backend(
         weights = fake_quantize(weights, quantize, consume=owned)
     if name == "torch" and device.type == "cpu":
         # What a CPU user runs: 4- and 8-bit matrices, ~3x the float32 step's speed
-        # (cpu_packed.py). TorchBackend's own default stays the float32 step that the tests
-        # compare the engines with.
+        # (cpu_packed.py), from a 4-bit checkpoint's own groups where it has them.
+        # TorchBackend's own default stays the float32 step that the tests compare the
+        # engines with.
         extra["cpu_packed"] = True
+        if groups is not None:
+            extra["groups"] = groups
     backend: Backend = backend_cls(cfg, weights, max_seq_len, device, **extra)
     return backend
 

@@ -36,6 +36,8 @@ import torch.nn.functional as F
 
 from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import KVCache, Transformer, rms_norm
+from monokernel.weights.group_quant import GroupQuant
+from monokernel.weights.group_quant import fuse_rows as gq_fuse_rows
 
 GROUP = 32  # weights sharing an int4 scale and zero: a Q4_1 block
 RESCORE = 16  # LM-head candidates scored again in float32
@@ -107,6 +109,15 @@ def _on_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return q.reshape(rows, cols).to(torch.int32), step[..., 0], (lo + 8 * step)[..., 0]
 
 
+def _groups_grid(gq: GroupQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """int4_grid's (q, scale, zero) from a matrix's own groups: w = a q + b is
+    (q - 8) a + (b + 8 a)."""
+    if gq.group != GROUP or gq.rows % 16:
+        return None
+    a = gq.scale.float()
+    return gq.q.to(torch.int32), a, gq.offset.float() + 8 * a
+
+
 def pack_int8(w: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
     """W [rows, cols] (cols % 8 == 0) as int8, symmetric, one bf16 scale a row."""
     wf = w.float()
@@ -116,9 +127,16 @@ def pack_int8(w: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear
     return PackedLinear("int8", q, scale, None if bias is None else bias.float())
 
 
-def pack_linear(w: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
-    """W [rows, cols] (any float dtype) in the best format its values and shape allow."""
-    grid = int4_grid(w)
+def pack_linear(
+    w: torch.Tensor, bias: torch.Tensor | None = None, gq: GroupQuant | None = None
+) -> PackedLinear:
+    """W [rows, cols] (any float dtype) in the best format its values and shape allow.
+    ``gq``: W's own 4-bit groups (a checkpoint's, Checkpoint.groups), taken as they are
+    where they are groups of 32 in a shape the int4 kernel takes, instead of finding W's
+    grid again (~0.7 s of the default model's start)."""
+    grid = _groups_grid(gq) if gq is not None else None
+    if grid is None:
+        grid = int4_grid(w)
     if grid is not None:
         q, scale, zero = grid
         packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
@@ -137,7 +155,10 @@ class PackedCpuStep:
     Written for few torch calls a layer (~30): each costs ~3-5 µs of dispatch on a small
     CPU, ~5 ms a token over 30 layers, as much as a third of the kernels' time."""
 
-    def __init__(self, ref: Transformer, cache: KVCache) -> None:
+    def __init__(
+        self, ref: Transformer, cache: KVCache, groups: Mapping[str, GroupQuant] | None = None
+    ) -> None:
+        """``groups``: the checkpoint's own 4-bit groups of the layers' matrices, if any."""
         cfg, w = ref.cfg, ref.w
         self.cfg, self.cache = cfg, cache
         self.k_layers, self.v_layers = list(cache.k), list(cache.v)  # views, indexed once
@@ -149,7 +170,9 @@ class PackedCpuStep:
         # RoPE as x * cos2 + roll(x, d/2) * sin2: three calls instead of apply_rope's dozen.
         self.cos2 = torch.cat((ref.cos, ref.cos), dim=-1)[:, None, :]  # [max_len, 1, d]
         self.sin2 = torch.cat((-ref.sin, ref.sin), dim=-1)[:, None, :]
-        self.layers = [_Layer.pack(cfg, w, n, self._gain) for n in range(cfg.num_layers)]
+        self.layers = [
+            _Layer.pack(cfg, w, n, self._gain, groups or {}) for n in range(cfg.num_layers)
+        ]
         self.tok = torch.zeros(1, dtype=torch.long)  # the input token; then the greedy next
         self.pos = torch.zeros(1, dtype=torch.long)  # the input token's position
 
@@ -244,8 +267,14 @@ class _Layer:
         w: Mapping[str, torch.Tensor],
         n: int,
         gain: Callable[[torch.Tensor], torch.Tensor],
+        groups: Mapping[str, GroupQuant],
     ) -> _Layer:
         p = f"layers.{n}."
+
+        def fused(*names: str) -> GroupQuant | None:
+            parts = [groups.get(p + m) for m in names]
+            return None if None in parts else gq_fuse_rows(*parts)  # type: ignore[arg-type]
+
         qkv_bias = None
         if cfg.qkv_bias:
             qkv_bias = torch.cat([w[p + "bq"], w[p + "bk"], w[p + "bv"]])
@@ -253,10 +282,16 @@ class _Layer:
         return cls(
             attn_norm=gain(w[p + "attn_norm"]),
             ffn_norm=gain(w[p + "ffn_norm"]),
-            qkv=pack_linear(torch.cat([w[p + "wq"], w[p + "wk"], w[p + "wv"]]), qkv_bias),
-            wo=pack_linear(w[p + "wo"], w.get(p + "bo")),
-            gate_up=pack_linear(torch.cat([w[p + "w_gate"], w[p + "w_up"]])),
-            down=pack_linear(w[p + "w_down"]),
+            qkv=pack_linear(
+                torch.cat([w[p + "wq"], w[p + "wk"], w[p + "wv"]]),
+                qkv_bias,
+                fused("wq", "wk", "wv"),
+            ),
+            wo=pack_linear(w[p + "wo"], w.get(p + "bo"), groups.get(p + "wo")),
+            gate_up=pack_linear(
+                torch.cat([w[p + "w_gate"], w[p + "w_up"]]), gq=fused("w_gate", "w_up")
+            ),
+            down=pack_linear(w[p + "w_down"], gq=groups.get(p + "w_down")),
             q_norm=None if q_norm is None else q_norm.float(),
             k_norm=None if k_norm is None else k_norm.float(),
         )

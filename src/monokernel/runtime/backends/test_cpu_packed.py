@@ -17,7 +17,7 @@ import torch
 from monokernel.models.config import ModelConfig
 from monokernel.models.shapes import SHAPES
 from monokernel.models.transformer import Transformer
-from monokernel.runtime.backends import construct_backend, resolve_engine
+from monokernel.runtime.backends import construct_backend, cpu_packed, resolve_engine
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.backends.cpu_packed import (
     GROUP,
@@ -29,6 +29,7 @@ from monokernel.runtime.backends.reference import ReferenceBackend
 from monokernel.runtime.backends.torch_compiled import TorchBackend
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.runtime.speculative import SpeculativeConfig
+from monokernel.weights.group_quant import quantize_rtn
 from monokernel.weights.quantize import LINEAR_NAMES
 from monokernel.weights.random_weights import random_weights
 from monokernel.weights.test_repack import CONFIGS
@@ -109,6 +110,27 @@ def test_a_q4_1_matrix_packs_as_int4_with_its_own_grid() -> None:
     x = torch.randn(3, 96)
     want = x.bfloat16().float() @ packed.dense().T
     assert torch.allclose(packed(x).float(), want, rtol=1e-2, atol=1e-2 * want.abs().max())
+
+
+def test_a_checkpoints_own_groups_pack_as_int4_without_a_grid_search(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Groups of 32 from the checkpoint (Checkpoint.groups): int4 as they are, with no search
+    of the values for a grid; other group sizes fall back to the values."""
+    gq = quantize_rtn(torch.randn(48, 96), GROUP)
+    w = gq.dense()
+
+    def no_search(_w: torch.Tensor) -> None:
+        raise AssertionError("searched the values for a grid")
+
+    with monkeypatch.context() as m:
+        m.setattr(cpu_packed, "int4_grid", no_search)
+        packed = pack_linear(w, gq=gq)
+    assert packed.kind == "int4"
+    step = gq.scale.repeat_interleave(GROUP, 1)
+    assert ((packed.dense() - w).abs() <= 0.05 * step + 1e-6).all()
+    other = torch.randn(48, 96)  # values on no grid, groups of 96: int8
+    assert pack_linear(other, gq=quantize_rtn(other, 96)).kind == "int8"
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ straight into the same cache. On the CPU the same step runs eagerly, or with ``c
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,7 @@ from monokernel.runtime.backends.cpu_packed import PackedCpuStep
 from monokernel.runtime.constrained import sample_masked
 from monokernel.runtime.sampling import penalize, unsupported_penalty_reason
 from monokernel.runtime.speculative import Speculating
+from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.names import Weights
 
 
@@ -108,17 +109,19 @@ class TorchBackend(Speculating):
         device: torch.device,
         compile: bool | None = None,
         cpu_packed: bool = False,
+        groups: Mapping[str, GroupQuant] | None = None,
     ) -> None:
         """``cpu_packed``: on the CPU, decode from the layers' matrices packed in 4 or 8 bits
         (cpu_packed.py: close to the float32 step, not bitwise); off, the float32 step that
-        matches the reference exactly (the tests compare the engines with it)."""
+        matches the reference exactly (the tests compare the engines with it). ``groups``:
+        a 4-bit checkpoint's own groups, which the packed step takes as they are."""
         self.cfg, self.device, self.max_seq_len = cfg, torch.device(device), max_seq_len
         self.ref = Transformer(cfg, weights, max_seq_len)
         self.cache = self.ref.new_cache(max_seq_len)
         self.packed: PackedCpuStep | None = None
         self.module: _DecodeStep | PackedCpuStep
         if cpu_packed and self.device.type == "cpu":
-            self.module = self.packed = PackedCpuStep(self.ref, self.cache)
+            self.module = self.packed = PackedCpuStep(self.ref, self.cache, groups)
         else:
             self.module = _DecodeStep(self.ref, self.cache)
         use_compile = self.device.type == "cuda" if compile is None else compile
