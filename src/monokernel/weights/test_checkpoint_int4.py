@@ -418,3 +418,46 @@ def test_malformed_awq_modules(
     write_int4(source, tmp_path / "awq", schemes(source[2])["awq"], edit=edit)
     with pytest.raises(error, match=says):
         load_checkpoint(tmp_path / "awq", progress=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["awq", "gptq-asym-v1"])
+def test_a_4bit_checkpoint_streams_its_groups_on_the_monokernel(
+    name: str, source: tuple[Path, Weights, int], tmp_path: Path
+) -> None:
+    """An AWQ or GPTQ checkpoint on the GPU: the monokernel packs the checkpoint's own groups
+    as int4 (no re-quantisation) and its teacher-forced logits are the float32 reference's
+    on the checkpoint's dequantised values."""
+    from monokernel.testing.gpu_models import hopper_with, random_ids
+    from monokernel.testing.oracle import assert_logits_match
+
+    if not hopper_with(8):
+        pytest.skip("needs a Hopper GPU")
+    if source[2] != 128:
+        pytest.skip("the group-128 shape (AWQ's and GPTQ's usual group)")
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+
+    dst = tmp_path / name
+    write_int4(source, dst, schemes(128)[name])
+    ckpt = load_checkpoint(dst, progress=False, dtype=torch.float32)
+    assert ckpt.quantization == "int4" and ckpt.groups is not None
+    cfg, dev = ckpt.config, torch.device("cuda")
+    dense = {k: v.to(dev) for k, v in ckpt.weights.items()}
+    prompt, steps = 32, 64
+    seq = random_ids(prompt + steps, cfg.vocab_size, seed=5)
+    mk = MonokernelBackend(
+        cfg,
+        {k: v.to(torch.bfloat16) for k, v in dense.items()},
+        prompt + steps,
+        dev,
+        quantize="int4",
+        groups=ckpt.groups,
+        prefill_precision="fp32",
+    )
+    try:
+        packed = mk.kernel.packed.layers[0].matrices["wo"]
+        assert packed.format == "int4" and packed.scales[0].shape[1] == cfg.q_size // 128
+        got = mk.teacher_forced_logits(seq[:prompt], seq[prompt:])
+    finally:
+        mk.close()
+    assert_logits_match(cfg, dense, seq, prompt, got, f"{name} checkpoint int4")
