@@ -19,6 +19,7 @@ from monokernel.runtime.sampling import SamplingParams, unsupported_penalty_reas
 from monokernel.serve import structured
 from monokernel.serve.body import clip, echo, unknown_field
 from monokernel.serve.errors import APIError, bad_request
+from monokernel.serve.fim import fim_prompt
 from monokernel.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from monokernel.serve.tools import (
     ToolRequest,
@@ -243,7 +244,7 @@ def unsupported_fields(req: CompletionRequest | ChatCompletionRequest) -> None:
         ("top_logprobs", bool(req.top_logprobs)),
     ]
     if isinstance(req, CompletionRequest):
-        checks += [("echo", req.echo), ("suffix", bool(req.suffix))]
+        checks += [("echo", req.echo)]
     for field, refused in checks:
         if not refused:
             continue
@@ -320,7 +321,7 @@ def check_prompt_size(
                     "context_length_exceeded",
                 )
             return
-        chars = text_chars(prompt)
+        chars = text_chars(prompt) + text_chars(req.suffix)
     check_chars(chars, char_limit, max_model_len, field)
 
 
@@ -454,6 +455,8 @@ def encode_prompt(
     if isinstance(req, ChatCompletionRequest):
         kwargs = template_kwargs(req.chat_template_kwargs)
         return encode_chat(engine, req.messages, tools, kwargs)
+    if req.suffix:
+        return fim_prompt(engine, req.prompt, req.suffix)
     return encode_text(engine, req.prompt)
 
 

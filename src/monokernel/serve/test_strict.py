@@ -98,8 +98,7 @@ REFUSED: list[tuple[str, str, Any, str, str | None]] = [
     ("logit_bias", COMPLETIONS, _p(logit_bias={"x": 1.0}), "logit_bias keys must be token ids",
      "logit_bias"),
     ("echo", COMPLETIONS, _p(echo=True), "echo=True is not supported", "echo"),
-    ("suffix", COMPLETIONS, _p(suffix="return x"), "suffix='return x' is not supported",
-     "suffix"),
+    ("suffix", COMPLETIONS, _p(suffix="return x"), "needs a model with FIM tokens", "suffix"),
     ("best_of", COMPLETIONS, _p(best_of=3), "best_of=3", "best_of"),
 ]
 # fmt: on
@@ -149,7 +148,7 @@ def test_neutral_values_are_accepted(http: httpx.Client, path: str, body: Any) -
     [
         (CHAT, _c(model="m" * 5000)),
         (COMPLETIONS, _p(temperature="h" * 5000)),
-        (COMPLETIONS, _p(suffix="s" * 5000)),
+        (COMPLETIONS, _p(echo="e" * 5000)),
         (CHAT, _c(messages=[{"role": "r" * 5000, "content": "hi"}])),
         (COMPLETIONS, _p(logit_bias={str(i): 1.0 for i in range(2000)})),
         (COMPLETIONS, _p(**{"f" * 5000: 1})),
