@@ -243,8 +243,6 @@ def unsupported_fields(req: CompletionRequest | ChatCompletionRequest) -> None:
         ("logprobs", req.logprobs not in (None, False, 0)),
         ("top_logprobs", bool(req.top_logprobs)),
     ]
-    if isinstance(req, CompletionRequest):
-        checks += [("echo", req.echo)]
     for field, refused in checks:
         if not refused:
             continue

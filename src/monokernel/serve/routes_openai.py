@@ -127,10 +127,11 @@ async def _serve(request: Request, body: CompletionRequest | ChatCompletionReque
     chat = isinstance(body, ChatCompletionRequest)
     rid = new_id("chatcmpl" if chat else "cmpl")
     model = state.settings.served_model_name
+    echoed = "" if isinstance(body, ChatCompletionRequest) else _echo(state, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = ChunkMaker(chat, rid, model)
-        events = _sse(gen, request, chunks, include_usage, parsing)
+        events = _sse(gen, request, chunks, include_usage, parsing, echoed)
         return GenerationStream(gen, events, state)
     text, final, _, out = await collect(state, gen, request, parsing)
     if final is None or final.timings is None or final.finish_reason == "cancelled":
@@ -139,10 +140,25 @@ async def _serve(request: Request, body: CompletionRequest | ChatCompletionReque
     timings = timings_json(final.timings, gen.queue_s)
     if out is None:
         build = chat_response if chat else completion_response
-        return JSONResponse(build(rid, model, text, final.finish_reason, gen.prompt_n, timings))
+        return JSONResponse(
+            build(rid, model, echoed + text, final.finish_reason, gen.prompt_n, timings)
+        )
     finish = _finish_reason(final.finish_reason, out)
     message = out.message()
     return JSONResponse(chat_response(rid, model, text, finish, gen.prompt_n, timings, message))
+
+
+def _echo(state: ServerState, body: CompletionRequest) -> str:
+    """A completion's ``echo``: its prompt, written before the completion (token ids
+    decoded); "" without echo."""
+    if not body.echo:
+        return ""
+    prompt = body.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return state.require_engine().tokenizer.decode(list(prompt))  # type: ignore[arg-type]
 
 
 async def collect(
@@ -201,9 +217,12 @@ async def _sse(
     chunks: ChunkMaker,
     include_usage: bool,
     parsing: OutputParsing | None = None,
+    echoed: str = "",
 ) -> AsyncIterator[bytes]:
     if chunks.chat:
         yield _data(chunks.role())
+    if echoed:  # a completion's echo: the prompt first
+        yield _data(chunks.delta(echoed))
     calls = parsing.stream() if parsing else None
     try:
         async for event in gen.events(request):

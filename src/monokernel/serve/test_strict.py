@@ -97,7 +97,6 @@ REFUSED: list[tuple[str, str, Any, str, str | None]] = [
      "frequency_penalty"),
     ("logit_bias", COMPLETIONS, _p(logit_bias={"x": 1.0}), "logit_bias keys must be token ids",
      "logit_bias"),
-    ("echo", COMPLETIONS, _p(echo=True), "echo=True is not supported", "echo"),
     ("suffix", COMPLETIONS, _p(suffix="return x"), "needs a model with FIM tokens", "suffix"),
     ("best_of", COMPLETIONS, _p(best_of=3), "best_of=3", "best_of"),
 ]
