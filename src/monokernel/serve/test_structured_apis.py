@@ -243,11 +243,13 @@ def test_responses_json_schema(
 
 
 def test_responses_json_object(served: tuple[Engine, str]) -> None:
+    # Greedy: the Responses API takes no seed, and a sampled object on the tiny random model
+    # sometimes outran 150 tokens (status "incomplete": 1 run in 3 of the serve suite).
     r = _response(
         served,
         False,
         max_output_tokens=150,
-        temperature=0.7,
+        temperature=0,
         text={"format": {"type": "json_object"}},
     )
     assert r["status"] == "completed", r
