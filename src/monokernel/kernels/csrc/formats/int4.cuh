@@ -21,10 +21,6 @@
 #pragma once
 #include "../common.cuh"
 
-#ifndef MK_INT4_GROUP
-#define MK_INT4_GROUP 32
-#endif
-
 __device__ __forceinline__ float2 ld_stream2(const float2* p) {
   float2 r;
   asm volatile("ld.global.nc.L1::no_allocate.v2.f32 {%0,%1}, [%2];"
