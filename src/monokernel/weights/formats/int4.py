@@ -22,6 +22,7 @@ import torch
 
 from monokernel import envs
 from monokernel.weights.formats.base import PackedMatrix, WeightFormat, check_block
+from monokernel.weights.group_quant import quantize_rtn
 
 CHUNK = 32  # columns in one 16-byte load
 DEFAULT_GROUP = 128  # --quantize int4's, AWQ's and GPTQ's usual group
@@ -29,11 +30,12 @@ GROUPS = (32, 64, 128, 256)  # group sizes the kernel reads: whole chunks dividi
 _PAIR_BYTES = 8  # float32 a and b
 
 
-def _rotation(chunks: int, device: torch.device) -> torch.Tensor:
-    """[chunks, 4] int64: for chunk c, the natural word stored at each word position."""
+def _word_order(chunks: int, device: torch.device, direction: int) -> torch.Tensor:
+    """[chunks, 4] int64, for chunk c: the natural word stored at each word position
+    (``direction`` 1, packing), or the stored position of each natural word (-1)."""
     c = torch.arange(chunks, device=device)[:, None]
     t = torch.arange(4, device=device)[None, :]
-    return (t + ((c >> 1) & 3)) & 3
+    return (t + direction * ((c >> 1) & 3)) & 3
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -42,42 +44,27 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     chunks = cols // CHUNK
     v = q.reshape(rows, chunks, 4, 2, 4)  # [row, chunk, word u, low/high nibble, byte k]
     words = v[:, :, :, 0, :] | (v[:, :, :, 1, :] << 4)  # [row, chunk, u, k]
-    idx = _rotation(chunks, q.device)[None, :, :, None].expand(rows, chunks, 4, 4)
+    idx = _word_order(chunks, q.device, 1)[None, :, :, None].expand(rows, chunks, 4, 4)
     return torch.gather(words, 2, idx).reshape(rows, cols // 2).contiguous()
 
 
 def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
     """pack_nibbles' inverse: uint8 [rows, cols]."""
-    rows, half = data.shape
-    chunks = 2 * half // CHUNK
-    stored = data.reshape(rows, chunks, 4, 4)  # [row, chunk, stored word t, byte k]
-    words = torch.empty_like(stored)
-    idx = _rotation(chunks, data.device)[None, :, :, None].expand(rows, chunks, 4, 4)
-    words.scatter_(2, idx, stored)
-    out = torch.stack((words & 0x0F, words >> 4), dim=3)  # [row, chunk, u, nibble, k]
-    return out.reshape(rows, 2 * half)
+    return _nibble_values(data).to(torch.uint8)
 
 
 # Weights dense() dequantises at once.
 _DENSE_BLOCK = 1 << 23
 
 
-def _unrotation(chunks: int, device: torch.device) -> torch.Tensor:
-    """[chunks, 4] int64: for chunk c, the stored word each natural word is."""
-    c = torch.arange(chunks, device=device)[:, None]
-    u = torch.arange(4, device=device)[None, :]
-    return (u - ((c >> 1) & 3)) & 3
-
-
 def _nibble_values(data: torch.Tensor) -> torch.Tensor:
     """The packed bytes [rows, cols / 2] -> q int32 [rows, cols] in column order: one gather
-    undoes the rotation, eight shifts split the words, in column order (word u's column
-    8u + k is byte k's low nibble, 8u + 4 + k its high one): unpack_nibbles' work in fewer
-    passes, for dense()."""
+    undoes the rotation, eight shifts split the words (word u's column 8u + k is byte k's
+    low nibble, 8u + 4 + k its high one), a few passes for dense() to repeat every prompt."""
     rows, half = data.shape
     chunks = 2 * half // CHUNK
     words = data.contiguous().view(torch.int32).view(rows, chunks, 4)
-    idx = _unrotation(chunks, data.device)[None].expand(rows, chunks, 4)
+    idx = _word_order(chunks, data.device, -1)[None].expand(rows, chunks, 4)
     natural = torch.gather(words, 2, idx)
     # Made on the device (no host copy: the prefill captures this in CUDA graphs).
     k = torch.arange(8, dtype=torch.int32, device=data.device)
@@ -98,8 +85,6 @@ class Int4Groups(WeightFormat):
 
     def pack(self, w: torch.Tensor, scales: torch.Tensor | None = None) -> PackedMatrix:
         """Round-to-nearest in groups of ``self.group`` (weights/group_quant.py)."""
-        from monokernel.weights.group_quant import quantize_rtn
-
         if scales is not None:
             raise ValueError("int4 packs with its groups' own scales (pack_groups)")
         if w.dim() != 2 or not w.is_floating_point():
