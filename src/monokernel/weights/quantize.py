@@ -62,8 +62,9 @@ def int4_group(cols: Iterable[int]) -> int:
 
 
 def method_format(method: str, weights: Mapping[str, torch.Tensor]) -> WeightFormat:
-    """The weight format ``method`` (a --quantize method, or bf16) packs ``weights``' layers
-    in: int4's group is the one int4_group picks for their matrices' input sizes."""
+    """The weight format ``method`` packs ``weights``' layers in, for the engines that see
+    only the weights (fake_quantize, DequantizedView): int4's group is the one int4_group
+    picks for their matrices' input sizes, config_format's for the same model."""
     fmt = get_format(method)
     if method != "int4":
         return fmt
@@ -77,7 +78,8 @@ def int4_group_of(cfg: ModelConfig) -> int:
 
 
 def config_format(method: str, cfg: ModelConfig) -> WeightFormat:
-    """method_format for a model known by its config (the bytes it will stream)."""
+    """The weight format ``method`` (a --quantize method, or bf16) packs a model in, known
+    by its config: what the kernel's repack, its build and the bench's byte count use."""
     return Int4Groups(int4_group_of(cfg)) if method == "int4" else get_format(method)
 
 

@@ -31,7 +31,7 @@ from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.group_quant import fuse_rows as gq_fuse_rows
 from monokernel.weights.group_quant import interleave_rows as gq_interleave_rows
 from monokernel.weights.names import Weights
-from monokernel.weights.quantize import method_format
+from monokernel.weights.quantize import config_format
 
 MATRICES: tuple[str, ...] = ("wqkv", "wo", "wgu", "wdown")  # a layer's streamed matrices
 
@@ -137,7 +137,7 @@ def repack_layer(
             raise ValueError("a checkpoint's 4-bit groups cannot take a folded norm gain")
         matrices = _pack_groups(groups, p)
     else:
-        pack = method_format(fmt, w).pack
+        pack = config_format(fmt, cfg).pack
         matrices = {
             "wqkv": pack(fold_or_keep(fuse_rows(w[p + "wq"], w[p + "wk"], w[p + "wv"]), attn_g)),
             "wo": pack(w[p + "wo"], scales.get(p + "wo")),
