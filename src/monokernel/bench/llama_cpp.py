@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from monokernel.bench.measure import RunTiming
+from monokernel.bench.measure import RunTiming, time_tokens
 
 ENGINE = "llama.cpp"
 INSTALL_HINT = "engine 'llama.cpp' needs llama-cpp-python: pip install llama-cpp-python"
@@ -53,19 +53,10 @@ class LlamaCppRunner:
         self.llm.reset()
         stream = self.llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0)
         t0 = time.perf_counter()
-        first = last = t0
-        n = 0
         try:
-            for _ in stream:
-                last = time.perf_counter()
-                if n == 0:
-                    first = last
-                n += 1
-                if n == gen_tokens:
-                    break
+            return time_tokens(stream, t0, gen_tokens)
         finally:
             stream.close()
-        return RunTiming(first - t0, (last - first) / max(n - 1, 1), n)
 
     def close(self) -> None:
         self.llm.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -95,15 +95,24 @@ def time_request(backend: Backend, prompt: list[int], gen_tokens: int) -> RunTim
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
+    return time_tokens(backend.stream(req, CancelToken()), t0, reused=reused)
+
+
+def time_tokens(
+    tokens: Iterable[object], t0: float, limit: int | None = None, reused: int | None = None
+) -> RunTiming:
+    """TTFT and decode time a token of a stream of tokens whose request started at ``t0``
+    (perf_counter), read to its end or ``limit`` tokens."""
     first = last = t0
     n = 0
-    for _ in backend.stream(req, CancelToken()):
+    for _ in tokens:
         last = time.perf_counter()
         if n == 0:
             first = last
         n += 1
-    per_token = (last - first) / max(n - 1, 1)
-    return RunTiming(first - t0, per_token, n, reused)
+        if n == limit:
+            break
+    return RunTiming(first - t0, (last - first) / max(n - 1, 1), n, reused)
 
 
 def split_engine(label: str) -> tuple[str, str | None]:
