@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from monokernel.serve.reasoning import OPEN, ReasoningSplitter
-from monokernel.serve.testing import Served
+from monokernel.serve.testing import Served, refused_as
 from monokernel.serve.testing_names import CHAT, MODEL_NAME
 from monokernel.serve.testing_tools import (
     QWEN3_TEMPLATE,
@@ -241,8 +241,7 @@ def test_chat_template_kwargs_refusals(qwen3: Served) -> None:
     failures = []
     for name, path, body, param, fragment in REFUSED:
         r = qwen3.post(body, path)
-        error = r.json().get("error", {}) if r.status_code == 400 else {}
-        if error.get("param") != param or fragment not in error.get("message", ""):
+        if not refused_as(r, param, fragment):
             failures.append(f"{name}: {r.status_code} {r.text}")
     assert not failures, "\n".join(failures)
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from monokernel.serve.responses_protocol import ResponseStore
-from monokernel.serve.testing import Served
+from monokernel.serve.testing import Served, refused_as
 from monokernel.serve.testing_names import MODEL_NAME
 from monokernel.serve.testing_tools import QWEN3_TEMPLATE, QWEN25_TEMPLATE
 
@@ -220,7 +220,6 @@ def test_refusals(qwen: Served) -> None:
     failures = []
     for name, body, param, fragment in REFUSED:
         r = qwen.post(body, "/v1/responses")
-        error = r.json().get("error", {}) if r.status_code in (400, 404) else {}
-        if error.get("param") != param or fragment not in error.get("message", ""):
+        if not refused_as(r, param, fragment, statuses=(400, 404)):
             failures.append(f"{name}: {r.status_code} {r.text}")
     assert not failures, "\n".join(failures)

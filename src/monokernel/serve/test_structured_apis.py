@@ -20,6 +20,7 @@ pytest.importorskip("llguidance")
 from monokernel.runtime.engine import Engine
 from monokernel.serve.anthropic_protocol import MessagesRequest, to_chat
 from monokernel.serve.body import validate
+from monokernel.serve.testing import refused_as
 from monokernel.serve.testing_names import MODEL_NAME
 from monokernel.serve.testing_structured import (
     SCHEMA,
@@ -326,8 +327,7 @@ def test_responses_refusals_name_the_field(served: tuple[Engine, str]) -> None:
     failures = []
     for name, body, param, fragment in R_REFUSED:
         r = _post(served, RESPONSES, {"input": "Hi", "max_output_tokens": 8} | body)
-        error = r.json().get("error", {}) if r.status_code == 400 else {}
-        if error.get("param") != param or fragment not in error.get("message", ""):
+        if not refused_as(r, param, fragment):
             failures.append(f"{name}: {r.status_code} {r.text}")
     assert not failures, "\n".join(failures)
 

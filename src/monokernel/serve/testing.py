@@ -145,6 +145,24 @@ class Served:
         return self.http.post(path, json=body)
 
 
+def refused_as(
+    r: httpx.Response,
+    param: str,
+    fragment: str,
+    statuses: tuple[int, ...] = (400,),
+    code: str | None = None,
+) -> bool:
+    """Whether ``r`` is an OpenAI-shaped error with one of ``statuses`` that names ``param``
+    (and ``code``, when given) and whose message holds ``fragment``: what each refusal
+    table of the server tests checks."""
+    if r.status_code not in statuses:
+        return False
+    error = r.json().get("error", {})
+    if code and error.get("code") != code:
+        return False
+    return error.get("param") == param and fragment in error.get("message", "")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 nothing listens on now."""
     with socket.socket() as s:
