@@ -5,14 +5,16 @@ and decodes.
 Importing transformers and building its tokenizer is ~3 s of a 2-core CPU start; this is
 ~0.1 s. It stands in for transformers only where it was shown to agree with it: when a
 cached tokenizer entry is first loaded through transformers, ``probe`` renders and encodes a
-few prompts both ways, and only an entry marked as agreeing (``MARKER``, which names the
-library versions it was checked with) is read this way afterwards. Anything beyond the
+few prompts both ways and writes the answer into the entry (``MARKER``, with the library
+versions it was checked with); only an entry marked as agreeing is read this way
+afterwards, and no entry is probed twice under the same libraries. Anything beyond the
 three operations (tools in templates, the vocabulary, token strings) loads transformers'
 tokenizer on first use (tokenizer.Tokenizer.hf).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from datetime import datetime
@@ -20,7 +22,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-MARKER = "light.ok"  # in an entry: the versions it agreed under, one line
+# In an entry: the library versions it was probed under and the answer, one line.
+MARKER = "light.probe"
+_AGREES, _DIFFERS = "agrees", "differs"
 
 # Chats and texts both ways must agree on: the template's branches for a first system
 # message or none, several turns, text that spells a special token, non-ASCII and spacing.
@@ -98,8 +102,16 @@ class LightTokenizer:
 
 def probe(hf: Any, entry: Path) -> bool:
     """Whether the light tokenizer of ``entry`` renders, encodes and decodes the probes as
-    ``hf`` (transformers' tokenizer of the same entry) does; marks the entry when it does.
-    Any failure, or a file that cannot be written, leaves the entry unmarked."""
+    ``hf`` (transformers' tokenizer of the same entry) does. The answer is written into the
+    entry either way (MARKER), so an entry is probed once for the installed libraries."""
+    agrees = _agrees(hf, entry)
+    # A cache that cannot be written costs only the next start's time.
+    with contextlib.suppress(OSError):
+        (entry / MARKER).write_text(f"{versions()} {_AGREES if agrees else _DIFFERS}\n")
+    return agrees
+
+
+def _agrees(hf: Any, entry: Path) -> bool:
     try:
         light = LightTokenizer(entry)
         if len(light) != len(hf):
@@ -118,18 +130,30 @@ def probe(hf: Any, entry: Path) -> bool:
                     return False
                 if light.decode(ids) != hf.decode(ids, skip_special_tokens=True):
                     return False
-        (entry / MARKER).write_text(versions() + "\n")
         return True
-    except Exception:
+    except Exception:  # a probe that fails for any reason means "differs"
         return False
+
+
+def _result(entry: Path) -> str | None:
+    """The probe's answer for the installed libraries, None when not probed under them."""
+    try:
+        line = (entry / MARKER).read_text().strip()
+        mine = versions()
+    except (OSError, metadata.PackageNotFoundError):
+        return None
+    found, _, answer = line.rpartition(" ")
+    return answer if found == mine else None
 
 
 def marked(entry: Path) -> bool:
-    """Whether ``entry`` agreed under the libraries installed now."""
-    try:
-        return (entry / MARKER).read_text().strip() == versions()
-    except (OSError, metadata.PackageNotFoundError):
-        return False
+    """Whether ``entry`` agreed with transformers under the libraries installed now."""
+    return _result(entry) == _AGREES
+
+
+def probed(entry: Path) -> bool:
+    """Whether ``entry`` was probed under the libraries installed now, whatever the answer."""
+    return _result(entry) is not None
 
 
 def _token_text(value: Any) -> str | None:

@@ -247,6 +247,7 @@ def test_an_entry_the_light_path_disagrees_with_is_not_marked(
     )
     entry = tmp_path / "entry"
     hf.save_pretrained(str(entry))
-    assert not light.probe(hf, entry) and not (entry / light.MARKER).exists()
-    (entry / light.MARKER).write_text("transformers-0.0.1 tokenizers-0 jinja2-0\n")
-    assert not light.marked(entry)
+    assert not light.probe(hf, entry) and not light.marked(entry)
+    assert light.probed(entry)  # the answer is kept: later starts do not probe again
+    (entry / light.MARKER).write_text("transformers-0.0.1 tokenizers-0 jinja2-0 agrees\n")
+    assert not light.marked(entry) and not light.probed(entry)

@@ -96,11 +96,12 @@ class Tokenizer:
                 try:
                     where = str(entry)
                     return cls(light=LightTokenizer(entry), hf_from=lambda: _from_pretrained(where))
-                except (OSError, ValueError, Exception):
+                except Exception:  # an unreadable light entry: transformers' below
                     pass
             try:
                 hf = _from_pretrained(str(entry))
-                light_entry.probe(hf, entry)  # the next start may skip transformers
+                if not light_entry.probed(entry):
+                    light_entry.probe(hf, entry)  # the next start may skip transformers
                 return cls(hf)
             except ModelNotFoundError:
                 # A damaged entry: convert again and replace it.
