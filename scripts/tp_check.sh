@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One call on the 2-GPU (NVLink) machine: the `gpu` tests of the tensor-parallel code (incl. the
-# TP=2 decode kernel), a TP=1 vs TP=2 decode speed run, the in-kernel all-reduce benchmark
+# TP=2 decode kernel), TP=1 vs TP=2 `monokernel bench` runs, the in-kernel all-reduce benchmark
 # against NCCL, then `monokernel run --tp 2` and `monokernel serve --tp 2` end to end on a
 # random-weight checkpoint. NVLink multicast stays off throughout.
 #   scripts/tp_check.sh OUTDIR
 #   MK_AR_SIZES=4096 MK_AR_ARGS="--iters 50000" scripts/tp_check.sh "$OUT"
 #   MK_TP_STAGES=cli scripts/tp_check.sh "$OUT"     # only some stages (comma-separated)
-# Stages: tests, tp_tests, speed, allreduce, cli (default: all, in that order).
+#   MK_SPEED_SHAPES="llama-3.1-8b:64,1024" ...        # the speed stage's SHAPE:PROMPTS list
+# Stages: tests, tp_tests, speed, big (the 32B shape), allreduce, cli (default: all, in that
+# order).
 # Logs and JSON land in OUTDIR; the test summary and the benchmark table are printed last.
 #
 # The cli stage needs the server's Python packages (fastapi, uvicorn, pydantic, ...), which
@@ -32,8 +34,8 @@ STAGES=${MK_TP_STAGES:-all}
 status=0
 want() { [[ $STAGES == all || ",$STAGES," == *",$1,"* ]]; }
 for s in ${STAGES//,/ }; do
-  [[ $s =~ ^(all|tests|tp_tests|speed|allreduce|cli)$ ]] ||
-    { echo "MK_TP_STAGES: unknown stage '$s' (tests, tp_tests, speed, allreduce, cli)" >&2; exit 2; }
+  [[ $s =~ ^(all|tests|tp_tests|speed|big|allreduce|cli)$ ]] ||
+    { echo "MK_TP_STAGES: unknown stage '$s' (tests, tp_tests, speed, big, allreduce, cli)" >&2; exit 2; }
 done
 
 { nvidia-smi; nvidia-smi topo -m; nvcc --version
@@ -58,9 +60,28 @@ if want tp_tests; then
 fi
 
 if want speed; then
-  echo "== TP=1 vs TP=2 decode speed (qwen2.5-coder-1.5b shape, 64-token prompt, 512 tokens)" >&2
-  timeout "${MK_SPEED_TIMEOUT:-400}" python3 -m monokernel.parallel.tp_speed --tp 2 \
-    --shape qwen2.5-coder-1.5b --prompt 64 --tokens 512 >"$OUTDIR/tp_speed.log" 2>&1 || status=1
+  # `monokernel bench`, TP=1 and TP=2 side by side in one process per shape (64-token prompt,
+  # 512 generated; Qwen also at a 2,048-token prompt for the time to first token).
+  for spec in ${MK_SPEED_SHAPES:-qwen2.5-coder-1.5b:64,2048 llama-3.1-8b:64}; do
+    shape=${spec%%:*} prompts=${spec#*:}
+    echo "== bench $shape: monokernel vs monokernel@tp2" >&2
+    timeout "${MK_SPEED_TIMEOUT:-400}" python3 -m monokernel.cli.main bench --shape "$shape" \
+      --engines monokernel,monokernel@tp2 --prompt-tokens "$prompts" --gen-tokens 512 \
+      --json "$OUTDIR/bench_$shape.json" >"$OUTDIR/bench_$shape.log" 2>&1 || status=1
+  done
+fi
+
+if want big; then
+  # The 32B shape: TP=1 and TP=2 side by side at the cells' own context, then TP=2 with a
+  # 32,768-position cache (TP=1 does not fit one 80 GB GPU with it).
+  shape=qwen2.5-coder-32b
+  echo "== bench $shape: monokernel vs monokernel@tp2, then @tp2 with a 32k cache" >&2
+  timeout "${MK_BIG_TIMEOUT:-420}" python3 -m monokernel.cli.main bench --shape "$shape" \
+    --engines monokernel,monokernel@tp2 --prompt-tokens 64 --gen-tokens 512 \
+    --json "$OUTDIR/bench_$shape.json" >"$OUTDIR/bench_$shape.log" 2>&1 || status=1
+  timeout "${MK_BIG_TIMEOUT:-420}" python3 -m monokernel.cli.main bench --shape "$shape" \
+    --engines monokernel@tp2 --prompt-tokens 64 --gen-tokens 512 --context 32768 \
+    --json "$OUTDIR/bench_${shape}_32k.json" >"$OUTDIR/bench_${shape}_32k.log" 2>&1 || status=1
 fi
 
 if want allreduce; then
@@ -376,7 +397,11 @@ if want tp_tests; then
   grep -E "PASSED|FAILED|ERROR|SKIPPED|rel L2|[0-9]+ (passed|failed|skipped)" \
     "$OUTDIR/tp_tests.log" | tail -30
 fi
-want speed && grep -E "Error|error|Traceback|µs/token|speed-up" "$OUTDIR/tp_speed.log" | tail -8
+for f in "$OUTDIR"/bench_*.log; do
+  [[ -f $f ]] || continue
+  echo "-- $(basename "$f")"
+  grep -E "^device|^engine|^monokernel|Error|Traceback" "$f" | tail -12
+done
 if want allreduce; then
   grep -E "Error|error|Traceback|^needs" "$OUTDIR/allreduce.log" | tail -5
   grep -E "^\||^device:|^target" "$OUTDIR/allreduce.log"

@@ -101,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
         "--engines",
         default="monokernel,torch",
         help=f"comma-separated: {', '.join(ENGINES)}; ENGINE:fp8 or ENGINE:int8 (our engines) "
-        "quantises the layers' weights at load (--quantize), e.g. monokernel,monokernel:fp8,torch",
+        "quantises the layers' weights at load (--quantize), e.g. monokernel,monokernel:fp8,torch; "
+        "monokernel@tp2 runs it over 2 GPUs (--tp 2)",
     )
     ap.add_argument("--prompt-tokens", type=int_list, default=(64,), help="e.g. 128,512,2048")
     ap.add_argument("--gen-tokens", type=int_list, default=(512,), help="e.g. 512,2048,8192")
@@ -114,6 +115,14 @@ def _parser() -> argparse.ArgumentParser:
         help="time an agent's next turn: every timed request is the warm-up's prompt plus N "
         "new tokens, so a prefix cache (monokernel) prefills only those (default 0: a fresh "
         "prompt per request)",
+    )
+    ap.add_argument(
+        "--context",
+        type=nonnegative_int,
+        default=0,
+        metavar="N",
+        help="cache positions every engine allocates (as --max-model-len would; default 0: "
+        "what each cell needs)",
     )
     ap.add_argument("--json", dest="json_file", help="write the results here (after every cell)")
     ap.add_argument("--plot", metavar="DIR", help="write PNG figures here (needs matplotlib)")
@@ -159,9 +168,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _device(spec: str) -> torch.device:
+    """The bench's device, with its index: every engine of the run opens on that one GPU
+    (a @tpN engine from it on), whichever GPU an engine before it left current."""
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(spec)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _load(
@@ -243,6 +257,7 @@ def main(argv: list[str]) -> int:
             gen_tokens=args.gen_tokens,
             repeats=args.repeats,
             turn_tokens=args.turn_tokens,
+            context=args.context,
             seed=args.seed,
             profile=args.profile,
             limits=limits,

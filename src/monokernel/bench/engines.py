@@ -1,6 +1,7 @@
 """The engines the bench can time, behind one small interface.
 
-``monokernel``, ``torch`` and ``reference`` are our decode backends; ``hf`` is transformers'
+``monokernel``, ``torch`` and ``reference`` are our decode backends (``monokernel@tp2``: over
+two GPUs); ``hf`` is transformers'
 ``model.generate`` on the same weights; ``endpoint`` is any OpenAI-compatible server;
 ``llama.cpp`` is llama-cpp-python on the same GGUF file (a CPU peer, when installed). Each is
 opened per (prompt, gen) cell, sized for that cell's context, and closed after it, so an
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from monokernel.bench.measure import RunTiming, split_engine, time_request
+from monokernel.bench.measure import RunTiming, engine_tp, split_engine, time_request
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.backends import BACKEND_CLASSES, construct_backend
 from monokernel.weights.names import Weights
@@ -73,9 +74,13 @@ class BackendRunner:
         monokernel may consume them."""
         self.name = name
         engine, quantize = split_engine(name)
-        self.backend: Any = construct_backend(
-            engine, cfg, weights, max_len, device, owned, quantize
-        )
+        tp = engine_tp(name)
+        if tp > 1:
+            from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
+
+            self.backend: Any = MonokernelTPBackend(cfg, weights, max_len, device, tp, quantize)
+        else:
+            self.backend = construct_backend(engine, cfg, weights, max_len, device, owned, quantize)
 
     @property
     def info(self) -> dict[str, Any]:
@@ -129,7 +134,8 @@ def open_runner(
         raise ValueError(f"engine {name!r} needs the model's weights")
     owned = callable(weights)
     if callable(weights):
-        weights = weights()
+        # --tp shards from the host, as the engine does: no GPU holds the whole model.
+        weights = weights(store="cpu") if engine_tp(name) > 1 else weights()
     engine = split_engine(name)[0]
     if engine in ("torch", "hf") and device.type == "cuda":
         fresh_compile_state()
@@ -148,6 +154,12 @@ def check_engine_label(label: str) -> str | None:
     engine, quantize = split_engine(label)
     if engine not in ENGINES:
         return f"unknown engine {label!r}; choose from {', '.join(ENGINES)}"
+    try:
+        tp = engine_tp(label)
+    except ValueError as e:
+        return str(e)
+    if tp > 1 and engine != "monokernel":
+        return f"engine {label!r}: only the monokernel runs over several GPUs (@tpN)"
     if quantize is not None:
         from monokernel.weights.quantize import QUANTIZE_METHODS
 

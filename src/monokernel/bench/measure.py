@@ -117,6 +117,18 @@ def time_tokens(
 
 def split_engine(label: str) -> tuple[str, str | None]:
     """A bench engine label -> (engine, weight format): ``monokernel:fp8`` is the monokernel
-    with --quantize fp8; a label without a colon runs the checkpoint's weights."""
-    engine, _, fmt = label.partition(":")
+    with --quantize fp8; a label without a colon runs the checkpoint's weights. A ``@tpN``
+    suffix (engine_tp) is not part of either."""
+    engine, _, fmt = label.partition("@")[0].partition(":")
     return engine, fmt or None
+
+
+def engine_tp(label: str) -> int:
+    """The GPUs a bench engine label runs on: ``monokernel@tp2`` is the monokernel at
+    --tp 2; 1 without the suffix. ValueError for a suffix that is not ``@tpN``, N >= 2."""
+    _, at, spec = label.partition("@")
+    if not at:
+        return 1
+    if not (spec.startswith("tp") and spec[2:].isdigit() and int(spec[2:]) >= 2):
+        raise ValueError(f"engine {label!r}: the suffix after @ is tpN with N >= 2 (@tp2)")
+    return int(spec[2:])

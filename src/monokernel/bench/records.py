@@ -24,11 +24,14 @@ engine is capped), ``repeats``, ``runs_raw`` (every timed request: ``ttft_ms``,
 ``us_per_token``, ``tokens``, and ``reused_tokens`` where the engine has a prefix cache that
 tells, i.e. monokernel: prompt tokens taken from its cache instead of prefilled),
 ``us_per_token``/``tok_per_s``/``ttft_ms`` as ``{median, p10, p90}``, ``mean_context``
-(``request_prompt_tokens + gen_tokens_run / 2``), ``bytes_per_token`` at that context, and
-when the run measured a copy bandwidth ``copy_bw_GBps``, ``floor_us``, ``roofline_tok_s`` and
-``mbu``; ``vs_torch`` and ``ttft_vs_torch`` compare with the torch engine's cell of the same
-run, prompt, turn and gen (None without one). Every cell has ``cell_wall_s`` (the whole cell:
-open, warm-up, timed requests, close), and engines add their own fields (``hf_cache``,
+(``request_prompt_tokens + gen_tokens_run / 2``), ``bytes_per_token`` at that context,
+``cache_positions`` (what the engine allocated: the cell's need, or ``--context``), ``tp``
+(the GPUs of a ``@tpN`` engine, 1 otherwise; both added within version 2), and when the run
+measured a copy bandwidth ``copy_bw_GBps``, ``floor_us``, ``roofline_tok_s`` and ``mbu``
+(against N times the bandwidth at ``tp`` N); ``vs_torch`` and ``ttft_vs_torch`` compare
+with the torch engine's cell of the same run, prompt, turn and gen (None without one).
+Every cell has ``cell_wall_s`` (the whole cell: open, warm-up, timed requests, close), and
+engines add their own fields (``hf_cache``,
 ``endpoint_model``, ``stage_profile_us``, and monokernel's ``handoff_search``: ``us_per_step``
 of each place its load-time search timed, the one ``chosen`` and the ``spans`` of positions
 timed; records written before the spans have ``start_pos`` and ``steps`` instead).
@@ -39,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from monokernel.bench.measure import RunTiming, bytes_per_token, split_engine
+from monokernel.bench.measure import RunTiming, bytes_per_token, engine_tp, split_engine
 from monokernel.bench.stats import summarize
 from monokernel.models.config import ModelConfig
 
@@ -99,7 +102,8 @@ def ok_record(
     """Statistics of the timed requests of one cell, and where they sit against the roofline.
 
     MBU = bytes a decode step must read at the mean context of the timed tokens / measured
-    time per token / the copy bandwidth measured in the same run. The context is the
+    time per token / the copy bandwidth measured in the same run (times the GPUs of a
+    ``@tpN`` engine: their bytes split over N GPUs). The context is the
     request's whole prompt (base + turn): decode attends to all of it, reused or not."""
     gen_run = timings[0].tokens
     us = [t.decode_s_per_token * 1e6 for t in timings]
@@ -107,8 +111,12 @@ def ok_record(
     request_prompt = prompt_tokens + turn_tokens
     context = request_prompt + gen_run / 2
     bpt = bytes_per_token(cfg, context, weight_bytes, split_engine(engine)[1])
+    tp = engine_tp(engine)  # the bytes split over tp GPUs, each streaming at ``bandwidth``
+    if bandwidth:
+        bandwidth *= tp
     rec: dict[str, Any] = {
         "engine": engine,
+        "tp": tp,
         "prompt_tokens": prompt_tokens,
         "turn_tokens": turn_tokens,
         "request_prompt_tokens": request_prompt,

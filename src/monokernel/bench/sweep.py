@@ -63,6 +63,7 @@ class SweepConfig:
     time_budget_s: float | None = None  # start no engine/cell after this many seconds
     options: EngineOptions = field(default_factory=EngineOptions)
     turn_tokens: int = 0  # > 0: each timed request is the warm-up's prompt + this many tokens
+    context: int = 0  # cache positions every engine allocates; 0: what each cell needs
 
     def __post_init__(self) -> None:
         if not self.engines or not self.prompt_tokens or not self.gen_tokens:
@@ -75,6 +76,8 @@ class SweepConfig:
             raise ValueError("repeats must be >= 1")
         if self.turn_tokens < 0:
             raise ValueError("turn tokens must be >= 0 (0: a fresh prompt per request)")
+        if self.context < 0:
+            raise ValueError("context must be >= 0 (0: what each cell needs)")
 
 
 def plan_cells(
@@ -192,13 +195,14 @@ def _measure_cell(
     runner: Runner | None = None
     start = time.perf_counter()
     try:
-        max_len = prompt_len + turn + gen + 1
+        max_len = max(prompt_len + turn + gen + 1, sweep.context)
         runner = open_runner(name, cfg, weights, max_len, device, sweep.options)
         timings = _time_cell(runner, sweep, cfg.vocab_size, prompt_len, gen_run, repeats)
         rec = records.ok_record(
             name, prompt_len, gen, timings, cfg, bandwidth, weight_bytes, turn_tokens=turn
         )
         rec |= getattr(runner, "info", None) or {}
+        rec["cache_positions"] = max_len
         profile = getattr(runner, "profile", None)
         if sweep.profile and profile is not None:
             # At the timed requests' prompt length, so the profile's context is the record's.

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from monokernel.bench.cli import main, parse_limits
+from monokernel.bench.engines import check_engine_label
+from monokernel.bench.measure import engine_tp, split_engine
 from monokernel.bench.records import validate
 from monokernel.bench.sweep import EngineLimits
 
@@ -46,8 +48,23 @@ def test_refusals(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--endpoint URL" in capsys.readouterr().err
     assert main(["--device", "cpu", "--engines", "reference", "--limit", "ref:x=1"]) == 2
     assert "ENGINE:KEY=N" in capsys.readouterr().err
+    for label, why in (
+        ("torch@tp2", "only the monokernel runs over several GPUs"),
+        ("monokernel@tp1", "tpN with N >= 2"),
+        ("monokernel:fp8@2", "tpN with N >= 2"),
+    ):
+        assert main(["--device", "cpu", "--engines", label]) == 2
+        assert why in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--prompt-tokens", "12,abc"])
+
+
+def test_engine_labels_name_the_format_and_the_gpus() -> None:
+    assert split_engine("monokernel:fp8@tp2") == ("monokernel", "fp8")
+    assert split_engine("monokernel@tp4") == ("monokernel", None)
+    assert (engine_tp("monokernel:fp8@tp2"), engine_tp("monokernel@tp4")) == (2, 4)
+    assert engine_tp("monokernel:int8") == 1
+    assert check_engine_label("monokernel:int8@tp2") is None
 
 
 def test_limits_parse_over_the_defaults() -> None:

@@ -78,6 +78,9 @@ class KernelDims:
     head_format: str = "bf16"  # the LM head's (the checkpoint's own under --quantize)
     # int4's columns a group's scale pair covers (weights/formats/int4.py); 0 otherwise.
     weight_group: int = 0
+    # The whole vocabulary under tensor parallelism (``vocab`` is then a rank's rows): top-k /
+    # top-p draw over all of it. 0: ``vocab``.
+    vocab_all: int = 0
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> KernelDims:
@@ -116,6 +119,7 @@ class KernelDims:
             "MK_KV": self.kv_size,
             "MK_I": self.intermediate,
             "MK_V": self.vocab,
+            "MK_V_ALL": self.vocab_all or self.vocab,
             "MK_L": self.layers,
             "MK_D": self.head_dim,
             "MK_NH": self.heads,

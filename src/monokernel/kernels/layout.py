@@ -496,10 +496,12 @@ def host_out_words(n_steps: int) -> int:
     return HOST_OUT_HEAD + n_steps
 
 
-def tp_recv_bytes(tp: int, hidden: int) -> int:
+def tp_recv_bytes(tp: int, hidden: int, vocab: int) -> int:
     """One rank's receive buffer (csrc/tp.cuh): [2 parities][tp][hidden] 8-byte
-    {value, tag} pairs for the residual all-reduces, then [2][tp] 16-byte token units."""
-    return 2 * tp * hidden * 8 + 2 * tp * 16
+    {value, tag} pairs for the residual all-reduces, [2][tp] 16-byte token units, the whole
+    ``vocab``'s logits as [2][vocab] {value, tag} pairs (top-k / top-p), and CTA 0's
+    untagged copy of them [vocab] fp32."""
+    return 2 * tp * hidden * 8 + 2 * tp * 16 + 2 * vocab * 8 + vocab * 4
 
 
 # ---- the hand-off buffer --------------------------------------------------------------------

@@ -23,10 +23,17 @@ def _dims(shape: str, **changes: object) -> kbuild.KernelDims:
     return dataclasses.replace(kbuild.KernelDims.from_config(SHAPES[shape]), **changes)
 
 
-def _tp_dims(shape: str, tp: int = 2) -> kbuild.KernelDims:
+def _tp_dims(shape: str, tp: int = 2, fmt: str = "bf16", group: int = 0) -> kbuild.KernelDims:
     """One rank's build under tensor parallelism (the backend's rank config)."""
     cfg = rank_config(shard_config(SHAPES[shape], 0, tp))
-    return dataclasses.replace(kbuild.KernelDims.from_config(cfg), tp=tp)
+    dims = kbuild.KernelDims.from_config(cfg)
+    return dataclasses.replace(
+        dims,
+        tp=tp,
+        vocab_all=SHAPES[shape].vocab_size,
+        weight_format=fmt,
+        weight_group=group,
+    )
 
 
 def _define(dims: kbuild.KernelDims, name: str) -> str:
@@ -183,16 +190,18 @@ def test_kernel_compiles(
 
 @needs_nvcc
 @pytest.mark.parametrize(
-    ("shape", "flags"),
+    ("shape", "flags", "fmt"),
     [
-        ("qwen2.5-coder-1.5b", ()),
-        ("llama-3.2-1b", ()),
+        ("qwen2.5-coder-1.5b", (), "bf16"),
+        ("llama-3.2-1b", (), "bf16"),
+        ("llama-3.2-1b", (), "int4"),
         # The LM head's tail by tickets, off in the TP build until measured on two GPUs.
-        ("qwen2.5-coder-1.5b", ("-DMK_F_DRAWN=8",)),
+        ("qwen2.5-coder-1.5b", ("-DMK_F_DRAWN=8",), "bf16"),
     ],
 )
-def test_tp2_kernel_compiles(shape: str, flags: tuple[str, ...], tmp_path: Path) -> None:
-    proc = kbuild.compile_check(_tp_dims(shape), tmp_path / "decode.o", flags)
+def test_tp2_kernel_compiles(shape: str, flags: tuple[str, ...], fmt: str, tmp_path: Path) -> None:
+    dims = _tp_dims(shape, fmt=fmt, group=128 if fmt == "int4" else 0)
+    proc = kbuild.compile_check(dims, tmp_path / "decode.o", flags)
     assert proc.returncode == 0, proc.stderr
 
 

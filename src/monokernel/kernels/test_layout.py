@@ -94,7 +94,8 @@ def test_small_buffers() -> None:
     assert layout.barrier_words() == 32 * (1 + 16)
     assert layout.token_words(132) == (264, 132)
     assert layout.host_out_words(10) == 12
-    assert layout.tp_recv_bytes(2, 1536) == 2 * 2 * 1536 * 8 + 2 * 2 * 16
+    want = 2 * 2 * 1536 * 8 + 2 * 2 * 16 + 2 * 151936 * 8 + 151936 * 4
+    assert layout.tp_recv_bytes(2, 1536, 151936) == want
 
 
 def test_handoff_regions() -> None:

@@ -186,11 +186,13 @@ class Engine:
         # in the engine's dtype, and the monokernel may repack them in place. One the caller
         # passes stays whole.
         owned = self._owned = not isinstance(model, Checkpoint)
+        # --tp: the checkpoint stays in host memory and each GPU gets only its shard.
+        load_device = torch.device("cpu") if self.config.tp > 1 else self.device
         if owned:
             ckpt = load_checkpoint(
                 model,
                 progress=self.config.progress,
-                device=self.device,
+                device=load_device,
                 dtype=self.dtype,
                 before_weights=self._plan_memory,
             )
@@ -205,7 +207,7 @@ class Engine:
         # cast_weights empties the dict it is given: the checkpoint's own when owned, so no
         # second reference keeps a tensor alive once the monokernel has repacked it.
         weights = cast_weights(
-            ckpt.weights if owned else dict(ckpt.weights), self.dtype, self.device
+            ckpt.weights if owned else dict(ckpt.weights), self.dtype, load_device
         )
         # An FP8 checkpoint (its weights dequantised at load) runs fp8 unless --quantize says
         # otherwise: re-quantised one scale a row. For per-channel scales of each row's
@@ -215,16 +217,9 @@ class Engine:
         self.quantize: str | None = (
             self.config.quantize if self.config.quantize is not None else ckpt.quantization
         )
-        # A 4-bit checkpoint (GGUF Q4_0/Q4_1, AWQ, GPTQ) streams its own groups as int4 on
-        # one GPU; the tensor-parallel build has no int4, so there it runs as loaded.
+        # A 4-bit checkpoint (GGUF Q4_0/Q4_1, AWQ, GPTQ) streams its own groups as int4, on
+        # one GPU or split over --tp GPUs.
         groups = ckpt.groups
-        if self.quantize == "int4" and groups is not None and self.config.tp > 1:
-            if self.config.quantize is not None:
-                raise InvalidRequestError(
-                    "--quantize int4 with --tp > 1: the tensor-parallel build streams bf16, "
-                    "fp8 or int8"
-                )
-            self.quantize = None
         if self.quantize != "int4":
             groups = None
         auto = self.config.engine == "auto" and self.engine_name == "monokernel"

@@ -20,7 +20,7 @@ from monokernel.errors import InvalidRequestError
 from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import PREFILL_CHUNK
 from monokernel.runtime import kv_memory
-from monokernel.runtime.prefill import workspace_bytes
+from monokernel.runtime.prefill_tp import ShardedPrefill
 from monokernel.weights.shard import rank_config, shard_config, valid_tp_sizes
 
 # Without --max-model-len where memory is not planned (CPU), and for the engines whose decode
@@ -91,25 +91,19 @@ def need_bytes(
 
 
 def _tp_rank0_bytes(cfg: ModelConfig, n: int, weight_bytes: int, tp: int, s: PlanSettings) -> int:
-    """Rank 0 of the TP backend (runtime/backends/monokernel/tp.py) holds the most: the whole
-    model in bf16 for its unsharded fp32 prefill, that prefill's fp32 cache and workspace for a
-    full-length prompt, and, like every rank, its shard (at most 1/tp of the weights) repacked
-    with its slice of the cache."""
+    """Rank 0 of the TP backend (runtime/backends/monokernel/tp.py) holds the most: its shard
+    in bf16 (the layers' 1/tp, its LM-head rows, the whole embedding), repacked, its KV heads'
+    cache and RoPE tables, its prefill's workspace and the partial sums the sharded prefill
+    exchanges (runtime/prefill_tp.py). The checkpoint itself stays in host memory."""
     rank = rank_config(shard_config(cfg, 0, tp))
-    bf16 = weight_bytes * 2 // s.dtype_bytes
-    fixed = (
-        weight_bytes
-        + (bf16 if s.dtype_bytes != 2 else 0)
-        + bf16 // tp
-        + kv_memory.repack_bytes(rank, fold=False, convert=False)
-        + kv_memory.RESERVE_BYTES
-    )
-    per_token = (
-        kv_memory.kv_bytes_per_token(rank)
-        + kv_memory.kv_bytes_per_token(cfg, 4)
-        + 2 * kv_memory.rope_bytes_per_token(cfg)  # the rank's tables and the prefill model's
-    )
-    return fixed + per_token * n + workspace_bytes(cfg, n, n, "fp32")
+    layers = weight_bytes * 2 // s.dtype_bytes
+    embed = 2 * cfg.vocab_size * cfg.hidden_size
+    head = 0 if cfg.tie_word_embeddings else embed
+    shard = (layers - embed - head) // tp + embed + 2 * rank.vocab_size * cfg.hidden_size
+    chunk = min(s.chunk_tokens, n)
+    extra = kv_memory.repack_bytes(rank, fold=False, convert=False, consume=True)
+    extra += ShardedPrefill.extra_bytes(chunk, cfg.hidden_size, tp)
+    return shard + kv_memory.needed_bytes(rank, n, chunk, s.precision, extra)
 
 
 def longest_context(
@@ -157,18 +151,15 @@ def _advice(
         if longest_context(cfg, free, weight_bytes * 2 // s.dtype_bytes, engine, tp, half):
             return "--dtype bfloat16 fits (half the weight bytes)"
     advice = [
-        "the model is too large in bf16 for this GPU (weights are held in bf16 whatever the "
-        "checkpoint stores; lower-bit weight formats are not supported yet): use a smaller "
-        "model or a GPU with more free memory"
+        "the model is too large in bf16 for this GPU (weights are loaded in bf16 whatever the "
+        "checkpoint stores): use a smaller model or a GPU with more free memory"
     ]
     if tp == 1 and s.gpus >= 2 and engine == "monokernel":
-        # Offer --tp only where its own plan fits: rank 0 keeps the whole model for the
-        # unsharded prefill, so today it never lowers the first GPU's need.
+        # Offer --tp only where its own plan fits (each GPU also holds the whole embedding).
         sizes = [t for t in valid_tp_sizes(cfg) if 1 < t <= s.gpus]
         t = next((t for t in sizes if longest_context(cfg, free, weight_bytes, engine, t, s)), 0)
         if t:
             return f"--tp {t} fits (the weights split over {t} GPUs)"
-        advice.append("--tp does not help: the first GPU keeps the whole model for prefill")
     return "; ".join(advice)
 
 

@@ -62,7 +62,7 @@ from monokernel.runtime.prefill_ops import (
 )
 from monokernel.runtime.prefill_qkv import ChunkRope, QkvEpilogue, fused_epilogue_ok
 from monokernel.weights.formats import DEFAULT_FORMAT, PackedMatrix, get_format
-from monokernel.weights.repack import LayerPack, Repacked
+from monokernel.weights.repack import Repacked
 
 PRECISIONS: tuple[str, ...] = ("split-qkv", "bf16", "fp32")
 DEFAULT_PRECISION = "split-qkv"
@@ -267,11 +267,11 @@ class Prefiller:
 
     def _chunk(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """One chunk through every layer; returns its residual stream [T, hidden] fp32."""
-        rope = self._epilogue.rope(start, start + tokens.shape[0])
-        x = self.p.embed[tokens].float()  # [T, H]
-        for n, lp in enumerate(self.p.layers):
-            self._attention_block(x, n, lp, start, rope)
-            self._mlp_block(x, lp)
+        rope = self.rope(start, start + tokens.shape[0])
+        x = self.embed(tokens)
+        for n in range(len(self.p.layers)):
+            self.attention_block(x, n, start, rope)
+            self.mlp_block(x, n)
         return x
 
     def _chunk_at(self, tokens: torch.Tensor, pos: torch.Tensor, keys: int) -> torch.Tensor:
@@ -283,21 +283,35 @@ class Prefiller:
         else:
             visible = torch.arange(keys, device=pos.device)[None, :] <= pos[:, None]  # [T, keys]
             at = Placed(pos, keys, None, visible)
-        x = self.p.embed[tokens].float()  # [T, H]
-        for n, lp in enumerate(self.p.layers):
-            self._attention_block(x, n, lp, 0, rope, at)
-            self._mlp_block(x, lp)
+        x = self.embed(tokens)
+        for n in range(len(self.p.layers)):
+            self.attention_block(x, n, 0, rope, at)
+            self.mlp_block(x, n)
         return x
 
-    def _attention_block(
+    # ---- the pieces of a chunk (runtime/prefill_tp.py runs them rank by rank) ------------
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The chunk's residual stream at the first layer: [T, H] fp32."""
+        return self.p.embed[tokens].float()
+
+    def rope(self, start: int, end: int) -> ChunkRope:
+        """RoPE's tables for positions [start, end)."""
+        return self._epilogue.rope(start, end)
+
+    def attention_block(
         self,
         x: torch.Tensor,
         n: int,
-        lp: LayerPack,
         start: int,
         rope: ChunkRope,
         at: Placed | None = None,
+        out: torch.Tensor | None = None,
     ) -> None:
+        """Layer n's attention on the residual x [T, H]: its K/V into the cache, and the
+        O-projection added to x, or where ``out`` is given to ``out`` alone, without the
+        bias (a tensor-parallel rank's partial sum)."""
+        lp = self.p.layers[n]
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         end = start + x.shape[0]
         wqkv, s = self._weight(lp.matrices["wqkv"])
@@ -326,6 +340,9 @@ class Prefiller:
             assert at.visible is not None
             keys, values = self.k[n, :, : at.keys], self.v[n, :, : at.keys]
             attn = masked_attention(q, keys.to(dt), values.to(dt), at.visible)
+        if out is not None:
+            self._project_acc(out, attn, lp.matrices["wo"])
+            return
         self._project_acc(x, attn, lp.matrices["wo"])  # x += O-projection [T, H]
         if lp.bo is not None:
             x += lp.bo
@@ -335,7 +352,10 @@ class Prefiller:
             return 1
         return split_count(queries, self.cfg.num_heads, prefix_keys, self._sms)
 
-    def _mlp_block(self, x: torch.Tensor, lp: LayerPack) -> None:
+    def mlp_block(self, x: torch.Tensor, n: int, out: torch.Tensor | None = None) -> None:
+        """Layer n's MLP on the residual x [T, H], its down projection added to ``out`` (by
+        default x itself)."""
+        lp = self.p.layers[n]
         eps = self.cfg.rms_norm_eps
         if self.precision == "fp32":
             h = F.rms_norm(x, (self.cfg.hidden_size,), lp.ffn_gain, eps)
@@ -353,7 +373,7 @@ class Prefiller:
             act *= up
         else:
             act = silu_mul_bf16(gate, up)  # [T, I] bf16, what the down GEMM reads
-        self._project_acc(x, act, lp.matrices["wdown"])
+        self._project_acc(x if out is None else out, act, lp.matrices["wdown"])
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         h = F.rms_norm(x, (self.cfg.hidden_size,), self.p.norm_gain, self.cfg.rms_norm_eps)

@@ -128,12 +128,25 @@ def test_a_model_too_big_at_any_context() -> None:
     two = PlanSettings(where="cuda:0", gpus=2)
     for engine in ("torch", "monokernel"):
         with pytest.raises(InvalidRequestError) as e:
-            plan_context(QWEN32, 40 * GIB, _bf16_weights(QWEN32), engine, None, settings=two)
+            plan_context(QWEN32, 20 * GIB, _bf16_weights(QWEN32), engine, None, settings=two)
         msg = str(e.value)
-        assert msg.startswith("the model needs ") and "but 40.0 GiB is free" in msg
+        assert msg.startswith("the model needs ") and "but 20.0 GiB is free" in msg
         assert "too large in bf16 for this GPU" in msg and "--max-model-len" not in msg
-    # Rank 0 of --tp keeps the whole model: it is not offered where it cannot help.
-    assert "--tp does not help" in msg and "--tp 2 fits" not in msg
+        assert "--tp 2 fits" not in msg  # half of 61 GiB does not fit in 20 either
+
+
+def test_tp_is_offered_where_each_gpu_holds_its_share() -> None:
+    """The sharded prefill keeps no whole model anywhere: rank 0 holds its 1/tp of the
+    layers, the embedding and its LM-head rows, so 40 GiB a GPU runs the 32B at --tp 2."""
+    weights = _bf16_weights(QWEN32)
+    two = PlanSettings(where="cuda:0", gpus=2)
+    with pytest.raises(ContextTooLargeError, match="--tp 2 fits"):
+        plan_context(QWEN32, 40 * GIB, weights, "monokernel", None, settings=two)
+    plan = plan_context(QWEN32, 40 * GIB, weights, "monokernel", 32768, tp=2, settings=two)
+    assert plan.max_model_len == 32768
+    shard = (weights - 4 * QWEN32.vocab_size * QWEN32.hidden_size) // 2
+    # + the replicated half of the embedding, a layer being repacked, the reserve
+    assert shard < mp.need_bytes(QWEN32, 1, weights, "monokernel", 2, two) < weights // 2 + 2 * GIB
 
 
 def test_tp_counts_rank_zero_and_refuses_a_bad_split() -> None:
@@ -141,7 +154,7 @@ def test_tp_counts_rank_zero_and_refuses_a_bad_split() -> None:
     weights = _bf16_weights(cfg)
     one = mp.need_bytes(cfg, 4096, weights, "monokernel", 1, GPU)
     two = mp.need_bytes(cfg, 4096, weights, "monokernel", 2, GPU)
-    assert two > one  # the whole model plus its shard and the fp32 prefill cache
+    assert two < one  # its shard, its KV heads' cache
     with pytest.raises(TensorParallelError):
         plan_context(cfg, 80 * GIB, weights, "monokernel", None, tp=3, settings=GPU)
 

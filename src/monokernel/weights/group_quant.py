@@ -92,6 +92,27 @@ class GroupQuant:
             self.q.to(device), self.scale.to(device), self.offset.to(device), self.group
         )
 
+    def row_block(self, start: int, size: int) -> GroupQuant:
+        """Rows [start, start + size), views (a tensor-parallel rank's output features)."""
+        rows = slice(start, start + size)
+        return GroupQuant(self.q[rows], self.scale[rows], self.offset[rows], self.group)
+
+    def col_block(self, start: int, size: int) -> GroupQuant:
+        """Columns [start, start + size), copies (a rank's input features): whole groups
+        only, or GroupQuantError naming the cut."""
+        if start % self.group or size % self.group:
+            raise GroupQuantError(
+                f"columns [{start}, {start + size}) would cut this matrix's groups of "
+                f"{self.group} columns"
+            )
+        g0, gs = start // self.group, size // self.group
+        return GroupQuant(
+            self.q[:, start : start + size].contiguous(),
+            self.scale[:, g0 : g0 + gs].contiguous(),
+            self.offset[:, g0 : g0 + gs].contiguous(),
+            self.group,
+        )
+
 
 def _check_layout(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int) -> None:
     if q.dtype != torch.uint8 or q.dim() != 2:

@@ -16,11 +16,14 @@ def random_weights(
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
     logit_scale: float = 1.0,
+    store: torch.device | str | None = None,
 ) -> Weights:
     """Weights in ``cfg``'s shapes: matrices ~ N(0, 1/fan_in), gains ~ 1 + N(0, 0.1^2).
 
     ``logit_scale`` multiplies the LM head (and the embedding when tied): large values spread
-    the logits so that greedy decoding has no near ties.
+    the logits so that greedy decoding has no near ties. ``store``: where each tensor is
+    kept once drawn on ``device`` (the host, for a model larger than one GPU: drawn on the
+    GPU, it takes seconds instead of minutes); by default ``device``.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     out: Weights = {}
@@ -38,5 +41,5 @@ def random_weights(
             t = torch.randn(shape, generator=gen, device=device) / shape[1] ** 0.5
             if short == "lm_head":
                 t = t * logit_scale
-        out[name] = t.to(dtype)
+        out[name] = t.to(dtype) if store is None else t.to(device=store, dtype=dtype)
     return out

@@ -28,18 +28,21 @@ Row blocks are views of the input tensors (no copy); column blocks are contiguou
 
 Sharding runs on the checkpoint's dense matrices, before ``weights/repack.py``: each rank
 packs its own shard in the weight format (``weights/formats``), so a format needs nothing
-here. (``WeightFormat.slice_rows`` / ``slice_cols`` cut matrices that are already packed.)
+here. A 4-bit checkpoint's own groups split the same way (``shard_groups``), whole groups
+only. (``WeightFormat.slice_rows`` / ``slice_cols`` cut matrices that are already packed.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from monokernel.errors import UnsupportedModelError
 from monokernel.models.config import ModelConfig
+from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.names import Weights, check_weights
 
 
@@ -229,6 +232,44 @@ def shard_weights(cfg: ModelConfig, weights: Weights, rank: int, tp: int) -> Wei
     for n in range(cfg.num_layers):
         out |= _shard_layer(weights, sc, n)
     return out
+
+
+def shard_groups(
+    cfg: ModelConfig, groups: Mapping[str, GroupQuant], rank: int, tp: int
+) -> dict[str, GroupQuant]:
+    """Rank ``rank``'s blocks of a 4-bit model's seven matrices a layer, split as
+    ``shard_weights`` splits the dense ones (their bits unchanged). TensorParallelError where
+    a column block would cut a group (check_tp_groups says so before anything is read)."""
+    sc = shard_config(cfg, rank, tp)
+    check_tp_groups(cfg, tp, next(iter(groups.values())).group)
+    q0, kv0, i0 = rank * sc.q_size, rank * sc.kv_size, rank * sc.intermediate
+    out: dict[str, GroupQuant] = {}
+    for n in range(cfg.num_layers):
+        p = f"layers.{n}."
+        out |= {
+            p + "wq": groups[p + "wq"].row_block(q0, sc.q_size),
+            p + "wk": groups[p + "wk"].row_block(kv0, sc.kv_size),
+            p + "wv": groups[p + "wv"].row_block(kv0, sc.kv_size),
+            p + "wo": groups[p + "wo"].col_block(q0, sc.q_size),
+            p + "w_gate": groups[p + "w_gate"].row_block(i0, sc.intermediate),
+            p + "w_up": groups[p + "w_up"].row_block(i0, sc.intermediate),
+            p + "w_down": groups[p + "w_down"].col_block(i0, sc.intermediate),
+        }
+    return out
+
+
+def check_tp_groups(cfg: ModelConfig, tp: int, group: int) -> None:
+    """4-bit groups of ``group`` columns split over ``tp`` ranks only whole: each rank's
+    columns of the O and down projections (q_size / tp, intermediate / tp) must be whole
+    groups."""
+    sc = shard_config(cfg, 0, tp)
+    blocks = (("q heads x head_dim / tp", sc.q_size), ("intermediate / tp", sc.intermediate))
+    cut = [f"{what} {cols}" for what, cols in blocks if cols % group]
+    if cut:
+        raise TensorParallelError(
+            f"4-bit groups of {group} columns cannot split over --tp {tp}: a rank's "
+            f"{', '.join(cut)} is not a multiple of {group}"
+        )
 
 
 def rank_config(sc: ShardConfig) -> ModelConfig:

@@ -18,13 +18,17 @@ from monokernel.models.shapes import SHAPES
 from monokernel.models.transformer import Transformer, linear, rms_norm
 from monokernel.runtime.sampling import SamplingParams, gumbel, sample
 from monokernel.testing.tiny_models import TINY_FAMILIES, make_tiny_checkpoint, tiny_hf_config
+from monokernel.weights.group_quant import quantize_rtn
 from monokernel.weights.names import Weights
+from monokernel.weights.quantize import is_quantized
 from monokernel.weights.random_weights import random_weights
 from monokernel.weights.safetensors_loader import load_safetensors_weights
 from monokernel.weights.shard import (
     TensorParallelError,
+    check_tp_groups,
     expected_shard_shapes,
     shard_config,
+    shard_groups,
     shard_weights,
     valid_tp_sizes,
 )
@@ -172,6 +176,37 @@ def test_shards_have_their_shapes_and_rebuild_the_weights(tp: int) -> None:
             assert all(torch.equal(s[p + name], w[p + name]) for s in shards), name
     assert torch.equal(torch.cat([s["lm_head"] for s in shards]), w["lm_head"])
     assert all(s["embed"] is w["embed"] for s in shards)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_4bit_groups_split_like_the_dense_matrices(tp: int) -> None:
+    """shard_groups' blocks are the blocks of the dense model, bit for bit: the 4-bit groups
+    of a rank's shard dequantise to the shard of the dequantised weights."""
+    cfg = dataclasses.replace(
+        _tiny("llama3", wide=True), hidden_size=128, num_heads=8, head_dim=32, intermediate_size=256
+    )
+    w = random_weights(cfg, dtype=torch.float32, seed=2)
+    groups = {k: quantize_rtn(v, 32) for k, v in w.items() if is_quantized(k)}
+    dense = {k: g.dense() for k, g in groups.items()}
+    for r in range(tp):
+        got = shard_groups(cfg, groups, r, tp)
+        want = shard_weights(cfg, w | dense, r, tp)
+        assert set(got) == set(dense)
+        for k, g in got.items():
+            assert torch.equal(g.dense(), want[k]), k
+
+
+def test_4bit_groups_a_rank_would_cut_are_refused() -> None:
+    cfg = dataclasses.replace(
+        _tiny("llama3", wide=True), hidden_size=128, num_heads=8, head_dim=32, intermediate_size=192
+    )
+    check_tp_groups(cfg, 2, 32)  # 96 intermediate columns a rank: three groups of 32
+    with pytest.raises(TensorParallelError, match=r"intermediate / tp 96 is not a multiple of 64"):
+        check_tp_groups(cfg, 2, 64)
+    w = random_weights(cfg, dtype=torch.float32, seed=2)
+    groups = {k: quantize_rtn(v, 64) for k, v in w.items() if is_quantized(k)}
+    with pytest.raises(TensorParallelError, match="cannot split over --tp 2"):
+        shard_groups(cfg, groups, 0, 2)
 
 
 def test_tied_head_is_sliced_from_the_embedding() -> None:

@@ -5,8 +5,10 @@
 // Dimensions: MK_H hidden, MK_Q = heads * head_dim, MK_KV = kv_heads * head_dim, MK_I
 // intermediate, MK_V vocabulary, MK_L layers, MK_D head_dim, MK_NH heads, MK_NKV KV heads,
 // the 0/1 features MK_QKV_BIAS, MK_O_BIAS, MK_QK_NORM, MK_TP tensor-parallel ranks (1: the
-// single-GPU kernel, every TP addition compiled away), MK_WEIGHT_FORMAT the weights' format
-// type (formats/format.cuh) and MK_SMEM_BYTES the dynamic shared memory layout.py computed.
+// single-GPU kernel, every TP addition compiled away), MK_V_ALL the whole vocabulary (MK_V
+// is a rank's share of it under TP; top-k / top-p draw over all of it), MK_WEIGHT_FORMAT
+// the weights' format type (formats/format.cuh) and MK_SMEM_BYTES the dynamic shared memory
+// layout.py computed.
 #pragma once
 #include "common.cuh"
 
@@ -19,6 +21,10 @@
 #if !defined(MK_SPLIT_E) || !defined(MK_BATCH2) || !defined(MK_D_PRE) || !defined(MK_F_DRAWN) || \
     !defined(MK_ATTN_CHUNK) || !defined(MK_ATTN_RANGE) || !defined(MK_ATTN_GROUP)
 #error "kernels/build.py passes every per-shape choice (-D, its CHOICES table)"
+#endif
+
+#ifndef MK_V_ALL
+#define MK_V_ALL MK_V
 #endif
 
 #define MK_TP_MAX 8  // peer pointers in Params

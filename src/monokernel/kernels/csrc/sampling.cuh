@@ -41,22 +41,24 @@ struct SampleScratch {
 
 #define MK_PFIX 1099511627776.0  // 2^40: probabilities in fixed point, so sums are exact
 
-// One CTA (all its threads) draws a token from logits[V] with top-k and/or top-p active.
-// Radix selection finds the thresholds exactly: top-k's k-th largest z, top-p's p* (the
-// largest p whose tail mass sum(p' >= p) reaches top_p). Integer sums keep it deterministic.
-__device__ int sample_filtered(const Params& p, uint32_t key, SampleScratch s) {
+// One CTA (all its threads) draws a token from logits[V] (V: the whole vocabulary, ids 0..V-1)
+// with top-k and/or top-p active. Radix selection finds the thresholds exactly: top-k's k-th
+// largest z, top-p's p* (the largest p whose tail mass sum(p' >= p) reaches top_p). Integer
+// sums keep it deterministic: the same logits give the same token on every GPU.
+__device__ int sample_filtered(const Params& p, uint32_t key, SampleScratch s,
+                               const float* __restrict__ logits, int V) {
   const int t = threadIdx.x;
   const float temp = p.temperature;
   // --- top-k: the k-th largest z (ties at the boundary kept) ---
   uint32_t kth = 0;  // keep order_key(z) >= kth
-  if (p.top_k > 0 && p.top_k < MK_V) {
+  if (p.top_k > 0 && p.top_k < V) {
     uint32_t prefix = 0, mask = 0;
     int need = p.top_k;
     for (int shift = 24; shift >= 0; shift -= 8) {
       for (int b = t; b < 256; b += kThreads) s.h32[b] = 0;
       __syncthreads();
-      for (int i = t; i < MK_V; i += kThreads) {
-        const uint32_t k = order_key(ld_act(p.logits + i) / temp);
+      for (int i = t; i < V; i += kThreads) {
+        const uint32_t k = order_key(ld_act(logits + i) / temp);
         if ((k & mask) == prefix) atomicAdd(&s.h32[(k >> shift) & 255u], 1u);
       }
       __syncthreads();
@@ -82,14 +84,14 @@ __device__ int sample_filtered(const Params& p, uint32_t key, SampleScratch s) {
   const bool use_p = p.top_p < 1.f;
   if (use_p) {
     float lm = -INFINITY;
-    for (int i = t; i < MK_V; i += kThreads) {
-      const float z = ld_act(p.logits + i) / temp;
+    for (int i = t; i < V; i += kThreads) {
+      const float z = ld_act(logits + i) / temp;
       if (order_key(z) >= kth) lm = fmaxf(lm, z);
     }
     zmax = block_max(lm, s.red);
     float ls = 0.f;
-    for (int i = t; i < MK_V; i += kThreads) {
-      const float z = ld_act(p.logits + i) / temp;
+    for (int i = t; i < V; i += kThreads) {
+      const float z = ld_act(logits + i) / temp;
       if (order_key(z) >= kth) ls += expf(z - zmax);
     }
     denom = block_sum(ls, s.red);
@@ -100,8 +102,8 @@ __device__ int sample_filtered(const Params& p, uint32_t key, SampleScratch s) {
     for (int shift = 24; shift >= 0 && found; shift -= 8) {
       for (int b = t; b < 256; b += kThreads) s.h64[b] = 0;
       __syncthreads();
-      for (int i = t; i < MK_V; i += kThreads) {
-        const float z = ld_act(p.logits + i) / temp;
+      for (int i = t; i < V; i += kThreads) {
+        const float z = ld_act(logits + i) / temp;
         if (order_key(z) < kth) continue;
         const float pr = expf(z - zmax) / denom;
         const uint32_t k = __float_as_uint(pr);
@@ -136,8 +138,8 @@ __device__ int sample_filtered(const Params& p, uint32_t key, SampleScratch s) {
   // --- Gumbel-max over the kept set ---
   float best = -INFINITY;
   int best_id = 0x7fffffff;
-  for (int i = t; i < MK_V; i += kThreads) {
-    const float z = ld_act(p.logits + i) / temp;
+  for (int i = t; i < V; i += kThreads) {
+    const float z = ld_act(logits + i) / temp;
     if (order_key(z) < kth) continue;
     if (use_p && expf(z - zmax) / denom < pstar) continue;
     const float sc = z + gumbel(key, i);

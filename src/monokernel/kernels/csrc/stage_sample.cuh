@@ -1,6 +1,7 @@
 // The token: every CTA reduces the CTAs' best draws itself (no extra barrier), unless top-k /
-// top-p needs the whole distribution: then CTA 0 draws and publishes it. Then the stop check,
-// and the token to host-mapped memory, where the host streams it out as it lands.
+// top-p needs the whole distribution: then CTA 0 draws and publishes it (under TP, CTA 0 of
+// every rank, from the whole vocabulary's logits: tp.cuh). Then the stop check, and the token
+// to host-mapped memory, where the host streams it out as it lands.
 #pragma once
 #include "cta.cuh"
 #include "probes.cuh"
@@ -15,11 +16,12 @@ __device__ __forceinline__ Sampled sample(const Params& p, Cta& c, const Step& s
   bool cancelled = false;  // the host's cancel word as the token words carried it
   if (c.filtered) {
     if (blockIdx.x == 0) {
-      next = sample_filtered(p, key, c.ss);
+      next = Net::draw_filtered(p, key, c.ss, s.index);
       if (c.t == 0) p.flags[kFlagToken] = next;
     }
     grid_barrier(p.barrier, c.bar);
     next = __ldcg(p.flags + kFlagToken);
+    cancelled = Net::filtered_cancel(p);
   } else {
     float b = -INFINITY;
     int bi = 0x7fffffff;

@@ -17,9 +17,15 @@
 // The token exchange works the same way with one 16-byte unit {score, tag, id*2 + cancel,
 // tag} per rank and step: every rank picks the same winner (larger score, ties to the lower
 // global id), and rank 0's cancel bit stops every rank at the same step.
+//
+// Top-k / top-p need the whole distribution: each LM-head row's logit also goes, tagged, into
+// every rank's copy of the whole vocabulary's logits (the step's parity), and CTA 0 of every
+// rank draws from all of them with the same exact rule (sampling.cuh): the same token on
+// every GPU, which the token exchange then carries with rank 0's cancel bit.
 #pragma once
 #include "flow.cuh"
 #include "layout.cuh"
+#include "sampling.cuh"
 
 // The two ways a layer's partial results become everyone's: Net is SingleGpu or, in a
 // -DMK_TP=N build, TensorParallel (picked once, at the end of this file). The stages call Net
@@ -32,6 +38,16 @@ struct SingleGpu {
   __device__ static __forceinline__ bool filtered(const Params& p, bool greedy) {
     return !greedy && ((p.top_k > 0 && p.top_k < MK_V) || p.top_p < 1.f);
   }
+  // LM-head row r's logit where top-k / top-p draw: p.logits holds them all already.
+  __device__ static __forceinline__ void share_logit(const Params&, int, int, float) {}
+  // CTA 0 (all its threads), after the LM head's barrier: the top-k / top-p token.
+  __device__ static __forceinline__ int draw_filtered(const Params& p, uint32_t key,
+                                                      SampleScratch s, int) {
+    return sample_filtered(p, key, s, p.logits, MK_V);
+  }
+  // After a top-k / top-p step's barrier: whether to stop for the host (stop_asked reads the
+  // host CTA's flag itself).
+  __device__ static __forceinline__ bool filtered_cancel(const Params&) { return false; }
   // The generation of a layer's first all-reduce: none here.
   __device__ static __forceinline__ unsigned reduce_tag(const Params&, int, int) { return 0u; }
   // xs <- the residual x after a down projection (tag_x), RMS-normalised, the 1/rms deferred
@@ -86,8 +102,12 @@ struct SingleGpu {
 
 #if MK_TP > 1
 
-// u32 words of the reduction area, before the token units (layout.py tp_recv_bytes).
+// u32 words of a receive buffer (layout.py tp_recv_bytes): the reduction area, the token
+// units, the tagged logits of the whole vocabulary [2 parities][MK_V_ALL] {value, tag}, then
+// CTA 0's untagged copy of them [MK_V_ALL] (its own, never written by a peer).
 constexpr int kTpRedWords = 2 * 2 * MK_TP * MK_H;
+constexpr size_t kTpLogitWords = kTpRedWords + 2 * 4 * MK_TP;
+constexpr size_t kTpDenseWords = kTpLogitWords + 2 * 2 * (size_t)MK_V_ALL;
 
 __device__ __forceinline__ void tp_st2(unsigned* a, unsigned x, unsigned y) {
   asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(a), "r"(x), "r"(y) : "memory");
@@ -214,11 +234,56 @@ __device__ __forceinline__ int tp_pick_token(const Params& p, int step, float& b
   return cancel;
 }
 
+// LM-head row r's logit of step `step` into slot vocab_start + r of every rank's logits.
+__device__ __forceinline__ void tp_send_logit(const Params& p, int step, int r, float v) {
+  const unsigned tag = p.tp_tag + (unsigned)step;
+  const size_t off = kTpLogitWords + 2 * ((size_t)(tag & 1u) * MK_V_ALL + p.vocab_start + r);
+#pragma unroll
+  for (int k = 0; k < MK_TP; ++k) tp_st2(p.tp_recv[k] + off, __float_as_uint(v), tag);
+}
+
+// CTA 0 (all its threads): the step's whole-vocabulary logits, once every rank's are in,
+// copied untagged for the sampler's passes; then the token every rank draws alike, and
+// (thread 0) the exchange that brings rank 0's cancel bit, left in flags[kFlagCancel].
+__device__ __forceinline__ int tp_draw_filtered(const Params& p, uint32_t key, SampleScratch s,
+                                                int step) {
+  const unsigned tag = p.tp_tag + (unsigned)step;
+  const unsigned* in = p.tp_mine + kTpLogitWords + 2 * (size_t)(tag & 1u) * MK_V_ALL;
+  float* all = reinterpret_cast<float*>(p.tp_mine + kTpDenseWords);
+  const long long t0 = clock64();
+  for (int i = threadIdx.x; i < MK_V_ALL; i += kThreads) {
+    uint2 w;
+    while ((w = tp_ld2(in + 2 * (size_t)i)).y != tag) tp_check_timeout(t0);
+    __stcg(all + i, __uint_as_float(w.x));
+  }
+  __syncthreads();
+  const int token = sample_filtered(p, key, s, all, MK_V_ALL);
+  if (threadIdx.x == 0) {
+    float b = 0.f;
+    int bi = token;  // every rank drew it: the exchange's winner is it
+    p.flags[kFlagCancel] = tp_pick_token(p, step, b, bi);
+  }
+  return token;
+}
+
 // Several GPUs: each rank holds a slice of every matrix (heads, intermediate, vocabulary);
 // the residual's partial sums are all-reduced over the peers, and the ranks agree on a token.
 struct TensorParallel {
-  // The vocabulary is split over ranks, so the host refuses top-k / top-p under TP.
-  __device__ static __forceinline__ bool filtered(const Params&, bool) { return false; }
+  // top-k / top-p: every rank's CTA 0 draws from the whole vocabulary (tp_draw_filtered).
+  __device__ static __forceinline__ bool filtered(const Params& p, bool greedy) {
+    return !greedy && ((p.top_k > 0 && p.top_k < MK_V_ALL) || p.top_p < 1.f);
+  }
+  __device__ static __forceinline__ void share_logit(const Params& p, int step, int r, float v) {
+    tp_send_logit(p, step, r, v);
+  }
+  __device__ static __forceinline__ int draw_filtered(const Params& p, uint32_t key,
+                                                      SampleScratch s, int step) {
+    return tp_draw_filtered(p, key, s, step);
+  }
+  // Rank 0's cancel bit, which CTA 0 left in flags[kFlagCancel] before the step's barrier.
+  __device__ static __forceinline__ bool filtered_cancel(const Params& p) {
+    return __ldcg(p.flags + kFlagCancel) != 0;
+  }
   // Generations of a layer's two all-reduces (after O-proj, after down): tag and tag + 1.
   __device__ static __forceinline__ unsigned reduce_tag(const Params& p, int step, int layer) {
     return p.tp_tag + 2u * (unsigned)(step * MK_L + layer);

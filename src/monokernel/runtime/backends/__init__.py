@@ -168,7 +168,7 @@ def create_backend(
             )
         from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
 
-        return MonokernelTPBackend(cfg, weights, max_seq_len, device, tp, quantize)
+        return MonokernelTPBackend(cfg, weights, max_seq_len, device, tp, quantize, groups)
     if name != "auto" or resolved != "monokernel":
         return construct_backend(
             resolved, cfg, weights, max_seq_len, device, owned, quantize, groups

@@ -76,16 +76,22 @@ def monokernel_supported(device: torch.device) -> tuple[bool, str]:
 
 
 def kernel_dims(
-    cfg: ModelConfig, tp: int = 1, weight_format: str = "bf16", weight_group: int = 0
+    cfg: ModelConfig,
+    tp: int = 1,
+    weight_format: str = "bf16",
+    weight_group: int = 0,
+    vocab_all: int = 0,
 ) -> kbuild.KernelDims:
-    """The build's dimensions for ``cfg`` (one rank's config under tensor parallelism), the
-    layers' matrices in ``weight_format`` (int4: in groups of ``weight_group`` columns);
-    refuses a shape the kernel cannot run, before anything is allocated for it."""
+    """The build's dimensions for ``cfg`` (one rank's config under tensor parallelism, of a
+    model of ``vocab_all`` ids), the layers' matrices in ``weight_format`` (int4: in groups
+    of ``weight_group`` columns); refuses a shape the kernel cannot run, before anything is
+    allocated for it."""
     dims = dataclasses.replace(
         kbuild.KernelDims.from_config(cfg),
         tp=tp,
         weight_format=weight_format,
         weight_group=weight_group,
+        vocab_all=vocab_all if tp > 1 else 0,
     )
     dims.check_formats()
     return dims

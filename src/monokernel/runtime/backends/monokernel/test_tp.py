@@ -11,10 +11,10 @@ import functools
 import pytest
 import torch
 
-from monokernel.errors import BackendUnavailableError, InvalidRequestError
+from monokernel.errors import BackendUnavailableError
 from monokernel.models.shapes import SHAPES
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
-from monokernel.runtime.sampling import SamplingParams
+from monokernel.runtime.sampling import SamplingParams, probabilities
 from monokernel.testing.oracle import assert_logits_match, peaked
 from monokernel.weights.random_weights import random_weights
 from monokernel.weights.shard import TensorParallelError
@@ -67,22 +67,41 @@ def test_tp2_teacher_forced_logits() -> None:
 
 @pytest.mark.gpu
 @needs_2_hoppers
-@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
 def test_tp2_quantized_teacher_forced_logits(fmt: str) -> None:
-    """--quantize at TP=2: each rank packs its blocks with TP=1's scales, so the reference on
-    the dequantised whole weights is the oracle, as at TP=1."""
+    """--quantize at TP=2: each rank packs its blocks with TP=1's scales (int4: its whole
+    groups), so the reference on the dequantised whole weights is the oracle, as at TP=1."""
     from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
     from monokernel.weights.quantize import DequantizedView
 
     cfg = SHAPES["llama-3.2-1b"]
     weights = random_weights(cfg, device=torch.device("cuda", 0), seed=12)
-    tp = MonokernelTPBackend(cfg, weights, 512, torch.device("cuda", 0), 2, quantize=fmt)
+    # int4's prefill would multiply the prompt by its weights rounded to bf16: fp32 here, as
+    # in the single-GPU int4 test.
+    precision = "fp32" if fmt == "int4" else None
+    tp = MonokernelTPBackend(
+        cfg, weights, 512, torch.device("cuda", 0), 2, quantize=fmt, prefill_precision=precision
+    )
     seq = _tokens(PROMPT + STEPS, cfg.vocab_size, seed=3)
     got = tp.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
     tp.close()
     assert_logits_match(
         cfg, DequantizedView(weights, fmt), seq, PROMPT, got, f"TP=2 llama-3.2-1b {fmt}"
     )
+    if fmt == "int4":
+        # A 4-bit checkpoint's own groups (here the same rounding, as a checkpoint would hold
+        # it), split over the ranks by shard_groups: the very logits --quantize int4 gave.
+        from monokernel.weights.group_quant import quantize_rtn
+        from monokernel.weights.quantize import int4_group_of, is_quantized
+
+        group = int4_group_of(cfg)
+        groups = {k: quantize_rtn(v, group) for k, v in weights.items() if is_quantized(k)}
+        tp = MonokernelTPBackend(
+            cfg, weights, 512, torch.device("cuda", 0), 2, "int4", groups, precision
+        )
+        again = tp.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
+        tp.close()
+        assert torch.equal(again, got)
 
 
 @pytest.mark.gpu
@@ -131,13 +150,49 @@ def test_tp2_sampling_stops_cancel_and_next_request() -> None:
     next(it)
     it.close()
     assert list(tp.stream(_request(prompt, 40, greedy), CancelToken())) == want
-    # top-k / top-p are refused under TP, with the reason.
-    with pytest.raises(InvalidRequestError, match="top-k / top-p"):
-        list(
-            tp.stream(
-                _request(prompt, 4, SamplingParams(temperature=1.0, top_k=5, seed=1)), CancelToken()
-            )
-        )
+    # top-k / top-p: the same seed draws the same tokens; top-k 1 is greedy.
+    sp = SamplingParams(temperature=0.9, top_k=30, top_p=0.9, seed=7)
+    runs = [list(tp.stream(_request(prompt, 32, sp), CancelToken())) for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 32
+    one = SamplingParams(temperature=1.0, top_k=1, seed=8)
+    assert list(tp.stream(_request(prompt, 40, one), CancelToken())) == want
+
+
+@pytest.mark.gpu
+@needs_2_hoppers
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, 20, 1.0), (1.2, 50, 0.9)])
+def test_tp2_filtered_sampling_distribution(temperature: float, top_k: int, top_p: float) -> None:
+    """Under TP every rank draws from the whole vocabulary's logits: token frequencies over
+    many seeds follow softmax(z) on the kept set of the TP kernel's own logits. Plain random
+    weights (the peaked ones of the other tests put all the mass on one token)."""
+    from monokernel.runtime.backends.monokernel.test_backend import _chi2_pvalue
+    from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
+
+    cfg = SHAPES["qwen2.5-coder-1.5b"]
+    weights = random_weights(cfg, device=torch.device("cuda", 0), seed=13)
+    tp = MonokernelTPBackend(cfg, weights, 64, torch.device("cuda", 0), 2)
+    del weights
+    draws = 800
+    prefix = _tokens(11, cfg.vocab_size, seed=4)
+    logits = tp.teacher_forced_logits(prefix, [0])[0]  # the first step's, as stream draws it
+    counts = torch.zeros(cfg.vocab_size, dtype=torch.float64)
+    for seed in range(draws):
+        sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        counts[next(iter(tp.stream(_request(prefix, 1, sp), CancelToken())))] += 1
+    tp.close()
+    want = probabilities(
+        logits.cpu(), SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    ).double()
+    assert int((want * draws >= 5).sum()) >= 3, "too peaked a distribution to test"
+    top = torch.argsort(want, descending=True)[:6].tolist()
+    seen = torch.argsort(counts, descending=True)[:6].tolist()
+    why = (
+        f"expected {[(i, round(float(want[i]) * draws, 1)) for i in top]}, "
+        f"drew {[(i, int(counts[i])) for i in seen]}"
+    )
+    assert counts[want == 0].sum() == 0, f"drew a token outside the top-k/top-p set: {why}"
+    p = _chi2_pvalue(counts, want)
+    assert p > 1e-3, f"chi-square p-value {p:.2e}: {why}"
 
 
 def test_tp_that_does_not_divide_the_heads_is_refused() -> None:

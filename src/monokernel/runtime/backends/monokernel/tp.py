@@ -7,17 +7,21 @@ into the peers' receive buffers over NVLink (``kernels/csrc/tp.cuh``): no NCCL, 
 per token. docs/tensor-parallel.md has the design.
 
 Composition, not a copy: each rank is the single-GPU backend's DecodeKernel (kernel.py) over
-the rank's repacked shard and KV cache, plus its receive buffer (peer.py); this class adds
-the sharding, the unsharded prefill and the N-way launch. Prefill runs the reference model
-once on rank 0's GPU and each rank gets its KV heads' slice of the cache, which is exact.
+the rank's repacked shard and KV cache, plus its receive buffer (peer.py) and its prefill;
+this class adds the sharding and the N-way launch. The prefill is sharded too
+(runtime/prefill_tp.py): each rank runs the prompt through its own shard and writes its own
+KV heads, so no GPU ever holds more than its share of the layers (the checkpoint's tensors
+stay where they were loaded, the host memory for --tp).
 
-Limits: greedy and plain temperature sampling only (top-k / top-p need the whole vocabulary
-and are refused); NVLink multicast is never used.
+Sampling: greedy, temperature, top-k and top-p, by the single-GPU rule (top-k / top-p from
+the whole vocabulary's logits, which every rank gathers: kernels/csrc/tp.cuh). NVLink
+multicast is never used.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -25,7 +29,7 @@ from monokernel import envs
 from monokernel.errors import BackendUnavailableError, EngineFailedError, InvalidRequestError
 from monokernel.kernels import layout
 from monokernel.models.config import ModelConfig
-from monokernel.models.transformer import Float32View, KVCache, Transformer
+from monokernel.models.transformer import KVCache
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.backends.monokernel.kernel import (
     NO_PROBE,
@@ -46,34 +50,47 @@ from monokernel.runtime.backends.monokernel.peer import (
 )
 from monokernel.runtime.backends.monokernel.request import checked_steps
 from monokernel.runtime.backends.monokernel.token_reader import read_tokens
+from monokernel.runtime.prefill import Prefiller
+from monokernel.runtime.prefill_tp import ShardedPrefill
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.weights.formats import DEFAULT_FORMAT
+from monokernel.weights.group_quant import GroupQuant, quantize_rtn
 from monokernel.weights.names import Weights
-from monokernel.weights.quantize import DequantizedView, check_method, whole_row_scales
+from monokernel.weights.quantize import (
+    check_method,
+    groups_size,
+    int4_group_of,
+    is_quantized,
+    whole_row_scales,
+)
 from monokernel.weights.repack import repack
 from monokernel.weights.shard import (
     ShardConfig,
     check_tp,
+    check_tp_groups,
     rank_config,
     shard_config,
+    shard_groups,
     shard_weights,
 )
 
 _TAG_LIMIT = 2**32 - 1  # tags are u32 and never 0 (the zeroed buffers' value)
 
 
-def refuse_filtered(sampling: SamplingParams, tp: int) -> None:
-    """top-k / top-p need global thresholds over the split vocabulary: not implemented."""
-    if tp > 1 and not sampling.greedy and (sampling.top_k > 0 or sampling.top_p < 1.0):
-        raise InvalidRequestError(
-            f"top-k / top-p sampling is not supported with tensor parallelism (--tp {tp}) yet; "
-            "use greedy or plain temperature sampling, or --tp 1"
-        )
+@contextmanager
+def _keeps_device() -> Iterator[None]:
+    """The caller's current CUDA device back afterwards: the ranks' driver calls make each
+    GPU's context current in turn, and a caller that runs on "cuda" (no index) afterwards
+    must not find itself on the last rank's GPU."""
+    prev = torch.cuda.current_device()
+    try:
+        yield
+    finally:
+        torch.cuda.set_device(prev)
 
 
 class Rank:
-    """One rank: its shard's kernel, KV cache and receive buffer, on ``device`` (no prefill
-    of its own: prefill is unsharded, on rank 0)."""
+    """One rank: its shard's kernel, KV cache, prefill and receive buffer, on ``device``."""
 
     def __init__(
         self,
@@ -83,17 +100,44 @@ class Rank:
         device: torch.device,
         fmt: str = DEFAULT_FORMAT,
         row_scales: Mapping[str, torch.Tensor] | None = None,
+        groups: Mapping[str, GroupQuant] | None = None,
+        precision: str | None = None,
     ) -> None:
-        """``fmt``: the layers' weight format; ``row_scales``: the column-split matrices'
-        whole rows' scales (a quantised format's, weights/quantize.py whole_row_scales)."""
+        """``weights``: the rank's shard on ``device``, consumed (repacked layer by layer);
+        ``fmt``: the layers' weight format; ``row_scales``: the column-split matrices' whole
+        rows' scales (a quantised format's, weights/quantize.py whole_row_scales);
+        ``groups``: in int4, the rank's blocks of the layers' 4-bit matrices; ``precision``:
+        the prefill's (runtime/prefill.py; default MONOKERNEL_PREFILL_PRECISION)."""
         cfg = rank_config(sc)
         self.sc, self.cfg, self.device = sc, cfg, device
-        dims = kernel_dims(cfg, tp=sc.tp, weight_format=fmt)
+        group = groups_size(groups) if groups is not None else 0
+        dims = kernel_dims(cfg, sc.tp, fmt, group, vocab_all=sc.base.vocab_size)
         with torch.cuda.device(device):
             self.cache = KVCache.allocate(cfg, max_seq_len, torch.bfloat16, device)
-            packed = repack(cfg, weights, max_seq_len, fold=False, fmt=fmt, row_scales=row_scales)
+            packed = repack(
+                cfg,
+                weights,
+                max_seq_len,
+                fold=False,
+                fmt=fmt,
+                row_scales=row_scales,
+                consume=True,
+                groups=groups,
+            )
             self.kernel = DecodeKernel(cfg, dims, packed, self.cache, max_seq_len, device)
-        self.recv = DeviceBuffer(device.index, layout.tp_recv_bytes(sc.tp, cfg.hidden_size))
+            # Eager: a captured graph could not hold the exchanges between the ranks.
+            self.prefill = Prefiller(
+                cfg,
+                packed,
+                self.cache.k,
+                self.cache.v,
+                envs.MONOKERNEL_PREFILL_CHUNK,
+                precision or envs.MONOKERNEL_PREFILL_PRECISION,
+                graphs=False,
+            )
+        self.recv = DeviceBuffer(
+            device.index, layout.tp_recv_bytes(sc.tp, cfg.hidden_size, sc.base.vocab_size)
+        )
 
     def close(self) -> None:
         self.recv.free()
@@ -112,9 +156,14 @@ class MonokernelTPBackend:
         device: torch.device,
         tp: int,
         quantize: str | None = None,
+        groups: Mapping[str, GroupQuant] | None = None,
+        prefill_precision: str | None = None,
     ) -> None:
         """``quantize``: the layers' matrices in that format (--quantize), packed per rank
-        with TP=1's scales, so every rank count computes the same quantised model."""
+        with TP=1's scales (int4: TP=1's groups, whole on each rank), so every rank count
+        computes the same quantised model. ``groups``: a 4-bit checkpoint's own groups
+        (with ``quantize`` "int4"), each rank streaming its blocks of them.
+        ``prefill_precision``: as the single-GPU backend's (runtime/prefill.py)."""
         multicast_off()  # nothing here uses NVLS; keep any library we load off it too
         check_tp(cfg, tp)  # TensorParallelError naming the numbers and the valid sizes
         device = torch.device(device)
@@ -127,33 +176,48 @@ class MonokernelTPBackend:
                 f"--tp {tp} needs {tp} GPUs from cuda:{first} on; {count} visible"
             )
         self.devices = [torch.device("cuda", first + r) for r in range(tp)]
+        self.device = self.devices[0]
         for d in self.devices:
             ok, why = monokernel_supported(d)
             if not ok:
                 raise BackendUnavailableError(f"engine 'monokernel' cannot run on {d}: {why}")
         enable_peer_access([d.index for d in self.devices])
         self.cfg, self.tp, self.max_seq_len = cfg, tp, max_seq_len
-        self.device = self.devices[0]
-        if weights["embed"].dtype != torch.bfloat16:
-            weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
-        weights = {k: v.to(self.device) for k, v in weights.items()}
         fmt = DEFAULT_FORMAT if quantize is None else check_method(quantize)
-        if fmt == "int4":
-            raise InvalidRequestError(
-                "int4 weights at --tp > 1: the tensor-parallel build streams bf16, fp8 or int8 "
-                "(--quantize fp8 or int8; a 4-bit checkpoint runs at --tp 1)"
-            )
-        # Unsharded fp32 prefill on rank 0 (as the single-GPU backend does), on the values
-        # the kernels multiply by.
-        view = Float32View(weights) if quantize is None else DequantizedView(weights, fmt)
-        self.ref = Transformer(cfg, view, max_seq_len)
-        scales = None if quantize is None else whole_row_scales(weights, fmt, cfg.num_layers)
+        if groups is not None and fmt != "int4":
+            raise InvalidRequestError(f"a checkpoint's 4-bit groups stream as int4, not {fmt}")
+        group = 0
+        if fmt == "int4":  # TP=1's group, which every rank's column blocks must hold whole
+            group = groups_size(groups) if groups is not None else int4_group_of(cfg)
+            check_tp_groups(cfg, tp, group)
+        # The weights stay where they are (the engine loads them to the host for --tp): each
+        # rank's shard goes to its GPU, in bf16, one at a time.
+        scales = None
+        if quantize is not None and fmt != "int4":
+            scales = whole_row_scales(weights, fmt, cfg.num_layers)
         self.ranks: list[Rank] = []
-        for r, dev in enumerate(self.devices):
-            shard = {k: v.to(dev) for k, v in shard_weights(cfg, weights, r, tp).items()}
-            mine = None if scales is None else {k: v.to(dev) for k, v in scales.items()}
-            self.ranks.append(Rank(shard_config(cfg, r, tp), shard, max_seq_len, dev, fmt, mine))
-            del shard
+        with _keeps_device():  # DeviceBuffer and the kernels make their GPU current
+            for r, dev in enumerate(self.devices):
+                dense = shard_weights(cfg, weights, r, tp)
+                mine: dict[str, GroupQuant] | None = None
+                if groups is not None:
+                    mine = {k: g.to(dev) for k, g in shard_groups(cfg, groups, r, tp).items()}
+                elif fmt == "int4":  # --quantize int4: its blocks rounded as TP=1 rounds them
+                    mine = {
+                        k: quantize_rtn(dense[k].to(device=dev, dtype=torch.bfloat16), group)
+                        for k in dense
+                        if is_quantized(k)
+                    }
+                if mine is not None:  # the layers' matrices stream from their groups alone
+                    dense = {k: v for k, v in dense.items() if not is_quantized(k)}
+                shard = {k: v.to(device=dev, dtype=torch.bfloat16) for k, v in dense.items()}
+                del dense
+                rows = None if scales is None else {k: v.to(dev) for k, v in scales.items()}
+                sc = shard_config(cfg, r, tp)
+                rank = Rank(sc, shard, max_seq_len, dev, fmt, rows, mine, prefill_precision)
+                self.ranks.append(rank)
+                del shard, mine
+        self.prefill = ShardedPrefill([rk.prefill for rk in self.ranks])
         self._tag = 1  # next generation; carried across requests so buffers are never reset
         self.failure: str | None = None  # why no more requests can run (RequestDriver's)
         if envs.MONOKERNEL_PREFILL_WARMUP:
@@ -167,25 +231,19 @@ class MonokernelTPBackend:
 
     def _reset_tags(self) -> None:
         """Zero every receive buffer and restart the tags (before u32 tags would wrap)."""
-        for rk in self.ranks:
-            rk.recv.zero()
+        with _keeps_device():
+            for rk in self.ranks:
+                rk.recv.zero()
         self._tag = 1
 
     def _prefill(self, prompt_ids: Sequence[int]) -> None:
-        n = len(prompt_ids)
-        if n <= 1:
+        """Every prompt token but the last into the ranks' caches (the kernels decode the
+        last one)."""
+        if len(prompt_ids) <= 1:
             return
-        cfg = self.cfg
-        with torch.cuda.device(self.device):
-            prompt = torch.tensor(prompt_ids[:-1], dtype=torch.long, device=self.device)
-            tmp = KVCache.allocate(cfg, n - 1, torch.float32, self.device)
-            self.ref.prefill(prompt, tmp)
-            for rk in self.ranks:
-                h0, h1 = rk.sc.rank * rk.sc.kv_heads, (rk.sc.rank + 1) * rk.sc.kv_heads
-                rk.cache.k[:, :, : n - 1].copy_(tmp.k[:, h0:h1].to(rk.device))
-                rk.cache.v[:, :, : n - 1].copy_(tmp.v[:, h0:h1].to(rk.device))
-            torch.cuda.synchronize(self.device)
-            del tmp
+        self.prefill.run(prompt_ids[:-1], 0)
+        for rk in self.ranks:  # the kernels run on their own streams
+            torch.cuda.synchronize(rk.device)
 
     def _run(
         self,
@@ -203,7 +261,6 @@ class MonokernelTPBackend:
         n_steps = checked_steps(
             prompt_ids, stop_ids, max_new_tokens, self.max_seq_len, self.cfg.vocab_size
         )
-        refuse_filtered(sampling, self.tp)
         span = 2 * self.cfg.num_layers * max(n_steps, 1)  # tags this launch may use
         if self._tag + span >= _TAG_LIMIT:
             self._reset_tags()
@@ -213,27 +270,32 @@ class MonokernelTPBackend:
         launch = Launch(prompt_ids[-1], n - 1, n_steps, sampling, len(stop_ids))
         peers = [rk.recv.ptr for rk in self.ranks]
         params = []
-        for r, rk in enumerate(self.ranks):
-            rk.kernel.make_current()
-            rk.kernel.prepare(stop_ids)
-            link = TPLink(peers, rk.recv.ptr, rk.sc.rank, rk.sc.vocab_start, tag)
-            params.append(rk.kernel.params(launch, NO_PROBE if probes is None else probes[r], link))
         lead = self.ranks[0].kernel  # rank 0 writes the tokens and reads the cancel word
         out = lead.token_words
-        lead.clear_host_words(n_steps)
-        # All N kernels spin on each other, so all must be resident together: launch each on
-        # its own stream and device, back to back, never waiting in between.
-        for rk, p in zip(self.ranks, params, strict=True):
-            rk.kernel.make_current()
-            rk.kernel.launch(p, n - 1 + n_steps)
+        with _keeps_device():
+            for r, rk in enumerate(self.ranks):
+                rk.kernel.make_current()
+                rk.kernel.prepare(stop_ids)
+                link = TPLink(peers, rk.recv.ptr, rk.sc.rank, rk.sc.vocab_start, tag)
+                probe = NO_PROBE if probes is None else probes[r]
+                params.append(rk.kernel.params(launch, probe, link))
+            lead.make_current()
+            lead.clear_host_words(n_steps)
+            # All N kernels spin on each other, so all must be resident together: launch each
+            # on its own stream and device, back to back, never waiting in between.
+            for rk, p in zip(self.ranks, params, strict=True):
+                rk.kernel.make_current()
+                rk.kernel.launch(p, n - 1 + n_steps)
         finished = False
 
         def check(stalled_s: float) -> None:
-            for rk in self.ranks[1:]:  # raises on a fault of any rank
-                rk.kernel.make_current()
-                rk.kernel.finished()
-            lead.make_current()
-            if lead.finished() and not out[1]:
+            with _keeps_device():
+                for rk in self.ranks[1:]:  # raises on a fault of any rank
+                    rk.kernel.make_current()
+                    rk.kernel.finished()
+                lead.make_current()
+                done = lead.finished()
+            if done and not out[1]:
                 raise KernelStuckError("the monokernel (rank 0) exited without finishing")
             if stalled_s > stall_seconds():
                 raise KernelStuckError(
@@ -253,8 +315,9 @@ class MonokernelTPBackend:
             if not finished:
                 lead.cancel()  # rank 0 reads it once per token and tells the others
             try:
-                for rk in self.ranks:
-                    rk.kernel.wait(STOP_GRACE_SECONDS if failed else None)
+                with _keeps_device():
+                    for rk in self.ranks:
+                        rk.kernel.wait(STOP_GRACE_SECONDS if failed else None)
             except RuntimeError as e:  # still running when cancelled, or faulted
                 self.failure = f"the TP monokernels cannot run more requests ({e}); restart"
                 raise EngineFailedError(self.failure) from e
@@ -296,7 +359,7 @@ class MonokernelTPBackend:
         return torch.cat([s.to(self.device) for s in shards], dim=1)
 
     def close(self) -> None:
-        for rk in self.ranks:
-            rk.close()
+        with _keeps_device():
+            for rk in self.ranks:
+                rk.close()
         self.ranks = []
-        del self.ref
