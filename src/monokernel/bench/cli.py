@@ -11,8 +11,10 @@ this run. Prints a table; ``--json`` writes every number, ``--plot`` draws the f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ from monokernel.bench.engines import (
 from monokernel.bench.llama_cpp import ENGINE as LLAMA_CPP
 from monokernel.bench.llama_cpp import INSTALL_HINT as LLAMA_CPP_HINT
 from monokernel.bench.llama_cpp import available as llama_cpp_available
-from monokernel.bench.measure import split_engine
+from monokernel.bench.measure import engine_grammar, split_engine
 from monokernel.bench.records import prompt_label
 from monokernel.bench.sweep import EngineLimits, SweepConfig, run_benchmark
 from monokernel.bench.table import format_table
@@ -163,6 +165,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--time-budget", type=float, metavar="S", help="start no new cell after S seconds"
     )
+    ap.add_argument(
+        "--grammar",
+        metavar="REGEX",
+        help="constrain every request of a +grammar engine (monokernel+grammar) by this "
+        "regex, to time constrained decoding beside the same engine unconstrained; needs "
+        "llguidance (with --shape: over a small tokenizer padded to the shape's vocabulary)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="weights and prompts")
     return ap
 
@@ -180,7 +189,8 @@ def _device(spec: str) -> torch.device:
 
 def _load(
     args: argparse.Namespace, device: torch.device, dtype: torch.dtype, need_weights: bool
-) -> tuple[ModelConfig, WeightSource | None, str]:
+) -> tuple[ModelConfig, WeightSource | None, str, tuple[Path, str | None] | None]:
+    """The model's config, weights, label and (with --model) where its tokenizer lies."""
     if args.model:
         from monokernel.weights.loader import load_checkpoint
 
@@ -188,7 +198,7 @@ def _load(
         weights = None
         if need_weights:
             weights = {k: v.to(device=device, dtype=dtype) for k, v in ckpt.weights.items()}
-        return ckpt.config, weights, args.model
+        return ckpt.config, weights, args.model, (ckpt.tokenizer_dir, ckpt.gguf_file)
     cfg = SHAPES[args.shape]
     # Made afresh for each engine (a second of GPU time at 32B), so no engine's copy of the
     # model lives beside another's.
@@ -197,6 +207,7 @@ def _load(
         cfg,
         fresh if need_weights else None,
         f"{args.shape} (random {str(dtype).removeprefix('torch.')})",
+        None,
     )
 
 
@@ -276,7 +287,22 @@ def main(argv: list[str]) -> int:
         print(f"monokernel bench: {e}", file=sys.stderr)
         return 2
     need_weights = any(split_engine(n)[0] in (*BACKENDS, "hf") for n in names)
-    cfg, weights, label = _load(args, device, dtype, need_weights)
+    cfg, weights, label, tokenizer = _load(args, device, dtype, need_weights)
+    if any(engine_grammar(n) for n in names):
+        if not args.grammar:
+            print("a +grammar engine needs --grammar REGEX", file=sys.stderr)
+            return 2
+        from monokernel.bench.grammar import matcher_factory
+        from monokernel.runtime.constrained import ConstraintError
+
+        try:
+            grammar = matcher_factory(args.grammar, cfg.vocab_size, *(tokenizer or (None,)))
+        except ConstraintError as e:
+            print(f"monokernel bench: --grammar: {e}", file=sys.stderr)
+            return 2
+        sweep = dataclasses.replace(
+            sweep, options=dataclasses.replace(sweep.options, grammar=grammar)
+        )
     recorded = {k: v for k, v in vars(args).items() if k != "endpoint_api_key"}  # no secrets
     doc = run_benchmark(
         cfg, weights, label, sweep, device, recorded, dtype, json_path=args.json_file

@@ -1,8 +1,8 @@
 """The engines the bench can time, behind one small interface.
 
 ``monokernel``, ``torch`` and ``reference`` are our decode backends (``monokernel@tp2``: over
-two GPUs); ``hf`` is transformers'
-``model.generate`` on the same weights; ``endpoint`` is any OpenAI-compatible server;
+two GPUs; ``monokernel+grammar``: every request constrained by ``--grammar``); ``hf`` is
+transformers' ``model.generate`` on the same weights; ``endpoint`` is any OpenAI-compatible server;
 ``llama.cpp`` is llama-cpp-python on the same GGUF file (a CPU peer, when installed). Each is
 opened per (prompt, gen) cell, sized for that cell's context, and closed after it, so an
 engine whose cost depends on the allocated context (a static KV cache read whole) is timed at
@@ -14,14 +14,23 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from monokernel.bench.measure import RunTiming, engine_tp, split_engine, time_request
+from monokernel.bench.measure import (
+    RunTiming,
+    engine_grammar,
+    engine_tp,
+    split_engine,
+    time_request,
+)
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.backends import BACKEND_CLASSES, construct_backend
 from monokernel.weights.names import Weights
+
+if TYPE_CHECKING:
+    from monokernel.runtime.constrained import TokenMatcher
 
 # The weights every engine runs, or a function that makes them afresh for each engine opened
 # (random weights in a named shape): the monokernel then repacks them in place, so a model
@@ -55,6 +64,8 @@ class EngineOptions:
     endpoint_transport: str = "auto"  # "auto" (httpx if installed) | "httpx" | "urllib"
     gguf_path: str | None = None  # the model's GGUF file, for llama.cpp
     threads: int | None = None  # llama.cpp's threads; None: torch's
+    # A fresh grammar matcher for each request of a ``+grammar`` engine (bench --grammar).
+    grammar: Callable[[], TokenMatcher] | None = None
 
 
 class BackendRunner:
@@ -68,11 +79,14 @@ class BackendRunner:
         max_len: int,
         device: torch.device,
         owned: bool = False,
+        grammar: Callable[[], TokenMatcher] | None = None,
     ) -> None:
         """``name``: the label, an engine with the layers' format after a colon when it
         quantises them (``monokernel:fp8``); ``owned``: no one else holds ``weights``, so the
-        monokernel may consume them."""
+        monokernel may consume them; ``grammar``: a fresh matcher for each request (a
+        ``+grammar`` engine's)."""
         self.name = name
+        self._grammar = grammar
         engine, quantize = split_engine(name)
         tp = engine_tp(name)
         if tp > 1:
@@ -90,7 +104,8 @@ class BackendRunner:
         return {"handoff_search": choice.as_dict()} if choice is not None else {}
 
     def run(self, prompt: list[int], gen_tokens: int) -> RunTiming:
-        return time_request(self.backend, prompt, gen_tokens)
+        matcher = self._grammar() if self._grammar is not None else None
+        return time_request(self.backend, prompt, gen_tokens, matcher)
 
     def profile(self, prompt: list[int], gen_tokens: int) -> dict[str, float] | None:
         """The monokernel's per-stage times of one step halfway through; None elsewhere."""
@@ -144,7 +159,12 @@ def open_runner(
 
         return HFRunner(cfg, weights, max_len, device, cache=options.hf_cache)
     if engine in BACKENDS:
-        return BackendRunner(name, cfg, weights, max_len, device, owned)
+        grammar = None
+        if engine_grammar(name):
+            if options.grammar is None:
+                raise ValueError(f"engine {name!r} needs --grammar REGEX")
+            grammar = options.grammar
+        return BackendRunner(name, cfg, weights, max_len, device, owned, grammar)
     raise ValueError(f"unknown engine {name!r}; choose from {', '.join(ENGINES)}")
 
 
@@ -160,6 +180,8 @@ def check_engine_label(label: str) -> str | None:
         return str(e)
     if tp > 1 and engine != "monokernel":
         return f"engine {label!r}: only the monokernel runs over several GPUs (@tpN)"
+    if engine_grammar(label) and (engine not in BACKENDS or tp > 1):
+        return f"engine {label!r}: +grammar goes on {', '.join(BACKENDS)} at one GPU"
     if quantize is not None:
         from monokernel.weights.quantize import QUANTIZE_METHODS
 

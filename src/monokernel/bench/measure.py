@@ -6,6 +6,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from monokernel.models.config import ModelConfig
 from monokernel.runtime.backends.base import Backend, CancelToken, DecodeRequest, planned_reuse
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.weights.quantize import config_format
+
+if TYPE_CHECKING:
+    from monokernel.runtime.constrained import TokenMatcher
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 10) -> float:
@@ -89,8 +93,12 @@ class RunTiming:
     reused_tokens: int | None = None  # prompt tokens a prefix cache supplied; None: unknown
 
 
-def time_request(backend: Backend, prompt: list[int], gen_tokens: int) -> RunTiming:
-    req = DecodeRequest(tuple(prompt), SamplingParams(temperature=0.0), gen_tokens, frozenset())
+def time_request(
+    backend: Backend, prompt: list[int], gen_tokens: int, matcher: TokenMatcher | None = None
+) -> RunTiming:
+    """One greedy request; ``matcher``: its grammar (a ``+grammar`` engine's, fresh)."""
+    sampling = SamplingParams(temperature=0.0)
+    req = DecodeRequest(tuple(prompt), sampling, gen_tokens, frozenset(), matcher)
     reused = planned_reuse(backend, prompt)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -118,15 +126,24 @@ def time_tokens(
 def split_engine(label: str) -> tuple[str, str | None]:
     """A bench engine label -> (engine, weight format): ``monokernel:fp8`` is the monokernel
     with --quantize fp8; a label without a colon runs the checkpoint's weights. A ``@tpN``
-    suffix (engine_tp) is not part of either."""
-    engine, _, fmt = label.partition("@")[0].partition(":")
+    suffix (engine_tp) and a ``+grammar`` one (engine_grammar) are not part of either."""
+    engine, _, fmt = label.partition("+")[0].partition("@")[0].partition(":")
     return engine, fmt or None
+
+
+GRAMMAR_SUFFIX = "+grammar"
+
+
+def engine_grammar(label: str) -> bool:
+    """Whether a bench engine label's requests are constrained by ``--grammar``
+    (``monokernel+grammar``)."""
+    return label.endswith(GRAMMAR_SUFFIX)
 
 
 def engine_tp(label: str) -> int:
     """The GPUs a bench engine label runs on: ``monokernel@tp2`` is the monokernel at
     --tp 2; 1 without the suffix. ValueError for a suffix that is not ``@tpN``, N >= 2."""
-    _, at, spec = label.partition("@")
+    _, at, spec = label.removesuffix(GRAMMAR_SUFFIX).partition("@")
     if not at:
         return 1
     if not (spec.startswith("tp") and spec[2:].isdigit() and int(spec[2:]) >= 2):

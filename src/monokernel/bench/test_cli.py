@@ -12,6 +12,7 @@ from monokernel.bench.engines import check_engine_label
 from monokernel.bench.measure import engine_tp, split_engine
 from monokernel.bench.records import validate
 from monokernel.bench.sweep import EngineLimits
+from monokernel.testing.tiny_models import make_tiny_model_dir
 
 
 def test_cpu_sweep_writes_json_table_and_figures(
@@ -98,3 +99,22 @@ def test_turn_cell_end_to_end(
     assert all("reused_tokens" not in r for r in cell["runs_raw"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert ["reference", "8+6", "4"] in [r[:3] for r in rows]
+
+
+def test_grammar_engine_times_constrained_requests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("llguidance")
+    model = make_tiny_model_dir("llama3", tmp_path / "tiny")  # with its tokenizer
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(model), "--device", "cpu", "--prompt-tokens", "8"]
+    argv += ["--gen-tokens", "6", "--repeats", "1", "--limit", "reference:gen-cap=0"]
+    assert main([*argv, "--engines", "reference+grammar"]) == 2
+    assert "needs --grammar REGEX" in capsys.readouterr().err
+    assert main([*argv, "--engines", "reference+grammar", "--grammar", "[a-"]) == 2
+    assert "--grammar" in capsys.readouterr().err
+    argv += ["--engines", "reference,reference+grammar", "--grammar", "[a-z]{40}"]
+    assert main([*argv, "--json", str(out)]) == 0
+    cells = {c["engine"]: c for c in validate(json.loads(out.read_text()))["cells"]}
+    assert set(cells) == {"reference", "reference+grammar"}
+    assert all(c["gen_tokens_run"] == 6 for c in cells.values())

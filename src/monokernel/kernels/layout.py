@@ -319,6 +319,11 @@ PARAMS: tuple[Field, ...] = (
     _p("host_out", "volatile int*", "host-mapped: [0] count, [1] done, [2 + i] token i + 1"),
     _p("host_cancel", "volatile int*", "host-mapped: nonzero asks the kernel to stop"),
     _p("timing", "long long*", "[timing_words()] the profiled step's marks, or null"),
+    _p(
+        "mask",
+        "const unsigned long long*",
+        "[2, ceil(V/32)] grammar: step s's allowed ids in parity s&1, bits | tag << 32, or null",
+    ),
     Field("max_len", "int", ctypes.c_int32, "cache positions"),
     Field("first_token", "int", ctypes.c_int32, "the first step's input token"),
     Field("start_pos", "int", ctypes.c_int32, "position of first_token"),
@@ -336,7 +341,7 @@ PARAMS: tuple[Field, ...] = (
     Field("attn_group_from", "int", ctypes.c_int32, "context from which group units are used"),
     Field("debug_stall_step", "int", ctypes.c_int32, "-1, or the step CTA 0 stalls at (tests)"),
     Field("debug_stall_hard", "int", ctypes.c_int32, "1: that stall ignores the cancel word"),
-    Field("pad_", "int", ctypes.c_int32, "keeps the TP tail 8-byte aligned"),
+    Field("mask_tag", "unsigned", ctypes.c_uint32, "step s's mask carries tag mask_tag + s"),
 )
 
 # Appended in a -DMK_TP=N build (tp.cuh): the peers' receive buffers and this rank's place.

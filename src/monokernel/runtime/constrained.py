@@ -10,8 +10,10 @@ when the grammar accepts what has been written, so a constrained request ends wi
 
 llguidance is optional (``pip install "monokernel[structured]"``): it is imported only
 when a constrained request is made, so ``monokernel run``, ``bench`` and the GPU tests
-never need it. Only the torch and reference engines apply masks so far; the monokernel
-decodes on the GPU without a host round trip per token and refuses constrained requests.
+never need it. The torch and reference engines apply the mask to the logits on the host;
+the monokernel stays in its loop and reads each step's mask in its LM head, sent by the
+host while the kernel runs the step's layers
+(runtime/backends/monokernel/grammar_mask.py); not at --tp > 1 yet.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("monokernel.constrained")
 
 INSTALL_HINT = 'pip install "monokernel[structured]"'
-# Engines whose decode loop runs on the host once a token, where a mask can be applied.
-CONSTRAINED_ENGINES = ("reference", "torch")
+# Engines that apply a mask: the torch and reference engines on the host once a token, the
+# monokernel in its LM head from masks the host sends a step ahead (one GPU).
+CONSTRAINED_ENGINES = ("reference", "torch", "monokernel")
 # json.dumps's separators: what models have seen most, and no free whitespace for a model
 # (random weights, in the tests) to fill a whole context with.
 JSON_OPTIONS: dict[str, Any] = {
@@ -110,13 +113,15 @@ def require_llguidance() -> Any:
     return llguidance
 
 
-def unsupported_reason(engine: str, speculative: bool) -> str | None:
+def unsupported_reason(engine: str, speculative: bool, tp: int = 1) -> str | None:
     """Why an engine cannot run a constrained request, or None when it can."""
     if engine not in CONSTRAINED_ENGINES:
         return (
-            f"constrained decoding runs on the torch and reference engines for now; this "
-            f"server runs the {engine} engine (start it with --engine torch)"
+            f"constrained decoding runs on the {', '.join(CONSTRAINED_ENGINES)} engines; this "
+            f"server runs the {engine} engine"
         )
+    if tp > 1:
+        return f"constrained decoding runs on one GPU for now, not with --tp {tp}"
     if speculative:
         # A draft would have to be checked against the grammar token by token before
         # verification; not worth it until someone needs both at once.
@@ -190,18 +195,26 @@ class TokenMatcher:
         self.vocab_size = vocab_size
         self._eos = torch.tensor(eos_ids, dtype=torch.long)
 
-    def mask(self) -> torch.Tensor:
-        """Boolean [vocab_size] on the CPU: the tokens allowed next."""
-        words = np.frombuffer(self._inner.compute_bitmask(), dtype=np.uint8)
-        bits = np.unpackbits(words, bitorder="little")[: self.vocab_size]
-        allowed = torch.from_numpy(bits.astype(np.bool_))
-        if self._inner.is_error() or not bool(allowed.any()):
+    def words(self) -> np.ndarray:
+        """The tokens allowed next as uint32 words [ceil(vocab_size / 32)]: bit i of word j
+        is id 32j + i (the monokernel's mask, grammar_mask.py)."""
+        n = (self.vocab_size + 31) // 32
+        words = np.frombuffer(self._inner.compute_bitmask(), dtype=np.uint32)[:n].copy()
+        if self.vocab_size % 32:
+            words[-1] &= np.uint32((1 << (self.vocab_size % 32)) - 1)
+        if self._inner.is_error() or not words.any():
             # Only after a token the mask forbade (a bug) or a grammar with a dead end:
             # ending the output beats sampling from nothing.
             log.warning("constrained decoding hit a dead end: %s", self._inner.get_error())
-            allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
-            allowed[self._eos] = True
-        return allowed
+            words[:] = 0
+            for e in self._eos.tolist():
+                words[e >> 5] |= np.uint32(1 << (e & 31))
+        return words
+
+    def mask(self) -> torch.Tensor:
+        """Boolean [vocab_size] on the CPU: the tokens allowed next."""
+        bits = np.unpackbits(self.words().view(np.uint8), bitorder="little")
+        return torch.from_numpy(bits[: self.vocab_size].astype(np.bool_))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` [V] with every disallowed token at -inf (a new tensor)."""

@@ -166,12 +166,15 @@ def test_torch_backend_matches_reference_under_a_constraint(model_dir: Path) -> 
     assert got[0].token_ids != got[1].token_ids  # the mask did change the greedy output
 
 
-def test_monokernel_and_speculative_refuse() -> None:
-    assert unsupported_reason("reference", False) is None
-    assert unsupported_reason("torch", False) is None
-    why = unsupported_reason("monokernel", False)
-    assert why is not None and "torch and reference engines for now" in why
+def test_tp_and_speculative_refuse() -> None:
+    for engine in ("reference", "torch", "monokernel"):
+        assert unsupported_reason(engine, False) is None
+    why = unsupported_reason("monokernel", False, tp=2)
+    assert why is not None and "not with --tp 2" in why
     assert "--speculative" in (unsupported_reason("torch", True) or "")
+    assert "runs on the reference, torch, monokernel engines" in (
+        unsupported_reason("hf", False) or ""
+    )
 
 
 def test_speculative_engine_refuses(model_dir: Path) -> None:
@@ -192,3 +195,17 @@ def test_missing_llguidance_says_how_to_install(
     with pytest.raises(ConstraintError, match="llguidance") as info:
         fresh.matcher(Constraint.json_object())
     assert INSTALL_HINT in str(info.value)
+
+
+def test_words_are_the_mask_packed_for_the_kernel(engine: Engine) -> None:
+    """The monokernel's mask words hold mask()'s bits, 32 ids a word, nothing past the
+    vocabulary (an odd 333-id one here)."""
+    compiler = GrammarCompiler(engine.tokenizer.hf, 333, engine.eos_token_ids)
+    m = compiler.matcher(Constraint.json_schema(SCHEMA))
+    for text in ("", '{"city": "Ro'):
+        for t in engine.tokenizer.hf(text, add_special_tokens=False)["input_ids"]:
+            m.advance(t)
+        words = m.words()
+        assert words.shape == (11,) and words.dtype.name == "uint32"
+        bits = [bool(words[i >> 5] >> (i & 31) & 1) for i in range(11 * 32)]
+        assert bits[:333] == m.mask().tolist() and not any(bits[333:])

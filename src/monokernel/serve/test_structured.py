@@ -21,7 +21,9 @@ from monokernel.serve.testing import Served, refused_as  # noqa: E402
 from monokernel.serve.testing_names import CHAT, COMPLETIONS, MODEL_NAME  # noqa: E402
 from monokernel.serve.testing_structured import (  # noqa: E402
     SCHEMA,
+    UNSUPPORTED,
     USER,
+    as_tp_monokernel,
     matches_schema,
     structured_server,
 )
@@ -247,10 +249,10 @@ def test_refusals_name_the_field(served: tuple[Engine, str]) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_monokernel_refuses_constrained_requests(
+def test_tp_monokernel_refuses_constrained_requests(
     served: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(served[0], "engine_name", "monokernel")
+    as_tp_monokernel(monkeypatch, served[0])
     for body in (
         {"response_format": {"type": "json_object"}},
         {"guided_json": SCHEMA},
@@ -259,7 +261,7 @@ def test_monokernel_refuses_constrained_requests(
         r = _post(served, {"messages": USER, "max_tokens": 8} | body)
         assert r.status_code == 400, r.text
         message = r.json()["error"]["message"]
-        assert "constrained decoding runs on the torch and reference engines for now" in message
+        assert UNSUPPORTED in message
     # Unconstrained requests still run.
     assert _post(served, {"messages": USER, "max_tokens": 4}).status_code == 200
 

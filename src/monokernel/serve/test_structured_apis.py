@@ -24,8 +24,10 @@ from monokernel.serve.testing import refused_as
 from monokernel.serve.testing_names import MODEL_NAME
 from monokernel.serve.testing_structured import (
     SCHEMA,
+    UNSUPPORTED,
     USER,
     ZONE,
+    as_tp_monokernel,
     matches_schema,
     structured_server,
 )
@@ -38,7 +40,6 @@ A_TOOLS = [
 ]
 R_WEATHER = {"type": "function", "name": "get_weather", "parameters": SCHEMA, "strict": True}
 R_CLOCK = {"type": "function", "name": "get_time", "parameters": ZONE, "strict": False}
-UNSUPPORTED = "constrained decoding runs on the torch and reference engines for now"
 
 
 def _valid(name: str, value: Any) -> bool:
@@ -184,10 +185,10 @@ def test_anthropic_sdk_forced_tool_use(served: tuple[Engine, str]) -> None:
     assert r.json() == forced.json()
 
 
-def test_anthropic_monokernel_refuses_forced_calls(
+def test_anthropic_tp_monokernel_refuses_forced_calls(
     served: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(served[0], "engine_name", "monokernel")
+    as_tp_monokernel(monkeypatch, served[0])
     for choice in ({"type": "any"}, {"type": "tool", "name": "get_time"}):
         r = _post(
             served,
@@ -332,10 +333,10 @@ def test_responses_refusals_name_the_field(served: tuple[Engine, str]) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_responses_monokernel_refuses_constrained_requests(
+def test_responses_tp_monokernel_refuses_constrained_requests(
     served: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(served[0], "engine_name", "monokernel")
+    as_tp_monokernel(monkeypatch, served[0])
     for body, param in (
         ({"text": {"format": {"type": "json_object"}}}, "text.format"),
         ({"text": {"format": JSON_SCHEMA_FORMAT}}, "text.format"),

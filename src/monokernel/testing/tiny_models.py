@@ -34,7 +34,11 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def tiny_hf_config(family: str, vocab_size: int = 131) -> Any:
+def tiny_hf_config(
+    family: str, vocab_size: int = 131, sizes: dict[str, Any] | None = None
+) -> Any:
+    """``sizes``: HF config fields over the tiny defaults (e.g. a GPU test's kernel-sized
+    ``hidden_size``)."""
     import transformers
 
     model_type, overrides = TINY_FAMILIES[family]
@@ -51,18 +55,23 @@ def tiny_hf_config(family: str, vocab_size: int = 131) -> Any:
         "eos_token_id": 2,
         "pad_token_id": 0,
     }
-    base |= overrides
+    base |= overrides | (sizes or {})
     return transformers.AutoConfig.for_model(model_type, **base)
 
 
 def make_tiny_checkpoint(
-    family: str, directory: Path, seed: int = 0, scale: float = 0.15, vocab_size: int = 131
+    family: str,
+    directory: Path,
+    seed: int = 0,
+    scale: float = 0.15,
+    vocab_size: int = 131,
+    sizes: dict[str, Any] | None = None,
 ) -> Path:
     """Write a random checkpoint of ``family`` into ``directory``; returns it."""
     import transformers
 
     torch.manual_seed(seed)
-    cfg = tiny_hf_config(family, vocab_size)
+    cfg = tiny_hf_config(family, vocab_size, sizes)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -110,13 +119,15 @@ def make_tiny_tokenizer(directory: Path, vocab_size: int = 320) -> int:
     return len(fast)
 
 
-def make_tiny_model_dir(family: str, directory: Path, seed: int = 0) -> Path:
+def make_tiny_model_dir(
+    family: str, directory: Path, seed: int = 0, sizes: dict[str, Any] | None = None
+) -> Path:
     """A complete tiny model directory: checkpoint + tokenizer + chat template."""
     import transformers
 
     directory.mkdir(parents=True, exist_ok=True)
     vocab = make_tiny_tokenizer(directory)
-    make_tiny_checkpoint(family, directory, seed=seed, vocab_size=vocab)
+    make_tiny_checkpoint(family, directory, seed=seed, vocab_size=vocab, sizes=sizes)
     eos = transformers.AutoTokenizer.from_pretrained(directory).convert_tokens_to_ids("<|im_end|>")
     import json
 

@@ -32,6 +32,21 @@ __device__ __forceinline__ uint32_t order_key(float z) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// Constrained decoding: whether the grammar lets token `id` come at step `step`. The host
+// writes each step's mask (one 64-bit word per 32 ids: the allowed bits | tag << 32) while
+// the kernel runs that step's layers; a row whose word has not landed yet spins until it
+// has, or until the host asks the kernel to stop.
+__device__ __forceinline__ bool grammar_allows(const Params& p, int step, int id) {
+  const unsigned tag = p.mask_tag + (unsigned)step;
+  const volatile unsigned long long* w =
+      p.mask + (size_t)(step & 1) * ((MK_V_ALL + 31) / 32) + (id >> 5);
+  unsigned long long v;
+  while ((unsigned)((v = *w) >> 32) != tag) {
+    if (*p.host_cancel != 0) return true;  // the step's token is not used
+  }
+  return (v >> (id & 31)) & 1ull;
+}
+
 struct SampleScratch {
   unsigned long long* h64;  // [256] fixed-point probability mass per radix bin
   unsigned* h32;            // [256] counts per radix bin

@@ -23,10 +23,11 @@ __device__ __forceinline__ uint32_t lm_head(const Params& p, Cta& c, const Step&
   const int f_static = static_rows(MK_V, SF::GROUPS);
   const unsigned f_got = MK_F_DRAWN && c.lane == 0 ? draw_ticket(ticket_counter(p.barrier)) : 0u;
   auto out = [&](int r, float logit) {
-    p.logits[r] = logit;
-    if (c.filtered) Net::share_logit(p, s.index, r, logit);
     if (p.debug_logits) p.debug_logits[(size_t)s.index * MK_V + r] = logit;
     const int id = Net::token_id(p, r);
+    if (p.mask && !grammar_allows(p, s.index, id)) logit = -INFINITY;  // outside the grammar
+    p.logits[r] = logit;
+    if (c.filtered) Net::share_logit(p, s.index, r, logit);
     const float sc = c.greedy ? logit : logit / p.temperature + gumbel(key, id);
     if (better(sc, id, best, best_id)) { best = sc; best_id = id; }
   };

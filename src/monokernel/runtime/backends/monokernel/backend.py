@@ -185,6 +185,7 @@ class MonokernelBackend:
             sorted(request.stop_token_ids),
             cancel,
             first_from_prefill=self.first_from_prefill,
+            matcher=request.matcher,
         )
 
     def teacher_forced_logits(

@@ -29,6 +29,7 @@ from monokernel.kernels import launcher, layout
 from monokernel.kernels.plan import head_units_fit
 from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import KVCache
+from monokernel.runtime.backends.monokernel.grammar_mask import GrammarMask
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.weights.repack import Repacked
 
@@ -120,6 +121,7 @@ class Launch:
     n_steps: int
     sampling: SamplingParams
     n_stop: int = 0
+    mask_tag: int = 0  # a constrained launch's first mask tag (grammar_mask.py); 0: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +239,14 @@ class DecodeKernel:
         # Count, done, one word a token, and one more that stays 0 (token_reader.py).
         self.host_out = launcher.HostMapped(layout.host_out_words(self.max_seq_len + 1))
         self.host_cancel = launcher.HostMapped(1)
+        self._grammar: GrammarMask | None = None  # made by the first constrained request
+
+    @property
+    def grammar(self) -> GrammarMask:
+        """The buffers a constrained launch's masks go through (grammar_mask.py)."""
+        if self._grammar is None:
+            self._grammar = GrammarMask(self.cfg.vocab_size, self.device)
+        return self._grammar
 
     # ---- where the buffers lie ------------------------------------------------------------
 
@@ -331,6 +341,7 @@ class DecodeKernel:
             host_out=self.host_out.device_ptr,
             host_cancel=self.host_cancel.device_ptr,
             timing=_ptr(probe.timing),
+            mask=_ptr(self.grammar.buffer) if launch.mask_tag else 0,
             max_len=self.max_seq_len,
             first_token=launch.first_token,
             start_pos=launch.start_pos,
@@ -347,7 +358,7 @@ class DecodeKernel:
             attn_group_splits=self.attn_group_splits,
             attn_group_from=self.attn_group_from,
             **dict(zip(("debug_stall_step", "debug_stall_hard"), debug_stall(), strict=True)),
-            pad_=0,
+            mask_tag=launch.mask_tag,
         )
         if tp is None:
             return launcher.KernelParams(**fields)

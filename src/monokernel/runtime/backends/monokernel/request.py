@@ -9,12 +9,13 @@ when the CancelToken is set or the iterator is closed) stops it within a token.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 
 import torch
 
 from monokernel.errors import EngineFailedError, InvalidRequestError
 from monokernel.runtime.backends.base import CancelToken
+from monokernel.runtime.backends.monokernel.grammar_mask import GrammarMask
 from monokernel.runtime.backends.monokernel.kernel import (
     MAX_STOP_IDS,
     NO_PROBE,
@@ -27,6 +28,7 @@ from monokernel.runtime.backends.monokernel.kernel import (
 )
 from monokernel.runtime.backends.monokernel.kv import KVStore
 from monokernel.runtime.backends.monokernel.token_reader import read_tokens
+from monokernel.runtime.constrained import TokenMatcher
 from monokernel.runtime.prefix_cache import fed_tokens
 from monokernel.runtime.sampling import SamplingParams, sample
 
@@ -89,6 +91,7 @@ class RequestDriver:
         probe: Probe = NO_PROBE,
         forced_ids: Sequence[int] | None = None,
         first_from_prefill: bool = False,
+        matcher: TokenMatcher | None = None,
     ) -> Iterator[int]:
         """The generated ids of one launch. ``probe``: a debug or profiling launch's extra
         inputs; ``forced_ids``: the host copy of ``probe.forced``, so the prefix bookkeeping
@@ -97,7 +100,10 @@ class RequestDriver:
         on the host side by the same rule, runtime/sampling.py); the kernel starts one
         position later from that token. Else the kernel's first step computes the last prompt
         position and draws the first token itself (the debug and profiling paths, whose step
-        numbers and logits are the kernel's)."""
+        numbers and logits are the kernel's). ``matcher``: a constrained request's grammar
+        (runtime/constrained.py): the first token is drawn from the masked prefill logits,
+        and each kernel step's mask reaches the kernel while it runs the step before
+        (grammar_mask.py)."""
         if self.failure is not None:
             raise EngineFailedError(self.failure)
         kernel, prefix = self.kernel, self.kv.prefix
@@ -123,7 +129,11 @@ class RequestDriver:
             # first token, so only the launch itself sits between that token and the kernel.
             kernel.prepare(stop_ids)
             if first_from_prefill:
+                if matcher is not None:
+                    logits = matcher.apply(logits)
                 first = sample(logits, sampling, n)  # the token at position n: one host sync
+                if matcher is not None:
+                    matcher.advance(first)
         # Positions the cache holds before the kernel's first step, and that step's input.
         held, step_in = n - 1, prompt_ids[-1]
         if first is not None:
@@ -133,8 +143,13 @@ class RequestDriver:
                 n_steps = 0
         launched = n_steps > 0
         out = kernel.token_words
+        mask_tag = 0
+        if launched and matcher is not None:
+            mask_tag = kernel.grammar.begin(n_steps)
+            kernel.grammar.publish(0, matcher.words())
         if launched:
-            kernel.start(Launch(step_in, held, n_steps, sampling, len(stop_ids)), probe)
+            launch = Launch(step_in, held, n_steps, sampling, len(stop_ids), mask_tag)
+            kernel.start(launch, probe)
         finished = failed = False
 
         def check(stalled_s: float) -> None:
@@ -154,7 +169,10 @@ class RequestDriver:
             if first is not None and not (cancel is not None and cancel.is_set()):
                 yield first  # the kernel is already running on the next one
             if launched:
-                finished = yield from read_tokens(out, cancel, check)
+                tokens = read_tokens(out, cancel, check)
+                if matcher is not None:
+                    tokens = _masks_ahead(tokens, matcher, kernel.grammar, n_steps)
+                finished = yield from tokens
         except GeneratorExit:  # the consumer closed the stream: a normal early end
             raise
         except BaseException:
@@ -181,3 +199,21 @@ class RequestDriver:
                 generated = [w - 1 for w in out[2 : 2 + max(0, steps - 1)]]  # id + 1
                 ran = (*prompt_ids[:held], step_in)
                 prefix.finish(ran, fed_tokens(ran, generated, steps, forced_ids))
+
+
+def _masks_ahead(
+    tokens: Generator[int, None, bool], matcher: TokenMatcher, grammar: GrammarMask, steps: int
+) -> Generator[int, None, bool]:
+    """``tokens`` (kernel step s's token the s-th), each sending step s + 1's mask before it
+    is yielded, so the kernel, already running step s + 1, finds it in time."""
+    step = 0
+    while True:
+        try:
+            token = next(tokens)
+        except StopIteration as done:
+            return bool(done.value)
+        matcher.advance(token)
+        step += 1
+        if step < steps:
+            grammar.publish(step, matcher.words())
+        yield token
