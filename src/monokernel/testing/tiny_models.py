@@ -34,9 +34,7 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def tiny_hf_config(
-    family: str, vocab_size: int = 131, sizes: dict[str, Any] | None = None
-) -> Any:
+def tiny_hf_config(family: str, vocab_size: int = 131, sizes: dict[str, Any] | None = None) -> Any:
     """``sizes``: HF config fields over the tiny defaults (e.g. a GPU test's kernel-sized
     ``hidden_size``)."""
     import transformers
