@@ -27,6 +27,7 @@ from monokernel.runtime.engine import Engine
 from monokernel.serve.body import clip, echo, refuse_unknown_keys
 from monokernel.serve.errors import APIError, bad_request
 from monokernel.serve.protocol import ChatCompletionRequest, CompletionRequest
+from monokernel.serve.tool_calls import MARKERS
 from monokernel.serve.tools import ToolParsing, ToolRequest
 
 # vLLM's request extras this module reads (params.check_request lets them through).
@@ -191,10 +192,18 @@ def tool_constraint(parsing: ToolParsing, req: ToolRequest, family: str) -> Cons
     if parsing.fmt == "llama3_json":
         start = 'start: body ("; " body)*' if several else "start: body"
         return Constraint.lark(f"{start}\nbody: %json {json.dumps(schema)}\n")
+    if parsing.fmt == "mistral":
+        # The marker as the tokenizer's own special token where it has one (what the model
+        # emits, and what the parser gets back through ToolParsing.markers), else as text.
+        ids = [t for t, text in parsing.markers.items() if text == MARKERS["mistral"][0]]
+        marker = f"<[{ids[0]}]>" if ids else json.dumps(MARKERS["mistral"][0])
+        calls = '"[" body (", " body)* "]"' if several else '"[" body "]"'
+        return Constraint.lark(f"start: {marker} {calls}\nbody: %json {json.dumps(schema)}\n")
     raise bad_request(
         f"tool_choice 'required' or a named function needs constrained decoding of this "
         f"model's tool-call format ({parsing.fmt}, family {family}), which is not implemented "
-        "yet (Hermes/Qwen and Llama 3 JSON calls are); use tool_choice 'auto'",
+        "yet (Hermes/Qwen, Llama 3 JSON and Mistral [TOOL_CALLS] calls are); use tool_choice "
+        "'auto'",
         "tool_choice",
         "unsupported",
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ pytest.importorskip("llguidance")
 openai = pytest.importorskip("openai")
 
 from monokernel.runtime.engine import Engine  # noqa: E402
-from monokernel.serve.testing import Served, refused_as  # noqa: E402
+from monokernel.serve.testing import refused_as  # noqa: E402
 from monokernel.serve.testing_names import CHAT, COMPLETIONS, MODEL_NAME  # noqa: E402
 from monokernel.serve.testing_structured import (  # noqa: E402
     SCHEMA,
@@ -28,6 +28,7 @@ from monokernel.serve.testing_structured import (  # noqa: E402
     structured_server,
 )
 from monokernel.serve.testing_tools import MISTRAL_V03_TEMPLATE  # noqa: E402
+from monokernel.testing.tiny_models import make_tiny_model_dir  # noqa: E402
 
 WEATHER = {
     "type": "function",
@@ -275,14 +276,30 @@ def test_missing_llguidance_is_a_clear_400(
     assert 'pip install "monokernel[structured]"' in r.json()["error"]["message"]
 
 
-def test_uncovered_tool_format_names_the_family(served_factory: Callable[..., Served]) -> None:
-    mistral = served_factory(MISTRAL_V03_TEMPLATE, "[TOOL_CALLS]")
-    r = mistral.post(
-        {"model": MODEL_NAME, "messages": USER, "tools": [CLOCK], "tool_choice": "required"}
+def test_mistral_forced_calls(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Mistral's [TOOL_CALLS] format under tool_choice required and named, from random
+    weights: the grammar starts with the marker's own special token, and the reply parses
+    back as calls."""
+    model = make_tiny_model_dir(
+        "llama3",
+        tmp_path_factory.mktemp("mistral") / "m",
+        sizes={"max_position_embeddings": 1024},  # the template writes the tools out
+        extra_specials=("[TOOL_CALLS]",),
     )
-    assert r.status_code == 400, r.text
-    assert "mistral" in r.json()["error"]["message"]
-    assert r.json()["error"]["param"] == "tool_choice"
+    # One call a reply: random weights would go on adding calls to the array until the
+    # budget ran out.
+    base = {"messages": USER, "tools": [CLOCK], "max_tokens": 120, "parallel_tool_calls": False}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    with structured_server(model, MISTRAL_V03_TEMPLATE) as served:
+        for choice, temperature in (("required", 0.0), ("required", 0.9), (named, 0.0)):
+            r = _post(served, base | {"tool_choice": choice, "temperature": temperature})
+            assert r.status_code == 200, r.text
+            (out,) = r.json()["choices"]
+            assert out["finish_reason"] == "tool_calls", out
+            calls = out["message"]["tool_calls"]
+            (call,) = calls
+            assert call["function"]["name"] == "get_time"
+            assert json.loads(call["function"]["arguments"]) in ({"zone": "UTC"}, {"zone": "CET"})
 
 
 def test_responses_api_forced_call(served: tuple[Engine, str]) -> None:

@@ -64,10 +64,12 @@ def matches_schema(value: Any) -> bool:
 
 
 @contextlib.contextmanager
-def structured_server(tiny_model_dir: Path) -> Iterator[tuple[Engine, str]]:
-    """The reference engine on the tiny model with TOOLS_TEMPLATE, served on loopback."""
+def structured_server(
+    tiny_model_dir: Path, template: str = TOOLS_TEMPLATE
+) -> Iterator[tuple[Engine, str]]:
+    """The reference engine on the tiny model with ``template``, served on loopback."""
     eng = Engine(tiny_model_dir, EngineConfig(engine="reference", device="cpu", progress=False))
-    eng.tokenizer.hf.chat_template = TOOLS_TEMPLATE
+    eng.tokenizer.hf.chat_template = template
     with live_server(create_app(ServerSettings(MODEL_NAME), lambda: eng)) as url:
         wait_ready(url)
         yield eng, url

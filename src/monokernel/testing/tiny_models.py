@@ -7,6 +7,7 @@ has no near-ties to flip.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,16 +94,19 @@ _CORPUS = [
 ] * 20
 
 
-def make_tiny_tokenizer(directory: Path, vocab_size: int = 320) -> int:
-    """A byte-level BPE tokenizer with ChatML specials saved into ``directory``; returns
-    its size (the model's vocab must match)."""
+def make_tiny_tokenizer(
+    directory: Path, vocab_size: int = 320, extra_specials: Sequence[str] = ()
+) -> int:
+    """A byte-level BPE tokenizer with ChatML specials (and ``extra_specials``, e.g.
+    Mistral's ``[TOOL_CALLS]``) saved into ``directory``; returns its size (the model's
+    vocab must match)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *extra_specials]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=specials,
@@ -112,19 +116,25 @@ def make_tiny_tokenizer(directory: Path, vocab_size: int = 320) -> int:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", bos_token=None, pad_token="<|endoftext|>"
     )
+    if extra_specials:  # skipped when decoding, as real tokenizers skip their markers
+        fast.add_special_tokens({"additional_special_tokens": list(extra_specials)})
     fast.chat_template = CHATML_TEMPLATE
     fast.save_pretrained(directory)
     return len(fast)
 
 
 def make_tiny_model_dir(
-    family: str, directory: Path, seed: int = 0, sizes: dict[str, Any] | None = None
+    family: str,
+    directory: Path,
+    seed: int = 0,
+    sizes: dict[str, Any] | None = None,
+    extra_specials: Sequence[str] = (),
 ) -> Path:
     """A complete tiny model directory: checkpoint + tokenizer + chat template."""
     import transformers
 
     directory.mkdir(parents=True, exist_ok=True)
-    vocab = make_tiny_tokenizer(directory)
+    vocab = make_tiny_tokenizer(directory, extra_specials=extra_specials)
     make_tiny_checkpoint(family, directory, seed=seed, vocab_size=vocab, sizes=sizes)
     eos = transformers.AutoTokenizer.from_pretrained(directory).convert_tokens_to_ids("<|im_end|>")
     import json
