@@ -36,6 +36,7 @@ from monokernel.runtime.constrained import (
     TokenMatcher,
     unsupported_reason,
 )
+from monokernel.runtime.logprobs import TokenLogprobs
 from monokernel.runtime.memory_plan import (
     ContextPlan,
     ContextTooLargeError,
@@ -44,7 +45,11 @@ from monokernel.runtime.memory_plan import (
     plan_context,
 )
 from monokernel.runtime.prefill_graphs import graphs_enabled
-from monokernel.runtime.sampling import SamplingParams, unsupported_penalty_reason
+from monokernel.runtime.sampling import (
+    SamplingParams,
+    unsupported_logprobs_reason,
+    unsupported_penalty_reason,
+)
 from monokernel.runtime.speculative import SpeculativeConfig
 from monokernel.tokenizer.detokenize import IncrementalDetokenizer
 from monokernel.tokenizer.stop_strings import StopStringMatcher
@@ -113,6 +118,7 @@ class TokenEvent:
     text: str  # text delta that became safe to emit with this event
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" on the final event
     timings: Timings | None = None  # on the final event
+    logprobs: TokenLogprobs | None = None  # the token's, when the request asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,6 +370,10 @@ class Engine:
         why = unsupported_penalty_reason(params, self.engine_name, self.speculative is not None)
         if why is not None:
             raise InvalidRequestError(why)
+        if params.logprobs is not None:
+            why = unsupported_logprobs_reason(self.engine_name, self.speculative is not None)
+            if why is not None:
+                raise InvalidRequestError(why)
         ids = prompt_ids if prompt_ids is not None else self.encode(prompt)
         self.check_fits(len(ids), params.max_tokens)
         stop_ids = frozenset(params.stop_token_ids) | (
@@ -375,7 +385,8 @@ class Engine:
             # The grammar's end is written as EOS, so EOS ends the output even with
             # ignore_eos (past it the grammar allows nothing else).
             stop_ids |= self.eos_token_ids
-        request = DecodeRequest(tuple(ids), params, params.max_tokens, stop_ids, matcher)
+        logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        request = DecodeRequest(tuple(ids), params, params.max_tokens, stop_ids, matcher, logprobs)
         return self._run(request, cancel or CancelToken())
 
     def constraint_matcher(self, constraint: Constraint) -> TokenMatcher:
@@ -408,12 +419,14 @@ class Engine:
                         first = last
                     count += 1
                     text = stops.feed(detok.add(token))
+                    # The backend appended this token's before yielding it.
+                    lp = request.logprobs[count - 1] if request.logprobs is not None else None
                     if stops.stopped:
                         cancel.set()
                         finish = "stop"
-                        yield TokenEvent(token, text)
+                        yield TokenEvent(token, text, logprobs=lp)
                         break
-                    yield TokenEvent(token, text)
+                    yield TokenEvent(token, text, logprobs=lp)
                     if token in request.stop_token_ids:
                         finish = "stop"
                         break

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 _M32 = 0xFFFFFFFF
 
 
+MAX_LOGPROBS = 20  # alternatives a token (OpenAI's top_logprobs bound; vLLM's default)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -61,6 +64,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Each generated token's log-probability and the ``logprobs`` most likely alternatives'
+    # (runtime/logprobs.py); None: off, 0: the chosen token's alone, at most MAX_LOGPROBS.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -109,6 +115,12 @@ class SamplingParams:
                 )
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise InvalidRequestError("logit_bias names a token id more than once")
+        n = self.logprobs
+        if n is not None and (type(n) is not int or not 0 <= n <= MAX_LOGPROBS):
+            raise InvalidRequestError(
+                f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives a token), "
+                f"got {n!r}"
+            )
 
     def penalty_fields(self) -> list[str]:
         """The logit-processing fields set to other than their neutral value."""
@@ -143,6 +155,18 @@ def _is_real(v: object) -> bool:
 
 # Engines whose decode loop samples on the host from logits it can process first.
 PENALTY_ENGINES = ("reference", "torch")
+
+
+def unsupported_logprobs_reason(engine: str, speculative: bool) -> str | None:
+    """Why an engine cannot return log-probabilities, or None when it can."""
+    if engine not in PENALTY_ENGINES:
+        return (
+            f"logprobs are returned by the torch and reference engines only; this server runs "
+            f"the {engine} engine (start it with --engine torch)"
+        )
+    if speculative:
+        return "logprobs do not combine with --speculative yet"
+    return None
 
 
 def unsupported_penalty_reason(

@@ -15,7 +15,12 @@ from pydantic import BaseModel
 from monokernel.errors import InvalidRequestError
 from monokernel.runtime.constrained import Constraint
 from monokernel.runtime.engine import Engine
-from monokernel.runtime.sampling import SamplingParams, unsupported_penalty_reason
+from monokernel.runtime.sampling import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    unsupported_logprobs_reason,
+    unsupported_penalty_reason,
+)
 from monokernel.serve import structured
 from monokernel.serve.body import clip, echo, unknown_field
 from monokernel.serve.errors import APIError, bad_request
@@ -240,8 +245,6 @@ def unsupported_fields(req: CompletionRequest | ChatCompletionRequest) -> None:
     checks: list[tuple[str, bool]] = [
         ("n", req.n is not None and req.n != 1),
         ("best_of", req.best_of is not None and req.best_of != 1),
-        ("logprobs", req.logprobs not in (None, False, 0)),
-        ("top_logprobs", bool(req.top_logprobs)),
     ]
     for field, refused in checks:
         if not refused:
@@ -404,12 +407,46 @@ def _logit_bias(value: dict[str, float] | None, vocab: int | None = None) -> dic
     return out
 
 
+def requested_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The alternatives a token the request asks for (0: the chosen token's alone), or
+    None for no logprobs; 400 naming the field for a value of the wrong kind. Chat takes
+    ``logprobs: true`` and ``top_logprobs`` (0-20); completions ``logprobs`` as a number
+    (0-20)."""
+    top = f"[0, {MAX_LOGPROBS}]"
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs is not None and not isinstance(req.logprobs, bool):
+            raise bad_request(f"logprobs must be a boolean, got {echo(req.logprobs)}", "logprobs")
+        n = req.top_logprobs
+        if n is not None and not 0 <= n <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in {top}, got {echo(n)}", "top_logprobs")
+        if not req.logprobs:
+            if n:
+                raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return n or 0
+    if req.top_logprobs is not None:
+        raise bad_request(
+            "top_logprobs is a chat completions field; completions take logprobs: N",
+            "top_logprobs",
+        )
+    n = req.logprobs
+    if n is None:
+        return None
+    if type(n) is not int or not 0 <= n <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be an integer in {top}, got {echo(n)}", "logprobs")
+    return n
+
+
 def check_penalty_engine(engine: Engine, params: SamplingParams) -> None:
     """400 naming the field when the engine cannot apply the request's logit processing
     (the monokernel, or --speculative)."""
     why = unsupported_penalty_reason(params, engine.engine_name, engine.speculative is not None)
     if why is not None:
         raise bad_request(why, why.split(" ", 1)[0], "unsupported")
+    if params.logprobs is not None:
+        why = unsupported_logprobs_reason(engine.engine_name, engine.speculative is not None)
+        if why is not None:
+            raise bad_request(why, "logprobs", "unsupported")
 
 
 def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -575,6 +612,7 @@ def prepare(
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             min_p=req.min_p or 0.0,
             logit_bias=_logit_bias(req.logit_bias, engine.model_config.vocab_size),
+            logprobs=requested_logprobs(req),
         )
     except InvalidRequestError as e:
         first = str(e).split(" ", 1)[0]

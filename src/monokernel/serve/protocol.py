@@ -1,11 +1,11 @@
 """The OpenAI wire format: request bodies (pydantic) and response/chunk builders.
 
 Request fields are strictly typed (``"5"`` is not an integer, ``"yes"`` not a boolean).
-Fields that change the output but that this engine does not implement (``logprobs``,
-``n``...) are accepted only at their neutral value and refused otherwise, and a field
+Fields that change the output but that this engine does not implement (``n``,
+``best_of``) are accepted only at their neutral value and refused otherwise, and a field
 the server does not know is refused as OpenAI's API refuses it (see
-``params.check_request``), so nothing a client asks for is dropped. Penalties, ``min_p``
-and ``logit_bias`` are implemented on the torch and reference engines.
+``params.check_request``), so nothing a client asks for is dropped. Penalties, ``min_p``,
+``logit_bias`` and ``logprobs`` are implemented on the torch and reference engines.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ class _SamplingFields(BaseModel):
     repetition_penalty: float | None = None  # vLLM's
     min_p: float | None = None  # vLLM's
     logit_bias: dict[str, float] | None = None
-    # Accepted only at their neutral values.
+    # Chat: a boolean and top_logprobs; completions: a number (params.requested_logprobs).
     logprobs: Any = None
     top_logprobs: int | None = None
+    # Accepted only at its neutral value.
     best_of: int | None = None
 
 
@@ -173,14 +174,20 @@ def timings_json(t: Timings, queue_s: float) -> dict[str, float | int]:
 
 
 def completion_response(
-    rid: str, model: str, text: str, finish: str, prompt_n: int, timings: dict[str, Any]
+    rid: str,
+    model: str,
+    text: str,
+    finish: str,
+    prompt_n: int,
+    timings: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "text_completion",
         "created": now(),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
         "usage": usage(prompt_n, timings["predicted_n"], timings.get("cache_n")),
         "timings": timings,
     }
@@ -194,6 +201,7 @@ def chat_response(
     prompt_n: int,
     timings: dict[str, Any],
     message: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``message`` replaces the plain text reply (a reply with tool calls)."""
     return {
@@ -205,7 +213,7 @@ def chat_response(
             {
                 "index": 0,
                 "message": message or {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
         ],
@@ -239,12 +247,18 @@ class ChunkMaker:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
         return self._chunk([choice | {"finish_reason": None}])
 
-    def delta(self, text: str, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    def delta(
+        self,
+        text: str,
+        finish: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
         if self.chat:
             choice: dict[str, Any] = {"index": 0, "delta": {"content": text} if text else {}}
         else:
             choice = {"index": 0, "text": text}
-        choice |= {"logprobs": None, "finish_reason": finish}
+        choice |= {"logprobs": logprobs, "finish_reason": finish}
         return self._chunk([choice], **extra)
 
     def reasoning(self, text: str) -> dict[str, Any]:

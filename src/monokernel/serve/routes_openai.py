@@ -15,11 +15,13 @@ from starlette.types import Receive, Scope, Send
 
 from monokernel.runtime.constrained import Constraint
 from monokernel.runtime.engine import Engine, TokenEvent
+from monokernel.runtime.logprobs import TokenLogprobs
 from monokernel.serve import params as P
 from monokernel.serve import structured as S
 from monokernel.serve.body import parse_body
 from monokernel.serve.errors import APIError, error_body
 from monokernel.serve.generation import Generation
+from monokernel.serve.logprobs_format import LogprobsFormat
 from monokernel.serve.protocol import (
     ChatCompletionRequest,
     ChunkMaker,
@@ -110,6 +112,8 @@ async def admit(
     )
     cap = state.settings.default_max_tokens_cap
     prepared = P.prepare(engine, body, ids, cap, constraint)
+    if prepared.params.logprobs is not None:
+        _check_logprobs_with(body, parsing)
     try:
         ticket = state.scheduler.enter()
     except QueueFullError as e:
@@ -120,6 +124,25 @@ async def admit(
     return gen, parsing
 
 
+def _check_logprobs_with(
+    body: CompletionRequest | ChatCompletionRequest, parsing: OutputParsing | None
+) -> None:
+    """What logprobs do not combine with: a completion's echo (the prompt's logprobs are
+    not computed) and a streamed reply read back as reasoning or tool calls (its chunks are
+    not the tokens')."""
+    if isinstance(body, CompletionRequest) and body.echo:
+        raise APIError(
+            400, "logprobs with echo: the prompt's log-probabilities are not computed", "echo"
+        )
+    if body.stream and parsing is not None:
+        raise APIError(
+            400,
+            "logprobs in a streamed reply that is read back as reasoning or tool calls are "
+            "not supported; ask without stream, or without logprobs",
+            "logprobs",
+        )
+
+
 async def _serve(request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
     state = get_state(request)
     arrival = time.perf_counter()
@@ -128,24 +151,38 @@ async def _serve(request: Request, body: CompletionRequest | ChatCompletionReque
     rid = new_id("chatcmpl" if chat else "cmpl")
     model = state.settings.served_model_name
     echoed = "" if isinstance(body, ChatCompletionRequest) else _echo(state, body)
+    engine = state.require_engine()
+    lp_format = None
+    if gen.prepared.params.logprobs is not None:
+        lp_format = LogprobsFormat(engine.tokenizer, chat)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = ChunkMaker(chat, rid, model)
-        events = _sse(gen, request, chunks, include_usage, parsing, echoed)
+        events = _sse(gen, request, chunks, include_usage, parsing, echoed, lp_format)
         return GenerationStream(gen, events, state)
-    text, final, _, out = await collect(state, gen, request, parsing)
+    token_lps: list[tuple[int, TokenLogprobs]] = []
+    text, final, _, out = await collect(state, gen, request, parsing, token_lps)
     if final is None or final.timings is None or final.finish_reason == "cancelled":
         # Only reached when the client has gone: nobody reads this.
         return JSONResponse(error_body(499, "the client closed the request"), status_code=499)
     timings = timings_json(final.timings, gen.queue_s)
+    lps = lp_format.format(token_lps) if lp_format is not None else None
     if out is None:
-        build = chat_response if chat else completion_response
-        return JSONResponse(
-            build(rid, model, echoed + text, final.finish_reason, gen.prompt_n, timings)
-        )
+        text = echoed + text
+        if chat:
+            body_json = chat_response(
+                rid, model, text, final.finish_reason, gen.prompt_n, timings, logprobs=lps
+            )
+        else:
+            body_json = completion_response(
+                rid, model, text, final.finish_reason, gen.prompt_n, timings, lps
+            )
+        return JSONResponse(body_json)
     finish = _finish_reason(final.finish_reason, out)
     message = out.message()
-    return JSONResponse(chat_response(rid, model, text, finish, gen.prompt_n, timings, message))
+    return JSONResponse(
+        chat_response(rid, model, text, finish, gen.prompt_n, timings, message, lps)
+    )
 
 
 def _echo(state: ServerState, body: CompletionRequest) -> str:
@@ -162,12 +199,16 @@ def _echo(state: ServerState, body: CompletionRequest) -> str:
 
 
 async def collect(
-    state: ServerState, gen: Generation, request: Request, parsing: OutputParsing | None
+    state: ServerState,
+    gen: Generation,
+    request: Request,
+    parsing: OutputParsing | None,
+    logprobs: list[tuple[int, TokenLogprobs]] | None = None,
 ) -> tuple[str, TokenEvent | None, list[int], OutputStream | None]:
     """A whole generation: its text (with skipped markers written back), the final event
     (None if the client left first), the generated token ids, and with ``parsing`` the
     finished output stream (reasoning, content, calls): the streamed routes' own reader,
-    so the two never disagree."""
+    so the two never disagree. ``logprobs``: gets each token's, where the request asked."""
     parts: list[str] = []
     ids: list[int] = []
     final: TokenEvent | None = None
@@ -180,6 +221,8 @@ async def collect(
                 out.feed(text, tokens=int(event.token_id is not None))
             if event.token_id is not None:
                 ids.append(event.token_id)
+                if logprobs is not None and event.logprobs is not None:
+                    logprobs.append((event.token_id, event.logprobs))
             if event.finish_reason is not None:
                 final = event
     finally:
@@ -218,6 +261,7 @@ async def _sse(
     include_usage: bool,
     parsing: OutputParsing | None = None,
     echoed: str = "",
+    lp_format: LogprobsFormat | None = None,
 ) -> AsyncIterator[bytes]:
     if chunks.chat:
         yield _data(chunks.role())
@@ -232,7 +276,12 @@ async def _sse(
                 for piece in _delta_chunks(chunks, deltas):
                     yield piece
             if event.finish_reason is None:
-                if event.text and calls is None:
+                if lp_format is not None and event.token_id is not None and event.logprobs:
+                    # One chunk a token, its text possibly empty (held back by the
+                    # detokenizer or a stop string), so no token's logprobs are lost.
+                    lps = lp_format.format([(event.token_id, event.logprobs)])
+                    yield _data(chunks.delta(event.text, logprobs=lps))
+                elif event.text and calls is None:
                     yield _data(chunks.delta(event.text))
                 continue
             if event.finish_reason == "cancelled" or event.timings is None:

@@ -52,7 +52,7 @@ CASES: list[tuple[str, str, str, Any, int, str, str | None]] = [
     ("seed", "POST", COMPLETIONS, _p(seed=-1), 400, "seed must be an integer in [0, 2^64)", "seed"),
     ("stop-empty", "POST", COMPLETIONS, _p(stop=[""]), 400, "non-empty strings", "stop"),
     ("model", "POST", CHAT, _c(model="gpt-4"), 404, "the model 'gpt-4' does not exist", "model"),
-    ("logprobs", "POST", CHAT, _c(logprobs=True), 400, "logprobs=True is not supported",
+    ("logprobs", "POST", CHAT, _c(logprobs=2), 400, "logprobs must be a boolean, got 2",
      "logprobs"),
     ("tools", "POST", CHAT, _c(tools=[{"type": "function"}]), 400,
      "tools[0].function is required", "tools[0].function"),

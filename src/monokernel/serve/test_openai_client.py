@@ -191,3 +191,24 @@ def test_health_and_metrics(client: openai.OpenAI, base_url: str) -> None:
     assert values["monokernel_generation_tokens_total"] >= 3
     assert values["monokernel_e2e_request_latency_seconds_count"] >= 1
     assert values['monokernel_time_to_first_token_seconds_bucket{le="+Inf"}'] >= 1
+
+
+def test_logprobs_parse_in_the_clients_types(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    c = client.completions.create(
+        model=MODEL_NAME, prompt="def f(", max_tokens=5, temperature=0, logprobs=3
+    )
+    lp = c.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == len(lp.token_logprobs) == 5
+    # A map by text: alternatives that decode alike (special tokens: "") share one key.
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)

@@ -90,9 +90,10 @@ REFUSED: list[tuple[str, str, Any, str, str | None]] = [
     ("functions", CHAT, _c(functions=[{"name": "f"}]), "functions=", "functions"),
     ("unknown", COMPLETIONS, _p(frobnicate=1), "unrecognized request argument supplied: frobnicate",
      "frobnicate"),
-    ("logprobs-completion", COMPLETIONS, _p(logprobs=2), "logprobs=2 is not supported",
-     "logprobs"),
-    ("top_logprobs", CHAT, _c(top_logprobs=3), "top_logprobs=3", "top_logprobs"),
+    ("logprobs-completion", COMPLETIONS, _p(logprobs=25), "logprobs must be an integer in "
+     "[0, 20], got 25", "logprobs"),
+    ("top_logprobs", CHAT, _c(top_logprobs=3), "top_logprobs needs logprobs: true",
+     "top_logprobs"),
     ("frequency_penalty", CHAT, _c(frequency_penalty=2.5), "frequency_penalty must be in [-2, 2]",
      "frequency_penalty"),
     ("logit_bias", COMPLETIONS, _p(logit_bias={"x": 1.0}), "logit_bias keys must be token ids",

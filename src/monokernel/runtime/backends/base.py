@@ -16,6 +16,7 @@ from monokernel.runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from monokernel.runtime.constrained import TokenMatcher
+    from monokernel.runtime.logprobs import TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,10 @@ class DecodeRequest:
     # with it before each draw and advances it with the drawn token (torch and reference
     # engines; others refuse constrained requests in the Engine).
     matcher: TokenMatcher | None = None
+    # With sampling.logprobs set, a list the backend appends each generated token's
+    # TokenLogprobs to (runtime/logprobs.py) before yielding the token (torch and reference
+    # engines; the Engine refuses logprobs elsewhere).
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class CancelToken:

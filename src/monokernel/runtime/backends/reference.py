@@ -11,6 +11,7 @@ from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import Transformer
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.constrained import sample_masked
+from monokernel.runtime.logprobs import token_logprobs
 from monokernel.runtime.sampling import penalize, unsupported_penalty_reason
 from monokernel.runtime.speculative import Speculating
 from monokernel.weights.names import Weights
@@ -45,10 +46,13 @@ class ReferenceBackend(Speculating):
         for produced in range(1, request.max_new_tokens + 1):
             if cancel.is_set():
                 return
+            raw = logits
             if sp.penalized:
                 logits = penalize(logits, sp, request.prompt_ids, output)
             token = sample_masked(logits, sp, pos, request.matcher)
             output.append(token)
+            if request.logprobs is not None and sp.logprobs is not None:
+                request.logprobs.append(token_logprobs(raw, token, sp.logprobs))
             yield token
             if token in request.stop_token_ids or produced == request.max_new_tokens:
                 return

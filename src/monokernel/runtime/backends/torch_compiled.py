@@ -23,6 +23,7 @@ from monokernel.models.transformer import KVCache, Transformer, rms_norm
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.backends.cpu_packed import PackedCpuStep
 from monokernel.runtime.constrained import sample_masked
+from monokernel.runtime.logprobs import token_logprobs
 from monokernel.runtime.sampling import penalize, unsupported_penalty_reason
 from monokernel.runtime.speculative import Speculating
 from monokernel.weights.group_quant import GroupQuant
@@ -163,7 +164,9 @@ class TorchBackend(Speculating):
         tok = self.module.tok  # [1] int64 buffer, the step's input and greedy output
         # The step's in-graph argmax ignores the grammar and the penalties: such a request
         # draws on the host from the processed logits, as sampling does.
+        want_logprobs = request.logprobs is not None and sp.logprobs is not None
         on_device = sp.greedy and request.matcher is None and not sp.penalized
+        on_device = on_device and not want_logprobs  # they need the logits on the host
         if on_device:
             tok.copy_(torch.argmax(logits).view(1))
         self.module.pos.fill_(n)
@@ -175,11 +178,15 @@ class TorchBackend(Speculating):
             if on_device:
                 token = int(tok)  # the one sync per token: the host needs the id
             else:
+                raw = logits
                 if sp.penalized:
                     logits = penalize(logits, sp, ids, output)
                 token = sample_masked(logits, sp, pos, request.matcher)
                 tok.fill_(token)
                 output.append(token)
+                if want_logprobs:
+                    assert request.logprobs is not None and sp.logprobs is not None
+                    request.logprobs.append(token_logprobs(raw, token, sp.logprobs))
             yield token
             if token in request.stop_token_ids or produced == request.max_new_tokens:
                 return
