@@ -146,6 +146,22 @@ def _full_int32(value: int, device: torch.device) -> torch.Tensor:
     return torch.full((1,), value, dtype=torch.int32, device=device)
 
 
+def checked_tokens(tokens: Sequence[int] | torch.Tensor, start: int, max_len: int) -> torch.Tensor:
+    """A prefill's tokens as int64 (where they were, the host for a list); ValueError for
+    none, or for positions [start, start + T) outside a cache of ``max_len``."""
+    if not isinstance(tokens, torch.Tensor):
+        tokens = torch.tensor(list(tokens), dtype=torch.long)
+    tokens = tokens.to(torch.long)
+    t = tokens.shape[0]
+    if t == 0:
+        raise ValueError("prefill needs at least one token")
+    if start < 0 or start + t > max_len:
+        raise ValueError(
+            f"prefill of positions [{start}, {start + t}) exceeds the cache ({max_len})"
+        )
+    return tokens
+
+
 @dataclass(frozen=True, slots=True)
 class Placed:
     """Where a graphed chunk sits: pos [T] int64 positions on the device; for flash
@@ -244,16 +260,8 @@ class Prefiller:
         (positions [0, start) must already hold the prefix) and returns the last token's
         logits [V] float32 when ``logits`` is set. Asynchronous on the current stream."""
         device = self.k.device
-        if not isinstance(tokens, torch.Tensor):
-            tokens = torch.tensor(list(tokens), dtype=torch.long)
-        tokens = tokens.to(device=device, dtype=torch.long)
+        tokens = checked_tokens(tokens, start, self.max_len).to(device)
         t = tokens.shape[0]
-        if t == 0:
-            raise ValueError("prefill needs at least one token")
-        if start < 0 or start + t > self.max_len:
-            raise ValueError(
-                f"prefill of positions [{start}, {start + t}) exceeds the cache ({self.max_len})"
-            )
         x = None
         if self.graphs is not None:
             x = self.graphs.run(tokens, start)  # None: no graph for this size or start

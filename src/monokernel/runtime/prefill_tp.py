@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from monokernel.runtime.prefill import Prefiller
+from monokernel.runtime.prefill import Prefiller, checked_tokens
 
 
 def _on(device: torch.device) -> AbstractContextManager[object]:
@@ -52,16 +52,8 @@ class ShardedPrefill:
     def run(self, tokens: Sequence[int] | torch.Tensor, start: int) -> None:
         """Prefill ``tokens`` at positions [start, start + T) into every rank's cache
         (positions [0, start) must already hold the prefix there). Asynchronous."""
-        if not isinstance(tokens, torch.Tensor):
-            tokens = torch.tensor(list(tokens), dtype=torch.long)
-        t = tokens.shape[0]
-        if t == 0:
-            raise ValueError("prefill needs at least one token")
-        if start < 0 or start + t > self.max_len:
-            raise ValueError(
-                f"prefill of positions [{start}, {start + t}) exceeds the cache ({self.max_len})"
-            )
-        for a in range(0, t, self.chunk_tokens):
+        tokens = checked_tokens(tokens, start, self.max_len)
+        for a in range(0, tokens.shape[0], self.chunk_tokens):
             self._chunk(tokens[a : a + self.chunk_tokens], start + a)
 
     def _chunk(self, tokens: torch.Tensor, start: int) -> None:

@@ -82,3 +82,16 @@ def served_factory(tiny_model_dir: Path) -> Iterator[Callable[..., Served]]:
     yield make
     for ctx in reversed(stack):
         ctx.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def served_reference(tiny_model_dir: Path) -> Iterator[tuple[Engine, str]]:
+    """The reference engine on the tiny model as it is (no test backend in between), on
+    loopback with the default settings."""
+    from monokernel.serve.app import create_app
+    from monokernel.serve.testing import live_server, wait_ready
+
+    eng = Engine(tiny_model_dir, EngineConfig(engine="reference", device="cpu", progress=False))
+    with live_server(create_app(ServerSettings(MODEL_NAME), lambda: eng)) as url:
+        wait_ready(url)
+        yield eng, url

@@ -6,8 +6,6 @@ cannot compute them refused with a 400 naming the field."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,21 +13,10 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from monokernel.runtime.engine import Engine, EngineConfig
-from monokernel.serve.app import create_app
-from monokernel.serve.settings import ServerSettings
-from monokernel.serve.testing import live_server, wait_ready
+from monokernel.runtime.engine import Engine
 from monokernel.serve.testing_names import CHAT, COMPLETIONS, MODEL_NAME
 
 USER = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def served(tiny_model_dir: Path) -> Iterator[tuple[Engine, str]]:
-    eng = Engine(tiny_model_dir, EngineConfig(engine="reference", device="cpu", progress=False))
-    with live_server(create_app(ServerSettings(MODEL_NAME), lambda: eng)) as url:
-        wait_ready(url)
-        yield eng, url
 
 
 def _body(path: str, extra: dict[str, Any]) -> dict[str, Any]:
@@ -37,14 +24,14 @@ def _body(path: str, extra: dict[str, Any]) -> dict[str, Any]:
     return {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0} | base | extra
 
 
-def _post(served: tuple[Engine, str], path: str, extra: dict[str, Any]) -> httpx.Response:
-    return httpx.post(served[1] + path, json=_body(path, extra), timeout=60)
+def _post(served_reference: tuple[Engine, str], path: str, extra: dict[str, Any]) -> httpx.Response:
+    return httpx.post(served_reference[1] + path, json=_body(path, extra), timeout=60)
 
 
-def _stream(served: tuple[Engine, str], path: str, extra: dict[str, Any]) -> list[dict]:
+def _stream(served_reference: tuple[Engine, str], path: str, extra: dict[str, Any]) -> list[dict]:
     body = _body(path, extra | {"stream": True})
     chunks = []
-    with httpx.stream("POST", served[1] + path, json=body, timeout=60) as r:
+    with httpx.stream("POST", served_reference[1] + path, json=body, timeout=60) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -52,8 +39,8 @@ def _stream(served: tuple[Engine, str], path: str, extra: dict[str, Any]) -> lis
     return chunks
 
 
-def test_chat_logprobs(served: tuple[Engine, str]) -> None:
-    r = _post(served, CHAT, {"logprobs": True, "top_logprobs": 3})
+def test_chat_logprobs(served_reference: tuple[Engine, str]) -> None:
+    r = _post(served_reference, CHAT, {"logprobs": True, "top_logprobs": 3})
     assert r.status_code == 200, r.text
     (choice,) = r.json()["choices"]
     content = choice["logprobs"]["content"]
@@ -68,21 +55,21 @@ def test_chat_logprobs(served: tuple[Engine, str]) -> None:
     # Streamed: one chunk a token, the same entries.
     streamed = [
         e
-        for c in _stream(served, CHAT, {"logprobs": True, "top_logprobs": 3})
+        for c in _stream(served_reference, CHAT, {"logprobs": True, "top_logprobs": 3})
         for ch in c["choices"]
         if ch.get("logprobs")
         for e in ch["logprobs"]["content"]
     ]
     assert streamed == content
     # logprobs without top_logprobs: the chosen token's alone.
-    r = _post(served, CHAT, {"logprobs": True})
+    r = _post(served_reference, CHAT, {"logprobs": True})
     assert all(e["top_logprobs"] == [] for e in r.json()["choices"][0]["logprobs"]["content"])
     # Off by default.
-    assert _post(served, CHAT, {}).json()["choices"][0]["logprobs"] is None
+    assert _post(served_reference, CHAT, {}).json()["choices"][0]["logprobs"] is None
 
 
-def test_completion_logprobs(served: tuple[Engine, str]) -> None:
-    r = _post(served, COMPLETIONS, {"logprobs": 2, "temperature": 0.7, "seed": 5})
+def test_completion_logprobs(served_reference: tuple[Engine, str]) -> None:
+    r = _post(served_reference, COMPLETIONS, {"logprobs": 2, "temperature": 0.7, "seed": 5})
     assert r.status_code == 200, r.text
     (choice,) = r.json()["choices"]
     lp = choice["logprobs"]
@@ -93,7 +80,9 @@ def test_completion_logprobs(served: tuple[Engine, str]) -> None:
     assert all(len(top) <= 2 and all(v <= 0 for v in top.values()) for top in lp["top_logprobs"])
     parts = [
         ch["logprobs"]
-        for c in _stream(served, COMPLETIONS, {"logprobs": 2, "temperature": 0.7, "seed": 5})
+        for c in _stream(
+            served_reference, COMPLETIONS, {"logprobs": 2, "temperature": 0.7, "seed": 5}
+        )
         for ch in c["choices"]
         if ch.get("logprobs")
     ]
@@ -115,19 +104,19 @@ def test_completion_logprobs(served: tuple[Engine, str]) -> None:
     ],
 )
 def test_bad_values_are_refused(
-    served: tuple[Engine, str], path: str, extra: dict[str, Any], param: str
+    served_reference: tuple[Engine, str], path: str, extra: dict[str, Any], param: str
 ) -> None:
-    r = _post(served, path, extra)
+    r = _post(served_reference, path, extra)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
 
 
 def test_an_engine_without_logprobs_refuses(
-    served: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
+    served_reference: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(served[0], "engine_name", "monokernel")
-    r = _post(served, CHAT, {"logprobs": True})
+    monkeypatch.setattr(served_reference[0], "engine_name", "monokernel")
+    r = _post(served_reference, CHAT, {"logprobs": True})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "logprobs" and "torch and reference engines only" in error["message"]
-    assert _post(served, CHAT, {}).status_code == 200
+    assert _post(served_reference, CHAT, {}).status_code == 200

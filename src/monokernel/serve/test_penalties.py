@@ -3,8 +3,6 @@ bad value and each engine that cannot apply them refused with a 400 naming the f
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -12,10 +10,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from monokernel.runtime.engine import Engine, EngineConfig
-from monokernel.serve.app import create_app
-from monokernel.serve.settings import ServerSettings
-from monokernel.serve.testing import live_server, wait_ready
+from monokernel.runtime.engine import Engine
 from monokernel.serve.testing_names import CHAT, COMPLETIONS, MODEL_NAME
 
 USER = [{"role": "user", "content": "hi"}]
@@ -28,33 +23,27 @@ ALL = {
 }
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model_dir: Path) -> Iterator[tuple[Engine, str]]:
-    eng = Engine(tiny_model_dir, EngineConfig(engine="reference", device="cpu", progress=False))
-    with live_server(create_app(ServerSettings(MODEL_NAME), lambda: eng)) as url:
-        wait_ready(url)
-        yield eng, url
-
-
-def _post(served: tuple[Engine, str], path: str, body: dict[str, Any]) -> httpx.Response:
+def _post(served_reference: tuple[Engine, str], path: str, body: dict[str, Any]) -> httpx.Response:
     body = ({"messages": USER} if path == CHAT else {"prompt": "x ="}) | body
     return httpx.post(
-        served[1] + path, json={"model": MODEL_NAME, "max_tokens": 4} | body, timeout=60
+        served_reference[1] + path, json={"model": MODEL_NAME, "max_tokens": 4} | body, timeout=60
     )
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 @pytest.mark.parametrize("temperature", [0, 0.8])
-def test_fields_are_accepted(served: tuple[Engine, str], path: str, temperature: float) -> None:
-    r = _post(served, path, ALL | {"temperature": temperature, "seed": 1})
+def test_fields_are_accepted(
+    served_reference: tuple[Engine, str], path: str, temperature: float
+) -> None:
+    r = _post(served_reference, path, ALL | {"temperature": temperature, "seed": 1})
     assert r.status_code == 200, r.text
 
 
-def test_logit_bias_forces_a_token(served: tuple[Engine, str]) -> None:
-    eng = served[0]
+def test_logit_bias_forces_a_token(served_reference: tuple[Engine, str]) -> None:
+    eng = served_reference[0]
     token = 40
     r = _post(
-        served,
+        served_reference,
         COMPLETIONS,
         {
             "prompt": [3, 1, 4],
@@ -67,14 +56,14 @@ def test_logit_bias_forces_a_token(served: tuple[Engine, str]) -> None:
     assert r.json()["choices"][0]["text"] == eng.tokenizer.hf.decode([token] * 4)
 
 
-def test_same_tokens_as_the_engine(served: tuple[Engine, str]) -> None:
+def test_same_tokens_as_the_engine(served_reference: tuple[Engine, str]) -> None:
     """The server maps the fields onto SamplingParams as a direct engine call would."""
     from monokernel.runtime.sampling import SamplingParams
 
-    eng = served[0]
+    eng = served_reference[0]
     fields = {"frequency_penalty": 1.5, "repetition_penalty": 1.2, "min_p": 0.1}
     r = _post(
-        served,
+        served_reference,
         COMPLETIONS,
         {"prompt": [3, 1, 4], "temperature": 0.9, "seed": 4, "ignore_eos": True, "max_tokens": 8}
         | fields
@@ -107,10 +96,10 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
-def test_bad_values_are_refused(served: tuple[Engine, str], path: str) -> None:
+def test_bad_values_are_refused(served_reference: tuple[Engine, str], path: str) -> None:
     failures = []
     for field, value, fragment in REFUSED:
-        r = _post(served, path, {field: value})
+        r = _post(served_reference, path, {field: value})
         error = r.json().get("error", {})
         if r.status_code != 400 or fragment not in error.get("message", ""):
             failures.append(f"{field}={value!r}: {r.status_code} {r.text}")
@@ -120,7 +109,7 @@ def test_bad_values_are_refused(served: tuple[Engine, str], path: str) -> None:
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
-def test_neutral_values_are_accepted(served: tuple[Engine, str], path: str) -> None:
+def test_neutral_values_are_accepted(served_reference: tuple[Engine, str], path: str) -> None:
     body = {
         "presence_penalty": 0,
         "frequency_penalty": 0.0,
@@ -128,29 +117,31 @@ def test_neutral_values_are_accepted(served: tuple[Engine, str], path: str) -> N
         "min_p": 0,
         "logit_bias": {},
     }
-    assert _post(served, path, body).status_code == 200
+    assert _post(served_reference, path, body).status_code == 200
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 def test_monokernel_refuses(
-    served: tuple[Engine, str], path: str, monkeypatch: pytest.MonkeyPatch
+    served_reference: tuple[Engine, str], path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(served[0], "engine_name", "monokernel")
+    monkeypatch.setattr(served_reference[0], "engine_name", "monokernel")
     for field, value in ALL.items():
-        r = _post(served, path, {field: value})
+        r = _post(served_reference, path, {field: value})
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == field
         assert "supported by the torch and reference engines only" in error["message"]
         assert error["message"].startswith(field)
     # Neutral values still run.
-    assert _post(served, path, {"repetition_penalty": 1.0, "min_p": 0}).status_code == 200
+    assert _post(served_reference, path, {"repetition_penalty": 1.0, "min_p": 0}).status_code == 200
 
 
-def test_speculative_refuses(served: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(served[0], "speculative", object())
+def test_speculative_refuses(
+    served_reference: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(served_reference[0], "speculative", object())
     for field, value in ALL.items():
-        r = _post(served, CHAT, {field: value})
+        r = _post(served_reference, CHAT, {field: value})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == field
         assert "--speculative" in r.json()["error"]["message"]
