@@ -119,6 +119,7 @@ class TokenEvent:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" on the final event
     timings: Timings | None = None  # on the final event
     logprobs: TokenLogprobs | None = None  # the token's, when the request asked for them
+    choice: int = 0  # which of a request's n choices (the server's n > 1) it belongs to
 
 
 @dataclass(frozen=True, slots=True)

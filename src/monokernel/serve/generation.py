@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any
 
@@ -39,9 +40,13 @@ class Generation:
         metrics: Metrics,
         arrival: float,
         engine_thread: Executor,
+        choices: int = 1,
     ) -> None:
+        """``choices``: the request's n, run one after another in its one engine slot, each
+        a seed of its own (the request's seed + i, or a fresh one)."""
         self.engine = engine
         self.prepared = prepared
+        self.choices = choices
         self.ticket = ticket
         self.metrics = metrics
         self.engine_thread = engine_thread
@@ -109,7 +114,8 @@ class Generation:
                 if item.finish_reason == "cancelled" and self.shutting_down:
                     raise self._shutdown_error()
                 yield item
-                if item.finish_reason is not None:
+                last = item.choice == self.choices - 1 or item.finish_reason == "cancelled"
+                if item.finish_reason is not None and last:
                     return
         finally:
             watcher.cancel()
@@ -133,32 +139,15 @@ class Generation:
 
         previous: float | None = None
         try:
-            events = self.engine.generate(
-                "", self.prepared.params, cancel=self.cancel, prompt_ids=self.prepared.prompt_ids
-            )
-            for event in events:
-                now = time.perf_counter()
-                if event.token_id is not None:
-                    if previous is None:
-                        self.metrics.observe_ttft(now - self.arrival)
-                    else:
-                        self.metrics.observe_itl(now - previous)
-                    previous = now
-                elif event.timings is not None and event.finish_reason is not None:
-                    t = event.timings
-                    self.metrics.finish(
-                        event.finish_reason,
-                        t.prompt_tokens,
-                        t.generated_tokens,
-                        now - self.arrival,
-                        t.drafted_tokens or 0,
-                        t.accepted_tokens or 0,
-                        queue_s=self.queue_s,
-                        prefill_s=t.ttft_s,
-                        decode_s=t.decode_s,
-                        cached_n=t.cached_tokens,
-                    )
-                put(event)
+            # A choice started after a cancel ends at once, with its own "cancelled" event.
+            for choice in range(self.choices):
+                params = self.prepared.params
+                if choice and params.seed is not None:
+                    params = dataclasses.replace(params, seed=params.seed + choice)
+                events = self.engine.generate(
+                    "", params, cancel=self.cancel, prompt_ids=self.prepared.prompt_ids
+                )
+                previous = self._relay(events, choice, previous, put)
         except BaseException as e:
             log.exception("generation failed")
             put(e)
@@ -166,3 +155,37 @@ class Generation:
             # RuntimeError: the loop has closed, so nothing waits for the slot any more.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(self.ticket.release)
+
+    def _relay(
+        self,
+        events: Iterator[TokenEvent],
+        choice: int,
+        previous: float | None,
+        put: Callable[[TokenEvent | BaseException], None],
+    ) -> float | None:
+        """One choice's events to the loop, with the metrics they carry; returns when its
+        last token came (for the next choice's inter-token time)."""
+        for event in events:
+            now = time.perf_counter()
+            if event.token_id is not None:
+                if previous is None:
+                    self.metrics.observe_ttft(now - self.arrival)
+                else:
+                    self.metrics.observe_itl(now - previous)
+                previous = now
+            elif event.timings is not None and event.finish_reason is not None:
+                t = event.timings
+                self.metrics.finish(
+                    event.finish_reason,
+                    t.prompt_tokens,
+                    t.generated_tokens,
+                    now - self.arrival,
+                    t.drafted_tokens or 0,
+                    t.accepted_tokens or 0,
+                    queue_s=self.queue_s,
+                    prefill_s=t.ttft_s,
+                    decode_s=t.decode_s,
+                    cached_n=t.cached_tokens,
+                )
+            put(dataclasses.replace(event, choice=choice) if choice else event)
+        return previous

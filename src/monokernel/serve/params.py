@@ -240,17 +240,20 @@ def check_roles(messages: list[ChatMessage]) -> None:
             )
 
 
+# Choices a request may ask for (n): run one after another in its engine slot.
+MAX_CHOICES = 16
+
+
 def unsupported_fields(req: CompletionRequest | ChatCompletionRequest) -> None:
     """Refuse features we cannot honour rather than ignoring them."""
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        raise bad_request(f"n must be in [1, {MAX_CHOICES}] (choices), got {echo(req.n)}", "n")
     checks: list[tuple[str, bool]] = [
-        ("n", req.n is not None and req.n != 1),
         ("best_of", req.best_of is not None and req.best_of != 1),
     ]
     for field, refused in checks:
         if not refused:
             continue
-        if field == "n":
-            raise bad_request(f"n must be 1 (one choice per request), got {echo(req.n)}", "n")
         value = getattr(req, field)
         raise bad_request(
             f"{field}={echo(value)} is not supported by this server", field, "unsupported"

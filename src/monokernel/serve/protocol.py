@@ -173,51 +173,46 @@ def timings_json(t: Timings, queue_s: float) -> dict[str, float | int]:
     }
 
 
-def completion_response(
-    rid: str,
-    model: str,
-    text: str,
-    finish: str,
-    prompt_n: int,
-    timings: dict[str, Any],
-    logprobs: dict[str, Any] | None = None,
+def completion_choice(
+    index: int, text: str, finish: str, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": now(),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-        "usage": usage(prompt_n, timings["predicted_n"], timings.get("cache_n")),
-        "timings": timings,
-    }
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def chat_response(
-    rid: str,
-    model: str,
+def chat_choice(
+    index: int,
     text: str,
     finish: str,
-    prompt_n: int,
-    timings: dict[str, Any],
     message: dict[str, Any] | None = None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``message`` replaces the plain text reply (a reply with tool calls)."""
     return {
+        "index": index,
+        "message": message or {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish,
+    }
+
+
+def response(
+    chat: bool,
+    rid: str,
+    model: str,
+    choices: list[dict[str, Any]],
+    prompt_n: int,
+    completion_n: int,
+    timings: dict[str, Any],
+) -> dict[str, Any]:
+    """A whole (non-streamed) completion or chat completion; ``completion_n``: the
+    generated tokens of every choice."""
+    return {
         "id": rid,
-        "object": "chat.completion",
+        "object": "chat.completion" if chat else "text_completion",
         "created": now(),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message or {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-        ],
-        "usage": usage(prompt_n, timings["predicted_n"], timings.get("cache_n")),
+        "choices": choices,
+        "usage": usage(prompt_n, completion_n, timings.get("cache_n")),
         "timings": timings,
     }
 
@@ -242,40 +237,41 @@ class ChunkMaker:
         }
         return base | extra
 
-    def role(self) -> dict[str, Any]:
-        """The chat stream opens with the assistant role, as OpenAI's does."""
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-        return self._chunk([choice | {"finish_reason": None}])
+    def role(self, choice: int = 0) -> dict[str, Any]:
+        """A chat choice opens with the assistant role, as OpenAI's does."""
+        c = {"index": choice, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        return self._chunk([c | {"finish_reason": None}])
 
     def delta(
         self,
         text: str,
         finish: str | None = None,
         logprobs: dict[str, Any] | None = None,
+        choice: int = 0,
         **extra: Any,
     ) -> dict[str, Any]:
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": text} if text else {}}
+            c: dict[str, Any] = {"index": choice, "delta": {"content": text} if text else {}}
         else:
-            choice = {"index": 0, "text": text}
-        choice |= {"logprobs": logprobs, "finish_reason": finish}
-        return self._chunk([choice], **extra)
+            c = {"index": choice, "text": text}
+        c |= {"logprobs": logprobs, "finish_reason": finish}
+        return self._chunk([c], **extra)
 
-    def reasoning(self, text: str) -> dict[str, Any]:
+    def reasoning(self, text: str, choice: int = 0) -> dict[str, Any]:
         """A piece of the reasoning, under vLLM's (and DeepSeek's) ``reasoning_content``."""
-        choice = {"index": 0, "delta": {"reasoning_content": text}}
-        return self._chunk([choice | {"logprobs": None, "finish_reason": None}])
+        c = {"index": choice, "delta": {"reasoning_content": text}}
+        return self._chunk([c | {"logprobs": None, "finish_reason": None}])
 
     def tool_call(
-        self, index: int, call_id: str, name: str, arguments: str
+        self, index: int, call_id: str, name: str, arguments: str, choice: int = 0
     ) -> list[dict[str, Any]]:
         """OpenAI's two kinds of tool-call delta: the call's id, type and name (arguments
-        empty), then its arguments."""
+        empty), then its arguments. ``index``: the call's; ``choice``: the choice's."""
         head = {"index": index, "id": call_id, "type": "function"}
         head["function"] = {"name": name, "arguments": ""}
-        first = {"index": 0, "delta": {"tool_calls": [head]}}
+        first = {"index": choice, "delta": {"tool_calls": [head]}}
         args = {"index": index, "function": {"arguments": arguments}}
-        second = {"index": 0, "delta": {"tool_calls": [args]}}
+        second = {"index": choice, "delta": {"tool_calls": [args]}}
         done = {"logprobs": None, "finish_reason": None}
         return [self._chunk([first | done]), self._chunk([second | done])]
 

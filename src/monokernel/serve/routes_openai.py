@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -26,9 +27,10 @@ from monokernel.serve.protocol import (
     ChatCompletionRequest,
     ChunkMaker,
     CompletionRequest,
-    chat_response,
-    completion_response,
+    chat_choice,
+    completion_choice,
     new_id,
+    response,
     timings_json,
 )
 from monokernel.serve.reasoning import OutputParsing, OutputStream, output_parsing
@@ -119,7 +121,8 @@ async def admit(
     except QueueFullError as e:
         retry = {"Retry-After": str(state.settings.retry_after_s)}
         raise APIError(503, str(e), code="queue_full", headers=retry) from e
-    gen = Generation(engine, prepared, ticket, state.metrics, arrival, state.engine_thread)
+    choices = body.n or 1
+    gen = Generation(engine, prepared, ticket, state.metrics, arrival, state.engine_thread, choices)
     state.generations.add(gen)  # until its response is over: the drain waits for it
     return gen, parsing
 
@@ -152,37 +155,37 @@ async def _serve(request: Request, body: CompletionRequest | ChatCompletionReque
     model = state.settings.served_model_name
     echoed = "" if isinstance(body, ChatCompletionRequest) else _echo(state, body)
     engine = state.require_engine()
-    lp_format = None
-    if gen.prepared.params.logprobs is not None:
-        lp_format = LogprobsFormat(engine.tokenizer, chat)
+    want_lps = gen.prepared.params.logprobs is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = ChunkMaker(chat, rid, model)
-        events = _sse(gen, request, chunks, include_usage, parsing, echoed, lp_format)
+        formats = (
+            [LogprobsFormat(engine.tokenizer, chat) for _ in range(gen.choices)] if want_lps else []
+        )
+        events = _sse(gen, request, chunks, include_usage, parsing, echoed, formats)
         return GenerationStream(gen, events, state)
-    token_lps: list[tuple[int, TokenLogprobs]] = []
-    text, final, _, out = await collect(state, gen, request, parsing, token_lps)
-    if final is None or final.timings is None or final.finish_reason == "cancelled":
+    done = await collect_choices(state, gen, request, parsing)
+    if any(c.final is None or c.final.timings is None for c in done) or any(
+        c.final.finish_reason == "cancelled" for c in done if c.final is not None
+    ):
         # Only reached when the client has gone: nobody reads this.
         return JSONResponse(error_body(499, "the client closed the request"), status_code=499)
-    timings = timings_json(final.timings, gen.queue_s)
-    lps = lp_format.format(token_lps) if lp_format is not None else None
-    if out is None:
-        text = echoed + text
-        if chat:
-            body_json = chat_response(
-                rid, model, text, final.finish_reason, gen.prompt_n, timings, logprobs=lps
-            )
+    out_choices = []
+    for i, c in enumerate(done):
+        assert c.final is not None and c.final.finish_reason is not None
+        lps = LogprobsFormat(engine.tokenizer, chat).format(c.logprobs) if want_lps else None
+        if not chat:
+            out_choices.append(completion_choice(i, echoed + c.text, c.final.finish_reason, lps))
+        elif c.out is None:
+            out_choices.append(chat_choice(i, c.text, c.final.finish_reason, logprobs=lps))
         else:
-            body_json = completion_response(
-                rid, model, text, final.finish_reason, gen.prompt_n, timings, lps
-            )
-        return JSONResponse(body_json)
-    finish = _finish_reason(final.finish_reason, out)
-    message = out.message()
-    return JSONResponse(
-        chat_response(rid, model, text, finish, gen.prompt_n, timings, message, lps)
-    )
+            finish = _finish_reason(c.final.finish_reason, c.out)
+            out_choices.append(chat_choice(i, c.text, finish, c.out.message(), lps))
+    first = done[0].final
+    assert first is not None and first.timings is not None
+    timings = timings_json(first.timings, gen.queue_s)
+    generated = sum(len(c.ids) for c in done)
+    return JSONResponse(response(chat, rid, model, out_choices, gen.prompt_n, generated, timings))
 
 
 def _echo(state: ServerState, body: CompletionRequest) -> str:
@@ -198,39 +201,57 @@ def _echo(state: ServerState, body: CompletionRequest) -> str:
     return state.require_engine().tokenizer.decode(list(prompt))  # type: ignore[arg-type]
 
 
-async def collect(
-    state: ServerState,
-    gen: Generation,
-    request: Request,
-    parsing: OutputParsing | None,
-    logprobs: list[tuple[int, TokenLogprobs]] | None = None,
-) -> tuple[str, TokenEvent | None, list[int], OutputStream | None]:
-    """A whole generation: its text (with skipped markers written back), the final event
-    (None if the client left first), the generated token ids, and with ``parsing`` the
-    finished output stream (reasoning, content, calls): the streamed routes' own reader,
-    so the two never disagree. ``logprobs``: gets each token's, where the request asked."""
-    parts: list[str] = []
-    ids: list[int] = []
-    final: TokenEvent | None = None
-    out = parsing.stream() if parsing else None
+@dataclass
+class Choice:
+    """One choice of a whole generation, as collect_choices read it."""
+
+    parts: list[str] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    final: TokenEvent | None = None  # None if the client left first
+    out: OutputStream | None = None  # with parsing: reasoning, content, calls
+    logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+async def collect_choices(
+    state: ServerState, gen: Generation, request: Request, parsing: OutputParsing | None
+) -> list[Choice]:
+    """A whole generation, each of its choices: its text (with skipped markers written
+    back), its final event, its token ids and logprobs, and with ``parsing`` the finished
+    output stream (reasoning, content, calls): the streamed routes' own reader, so the two
+    never disagree."""
+    choices = [Choice(out=parsing.stream() if parsing else None) for _ in range(gen.choices)]
     try:
         async for event in gen.events(request):
+            c = choices[event.choice]
             text = parsing.text(event.token_id, event.text) if parsing else event.text
-            parts.append(text)
-            if out is not None:
-                out.feed(text, tokens=int(event.token_id is not None))
+            c.parts.append(text)
+            if c.out is not None:
+                c.out.feed(text, tokens=int(event.token_id is not None))
             if event.token_id is not None:
-                ids.append(event.token_id)
-                if logprobs is not None and event.logprobs is not None:
-                    logprobs.append((event.token_id, event.logprobs))
+                c.ids.append(event.token_id)
+                if event.logprobs is not None:
+                    c.logprobs.append((event.token_id, event.logprobs))
             if event.finish_reason is not None:
-                final = event
+                c.final = event
     finally:
         gen.abandon()
         state.generations.discard(gen)
-    if out is not None:
-        out.finish()
-    return "".join(parts), final, ids, out
+    for c in choices:
+        if c.out is not None:
+            c.out.finish()
+    return choices
+
+
+async def collect(
+    state: ServerState, gen: Generation, request: Request, parsing: OutputParsing | None
+) -> tuple[str, TokenEvent | None, list[int], OutputStream | None]:
+    """A one-choice generation (collect_choices): text, final event, token ids, output."""
+    (c,) = await collect_choices(state, gen, request, parsing)
+    return c.text, c.final, c.ids, c.out
 
 
 def _finish_reason(finish: str, calls: OutputStream) -> str:
@@ -243,14 +264,15 @@ def _data(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-def _delta_chunks(chunks: ChunkMaker, deltas: list[Delta]) -> Iterator[bytes]:
+def _delta_chunks(chunks: ChunkMaker, deltas: list[Delta], choice: int = 0) -> Iterator[bytes]:
     for d in deltas:
         if isinstance(d, ContentDelta):
-            yield _data(chunks.delta(d.text))
+            yield _data(chunks.delta(d.text, choice=choice))
         elif not isinstance(d, CallDelta):
-            yield _data(chunks.reasoning(d.text))
+            yield _data(chunks.reasoning(d.text, choice))
         else:
-            for chunk in chunks.tool_call(d.index, d.id, d.call.name, d.call.arguments):
+            call = d.call
+            for chunk in chunks.tool_call(d.index, d.id, call.name, call.arguments, choice):
                 yield _data(chunk)
 
 
@@ -261,42 +283,59 @@ async def _sse(
     include_usage: bool,
     parsing: OutputParsing | None = None,
     echoed: str = "",
-    lp_format: LogprobsFormat | None = None,
+    lp_formats: list[LogprobsFormat] | None = None,
 ) -> AsyncIterator[bytes]:
-    if chunks.chat:
-        yield _data(chunks.role())
-    if echoed:  # a completion's echo: the prompt first
-        yield _data(chunks.delta(echoed))
-    calls = parsing.stream() if parsing else None
+    """The stream of every choice in turn (each opens with its role, or its echo), then the
+    usage and [DONE]. ``lp_formats``: a logprobs formatter a choice, when asked for."""
+    calls = [parsing.stream() if parsing else None for _ in range(gen.choices)]
+
+    def opening(i: int) -> Iterator[bytes]:
+        if chunks.chat:
+            yield _data(chunks.role(i))
+        if echoed:  # a completion's echo: the prompt first
+            yield _data(chunks.delta(echoed, choice=i))
+
+    for piece in opening(0):  # at once, before the request's turn comes
+        yield piece
+    opened = {0}
+    generated = 0
     try:
         async for event in gen.events(request):
-            if calls is not None and parsing is not None:
+            i = event.choice
+            if i not in opened:
+                opened.add(i)
+                for piece in opening(i):
+                    yield piece
+            stream = calls[i]
+            if stream is not None and parsing is not None:
                 text = parsing.text(event.token_id, event.text)
-                deltas = calls.feed(text, tokens=int(event.token_id is not None))
-                for piece in _delta_chunks(chunks, deltas):
+                deltas = stream.feed(text, tokens=int(event.token_id is not None))
+                for piece in _delta_chunks(chunks, deltas, i):
                     yield piece
             if event.finish_reason is None:
-                if lp_format is not None and event.token_id is not None and event.logprobs:
+                if lp_formats and event.token_id is not None and event.logprobs:
                     # One chunk a token, its text possibly empty (held back by the
                     # detokenizer or a stop string), so no token's logprobs are lost.
-                    lps = lp_format.format([(event.token_id, event.logprobs)])
-                    yield _data(chunks.delta(event.text, logprobs=lps))
-                elif event.text and calls is None:
-                    yield _data(chunks.delta(event.text))
+                    lps = lp_formats[i].format([(event.token_id, event.logprobs)])
+                    yield _data(chunks.delta(event.text, logprobs=lps, choice=i))
+                elif event.text and stream is None:
+                    yield _data(chunks.delta(event.text, choice=i))
                 continue
             if event.finish_reason == "cancelled" or event.timings is None:
                 return  # the client has gone
             timings = timings_json(event.timings, gen.queue_s)
-            if calls is None:
-                yield _data(chunks.delta(event.text, event.finish_reason, timings=timings))
+            last = i == gen.choices - 1
+            extra = {"timings": timings} if last else {}
+            if stream is None:
+                yield _data(chunks.delta(event.text, event.finish_reason, choice=i, **extra))
             else:
-                for piece in _delta_chunks(chunks, calls.finish()):
+                for piece in _delta_chunks(chunks, stream.finish(), i):
                     yield piece
-                finish = _finish_reason(event.finish_reason, calls)
-                yield _data(chunks.delta("", finish, timings=timings))
-            if include_usage:
-                completion_n = event.timings.generated_tokens
-                yield _data(chunks.usage(gen.prompt_n, completion_n, timings=timings))
+                finish = _finish_reason(event.finish_reason, stream)
+                yield _data(chunks.delta("", finish, choice=i, **extra))
+            generated += event.timings.generated_tokens
+            if include_usage and last:
+                yield _data(chunks.usage(gen.prompt_n, generated, timings=timings))
     except APIError as e:  # the server is shutting down
         yield _data(e.body())
     except Exception as e:
