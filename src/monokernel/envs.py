@@ -287,6 +287,16 @@ _SETTINGS: tuple[Setting, ...] = (
         minimum=0,
     ),
     Setting(
+        "MONOKERNEL_CPU_SHARE_CORES",
+        "bool",
+        True,
+        "On the CPU, decode with as many threads as there are cores no other process is "
+        "busy on, re-judged every few dozen tokens (runtime/cpu_threads.py): with a third "
+        "busy process on 2 cores, 2 threads fall from ~42 to ~12 tokens/s while 1 keeps ~28. "
+        "Never more than torch's thread count (OMP_NUM_THREADS). 0: always torch's count.",
+        _DECODE,
+    ),
+    Setting(
         "MONOKERNEL_ATTN_GROUP_FROM",
         "int",
         None,

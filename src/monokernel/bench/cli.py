@@ -280,7 +280,9 @@ def main(argv: list[str]) -> int:
                 endpoint_api_key=args.endpoint_api_key,
                 endpoint_prompt=args.endpoint_prompt,
                 gguf_path=args.model if LLAMA_CPP in names else None,
-                threads=args.llama_cpp_threads,
+                # Read now: a CPU engine run before it may have lowered torch's count
+                # (runtime/cpu_threads.py).
+                threads=args.llama_cpp_threads or torch.get_num_threads(),
             ),
         )
     except ValueError as e:

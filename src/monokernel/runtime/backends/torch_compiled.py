@@ -23,6 +23,7 @@ from monokernel.models.transformer import KVCache, Transformer, rms_norm
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.backends.cpu_packed import PackedCpuStep
 from monokernel.runtime.constrained import sample_masked
+from monokernel.runtime.cpu_threads import ThreadGovernor
 from monokernel.runtime.logprobs import token_logprobs
 from monokernel.runtime.sampling import penalize, unsupported_penalty_reason
 from monokernel.runtime.speculative import Speculating
@@ -132,6 +133,8 @@ class TorchBackend(Speculating):
             if self.compiled
             else self.module
         )
+        # On the CPU, as many threads as cores no other process is busy on (cpu_threads.py).
+        self._threads = ThreadGovernor() if self.device.type == "cpu" else None
 
     def _forward(self, tokens: list[int], start: int) -> torch.Tensor:
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
@@ -154,6 +157,8 @@ class TorchBackend(Speculating):
         reason = unsupported_penalty_reason(sp, self.name, self.speculative is not None)
         if reason is not None:
             raise InvalidRequestError(reason)
+        if self._threads is not None:
+            self._threads.request_started()
         prompt = torch.tensor(ids, dtype=torch.long, device=self.device)
         logits = self.ref.prefill(prompt, self.cache)
         if self.speculative is not None:
@@ -192,6 +197,8 @@ class TorchBackend(Speculating):
                 return
             if pos >= self.max_seq_len:
                 return  # the cache is full
+            if self._threads is not None:
+                self._threads.token()
             logits = self._call()
             pos += 1
 
