@@ -17,9 +17,10 @@ import functools
 import hashlib
 import mmap
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -61,9 +62,43 @@ class TensorInfo:
         return tuple(reversed(self.dims))
 
 
+class StringArray(Sequence[str]):
+    """A GGUF string array, decoded on first use (GGUFFile._strings)."""
+
+    def __init__(self, buf: mmap.mmap, start: int, count: int) -> None:
+        self._buf, self._start, self._count = buf, start, count
+        self._items: list[str] | None = None
+
+    def _decoded(self) -> list[str]:
+        if self._items is None:
+            items, pos, buf = [], self._start, self._buf
+            for _ in range(self._count):
+                n = _U64.unpack_from(buf, pos)[0]
+                items.append(buf[pos + 8 : pos + 8 + n].decode("utf-8"))
+                pos += 8 + n
+            self._items = items
+        return self._items
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        return self._decoded()[i]
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 class GGUFFile:
     """Metadata (``metadata``: key -> python value; numeric arrays as numpy arrays, string
-    arrays as lists) and tensors (``tensors``, in file order) of one GGUF file."""
+    arrays as StringArray sequences) and tensors (``tensors``, in file order) of one GGUF
+    file."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -118,6 +153,19 @@ class GGUFFile:
             names.add(name)
             self.tensors.append(TensorInfo(name, tensor_type, dims, data_start + offset))
 
+    def _strings(self, count: int) -> StringArray:
+        """A string array, stepped over: decoded when first read (a tokenizer's 50-150k
+        tokens and merges are most of a header, and only a tokenizer that is not cached
+        yet reads them)."""
+        start, buf = self._pos, self._map
+        pos = start
+        for _ in range(count):
+            pos += 8 + _U64.unpack_from(buf, pos)[0]
+        if pos > len(buf):
+            raise ValueError("a string array runs past the end of the file")
+        self._pos = pos
+        return StringArray(buf, start, count)
+
     def _u32(self) -> int:
         value = _U32.unpack_from(self._map, self._pos)[0]
         self._pos += 4
@@ -150,7 +198,7 @@ class GGUFFile:
                 self._pos += dtype.itemsize * count
                 return arr
             if item_type == _STRING:
-                return [self._string() for _ in range(count)]
+                return self._strings(count)
             return [self._value(item_type) for _ in range(count)]
         raise ValueError(f"unknown GGUF value type {vtype}")
 

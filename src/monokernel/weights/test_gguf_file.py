@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from monokernel.errors import WeightLoadError
-from monokernel.weights.gguf_file import GGUFFile, read_gguf
+from monokernel.weights.gguf_file import GGUFFile, StringArray, read_gguf
 
 gguf = pytest.importorskip("gguf")
 QT = gguf.GGMLQuantizationType
@@ -66,6 +66,16 @@ def test_metadata_and_tensors_equal_gguf_reader(tmp_path: Path) -> None:
         assert data.dtype == ref.data.dtype and data.shape == ref.data.shape, mine.name
         assert np.array_equal(data, ref.data), mine.name
     assert ours.tensors[2].shape == (7,) and ours.tensors[0].shape == (3, 5)
+
+
+def test_string_arrays_are_read_when_used(tmp_path: Path) -> None:
+    """A string array is stepped over by the parse (a vocabulary is most of a header) and
+    decoded on first use, whole."""
+    strs = GGUFFile(write_everything(tmp_path / "all.gguf")).metadata["t.strs"]
+    assert isinstance(strs, StringArray) and len(strs) == 4
+    assert strs._items is None  # not decoded by the parse
+    assert strs[2] == "ü" and strs[1:] == ["", "ü", "<|im_end|>"] and next(iter(strs)) == "a"
+    assert strs == ["a", "", "ü", "<|im_end|>"] and strs != ["a"]
 
 
 def test_header_digest_covers_metadata_only(tmp_path: Path) -> None:
