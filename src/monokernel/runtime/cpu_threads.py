@@ -26,8 +26,9 @@ _SELF_STAT = Path("/proc/self/stat")
 
 
 def _machine_busy_ticks() -> int | None:
-    """Clock ticks every core spent not idle since boot (user, nice, system, irq,
-    softirq, steal), or None without /proc."""
+    """Clock ticks every core spent running something since boot (user, nice, system, irq,
+    softirq), or None without /proc. Not steal: time a hypervisor gave other machines slows
+    every thread alike, and fewer threads would not win it back."""
     try:
         with _PROC_STAT.open() as f:
             fields = f.readline().split()
@@ -35,10 +36,9 @@ def _machine_busy_ticks() -> int | None:
         return None
     if not fields or fields[0] != "cpu":
         return None
-    values = [int(v) for v in fields[1:]]
-    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
-    guest = sum(values[8:10]) if len(values) > 9 else 0  # counted in user already
-    return sum(values) - idle - guest
+    values = [int(v) for v in fields[1:8]] + [0] * 7  # older kernels have fewer fields
+    user, nice, system, _idle, _iowait, irq, softirq = values[:7]
+    return user + nice + system + irq + softirq
 
 
 def _own_ticks() -> int | None:
