@@ -421,7 +421,8 @@ class Engine:
                     count += 1
                     text = stops.feed(detok.add(token))
                     # The backend appended this token's before yielding it.
-                    lp = request.logprobs[count - 1] if request.logprobs is not None else None
+                    lps = request.logprobs
+                    lp = lps[count - 1] if lps is not None and len(lps) >= count else None
                     if stops.stopped:
                         cancel.set()
                         finish = "stop"
