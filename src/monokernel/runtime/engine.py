@@ -47,8 +47,7 @@ from monokernel.runtime.memory_plan import (
 from monokernel.runtime.prefill_graphs import graphs_enabled
 from monokernel.runtime.sampling import (
     SamplingParams,
-    unsupported_logprobs_reason,
-    unsupported_penalty_reason,
+    unsupported_sampling_reason,
 )
 from monokernel.runtime.speculative import SpeculativeConfig
 from monokernel.tokenizer.detokenize import IncrementalDetokenizer
@@ -367,14 +366,11 @@ class Engine:
         """Stream a completion. ``prompt_ids`` skips tokenisation when the caller already
         has them. Setting ``cancel`` (from any thread) ends the stream within a token."""
         params = (params or SamplingParams()).with_seed()
-        # The monokernel decodes on the GPU and cannot apply penalties: refused, not ignored.
-        why = unsupported_penalty_reason(params, self.engine_name, self.speculative is not None)
+        # The monokernel decodes on the GPU and applies no penalties and computes no
+        # logprobs: refused, not ignored.
+        why = unsupported_sampling_reason(params, self.engine_name, self.speculative is not None)
         if why is not None:
             raise InvalidRequestError(why)
-        if params.logprobs is not None:
-            why = unsupported_logprobs_reason(self.engine_name, self.speculative is not None)
-            if why is not None:
-                raise InvalidRequestError(why)
         ids = prompt_ids if prompt_ids is not None else self.encode(prompt)
         self.check_fits(len(ids), params.max_tokens)
         stop_ids = frozenset(params.stop_token_ids) | (

@@ -18,7 +18,7 @@ least min_p times the largest (greedy is unchanged by it). Before the rule, ``pe
 turns the raw logits into the ones sampled from (OpenAI's ``logit_bias``,
 ``presence_penalty``, ``frequency_penalty`` and vLLM's ``repetition_penalty``); only the
 reference and torch engines apply it, and the monokernel refuses non-neutral values
-(``unsupported_penalty_reason``).
+(``unsupported_sampling_reason``).
 """
 
 from __future__ import annotations
@@ -122,6 +122,11 @@ class SamplingParams:
                 f"got {n!r}"
             )
 
+    def host_fields(self) -> list[str]:
+        """What only an engine sampling on the host does: the logit processing set, then
+        ``logprobs`` when asked for."""
+        return self.penalty_fields() + (["logprobs"] if self.logprobs is not None else [])
+
     def penalty_fields(self) -> list[str]:
         """The logit-processing fields set to other than their neutral value."""
         neutral = {
@@ -157,24 +162,13 @@ def _is_real(v: object) -> bool:
 PENALTY_ENGINES = ("reference", "torch")
 
 
-def unsupported_logprobs_reason(engine: str, speculative: bool) -> str | None:
-    """Why an engine cannot return log-probabilities, or None when it can."""
-    if engine not in PENALTY_ENGINES:
-        return (
-            f"logprobs are returned by the torch and reference engines only; this server runs "
-            f"the {engine} engine (start it with --engine torch)"
-        )
-    if speculative:
-        return "logprobs do not combine with --speculative yet"
-    return None
-
-
-def unsupported_penalty_reason(
+def unsupported_sampling_reason(
     params: SamplingParams, engine: str, speculative: bool
 ) -> str | None:
-    """Why an engine cannot honour ``params``' logit processing, or None when it can.
-    The message starts with the first non-neutral field's name."""
-    fields = params.penalty_fields()
+    """Why an engine cannot honour ``params``' logit processing or logprobs (what only
+    the host-sampling engines do), or None when it can. The message starts with the first
+    such field's name."""
+    fields = params.host_fields()
     if not fields:
         return None
     name = fields[0]

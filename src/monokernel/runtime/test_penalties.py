@@ -17,7 +17,7 @@ from monokernel.runtime.sampling import (
     penalize,
     probabilities,
     sample,
-    unsupported_penalty_reason,
+    unsupported_sampling_reason,
 )
 from monokernel.weights.random_weights import random_weights
 from monokernel.weights.test_repack import CONFIGS
@@ -142,12 +142,12 @@ def test_logit_bias_past_the_vocabulary_is_refused() -> None:
 
 def test_unsupported_reason() -> None:
     p = SamplingParams(min_p=0.1)
-    assert unsupported_penalty_reason(SamplingParams(), "monokernel", True) is None
-    assert unsupported_penalty_reason(p, "torch", False) is None
-    assert unsupported_penalty_reason(p, "reference", False) is None
-    why = unsupported_penalty_reason(p, "monokernel", False) or ""
+    assert unsupported_sampling_reason(SamplingParams(), "monokernel", True) is None
+    assert unsupported_sampling_reason(p, "torch", False) is None
+    assert unsupported_sampling_reason(p, "reference", False) is None
+    why = unsupported_sampling_reason(p, "monokernel", False) or ""
     assert why.startswith("min_p ") and "torch and reference engines" in why
-    assert "--speculative" in (unsupported_penalty_reason(p, "torch", True) or "")
+    assert "--speculative" in (unsupported_sampling_reason(p, "torch", True) or "")
 
 
 # ---- the engines ---------------------------------------------------------------------------

@@ -18,8 +18,7 @@ from monokernel.runtime.engine import Engine
 from monokernel.runtime.sampling import (
     MAX_LOGPROBS,
     SamplingParams,
-    unsupported_logprobs_reason,
-    unsupported_penalty_reason,
+    unsupported_sampling_reason,
 )
 from monokernel.serve import structured
 from monokernel.serve.body import clip, echo, unknown_field
@@ -440,16 +439,12 @@ def requested_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | 
     return n
 
 
-def check_penalty_engine(engine: Engine, params: SamplingParams) -> None:
+def check_sampling_engine(engine: Engine, params: SamplingParams) -> None:
     """400 naming the field when the engine cannot apply the request's logit processing
-    (the monokernel, or --speculative)."""
-    why = unsupported_penalty_reason(params, engine.engine_name, engine.speculative is not None)
+    or return its logprobs (the monokernel, or --speculative)."""
+    why = unsupported_sampling_reason(params, engine.engine_name, engine.speculative is not None)
     if why is not None:
         raise bad_request(why, why.split(" ", 1)[0], "unsupported")
-    if params.logprobs is not None:
-        why = unsupported_logprobs_reason(engine.engine_name, engine.speculative is not None)
-        if why is not None:
-            raise bad_request(why, "logprobs", "unsupported")
 
 
 def _stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -621,5 +616,5 @@ def prepare(
         first = str(e).split(" ", 1)[0]
         known = first in _SAMPLING_FIELDS or first in _PENALTY_FIELDS or first == "logit_bias"
         raise bad_request(str(e), first if known else None) from e
-    check_penalty_engine(engine, params)
+    check_sampling_engine(engine, params)
     return Prepared(prompt_ids, params)

@@ -165,8 +165,9 @@ async def _serve(request: Request, body: CompletionRequest | ChatCompletionReque
         events = _sse(gen, request, chunks, include_usage, parsing, echoed, formats)
         return GenerationStream(gen, events, state)
     done = await collect_choices(state, gen, request, parsing)
-    if any(c.final is None or c.final.timings is None for c in done) or any(
-        c.final.finish_reason == "cancelled" for c in done if c.final is not None
+    if any(
+        c.final is None or c.final.timings is None or c.final.finish_reason == "cancelled"
+        for c in done
     ):
         # Only reached when the client has gone: nobody reads this.
         return JSONResponse(error_body(499, "the client closed the request"), status_code=499)

@@ -12,7 +12,7 @@ from monokernel.models.transformer import Transformer
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.constrained import sample_masked
 from monokernel.runtime.logprobs import token_logprobs
-from monokernel.runtime.sampling import penalize, unsupported_penalty_reason
+from monokernel.runtime.sampling import penalize, unsupported_sampling_reason
 from monokernel.runtime.speculative import Speculating
 from monokernel.weights.names import Weights
 
@@ -33,7 +33,7 @@ class ReferenceBackend(Speculating):
 
     def stream(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[int]:
         sp = request.sampling
-        reason = unsupported_penalty_reason(sp, self.name, self.speculative is not None)
+        reason = unsupported_sampling_reason(sp, self.name, self.speculative is not None)
         if reason is not None:
             raise InvalidRequestError(reason)
         prompt = torch.tensor(request.prompt_ids, dtype=torch.long, device=self.device)

@@ -25,7 +25,7 @@ from monokernel.runtime.backends.cpu_packed import PackedCpuStep
 from monokernel.runtime.constrained import sample_masked
 from monokernel.runtime.cpu_threads import ThreadGovernor
 from monokernel.runtime.logprobs import token_logprobs
-from monokernel.runtime.sampling import penalize, unsupported_penalty_reason
+from monokernel.runtime.sampling import penalize, unsupported_sampling_reason
 from monokernel.runtime.speculative import Speculating
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.names import Weights
@@ -154,7 +154,7 @@ class TorchBackend(Speculating):
         n = len(ids)
         if n == 0 or n > self.max_seq_len:
             raise InvalidRequestError(f"prompt length {n} must be in [1, {self.max_seq_len}]")
-        reason = unsupported_penalty_reason(sp, self.name, self.speculative is not None)
+        reason = unsupported_sampling_reason(sp, self.name, self.speculative is not None)
         if reason is not None:
             raise InvalidRequestError(reason)
         if self._threads is not None:
