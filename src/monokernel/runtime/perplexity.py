@@ -87,25 +87,19 @@ def _window_nll_sum(model: Transformer, tokens: torch.Tensor) -> float:
     return total
 
 
-def perplexity(
-    cfg: ModelConfig,
-    weights: Mapping[str, torch.Tensor],
-    ids: Sequence[int],
-    window: int = DEFAULT_WINDOW,
-    device: torch.device | str | None = None,
-) -> Perplexity:
-    """Score ``ids`` in consecutive windows of ``window`` tokens (the last one shorter), each
-    from an empty cache, with the reference forward on ``weights`` as they are (their dtype;
-    moved to ``device`` when given, else where they lie). Deterministic for given weights
-    and ids: nothing is kept between calls or between windows."""
+def check_windows(ids: Sequence[int], window: int) -> None:
+    """ValueError for a window or a text too short to score anything."""
     if window < 2:
         raise ValueError(f"window must be at least 2 tokens (one of context); got {window}")
     if len(ids) < 2:
         raise ValueError(f"perplexity needs at least 2 tokens; got {len(ids)}")
-    if device is not None:
-        weights = {name: t.to(device) for name, t in weights.items()}
-    model = Transformer(cfg, dict(weights), min(window, len(ids)))
-    all_ids = torch.tensor(list(ids), dtype=torch.long, device=model.device)
+
+
+def score_windows(model: Transformer, ids: Sequence[int], window: int) -> Perplexity:
+    """``ids`` scored by ``model`` (a Transformer, or what answers its ``new_cache`` and
+    ``forward``) in consecutive windows of ``window`` tokens, the last one shorter, each
+    from an empty cache."""
+    all_ids = torch.tensor(list(ids), dtype=torch.long, device=getattr(model, "device", None))
     total, scored = 0.0, 0
     with torch.inference_mode():
         for start in range(0, len(ids), window):
@@ -117,3 +111,21 @@ def perplexity(
             scored += tokens.shape[0] - 1
     nll = total / scored
     return Perplexity(tokens=scored, nll=nll, ppl=math.exp(nll))
+
+
+def perplexity(
+    cfg: ModelConfig,
+    weights: Mapping[str, torch.Tensor],
+    ids: Sequence[int],
+    window: int = DEFAULT_WINDOW,
+    device: torch.device | str | None = None,
+) -> Perplexity:
+    """Score ``ids`` in consecutive windows of ``window`` tokens (the last one shorter), each
+    from an empty cache, with the reference forward on ``weights`` as they are (their dtype;
+    moved to ``device`` when given, else where they lie). Deterministic for given weights
+    and ids: nothing is kept between calls or between windows."""
+    check_windows(ids, window)
+    if device is not None:
+        weights = {name: t.to(device) for name, t in weights.items()}
+    model = Transformer(cfg, dict(weights), min(window, len(ids)))
+    return score_windows(model, ids, window)

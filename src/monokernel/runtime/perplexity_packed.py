@@ -9,7 +9,6 @@ the packed step equals as many single steps bitwise, so this scores what decodin
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -17,11 +16,16 @@ import torch
 from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import KVCache, Transformer
 from monokernel.runtime.backends.cpu_packed import PackedCpuStep
-from monokernel.runtime.perplexity import DEFAULT_WINDOW, Perplexity, _window_nll_sum
+from monokernel.runtime.perplexity import (
+    DEFAULT_WINDOW,
+    Perplexity,
+    check_windows,
+    score_windows,
+)
 
 
 class _PackedModel:
-    """What ``_window_nll_sum`` reads of a Transformer, answered by the packed step: one
+    """What ``score_windows`` reads of a Transformer, answered by the packed step: one
     cache of ``window`` positions, rewritten from position 0 by every window."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], window: int) -> None:
@@ -43,17 +47,7 @@ def packed_perplexity(
     window: int = DEFAULT_WINDOW,
 ) -> Perplexity:
     """``perplexity.perplexity`` of ``ids`` with the packed CPU step (weights on the CPU)."""
-    if window < 2 or len(ids) < 2:
-        raise ValueError("perplexity needs a window and a text of at least 2 tokens")
+    check_windows(ids, window)
     window = min(window, len(ids))
     model = _PackedModel(cfg, {k: v.float() for k, v in weights.items()}, window)
-    all_ids = torch.tensor(list(ids), dtype=torch.long)
-    total, scored = 0.0, 0
-    for start in range(0, len(ids), window):
-        tokens = all_ids[start : start + window]
-        if tokens.shape[0] < 2:
-            continue
-        total += _window_nll_sum(model, tokens)  # type: ignore[arg-type]
-        scored += tokens.shape[0] - 1
-    nll = total / scored
-    return Perplexity(tokens=scored, nll=nll, ppl=math.exp(nll))
+    return score_windows(model, ids, window)  # type: ignore[arg-type]
