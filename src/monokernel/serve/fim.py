@@ -13,6 +13,7 @@ from typing import Any
 
 from monokernel.runtime.engine import Engine
 from monokernel.serve.errors import bad_request
+from monokernel.serve.protocol import unwrap_prompt
 
 # (prefix, suffix, middle) markers, each family's spelling in its vocabulary.
 FIM_MARKERS: tuple[tuple[str, str, str], ...] = (
@@ -35,8 +36,7 @@ def fim_markers(hf: Any) -> tuple[int, int, int] | None:
 def fim_prompt(engine: Engine, prompt: Any, suffix: str) -> list[int]:
     """The token ids of a fill-in-the-middle prompt (blocking: call it off the event loop);
     a 400 where the model has no FIM tokens or the prompt is not one text."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    prompt = unwrap_prompt(prompt)
     if not isinstance(prompt, str):
         raise bad_request("suffix takes one text prompt, not token ids or a list", "suffix")
     hf = engine.tokenizer.hf

@@ -24,7 +24,12 @@ from monokernel.serve import structured
 from monokernel.serve.body import clip, echo, unknown_field
 from monokernel.serve.errors import APIError, bad_request
 from monokernel.serve.fim import fim_prompt
-from monokernel.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from monokernel.serve.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    unwrap_prompt,
+)
 from monokernel.serve.tools import (
     ToolRequest,
     apply_template,
@@ -530,12 +535,11 @@ def encode_chat(
 
 def encode_text(engine: Engine, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
     """A completion prompt: text or token ids (blocking: call it off the event loop)."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(
-                f"prompt holds {len(prompt)} prompts; send one prompt per request", "prompt"
-            )
-        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
+        raise bad_request(
+            f"prompt holds {len(prompt)} prompts; send one prompt per request", "prompt"
+        )
+    prompt = unwrap_prompt(prompt)
     if isinstance(prompt, str):
         try:
             return engine.encode(prompt)

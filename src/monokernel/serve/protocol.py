@@ -89,6 +89,14 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: Any = None
 
 
+def unwrap_prompt(prompt: Any) -> Any:
+    """A completion prompt given as a list of one prompt (one text, or one list of token
+    ids) as that prompt; any other prompt as it is."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return prompt[0]
+    return prompt
+
+
 class TokenizeCompletionRequest(BaseModel):
     """vLLM's ``POST /tokenize`` with a prompt."""
 

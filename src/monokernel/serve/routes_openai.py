@@ -32,6 +32,7 @@ from monokernel.serve.protocol import (
     new_id,
     response,
     timings_json,
+    unwrap_prompt,
 )
 from monokernel.serve.reasoning import OutputParsing, OutputStream, output_parsing
 from monokernel.serve.scheduler import QueueFullError
@@ -194,9 +195,7 @@ def _echo(state: ServerState, body: CompletionRequest) -> str:
     decoded); "" without echo."""
     if not body.echo:
         return ""
-    prompt = body.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    prompt = unwrap_prompt(body.prompt)
     if isinstance(prompt, str):
         return prompt
     return state.require_engine().tokenizer.decode(list(prompt))  # type: ignore[arg-type]
