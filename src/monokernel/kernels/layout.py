@@ -324,6 +324,20 @@ PARAMS: tuple[Field, ...] = (
         "const unsigned long long*",
         "[2, ceil(V/32)] grammar: step s's allowed ids in parity s&1, bits | tag << 32, or null",
     ),
+    _p(
+        "sample_part",
+        "unsigned long long*",
+        "[2, grid, SAMPLE_PART] each CTA's partials of a whole-vocabulary draw (sampling.cuh)",
+    ),
+    _p("logit_bias", "const float*", "[V_all] added to each logit (logit_bias), or null"),
+    _p("seen", "unsigned*", "[V_all] penalties: 1 if in the prompt, + 2 a time generated; or null"),
+    _p("raw_logits", "float*", "[V] logits before the mask and penalties (logprobs), or null"),
+    _p(
+        "lp_out",
+        "volatile float*",
+        "host-mapped: [n_steps, LOGPROB_WORDS] each step's logprob, then (id bits, logprob) "
+        "pairs; or null",
+    ),
     Field("max_len", "int", ctypes.c_int32, "cache positions"),
     Field("first_token", "int", ctypes.c_int32, "the first step's input token"),
     Field("start_pos", "int", ctypes.c_int32, "position of first_token"),
@@ -342,6 +356,12 @@ PARAMS: tuple[Field, ...] = (
     Field("debug_stall_step", "int", ctypes.c_int32, "-1, or the step CTA 0 stalls at (tests)"),
     Field("debug_stall_hard", "int", ctypes.c_int32, "1: that stall ignores the cancel word"),
     Field("mask_tag", "unsigned", ctypes.c_uint32, "step s's mask carries tag mask_tag + s"),
+    Field("presence", "float", ctypes.c_float, "presence_penalty (with seen)"),
+    Field("frequency", "float", ctypes.c_float, "frequency_penalty (with seen)"),
+    Field("repetition", "float", ctypes.c_float, "repetition_penalty (with seen; 1: off)"),
+    Field("min_p", "float", ctypes.c_float, "0: off"),
+    Field("n_logprobs", "int", ctypes.c_int32, "alternatives a step's lp_out record holds"),
+    Field("lp_pad_", "int", ctypes.c_int32, "alignment"),
 )
 
 # Appended in a -DMK_TP=N build (tp.cuh): the peers' receive buffers and this rank's place.
@@ -477,9 +497,8 @@ def skew_slot(layers: int, cta: int, point: str) -> int:
 
 FLAGS: tuple[tuple[str, str], ...] = (
     ("cancel", "the host's cancel word as seen at the step's barrier (barrier path)"),
-    ("token", "the token the top-k / top-p sampler drew (CTA 0)"),
 )
-FLAG_WORDS = 4  # int32 words of Params::flags (two spare)
+FLAG_WORDS = 4  # int32 words of Params::flags (three spare)
 
 
 def barrier_words() -> int:
@@ -499,6 +518,22 @@ HOST_OUT_HEAD = 2  # host_out: [0] steps done, [1] done flag, then one word a to
 
 def host_out_words(n_steps: int) -> int:
     return HOST_OUT_HEAD + n_steps
+
+
+# Params::sample_part: 64-bit words a CTA's slot holds (a 256-bin histogram).
+SAMPLE_PART = 256
+
+
+def sample_part_words(grid: int) -> int:
+    """64-bit words of Params::sample_part: two halves (by grid-barrier parity) of a slot a
+    CTA."""
+    return 2 * grid * SAMPLE_PART
+
+
+MAX_LOGPROBS = 20  # alternatives an lp_out record holds (sampling.MAX_LOGPROBS)
+# lp_out: a step's record, written before its token word: the token's log-probability, then
+# (id as int bits, log-probability) for the n_logprobs most likely ids, largest first.
+LOGPROB_WORDS = 1 + 2 * MAX_LOGPROBS
 
 
 def tp_recv_bytes(tp: int, hidden: int, vocab: int) -> int:
@@ -662,6 +697,9 @@ def header() -> str:
         *(f"  kFlag{_camel(n)} = {i},  // {doc}" for i, (n, doc) in enumerate(FLAGS)),
         "};",
         f"constexpr int kFlagWords = {FLAG_WORDS};",
+        f"constexpr int kSamplePart = {SAMPLE_PART};  // sample_part: words a CTA's slot",
+        f"constexpr int kMaxLogprobs = {MAX_LOGPROBS};  // lp_out: alternatives a record",
+        f"constexpr int kLogprobWords = {LOGPROB_WORDS};  // lp_out: words a step",
         "// Params::barrier: [0] the grid counter, then LM-head ticket counter w at",
         "// kTicketStride * (1 + w).",
         "constexpr int kBarrierWords = kTicketStride * (1 + kWarps);",

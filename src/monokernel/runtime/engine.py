@@ -366,9 +366,10 @@ class Engine:
         """Stream a completion. ``prompt_ids`` skips tokenisation when the caller already
         has them. Setting ``cancel`` (from any thread) ends the stream within a token."""
         params = (params or SamplingParams()).with_seed()
-        # The monokernel decodes on the GPU and applies no penalties and computes no
-        # logprobs: refused, not ignored.
-        why = unsupported_sampling_reason(params, self.engine_name, self.speculative is not None)
+        # What this engine cannot apply is refused, not ignored.
+        why = unsupported_sampling_reason(
+            params, self.engine_name, self.speculative is not None, self.config.tp
+        )
         if why is not None:
             raise InvalidRequestError(why)
         ids = prompt_ids if prompt_ids is not None else self.encode(prompt)

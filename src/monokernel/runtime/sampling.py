@@ -16,9 +16,8 @@ draws of this file. The rule, which every backend implements identically:
 ``min_p`` > 0 adds a step between 2 and 3: keep tokens whose softmax(z) probability is at
 least min_p times the largest (greedy is unchanged by it). Before the rule, ``penalize``
 turns the raw logits into the ones sampled from (OpenAI's ``logit_bias``,
-``presence_penalty``, ``frequency_penalty`` and vLLM's ``repetition_penalty``); only the
-reference and torch engines apply it, and the monokernel refuses non-neutral values
-(``unsupported_sampling_reason``).
+``presence_penalty``, ``frequency_penalty`` and vLLM's ``repetition_penalty``); the
+monokernel applies the same rule inside its loop (kernels/csrc/sampling.cuh).
 """
 
 from __future__ import annotations
@@ -158,25 +157,27 @@ def _is_real(v: object) -> bool:
     return type(v) in (int, float)
 
 
-# Engines whose decode loop samples on the host from logits it can process first.
-PENALTY_ENGINES = ("reference", "torch")
+# Engines that apply the logit processing and compute logprobs: the host-sampling ones from
+# the logits they hold, the monokernel inside its loop (kernels/csrc/sampling.cuh).
+PENALTY_ENGINES = ("reference", "torch", "monokernel")
 
 
 def unsupported_sampling_reason(
-    params: SamplingParams, engine: str, speculative: bool
+    params: SamplingParams, engine: str, speculative: bool, tp: int = 1
 ) -> str | None:
-    """Why an engine cannot honour ``params``' logit processing or logprobs (what only
-    the host-sampling engines do), or None when it can. The message starts with the first
-    such field's name."""
+    """Why an engine cannot honour ``params``' logit processing or logprobs, or None when
+    it can. The message starts with the first such field's name."""
     fields = params.host_fields()
     if not fields:
         return None
     name = fields[0]
     if engine not in PENALTY_ENGINES:
         return (
-            f"{name} is supported by the torch and reference engines only; this server runs "
-            f"the {engine} engine (start it with --engine torch)"
+            f"{name} is supported by the {', '.join(PENALTY_ENGINES)} engines; this server "
+            f"runs the {engine} engine"
         )
+    if tp > 1 and params.logprobs is not None:
+        return f"logprobs run on one GPU for now, not with --tp {tp}"
     if speculative:
         return f"{name} does not combine with --speculative yet"
     return None
@@ -263,6 +264,15 @@ def _kept(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return first & allowed_mask(torch.where(first, z, float("-inf")), params.top_k, params.top_p)
 
 
+def check_bias_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Refuse a logit_bias that names an id past the vocabulary (its pairs are sorted by id)."""
+    if params.logit_bias and params.logit_bias[-1][0] >= vocab_size:
+        raise InvalidRequestError(
+            f"logit_bias names token {params.logit_bias[-1][0]}, past the vocabulary of "
+            f"{vocab_size}"
+        )
+
+
 def penalize(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -286,11 +296,8 @@ def penalize(
     z = z.clone()
     v, dev = z.numel(), z.device
     if params.logit_bias:
+        check_bias_ids(params, v)
         ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
-        if int(ids.max()) >= v:
-            raise InvalidRequestError(
-                f"logit_bias names token {int(ids.max())}, past the vocabulary of {v}"
-            )
         bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32)
         z.index_add_(0, ids.to(dev), bias.to(dev))
     out = torch.as_tensor(output_ids, dtype=torch.long).to(dev)

@@ -26,6 +26,18 @@ constexpr bool kSharedPreAF = std::is_same_v<WeightLoad, HeadLoad>;
 constexpr int kPreAF = cmax(SA::Shape::B, SF::Shape::B);
 constexpr int kPreF = kSharedPreAF ? 1 : SF::Shape::B;
 
+// The sampler's scratch in this CTA's shared memory (layout.cuh's carve-up) and the grid's.
+__device__ __forceinline__ SampleScratch sample_scratch(float* smem, const Params& p) {
+  SampleScratch ss;
+  ss.h64 = reinterpret_cast<unsigned long long*>(smem + kSmemSample);
+  ss.h32 = reinterpret_cast<unsigned*>(ss.h64 + 256);
+  ss.misc = reinterpret_cast<int*>(ss.h32 + 256);
+  ss.red = smem + kSmemRed;
+  ss.part = p.sample_part;
+  ss.barrier = p.barrier;
+  return ss;
+}
+
 struct Cta {
   // Shared memory.
   float* xs;     // the current stage's input vector (a GEMV input: swizzled, common.cuh)
@@ -45,7 +57,7 @@ struct Cta {
   bool greedy;    // temperature 0
   bool host_cta;  // the CTA that talks to the host (cancel word, token words)
   bool flow;      // hand-offs as tagged data (flow.cuh); else a grid barrier each
-  bool filtered;  // top-k / top-p: CTA 0 draws from the whole distribution
+  bool filtered;  // top-k / top-p / min_p / logprobs: the grid draws from the whole distribution
   bool words;     // the step ends on token words (token_words.cuh), not a grid barrier
   // Counters every CTA advances alike.
   unsigned bar;        // grid barriers passed (the monotonic counter's target)
@@ -76,10 +88,7 @@ struct Cta {
     xd = att + kAttXd;
     gn = att + kAttGain;
     kvwin = smem + kSmemWindow;  // 16-byte aligned: every region above is 4k floats
-    ss.h64 = reinterpret_cast<unsigned long long*>(smem + kSmemSample);
-    ss.h32 = reinterpret_cast<unsigned*>(ss.h64 + 256);
-    ss.misc = reinterpret_cast<int*>(ss.h32 + 256);
-    ss.red = red;
+    ss = sample_scratch(smem, p);
 
     t = threadIdx.x, lane = t & 31, warp = t >> 5;
     // Ranks across CTAs first, so a last, partial round of pairs (Qwen2.5-1.5B: 8,960 pairs

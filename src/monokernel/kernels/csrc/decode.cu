@@ -15,7 +15,7 @@
 #include "stage_o_proj.cuh"
 #include "stage_sample.cuh"
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1) mk_decode(const Params p) {
+extern "C" __global__ void __launch_bounds__(kThreads, 1) mk_decode(const __grid_constant__ Params p) {
   extern __shared__ __align__(16) float smem[];
   Cta c;
   c.init(p, smem);

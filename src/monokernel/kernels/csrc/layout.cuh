@@ -34,52 +34,63 @@ struct LayerWeights {  // one a layer, in a device array
 };
 
 struct Params {
-  const LayerWeights* layers;      // [L]
-  const bf16* embed;               // [V, H] unfolded
-  HeadMatrix lm_head;              // [V, H] final norm folded (unless norm_gain)
-  const float* norm_gain;          // [H] or null
-  const float* rope_cos;           // [max_len, D/2]
-  const float* rope_sin;           // [max_len, D/2]
-  bf16* k_cache;                   // [L, NKV, max_len, D]
-  bf16* v_cache;                   // [L, NKV, max_len, D]
-  float* x;                        // hand-off region x: [H] the residual stream
-  float* qkv;                      // hand-off region qkv: [Q + 2KV] projections before norm and RoPE
-  float* attn;                     // hand-off region attn: [slots, D] ranges' unnormalised outputs
-  float* attn_ml;                  // hand-off region attn_ml: [slots, 4] their max and exp-sum
-  float* delta;                    // hand-off region delta: [H] the O projection's output
-  float* attn_out;                 // hand-off region attn_out: [Q] the merged attention output
-  unsigned* attn_count;            // [NH + NKV] ranges finished per head, then per KV head
-  float* act;                      // hand-off region act: [I] silu(gate) * up
-  float* logits;                   // [V] this step's logits
-  float* part_score;               // [2 grid] each CTA's best score, or [grid] token words
-  int* part_id;                    // [grid] each CTA's best id
-  int* flags;                      // [FLAG_WORDS] see Flag
-  unsigned* barrier;               // [barrier_words()] grid counter, then LM-head tickets
-  const int* forced;               // [n_steps] each step's input token (teacher forcing) or null
-  float* debug_logits;             // [n_steps, V] or null
-  const int* stop_ids;             // [n_stop]
-  volatile int* host_out;          // host-mapped: [0] count, [1] done, [2 + i] token i + 1
-  volatile int* host_cancel;       // host-mapped: nonzero asks the kernel to stop
-  long long* timing;               // [timing_words()] the profiled step's marks, or null
-  const unsigned long long* mask;  // [2, ceil(V/32)] grammar: step s's allowed ids in parity s&1, bits | tag << 32, or null
-  int max_len;                     // cache positions
-  int first_token;                 // the first step's input token
-  int start_pos;                   // position of first_token
-  int n_steps;                     // tokens to produce at most
-  int n_stop;                      // stop ids
-  int top_k;                       // 0: off
-  float temperature;               // 0: greedy
-  float top_p;                     // 1: off
-  unsigned seed_lo;                // sampling seed, low word
-  unsigned seed_hi;                // sampling seed, high word
-  float eps;                       // RMSNorm epsilon
-  int timing_step;                 // the step whose marks `timing` records
-  int attn_splits;                 // head units: ranges a head at most (grid/NH)
-  int attn_group_splits;           // group units: ranges a KV head (grid/NKV)
-  int attn_group_from;             // context from which group units are used
-  int debug_stall_step;            // -1, or the step CTA 0 stalls at (tests)
-  int debug_stall_hard;            // 1: that stall ignores the cancel word
-  unsigned mask_tag;               // step s's mask carries tag mask_tag + s
+  const LayerWeights* layers;       // [L]
+  const bf16* embed;                // [V, H] unfolded
+  HeadMatrix lm_head;               // [V, H] final norm folded (unless norm_gain)
+  const float* norm_gain;           // [H] or null
+  const float* rope_cos;            // [max_len, D/2]
+  const float* rope_sin;            // [max_len, D/2]
+  bf16* k_cache;                    // [L, NKV, max_len, D]
+  bf16* v_cache;                    // [L, NKV, max_len, D]
+  float* x;                         // hand-off region x: [H] the residual stream
+  float* qkv;                       // hand-off region qkv: [Q + 2KV] projections before norm and RoPE
+  float* attn;                      // hand-off region attn: [slots, D] ranges' unnormalised outputs
+  float* attn_ml;                   // hand-off region attn_ml: [slots, 4] their max and exp-sum
+  float* delta;                     // hand-off region delta: [H] the O projection's output
+  float* attn_out;                  // hand-off region attn_out: [Q] the merged attention output
+  unsigned* attn_count;             // [NH + NKV] ranges finished per head, then per KV head
+  float* act;                       // hand-off region act: [I] silu(gate) * up
+  float* logits;                    // [V] this step's logits
+  float* part_score;                // [2 grid] each CTA's best score, or [grid] token words
+  int* part_id;                     // [grid] each CTA's best id
+  int* flags;                       // [FLAG_WORDS] see Flag
+  unsigned* barrier;                // [barrier_words()] grid counter, then LM-head tickets
+  const int* forced;                // [n_steps] each step's input token (teacher forcing) or null
+  float* debug_logits;              // [n_steps, V] or null
+  const int* stop_ids;              // [n_stop]
+  volatile int* host_out;           // host-mapped: [0] count, [1] done, [2 + i] token i + 1
+  volatile int* host_cancel;        // host-mapped: nonzero asks the kernel to stop
+  long long* timing;                // [timing_words()] the profiled step's marks, or null
+  const unsigned long long* mask;   // [2, ceil(V/32)] grammar: step s's allowed ids in parity s&1, bits | tag << 32, or null
+  unsigned long long* sample_part;  // [2, grid, SAMPLE_PART] each CTA's partials of a whole-vocabulary draw (sampling.cuh)
+  const float* logit_bias;          // [V_all] added to each logit (logit_bias), or null
+  unsigned* seen;                   // [V_all] penalties: 1 if in the prompt, + 2 a time generated; or null
+  float* raw_logits;                // [V] logits before the mask and penalties (logprobs), or null
+  volatile float* lp_out;           // host-mapped: [n_steps, LOGPROB_WORDS] each step's logprob, then (id bits, logprob) pairs; or null
+  int max_len;                      // cache positions
+  int first_token;                  // the first step's input token
+  int start_pos;                    // position of first_token
+  int n_steps;                      // tokens to produce at most
+  int n_stop;                       // stop ids
+  int top_k;                        // 0: off
+  float temperature;                // 0: greedy
+  float top_p;                      // 1: off
+  unsigned seed_lo;                 // sampling seed, low word
+  unsigned seed_hi;                 // sampling seed, high word
+  float eps;                        // RMSNorm epsilon
+  int timing_step;                  // the step whose marks `timing` records
+  int attn_splits;                  // head units: ranges a head at most (grid/NH)
+  int attn_group_splits;            // group units: ranges a KV head (grid/NKV)
+  int attn_group_from;              // context from which group units are used
+  int debug_stall_step;             // -1, or the step CTA 0 stalls at (tests)
+  int debug_stall_hard;             // 1: that stall ignores the cancel word
+  unsigned mask_tag;                // step s's mask carries tag mask_tag + s
+  float presence;                   // presence_penalty (with seen)
+  float frequency;                  // frequency_penalty (with seen)
+  float repetition;                 // repetition_penalty (with seen; 1: off)
+  float min_p;                      // 0: off
+  int n_logprobs;                   // alternatives a step's lp_out record holds
+  int lp_pad_;                      // alignment
 #if MK_TP > 1
   unsigned* tp_recv[8];  // rank k's receive buffer (peer pointers)
   unsigned* tp_mine;     // this rank's own buffer (== tp_recv[tp_rank])
@@ -127,34 +138,45 @@ static_assert(offsetof(Params, host_out) == 200, "layout.py");
 static_assert(offsetof(Params, host_cancel) == 208, "layout.py");
 static_assert(offsetof(Params, timing) == 216, "layout.py");
 static_assert(offsetof(Params, mask) == 224, "layout.py");
-static_assert(offsetof(Params, max_len) == 232, "layout.py");
-static_assert(offsetof(Params, first_token) == 236, "layout.py");
-static_assert(offsetof(Params, start_pos) == 240, "layout.py");
-static_assert(offsetof(Params, n_steps) == 244, "layout.py");
-static_assert(offsetof(Params, n_stop) == 248, "layout.py");
-static_assert(offsetof(Params, top_k) == 252, "layout.py");
-static_assert(offsetof(Params, temperature) == 256, "layout.py");
-static_assert(offsetof(Params, top_p) == 260, "layout.py");
-static_assert(offsetof(Params, seed_lo) == 264, "layout.py");
-static_assert(offsetof(Params, seed_hi) == 268, "layout.py");
-static_assert(offsetof(Params, eps) == 272, "layout.py");
-static_assert(offsetof(Params, timing_step) == 276, "layout.py");
-static_assert(offsetof(Params, attn_splits) == 280, "layout.py");
-static_assert(offsetof(Params, attn_group_splits) == 284, "layout.py");
-static_assert(offsetof(Params, attn_group_from) == 288, "layout.py");
-static_assert(offsetof(Params, debug_stall_step) == 292, "layout.py");
-static_assert(offsetof(Params, debug_stall_hard) == 296, "layout.py");
-static_assert(offsetof(Params, mask_tag) == 300, "layout.py");
+static_assert(offsetof(Params, sample_part) == 232, "layout.py");
+static_assert(offsetof(Params, logit_bias) == 240, "layout.py");
+static_assert(offsetof(Params, seen) == 248, "layout.py");
+static_assert(offsetof(Params, raw_logits) == 256, "layout.py");
+static_assert(offsetof(Params, lp_out) == 264, "layout.py");
+static_assert(offsetof(Params, max_len) == 272, "layout.py");
+static_assert(offsetof(Params, first_token) == 276, "layout.py");
+static_assert(offsetof(Params, start_pos) == 280, "layout.py");
+static_assert(offsetof(Params, n_steps) == 284, "layout.py");
+static_assert(offsetof(Params, n_stop) == 288, "layout.py");
+static_assert(offsetof(Params, top_k) == 292, "layout.py");
+static_assert(offsetof(Params, temperature) == 296, "layout.py");
+static_assert(offsetof(Params, top_p) == 300, "layout.py");
+static_assert(offsetof(Params, seed_lo) == 304, "layout.py");
+static_assert(offsetof(Params, seed_hi) == 308, "layout.py");
+static_assert(offsetof(Params, eps) == 312, "layout.py");
+static_assert(offsetof(Params, timing_step) == 316, "layout.py");
+static_assert(offsetof(Params, attn_splits) == 320, "layout.py");
+static_assert(offsetof(Params, attn_group_splits) == 324, "layout.py");
+static_assert(offsetof(Params, attn_group_from) == 328, "layout.py");
+static_assert(offsetof(Params, debug_stall_step) == 332, "layout.py");
+static_assert(offsetof(Params, debug_stall_hard) == 336, "layout.py");
+static_assert(offsetof(Params, mask_tag) == 340, "layout.py");
+static_assert(offsetof(Params, presence) == 344, "layout.py");
+static_assert(offsetof(Params, frequency) == 348, "layout.py");
+static_assert(offsetof(Params, repetition) == 352, "layout.py");
+static_assert(offsetof(Params, min_p) == 356, "layout.py");
+static_assert(offsetof(Params, n_logprobs) == 360, "layout.py");
+static_assert(offsetof(Params, lp_pad_) == 364, "layout.py");
 #if MK_TP > 1
-static_assert(offsetof(Params, tp_recv) == 304, "layout.py");
-static_assert(offsetof(Params, tp_mine) == 368, "layout.py");
-static_assert(offsetof(Params, tp_rank) == 376, "layout.py");
-static_assert(offsetof(Params, vocab_start) == 380, "layout.py");
-static_assert(offsetof(Params, tp_tag) == 384, "layout.py");
-static_assert(offsetof(Params, tp_pad_) == 388, "layout.py");
-static_assert(sizeof(Params) == 392, "layout.py");
+static_assert(offsetof(Params, tp_recv) == 368, "layout.py");
+static_assert(offsetof(Params, tp_mine) == 432, "layout.py");
+static_assert(offsetof(Params, tp_rank) == 440, "layout.py");
+static_assert(offsetof(Params, vocab_start) == 444, "layout.py");
+static_assert(offsetof(Params, tp_tag) == 448, "layout.py");
+static_assert(offsetof(Params, tp_pad_) == 452, "layout.py");
+static_assert(sizeof(Params) == 456, "layout.py");
 #else
-static_assert(sizeof(Params) == 304, "layout.py");
+static_assert(sizeof(Params) == 368, "layout.py");
 #endif
 
 // ---- Params::timing: int64 slots of the profiled step (probes.cuh) ----
@@ -206,9 +228,11 @@ constexpr int kSkewBase = kMarkWords;
 // ---- small buffers' words ----
 enum Flag : int {  // Params::flags
   kFlagCancel = 0,  // the host's cancel word as seen at the step's barrier (barrier path)
-  kFlagToken = 1,  // the token the top-k / top-p sampler drew (CTA 0)
 };
 constexpr int kFlagWords = 4;
+constexpr int kSamplePart = 256;  // sample_part: words a CTA's slot
+constexpr int kMaxLogprobs = 20;  // lp_out: alternatives a record
+constexpr int kLogprobWords = 41;  // lp_out: words a step
 // Params::barrier: [0] the grid counter, then LM-head ticket counter w at
 // kTicketStride * (1 + w).
 constexpr int kBarrierWords = kTicketStride * (1 + kWarps);

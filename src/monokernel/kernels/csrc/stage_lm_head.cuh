@@ -15,6 +15,9 @@ __device__ __forceinline__ uint32_t lm_head(const Params& p, Cta& c, const Step&
   const float rf = Net::residual_input(p, c.xs, c.xres, Net::reduce_tag(p, s.index + 1, 0),
                                        flow_tag(s.index, MK_L - 1), c.red,
                                        staged_gain(c.gn, p.norm_gain));
+  // The penalties' counts: the previous token's, counted by a CTA whose later outputs this
+  // one has read by now (sampling.cuh count_token), are visible past this fence.
+  if (p.seen) __threadfence();
   const uint32_t key = draw_key(p.seed_lo, p.seed_hi, s.pos() + 1);  // the new token's position
   float best = -INFINITY;
   int best_id = 0x7fffffff;
@@ -25,7 +28,9 @@ __device__ __forceinline__ uint32_t lm_head(const Params& p, Cta& c, const Step&
   auto out = [&](int r, float logit) {
     if (p.debug_logits) p.debug_logits[(size_t)s.index * MK_V + r] = logit;
     const int id = Net::token_id(p, r);
+    if (p.raw_logits) p.raw_logits[r] = logit;  // for logprobs: the model's own
     if (p.mask && !grammar_allows(p, s.index, id)) logit = -INFINITY;  // outside the grammar
+    if (p.seen || p.logit_bias) logit = penalize(p, id, logit);
     p.logits[r] = logit;
     if (c.filtered) Net::share_logit(p, s.index, r, logit);
     const float sc = c.greedy ? logit : logit / p.temperature + gumbel(key, id);

@@ -1,9 +1,11 @@
 // The token: every CTA reduces the CTAs' best draws itself (no extra barrier), unless top-k /
-// top-p needs the whole distribution: then CTA 0 draws and publishes it (under TP, CTA 0 of
-// every rank, from the whole vocabulary's logits: tp.cuh). Then the stop check, and the token
-// to host-mapped memory, where the host streams it out as it lands.
+// top-p / min_p or logprobs need the whole distribution: then every CTA samples its slice of
+// it and the CTAs meet behind grid barriers (sampling.cuh; under TP every rank draws from the
+// whole vocabulary's logits: tp.cuh), with the step's logprobs where asked. Then the stop
+// check, and the token to host-mapped memory, where the host streams it out as it lands.
 #pragma once
 #include "cta.cuh"
+#include "logprobs.cuh"
 #include "probes.cuh"
 
 struct Sampled {
@@ -11,16 +13,32 @@ struct Sampled {
   bool done;  // the last step: budget spent, a stop id, or the host asked to stop
 };
 
+struct Drawn {
+  int token;
+  unsigned bar;  // the CTA's grid-barrier count after the draw
+};
+
+// A draw from the whole distribution (top-k / top-p / min_p, or with logprobs), every CTA.
+// Not inlined: its passes need registers that the decode loop's own code keeps (inlined, it
+// cost the Llama-3.2-1B shape ~9 µs a greedy token in spills; perf-notes).
+__device__ __noinline__ Drawn draw_whole(const Params& p, uint32_t key, unsigned bar, int step) {
+  extern __shared__ __align__(16) float smem[];
+  const SampleScratch ss = sample_scratch(smem, p);
+  const int token = Net::draw_filtered(p, key, ss, bar, step);
+  const bool logprobs = MK_TP == 1 && p.lp_out;
+  if (logprobs) write_logprobs(p, ss, bar, p.raw_logits, MK_V, step, token);
+  // TP: CTA 0's cancel bit from rank 0; logprobs: CTA 0's record, before the token word.
+  if (MK_TP > 1 || logprobs) grid_barrier(p.barrier, bar);
+  return {token, bar};
+}
+
 __device__ __forceinline__ Sampled sample(const Params& p, Cta& c, const Step& s, uint32_t key) {
   int next;
   bool cancelled = false;  // the host's cancel word as the token words carried it
   if (c.filtered) {
-    if (blockIdx.x == 0) {
-      next = Net::draw_filtered(p, key, c.ss, s.index);
-      if (c.t == 0) p.flags[kFlagToken] = next;
-    }
-    grid_barrier(p.barrier, c.bar);
-    next = __ldcg(p.flags + kFlagToken);
+    const Drawn d = draw_whole(p, key, c.bar, s.index);
+    next = d.token;
+    c.bar = d.bar;
     cancelled = Net::filtered_cancel(p);
   } else {
     float b = -INFINITY;
@@ -63,6 +81,7 @@ __device__ __forceinline__ Sampled sample(const Params& p, Cta& c, const Step& s
     cancelled = Net::exchanged_cancel(c.ss.misc, cancelled);
     __syncthreads();
   }
+  if (p.seen && blockIdx.x == 0 && c.t == 0) count_token(p, next);
   bool done = s.index + 1 == p.n_steps || Net::stop_asked(p, c.words, cancelled);
   for (int i = 0; i < p.n_stop; ++i) done |= p.stop_ids[i] == next;
   if (c.host_cta && c.t == 0 && Net::speaks(p)) {

@@ -34,16 +34,19 @@
 
 // One GPU: every CTA's rows go straight into the tagged hand-off vectors (flow.cuh).
 struct SingleGpu {
-  // top-k / top-p draw from the whole distribution (CTA 0, behind a grid barrier).
+  // top-k / top-p / min_p draw from the whole distribution (CTA 0, behind a grid barrier), as
+  // do the steps whose logprobs are asked for.
   __device__ static __forceinline__ bool filtered(const Params& p, bool greedy) {
-    return !greedy && ((p.top_k > 0 && p.top_k < MK_V) || p.top_p < 1.f);
+    return (!greedy && ((p.top_k > 0 && p.top_k < MK_V) || p.top_p < 1.f || p.min_p > 0.f)) ||
+           p.lp_out;
   }
   // LM-head row r's logit where top-k / top-p draw: p.logits holds them all already.
   __device__ static __forceinline__ void share_logit(const Params&, int, int, float) {}
-  // CTA 0 (all its threads), after the LM head's barrier: the top-k / top-p token.
+  // Every CTA, after the LM head's barrier: the top-k / top-p / min_p token.
   __device__ static __forceinline__ int draw_filtered(const Params& p, uint32_t key,
-                                                      SampleScratch s, int) {
-    return sample_filtered(p, key, s, p.logits, MK_V);
+                                                      const SampleScratch& s, unsigned& bar,
+                                                      int) {
+    return sample_filtered(p, key, s, bar, p.logits, MK_V);
   }
   // After a top-k / top-p step's barrier: whether to stop for the host (stop_asked reads the
   // host CTA's flag itself).
@@ -242,23 +245,23 @@ __device__ __forceinline__ void tp_send_logit(const Params& p, int step, int r, 
   for (int k = 0; k < MK_TP; ++k) tp_st2(p.tp_recv[k] + off, __float_as_uint(v), tag);
 }
 
-// CTA 0 (all its threads): the step's whole-vocabulary logits, once every rank's are in,
-// copied untagged for the sampler's passes; then the token every rank draws alike, and
-// (thread 0) the exchange that brings rank 0's cancel bit, left in flags[kFlagCancel].
-__device__ __forceinline__ int tp_draw_filtered(const Params& p, uint32_t key, SampleScratch s,
-                                                int step) {
+// Every CTA of every rank: its slice of the step's whole-vocabulary logits (sampling.cuh's
+// each_mine ids), once every rank's are in, copied untagged for the sampler's passes (each
+// thread reads back only what it copied); then the token every rank draws alike, and (CTA 0,
+// thread 0) the exchange that brings rank 0's cancel bit, left in flags[kFlagCancel].
+__device__ __forceinline__ int tp_draw_filtered(const Params& p, uint32_t key,
+                                                const SampleScratch& s, unsigned& bar, int step) {
   const unsigned tag = p.tp_tag + (unsigned)step;
   const unsigned* in = p.tp_mine + kTpLogitWords + 2 * (size_t)(tag & 1u) * MK_V_ALL;
   float* all = reinterpret_cast<float*>(p.tp_mine + kTpDenseWords);
   const long long t0 = clock64();
-  for (int i = threadIdx.x; i < MK_V_ALL; i += kThreads) {
+  each_id(MK_V_ALL, [&](int i) {
     uint2 w;
     while ((w = tp_ld2(in + 2 * (size_t)i)).y != tag) tp_check_timeout(t0);
     __stcg(all + i, __uint_as_float(w.x));
-  }
-  __syncthreads();
-  const int token = sample_filtered(p, key, s, all, MK_V_ALL);
-  if (threadIdx.x == 0) {
+  });
+  const int token = sample_filtered(p, key, s, bar, all, MK_V_ALL);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
     float b = 0.f;
     int bi = token;  // every rank drew it: the exchange's winner is it
     p.flags[kFlagCancel] = tp_pick_token(p, step, b, bi);
@@ -269,16 +272,18 @@ __device__ __forceinline__ int tp_draw_filtered(const Params& p, uint32_t key, S
 // Several GPUs: each rank holds a slice of every matrix (heads, intermediate, vocabulary);
 // the residual's partial sums are all-reduced over the peers, and the ranks agree on a token.
 struct TensorParallel {
-  // top-k / top-p: every rank's CTA 0 draws from the whole vocabulary (tp_draw_filtered).
+  // top-k / top-p / min_p: every rank's CTA 0 draws from the whole vocabulary
+  // (tp_draw_filtered). Logprobs are a single-GPU feature (the host refuses them here).
   __device__ static __forceinline__ bool filtered(const Params& p, bool greedy) {
-    return !greedy && ((p.top_k > 0 && p.top_k < MK_V_ALL) || p.top_p < 1.f);
+    return !greedy && ((p.top_k > 0 && p.top_k < MK_V_ALL) || p.top_p < 1.f || p.min_p > 0.f);
   }
   __device__ static __forceinline__ void share_logit(const Params& p, int step, int r, float v) {
     tp_send_logit(p, step, r, v);
   }
   __device__ static __forceinline__ int draw_filtered(const Params& p, uint32_t key,
-                                                      SampleScratch s, int step) {
-    return tp_draw_filtered(p, key, s, step);
+                                                      const SampleScratch& s, unsigned& bar,
+                                                      int step) {
+    return tp_draw_filtered(p, key, s, bar, step);
   }
   // Rank 0's cancel bit, which CTA 0 left in flags[kFlagCancel] before the step's barrier.
   __device__ static __forceinline__ bool filtered_cancel(const Params& p) {

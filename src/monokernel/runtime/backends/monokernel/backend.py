@@ -186,6 +186,7 @@ class MonokernelBackend:
             cancel,
             first_from_prefill=self.first_from_prefill,
             matcher=request.matcher,
+            logprobs=request.logprobs,
         )
 
     def teacher_forced_logits(

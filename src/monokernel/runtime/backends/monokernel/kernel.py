@@ -17,8 +17,8 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ from monokernel.kernels.plan import head_units_fit
 from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import KVCache
 from monokernel.runtime.backends.monokernel.grammar_mask import GrammarMask
+from monokernel.runtime.backends.monokernel.logit_rules import NEUTRAL, LogitRules
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.weights.repack import Repacked
 
@@ -122,6 +123,8 @@ class Launch:
     sampling: SamplingParams
     n_stop: int = 0
     mask_tag: int = 0  # a constrained launch's first mask tag (grammar_mask.py); 0: none
+    # The penalties' and logprobs' Params fields (logit_rules.py LogitRules.fields).
+    rules: Mapping[str, object] = field(default_factory=lambda: NEUTRAL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,12 +237,19 @@ class DecodeKernel:
         self.part_score = torch.zeros(scores, dtype=f32, device=dev)
         self.part_id = torch.empty(ids, dtype=i32, device=dev)
         self.flags = torch.zeros(layout.FLAG_WORDS, dtype=i32, device=dev)
+        # The CTAs' partials of a whole-vocabulary draw (top-k / top-p / min_p, logprobs).
+        self.sample_part = torch.zeros(
+            layout.sample_part_words(self.grid), dtype=torch.int64, device=dev
+        )
         self.barrier = torch.zeros(layout.barrier_words(), dtype=i32, device=dev)
         self.stop_ids = torch.zeros(MAX_STOP_IDS, dtype=i32, device=dev)
         # Count, done, one word a token, and one more that stays 0 (token_reader.py).
         self.host_out = launcher.HostMapped(layout.host_out_words(self.max_seq_len + 1))
         self.host_cancel = launcher.HostMapped(1)
         self._grammar: GrammarMask | None = None  # made by the first constrained request
+        # Penalties and logprobs (logit_rules.py); ids are the whole vocabulary's under TP.
+        vocab = self.dims.vocab_all or cfg.vocab_size
+        self.rules = LogitRules(vocab, self.max_seq_len + 1, dev)
 
     @property
     def grammar(self) -> GrammarMask:
@@ -334,6 +344,7 @@ class DecodeKernel:
             part_score=_ptr(self.part_score),
             part_id=_ptr(self.part_id),
             flags=_ptr(self.flags),
+            sample_part=_ptr(self.sample_part),
             barrier=_ptr(self.barrier),
             forced=_ptr(probe.forced),
             debug_logits=_ptr(probe.debug_logits),
@@ -359,6 +370,7 @@ class DecodeKernel:
             attn_group_from=self.attn_group_from,
             **dict(zip(("debug_stall_step", "debug_stall_hard"), debug_stall(), strict=True)),
             mask_tag=launch.mask_tag,
+            **launch.rules,
         )
         if tp is None:
             return launcher.KernelParams(**fields)
@@ -458,3 +470,4 @@ class DecodeKernel:
         self.build.unload()
         self.host_out.free()
         self.host_cancel.free()
+        self.rules.close()

@@ -27,10 +27,12 @@ from monokernel.runtime.backends.monokernel.kernel import (
     stall_seconds,
 )
 from monokernel.runtime.backends.monokernel.kv import KVStore
+from monokernel.runtime.backends.monokernel.logit_rules import NEUTRAL, LogitRules
 from monokernel.runtime.backends.monokernel.token_reader import read_tokens
 from monokernel.runtime.constrained import TokenMatcher
+from monokernel.runtime.logprobs import TokenLogprobs, token_logprobs
 from monokernel.runtime.prefix_cache import fed_tokens
-from monokernel.runtime.sampling import SamplingParams, sample
+from monokernel.runtime.sampling import SamplingParams, check_bias_ids, penalize, sample
 
 # Where a request's first token comes from. "prefill": the prompt's last logits, computed by
 # the prefill that fills the cache anyway (one LM-head GEMV); the kernel then starts at the
@@ -92,6 +94,7 @@ class RequestDriver:
         forced_ids: Sequence[int] | None = None,
         first_from_prefill: bool = False,
         matcher: TokenMatcher | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> Iterator[int]:
         """The generated ids of one launch. ``probe``: a debug or profiling launch's extra
         inputs; ``forced_ids``: the host copy of ``probe.forced``, so the prefix bookkeeping
@@ -103,7 +106,9 @@ class RequestDriver:
         numbers and logits are the kernel's). ``matcher``: a constrained request's grammar
         (runtime/constrained.py): the first token is drawn from the masked prefill logits,
         and each kernel step's mask reaches the kernel while it runs the step before
-        (grammar_mask.py)."""
+        (grammar_mask.py). The penalties, min_p and logit_bias apply in the kernel
+        (logit_rules.py); with ``sampling.logprobs`` set, each token's TokenLogprobs is
+        appended to ``logprobs`` before the token is yielded."""
         if self.failure is not None:
             raise EngineFailedError(self.failure)
         kernel, prefix = self.kernel, self.kv.prefix
@@ -116,8 +121,11 @@ class RequestDriver:
         )
         if not sampling.greedy and sampling.seed is None:
             raise InvalidRequestError("sampling needs a fixed seed (SamplingParams.with_seed)")
+        check_bias_ids(sampling, self.vocab_size)
         kernel.make_current()
         first: int | None = None
+        want_logprobs = logprobs is not None and sampling.logprobs is not None
+        first_logprobs: TokenLogprobs | None = None
         with torch.cuda.device(self.device):
             if first_from_prefill:
                 logits = self.kv.filler.fill(prompt_ids, n, logits=True, plan=plan)
@@ -129,11 +137,20 @@ class RequestDriver:
             # first token, so only the launch itself sits between that token and the kernel.
             kernel.prepare(stop_ids)
             if first_from_prefill:
+                raw = logits
+                if sampling.penalized:
+                    logits = penalize(logits, sampling, prompt_ids, ())
                 if matcher is not None:
                     logits = matcher.apply(logits)
                 first = sample(logits, sampling, n)  # the token at position n: one host sync
                 if matcher is not None:
                     matcher.advance(first)
+                if want_logprobs:
+                    assert logprobs is not None and sampling.logprobs is not None
+                    first_logprobs = token_logprobs(raw, first, sampling.logprobs)
+            rules = kernel.rules.fields(sampling, prompt_ids, () if first is None else (first,))
+            if rules is not NEUTRAL:  # the buffers' fill goes before the launch too
+                kernel.stream.wait_stream(torch.cuda.current_stream(self.device))
         # Positions the cache holds before the kernel's first step, and that step's input.
         held, step_in = n - 1, prompt_ids[-1]
         if first is not None:
@@ -148,7 +165,7 @@ class RequestDriver:
             mask_tag = kernel.grammar.begin(n_steps)
             kernel.grammar.publish(0, matcher.words())
         if launched:
-            launch = Launch(step_in, held, n_steps, sampling, len(stop_ids), mask_tag)
+            launch = Launch(step_in, held, n_steps, sampling, len(stop_ids), mask_tag, rules)
             kernel.start(launch, probe)
         finished = failed = False
 
@@ -167,11 +184,16 @@ class RequestDriver:
 
         try:
             if first is not None and not (cancel is not None and cancel.is_set()):
+                if first_logprobs is not None and logprobs is not None:
+                    logprobs.append(first_logprobs)
                 yield first  # the kernel is already running on the next one
             if launched:
                 tokens = read_tokens(out, cancel, check)
                 if matcher is not None:
                     tokens = _masks_ahead(tokens, matcher, kernel.grammar, n_steps)
+                if want_logprobs:
+                    assert logprobs is not None and sampling.logprobs is not None
+                    tokens = _with_logprobs(tokens, kernel.rules, sampling.logprobs, logprobs)
                 finished = yield from tokens
         except GeneratorExit:  # the consumer closed the stream: a normal early end
             raise
@@ -216,4 +238,20 @@ def _masks_ahead(
         step += 1
         if step < steps:
             grammar.publish(step, matcher.words())
+        yield token
+
+
+def _with_logprobs(
+    tokens: Generator[int, None, bool], rules: LogitRules, n: int, sink: list[TokenLogprobs]
+) -> Generator[int, None, bool]:
+    """``tokens`` (kernel step s's token the s-th), each preceded by appending its step's
+    logprobs record to ``sink`` (written by the kernel before the token word)."""
+    step = 0
+    while True:
+        try:
+            token = next(tokens)
+        except StopIteration as done:
+            return bool(done.value)
+        sink.append(rules.logprobs(step, n))
+        step += 1
         yield token

@@ -104,14 +104,23 @@ def test_tp2_quantized_teacher_forced_logits(fmt: str) -> None:
         assert torch.equal(again, got)
 
 
+GREEDY_CASES = [
+    SamplingParams(temperature=0.0),
+    # The penalties in every rank's LM head (sampling.cuh penalize), ids global.
+    SamplingParams(
+        temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4, logit_bias={100: 5.0}
+    ),
+]
+
+
 @pytest.mark.gpu
 @needs_2_hoppers
-def test_tp2_greedy_matches_tp1() -> None:
+@pytest.mark.parametrize("greedy", GREEDY_CASES, ids=["plain", "penalties"])
+def test_tp2_greedy_matches_tp1(greedy: SamplingParams) -> None:
     from monokernel.runtime.backends.monokernel import MonokernelBackend
 
     cfg, weights, tp = _tp_setup("qwen2.5-coder-1.5b")
     prompt = _tokens(PROMPT, cfg.vocab_size, seed=2)
-    greedy = SamplingParams(temperature=0.0)
     got = list(tp.stream(_request(prompt, STEPS, greedy), CancelToken()))
     one = MonokernelBackend(cfg, weights, 1024, torch.device("cuda", 0))
     want = list(one.stream(_request(prompt, STEPS, greedy), CancelToken()))

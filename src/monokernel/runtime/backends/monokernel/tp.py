@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -52,7 +53,7 @@ from monokernel.runtime.backends.monokernel.request import checked_steps
 from monokernel.runtime.backends.monokernel.token_reader import read_tokens
 from monokernel.runtime.prefill import Prefiller
 from monokernel.runtime.prefill_tp import ShardedPrefill
-from monokernel.runtime.sampling import SamplingParams
+from monokernel.runtime.sampling import SamplingParams, check_bias_ids
 from monokernel.weights.formats import DEFAULT_FORMAT
 from monokernel.weights.group_quant import GroupQuant, quantize_rtn
 from monokernel.weights.names import Weights
@@ -261,6 +262,7 @@ class MonokernelTPBackend:
         n_steps = checked_steps(
             prompt_ids, stop_ids, max_new_tokens, self.max_seq_len, self.cfg.vocab_size
         )
+        check_bias_ids(sampling, self.cfg.vocab_size)
         span = 2 * self.cfg.num_layers * max(n_steps, 1)  # tags this launch may use
         if self._tag + span >= _TAG_LIMIT:
             self._reset_tags()
@@ -275,10 +277,12 @@ class MonokernelTPBackend:
         with _keeps_device():
             for r, rk in enumerate(self.ranks):
                 rk.kernel.make_current()
+                with torch.cuda.device(rk.device):  # the fill goes before prepare's wait
+                    rules = rk.kernel.rules.fields(sampling, prompt_ids, ())
                 rk.kernel.prepare(stop_ids)
                 link = TPLink(peers, rk.recv.ptr, rk.sc.rank, rk.sc.vocab_start, tag)
                 probe = NO_PROBE if probes is None else probes[r]
-                params.append(rk.kernel.params(launch, probe, link))
+                params.append(rk.kernel.params(replace(launch, rules=rules), probe, link))
             lead.make_current()
             lead.clear_host_words(n_steps)
             # All N kernels spin on each other, so all must be resident together: launch each
