@@ -9,6 +9,11 @@ sees when every turn has a new length. Prints the load time (the prefill warm-up
 too), the first request's TTFT, the median, p90, p99 and max, and the ratios issue 38 asks
 for (p99 / p50 and first / p50). Run it with MONOKERNEL_PREFILL_WARMUP=0 beside the default
 to see what the warm-up removes.
+
+``--turns``: an agent's conversation instead: each request repeats the previous one's prompt
+and appends a new turn (log-uniform in [--min-prompt, --max-turn] tokens), so the backend
+prefills only the turn after the held prefix; the conversation starts over when the next turn
+would not fit the context (--max-len, default 8,192 here).
 """
 
 from __future__ import annotations
@@ -47,30 +52,37 @@ def main(argv: list[str]) -> int:
         help="the backend's context (default: the longest prompt + 16); prompts whose bucket "
         "passes it are prefilled eagerly, as past the chunk",
     )
+    ap.add_argument("--turns", action="store_true", help="a held conversation (above)")
+    ap.add_argument("--max-turn", type=int, default=1000)
     ap.add_argument("--json", dest="json_file")
     args = ap.parse_args(argv)
     cfg, device = SHAPES[args.shape], torch.device("cuda")
     gen = torch.Generator().manual_seed(args.seed)
     t0 = time.perf_counter()
+    max_len = args.max_len or (8192 if args.turns else args.max_prompt + 16)
     backend = MonokernelBackend(
-        cfg,
-        random_weights(cfg, device=device, seed=args.seed),
-        args.max_len or args.max_prompt + 16,
-        device,
+        cfg, random_weights(cfg, device=device, seed=args.seed), max_len, device
     )
     load_s = time.perf_counter() - t0
-    lo, hi = math.log(args.min_prompt), math.log(args.max_prompt)
+    top = args.max_turn if args.turns else args.max_prompt
+    lo, hi = math.log(args.min_prompt), math.log(top)
     ttft_ms: list[float] = []
-    lengths: list[int] = []
+    lengths: list[int] = []  # each request's new tokens (the whole prompt when fresh)
+    held: list[int] = []  # the conversation so far (--turns)
     for _ in range(args.requests):
         n = int(math.exp(lo + (hi - lo) * torch.rand(1, generator=gen).item()))
-        prompt = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+        new = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+        if args.turns and len(held) + n + 16 > max_len:
+            held = []
+        prompt = held + new if args.turns else new
+        held = prompt
         ttft_ms.append(time_request(backend, prompt, 8).ttft_s * 1e3)
         lengths.append(n)
     backend.close()
     p50 = statistics.median(ttft_ms)
     row = {
         "shape": args.shape,
+        "session": "turns" if args.turns else "fresh",
         "device": torch.cuda.get_device_name(device),
         "load_s": round(load_s, 3),
         "warmup_s": round(backend.warmup_s, 3),

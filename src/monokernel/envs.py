@@ -180,11 +180,13 @@ _SETTINGS: tuple[Setting, ...] = (
         "MONOKERNEL_PREFILL_WARMUP",
         "bool",
         True,
-        "With prefill graphs on, capture the graph of every fresh prompt's bucket (16 tokens "
-        "up to the chunk) when the monokernel loads, so no request pays a capture or a Triton "
-        "compile in its time to first token; 0 captures each the first time it is needed "
-        "(a faster load). Under `--tp N` (no prefill graphs yet) a two-token request runs "
-        "at load instead, for the same reason.",
+        "When the monokernel loads: capture every prefill graph a request can replay (each "
+        "fresh prompt's bucket, 16 tokens up to the chunk, and each held conversation's "
+        "turn bucket at each power-of-two number of cached keys), then run a greedy and a "
+        "sampled two-token request, so no request pays a capture, a Triton compile or a "
+        "first use in its time to first token; 0 leaves each to the first request that "
+        "needs it (a faster load). Under `--tp N` (no prefill graphs yet) a two-token "
+        "request runs at load, for the same reason.",
         _PREFILL,
     ),
     Setting(

@@ -144,3 +144,15 @@ def test_expressions_render_what_they_evaluate() -> None:
     assert (layout.H * (layout.Q // 2))(e) == 2048 * 1024
     assert layout.round4(layout.H + 1)(e) == 2052
     assert layout.WINDOW(e) == 512 * 64 + 64 + 8
+
+
+def test_logprob_records_hold_what_a_request_may_ask() -> None:
+    from monokernel.runtime.backends.monokernel.logit_rules import NEUTRAL
+    from monokernel.runtime.sampling import MAX_LOGPROBS
+
+    assert layout.MAX_LOGPROBS == MAX_LOGPROBS
+    assert layout.LOGPROB_WORDS == 1 + 2 * MAX_LOGPROBS
+    # A launch without penalties or logprobs sets every field they add, to its neutral value.
+    names = {f.name for f in layout.PARAMS}
+    assert set(NEUTRAL) <= names
+    assert {"logit_bias", "seen", "raw_logits", "lp_out", "presence", "min_p"} <= set(NEUTRAL)

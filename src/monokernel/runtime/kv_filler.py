@@ -44,7 +44,9 @@ class CacheFiller:
         self.prefix.begin(prompt_ids, plan.reuse)  # what the prefill overwrites is gone
         out = None
         if plan.reuse < end:
-            out = self.prefill.run(prompt_ids[plan.reuse : end], plan.reuse, logits=logits)
+            # Near the cache's end a graph may start a little earlier, over held tokens.
+            start = self.prefill.fitting_start(plan.reuse, end - plan.reuse)
+            out = self.prefill.run(prompt_ids[start:end], start, logits=logits)
         self.prefix.written(prompt_ids[:end])
         return out
 

@@ -253,6 +253,14 @@ class Prefiller:
             acc += self._mm(x, w) * s
 
     @torch.no_grad()
+    def fitting_start(self, start: int, tokens: int) -> int:
+        """The start at or before ``start`` from which to prefill ``tokens`` tokens meant for
+        [start, start + tokens) so that a captured graph runs them
+        (PrefillGraphs.fitting_start); ``start`` where no graph would."""
+        if self.graphs is None:
+            return start
+        return self.graphs.fitting_start(start, tokens)
+
     def run(
         self, tokens: Sequence[int] | torch.Tensor, start: int, logits: bool = False
     ) -> torch.Tensor | None:

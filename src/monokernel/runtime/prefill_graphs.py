@@ -4,8 +4,9 @@ An eager prefill chunk is ~35 small launches per layer (norms, the split QKV GEM
 cache writes, GQA expansion, attention, the MLP): ~600 for the Llama-3.2-1B shape, which
 the host needs ~15 ms to issue while the GPU needs ~3 ms for a 1,024-token prompt. So a
 prompt prefilled from position 0 in one chunk replays a graph captured for a bucket of
-token counts (powers of two from 16 up to the chunk size): the tokens are padded to the
-bucket with token 0. Padding sits *after* the real tokens, so causal attention keeps it out
+token counts (powers of two from 16 up to the chunk size, and the chunk or the cache length
+itself where that is smaller than the next power): the tokens are padded to the bucket with
+token 0. Padding sits *after* the real tokens, so causal attention keeps it out
 of every real token's result; its K/V land in cache positions the request never reads
 before the decode kernel overwrites them (the kernel writes position n-1+s before step s
 attends), and the prefix cache never counts them as held.
@@ -18,11 +19,12 @@ number of cache rows under a mask built from the positions), so one graph serves
 up to that many rows. Later
 chunks of a prompt longer than the chunk stay eager (GPU-bound at that size anyway).
 
-A fresh prompt's graphs can all be captured up front (``warm``: the monokernel does at load,
-``MONOKERNEL_PREFILL_WARMUP``), so no request pays a capture, nor the first-use compile of
-the Triton kernels inside; a suffix's graphs, one per (bucket, key rows), are too many for
-that and are captured the first time each is needed (a capture costs about two eager
-prefills of that size). All share one memory pool: they never run at once.
+Every graph a request can replay is captured up front (``warm``: the monokernel does at
+load, ``MONOKERNEL_PREFILL_WARMUP``): a fresh prompt's buckets, and each suffix bucket at
+each power-of-two number of key rows (``graph_keys``: 42 graphs for an 8,192-token cache), so
+no request pays a capture (about two eager prefills of that size) nor the first-use compile
+of the Triton kernels inside. A graph not captured yet (the warm-up off) is captured the
+first time it is needed. All share one memory pool: they never run at once.
 ``MONOKERNEL_PREFILL_GRAPHS=0`` turns them off.
 """
 
@@ -43,13 +45,24 @@ def graphs_enabled(device: torch.device) -> bool:
 
 
 def bucket_for(tokens: int, largest: int) -> int | None:
-    """The smallest power of two >= tokens (at least MIN_BUCKET), or None above ``largest``."""
+    """The smallest power of two >= tokens (at least MIN_BUCKET), or ``largest`` itself where
+    that power passes it (a cache of 4,016 positions graphs a 4,000-token prompt too); None
+    above ``largest``."""
     if tokens < 1 or tokens > largest:
         return None
     b = MIN_BUCKET
     while b < tokens:
         b *= 2
-    return b if b <= largest else None
+    return min(b, largest)
+
+
+def buckets(largest: int) -> list[int]:
+    """Every bucket bucket_for gives under ``largest``, smallest first."""
+    out, b = [], MIN_BUCKET
+    while b < largest:
+        out.append(b)
+        b *= 2
+    return [*out, largest] if largest >= 1 else out
 
 
 # A suffix prefilled after a reused prefix (an agent's next turn) gets graphs too, up to this
@@ -65,6 +78,20 @@ def keys_bucket(end: int, max_len: int) -> int:
     while b < end:
         b *= 2
     return min(b, max_len)
+
+
+def graph_keys(largest: int, max_len: int) -> list[tuple[int, int]]:
+    """Every (bucket, key rows or 0) graph ``PrefillGraphs.run`` can ask for: a fresh
+    prompt's buckets up to ``largest`` (0 key rows), then each suffix bucket's key-row
+    buckets for every start it can have (start >= 1, start + bucket <= max_len)."""
+    out = [(b, 0) for b in buckets(largest)]
+    for b in buckets(min(largest, MAX_SUFFIX_BUCKET)):
+        end = b + 1  # the smallest end: start 1
+        while end <= max_len:
+            k = keys_bucket(end, max_len)
+            out.append((b, k))
+            end = k + 1  # the next end with a larger bucket
+    return out
 
 
 @dataclass(slots=True)
@@ -110,6 +137,18 @@ class PrefillGraphs:
         g.graph.replay()
         return g.x[:t]
 
+    def fitting_start(self, start: int, tokens: int) -> int:
+        """Where to prefill ``tokens`` tokens meant for [start, start + tokens) so that a graph
+        runs them: ``start`` itself, or, where the bucket's padding would pass the cache's
+        end (a turn near the end of the context), an earlier start whose bucket ends at the
+        cache's end: the caller prefills the held tokens in between again (the same K/V)
+        instead of the turn running eagerly, which cost up to a second the first time."""
+        cap = self.largest if start == 0 else min(self.largest, MAX_SUFFIX_BUCKET)
+        b = bucket_for(tokens, cap)
+        if b is None or start + b <= self.max_len:
+            return start
+        return max(0, self.max_len - b)
+
     def _capture(self, bucket: int, keys: int) -> _Graph:
         device = torch.device("cuda", torch.cuda.current_device())
         tokens = torch.zeros(bucket, dtype=torch.long, device=device)
@@ -136,14 +175,14 @@ class PrefillGraphs:
         return entry
 
     def warm(self) -> int:
-        """Capture the graph of every fresh prompt's bucket not captured yet (on the current
-        device; writes K/V into cache rows no request has yet); returns how many."""
-        n, b = 0, MIN_BUCKET
-        while b <= self.largest:
-            if (b, 0) not in self._graphs:
-                self._capture(b, 0)
+        """Capture every graph a request can replay (graph_keys: each fresh prompt's bucket,
+        each suffix bucket at each key-row bucket) not captured yet, on the current device;
+        writes K/V into cache rows no request holds yet (call it at load). Returns how many."""
+        n = 0
+        for key in graph_keys(self.largest, self.max_len):
+            if key not in self._graphs:
+                self._capture(*key)
                 n += 1
-            b *= 2
         return n
 
     def captured(self) -> bool:

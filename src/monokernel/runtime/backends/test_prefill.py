@@ -31,6 +31,7 @@ from monokernel.runtime.prefill_attention_triton import (
     triton_attention_ok,
     triton_cache_attention,
 )
+from monokernel.runtime.prefill_graphs import graph_keys
 from monokernel.weights.names import Weights
 from monokernel.weights.random_weights import random_weights
 from monokernel.weights.repack import repack
@@ -183,8 +184,10 @@ def test_graphed_prefill_matches_eager(shape: str) -> None:
 
 @pytest.mark.gpu
 def test_warm_captures_every_fresh_bucket_and_requests_then_capture_none() -> None:
-    """warm() (the monokernel's load) captures buckets 16..chunk; a fresh prompt of any
-    length up to the chunk then replays one of them, with the eager prefill's logits."""
+    """warm() (the monokernel's load) captures every graph (graph_keys: buckets 16..chunk,
+    and each suffix bucket at each key-row bucket); a fresh prompt of any length up to the
+    chunk then replays one of them, with the eager prefill's logits, and a suffix after a
+    held prefix replays one too."""
     cfg, weights = _cfg("odd"), _weights("odd")
     max_len = 1024
     packed = repack(cfg, weights, max_len, fold=False)
@@ -193,14 +196,25 @@ def test_warm_captures_every_fresh_bucket_and_requests_then_capture_none() -> No
     graphed = Prefiller(cfg, packed, graphed_cache.k, graphed_cache.v, 512, graphs=True)
     eager = Prefiller(cfg, packed, eager_cache.k, eager_cache.v, 512, graphs=False)
     assert graphed.graphs is not None
-    assert graphed.graphs.warm() == 6  # 16, 32, ..., 512
+    assert graphed.graphs.warm() == len(graph_keys(512, max_len))
     assert graphed.graphs.warm() == 0
     keys = sorted(graphed.graphs._graphs)
-    assert keys == [(b, 0) for b in (16, 32, 64, 128, 256, 512)]
+    assert keys == sorted(graph_keys(512, max_len))
     for i, n in enumerate([3, 200, 512]):
-        tokens = _tokens(n, cfg.vocab_size, seed=30 + i)
-        got = graphed.run(tokens, 0, logits=True)
-        want = eager.run(tokens, 0, logits=True)
+        seq = _tokens(n, cfg.vocab_size, seed=30 + i)
+        got = graphed.run(seq, 0, logits=True)
+        want = eager.run(seq, 0, logits=True)
+        assert got is not None and want is not None and _rel(got, want) <= 2e-3
+    # Each suffix continues the sequence before it (the 512-token prompt's, then its own), so
+    # both caches hold the same keys below each start. The last two's buckets (512, 128)
+    # would pass the cache's end: the graphed side starts them earlier, over held tokens.
+    for i, n in enumerate([7, 100, 300, 90]):
+        start = len(seq)
+        seq += _tokens(n, cfg.vocab_size, seed=40 + i)
+        at = graphed.fitting_start(start, n)
+        assert at == {619: 512, 919: 896}.get(start, start)
+        got = graphed.run(seq[at:], at, logits=True)
+        want = eager.run(seq[start:], start, logits=True)
         assert got is not None and want is not None and _rel(got, want) <= 2e-3
     assert sorted(graphed.graphs._graphs) == keys
 

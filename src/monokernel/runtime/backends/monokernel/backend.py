@@ -36,11 +36,18 @@ from monokernel.runtime.backends.monokernel.probes import Probes
 from monokernel.runtime.backends.monokernel.request import FIRST_TOKEN_SOURCES, RequestDriver
 from monokernel.runtime.prefill_graphs import graphs_enabled
 from monokernel.runtime.prefix_cache import PrefixCache
+from monokernel.runtime.sampling import SamplingParams
 from monokernel.weights.formats import DEFAULT_FORMAT
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.names import Weights
 from monokernel.weights.quantize import check_method, groups_size, int4_group_of
 from monokernel.weights.repack import repack
+
+# The requests a backend runs at load (MONOKERNEL_PREFILL_WARMUP).
+WARMUP_SAMPLING = (
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=0),
+)
 
 
 class MonokernelBackend:
@@ -162,10 +169,19 @@ class MonokernelBackend:
         # prompt's prefill graph now, so no request's first token waits for one.
         self.warmup_s = 0.0
         graphs = self.kv.prefill.graphs
-        if graphs is not None and envs.MONOKERNEL_PREFILL_WARMUP:
+        if envs.MONOKERNEL_PREFILL_WARMUP:
             t0 = time.perf_counter()
             with torch.cuda.device(device):
-                graphs.warm()
+                if graphs is not None:
+                    graphs.warm()
+                # Then two short requests, greedy and sampled, so the first real one pays
+                # none of the request path's first uses (the host-side draw's kernels, the
+                # token reader); what they leave in the cache is dropped.
+                for sampling in WARMUP_SAMPLING:
+                    req = DecodeRequest((0, 1), sampling, 2, frozenset())
+                    for _ in self.stream(req, CancelToken()):
+                        pass
+                self.kv.prefix.invalidate()
                 torch.cuda.synchronize(device)
             self.warmup_s = time.perf_counter() - t0
 
