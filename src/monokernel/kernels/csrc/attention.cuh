@@ -239,7 +239,11 @@ __device__ __forceinline__ void attention_stage(const Params& p, const LayerWeig
                                                 unsigned& done_group, unsigned tag, float* sm,
                                                 float* red, float* win) {
   const AttnPlan a = attn_plan(p, pos);
-  if (a.ns > 1) (a.group ? done_group : done_head) += (unsigned)a.ns;
+  // Only the ranges that count themselves (attn_finish) advance the totals: ranges that
+  // stage C merges (attn_reader_merges) never touch the counters, so counting them too left
+  // every later unit-merged range waiting for a total its head never reached (the Qwen2.5
+  // 1.5B shape hung at position 1,601, where its head units go from 5 ranges to 6).
+  if (a.ns > 1 && !attn_reader_merges(a)) (a.group ? done_group : done_head) += (unsigned)a.ns;
   if ((int)blockIdx.x >= a.units) return;
   if (a.group) {
 #if MK_ATTN_GROUP

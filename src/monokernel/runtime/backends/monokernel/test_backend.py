@@ -308,6 +308,20 @@ def test_stop_ids_cancel_and_next_request() -> None:
 
 @pytest.mark.gpu
 @needs_hopper
+def test_one_long_generation_crosses_every_attention_plan() -> None:
+    """One launch from a 5-token prompt to position 3,604 on the Qwen2.5-1.5B shape: head
+    units whose ranges stage C merges (up to 5), then ranges the units merge themselves (6 to
+    11, from position 1,601), then group units (past 3,520). The switch to self-merged ranges
+    once hung the kernel (each head's completion total had counted the reader-merged ranges
+    too), faulting it ~10 s later."""
+    cfg, _, mk = _setup("qwen2.5-coder-1.5b", max_len=4096)
+    prompt = _tokens(5, cfg.vocab_size, seed=8)
+    got = list(mk.stream(_request(prompt, 3600, SamplingParams(temperature=0.0)), CancelToken()))
+    assert len(got) == 3600
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_moved_hand_off_buffer_gives_the_same_tokens() -> None:
     """use_handoff (the timing scripts share one buffer between builds): decoding from a
     buffer placed elsewhere and poisoned first gives the same greedy tokens, the kernel

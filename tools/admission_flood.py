@@ -1,0 +1,125 @@
+"""Big bodies against a running stream (issue 38 item 2): while one completion streams, N
+clients post bodies of ~16 MiB at once (prompts far past the context); reports each refusal's
+status and time, the stream's tokens/s before and during the flood, and the server's resident
+memory before, at its peak and after.
+
+    python3 tools/admission_flood.py http://127.0.0.1:8765 --pid SERVER_PID [--bodies 10]
+
+Needs httpx (the server's test extra). The server should run a GPU engine, so that the
+stream's speed measures what admission takes from it, not CPU contention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+
+import httpx
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def stream(url: str, model: str, tokens: int, stamps: list[float], stop: threading.Event) -> None:
+    body = {"model": model, "prompt": "def f(x):", "max_tokens": tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    with (
+        httpx.Client(timeout=None) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body) as r,
+    ):
+        if r.status_code != 200:
+            print(f"the stream was refused: {r.status_code} {r.read()[:300]!r}", file=sys.stderr)
+            stop.set()
+            return
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                stamps.append(time.perf_counter())
+            if stop.is_set():
+                return
+
+
+def rate(stamps: list[float], t0: float, t1: float) -> float:
+    n = sum(1 for t in stamps if t0 <= t < t1)
+    return n / (t1 - t0)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("url")
+    ap.add_argument("--pid", type=int, required=True, help="the server's process id")
+    ap.add_argument("--bodies", type=int, default=10)
+    ap.add_argument("--mib", type=float, default=15.9, help="each body's size")
+    ap.add_argument("--stream-tokens", type=int, default=4000, help="the stream's max_tokens")
+    args = ap.parse_args(argv)
+    model = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
+    stamps: list[float] = []
+    stop = threading.Event()
+    reader = threading.Thread(
+        target=stream, args=(args.url, model, args.stream_tokens, stamps, stop), daemon=True
+    )
+    reader.start()
+    while len(stamps) < 20:
+        if stop.is_set():
+            return 1
+        time.sleep(0.01)
+    time.sleep(2.0)
+    t_base = time.perf_counter()
+    rss_before = rss_mb(args.pid)
+    before = rate(stamps, t_base - 2.0, t_base)
+    prompt = "x" * int(args.mib * 2**20 - 200)
+    raw = json.dumps({"model": model, "prompt": prompt, "max_tokens": 4}).encode()
+    results: list[tuple[int, float]] = []
+    peak = [rss_before]
+
+    def post() -> None:
+        t = time.perf_counter()
+        with httpx.Client(timeout=120) as client:
+            r = client.post(f"{args.url}/v1/completions", content=raw,
+                            headers={"content-type": "application/json"})  # fmt: skip
+        results.append((r.status_code, time.perf_counter() - t))
+
+    posters = [threading.Thread(target=post) for _ in range(args.bodies)]
+    t_flood = time.perf_counter()
+    for p in posters:
+        p.start()
+    while any(p.is_alive() for p in posters):
+        peak.append(rss_mb(args.pid))
+        time.sleep(0.02)
+    t_done = time.perf_counter()
+    during = rate(stamps, t_flood, t_done)
+    time.sleep(2.0)
+    after_rate = rate(stamps, t_done + 0.5, t_done + 2.0)
+    rss_after = rss_mb(args.pid)
+    stop.set()
+    times = [s for _, s in results]
+    row = {
+        "bodies": args.bodies,
+        "body_mib": args.mib,
+        "statuses": sorted({c for c, _ in results}),
+        "refusal_s_max": round(max(times), 3),
+        "refusal_s_median": round(statistics.median(times), 3),
+        "flood_s": round(t_done - t_flood, 3),
+        "stream_tok_s_before": round(before, 1),
+        "stream_tok_s_during": round(during, 1),
+        "stream_tok_s_after": round(after_rate, 1),
+        "during_over_before": round(during / before, 3),
+        "rss_mb_before": round(rss_before, 1),
+        "rss_mb_peak": round(max(peak), 1),
+        "rss_mb_after": round(rss_after, 1),
+        "after_over_before": round(rss_after / rss_before, 3),
+    }
+    print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
