@@ -9,7 +9,7 @@ when the CancelToken is set or the iterator is closed) stops it within a token.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 
 import torch
 
@@ -223,35 +223,39 @@ class RequestDriver:
                 prefix.finish(ran, fed_tokens(ran, generated, steps, forced_ids))
 
 
-def _masks_ahead(
-    tokens: Generator[int, None, bool], matcher: TokenMatcher, grammar: GrammarMask, steps: int
+def _tapped(
+    tokens: Generator[int, None, bool], before: Callable[[int, int], None]
 ) -> Generator[int, None, bool]:
-    """``tokens`` (kernel step s's token the s-th), each sending step s + 1's mask before it
-    is yielded, so the kernel, already running step s + 1, finds it in time."""
+    """``tokens`` (kernel step s's token the s-th) with ``before(s, token)`` called before
+    each is yielded; returns what ``tokens`` returns (whether the kernel finished)."""
     step = 0
     while True:
         try:
             token = next(tokens)
         except StopIteration as done:
             return bool(done.value)
-        matcher.advance(token)
+        before(step, token)
         step += 1
-        if step < steps:
-            grammar.publish(step, matcher.words())
         yield token
+
+
+def _masks_ahead(
+    tokens: Generator[int, None, bool], matcher: TokenMatcher, grammar: GrammarMask, steps: int
+) -> Generator[int, None, bool]:
+    """Step s + 1's mask sent as step s's token lands, so the kernel, already running step
+    s + 1, finds it in time."""
+
+    def advance(step: int, token: int) -> None:
+        matcher.advance(token)
+        if step + 1 < steps:
+            grammar.publish(step + 1, matcher.words())
+
+    return _tapped(tokens, advance)
 
 
 def _with_logprobs(
     tokens: Generator[int, None, bool], rules: LogitRules, n: int, sink: list[TokenLogprobs]
 ) -> Generator[int, None, bool]:
-    """``tokens`` (kernel step s's token the s-th), each preceded by appending its step's
-    logprobs record to ``sink`` (written by the kernel before the token word)."""
-    step = 0
-    while True:
-        try:
-            token = next(tokens)
-        except StopIteration as done:
-            return bool(done.value)
-        sink.append(rules.logprobs(step, n))
-        step += 1
-        yield token
+    """Each step's logprobs record (written by the kernel before its token word) appended
+    to ``sink`` as its token lands."""
+    return _tapped(tokens, lambda step, _token: sink.append(rules.logprobs(step, n)))
