@@ -100,13 +100,16 @@ def test_without_turns_every_request_is_fresh(
 
 
 class _PrefillStandIn:
-    """What CacheFiller needs of a Prefiller: the cache tensors, and ``run``, which here only
-    counts the tokens it would prefill."""
+    """What CacheFiller needs of a Prefiller: the cache tensors, ``fitting_start`` (no graphs:
+    the start itself), and ``run``, which here only counts the tokens it would prefill."""
 
     def __init__(self, max_len: int) -> None:
         self.k = torch.zeros(1, 1, max_len, 1)
         self.v = torch.zeros(1, 1, max_len, 1)
         self.tokens = 0
+
+    def fitting_start(self, start: int, tokens: int) -> int:
+        return start
 
     def run(self, tokens: list[int], start: int, logits: bool = False) -> None:
         self.tokens += len(tokens)
