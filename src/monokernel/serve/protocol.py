@@ -5,7 +5,7 @@ Fields that change the output but that this engine does not implement (``n``,
 ``best_of``) are accepted only at their neutral value and refused otherwise, and a field
 the server does not know is refused as OpenAI's API refuses it (see
 ``params.check_request``), so nothing a client asks for is dropped. Penalties, ``min_p``,
-``logit_bias`` and ``logprobs`` are implemented on the torch and reference engines.
+``logit_bias`` and ``logprobs`` are implemented on every engine (logprobs on one GPU).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class _SamplingFields(BaseModel):
     # vLLM's extras, accepted as top-level body fields (`extra_body` in the openai client).
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    # Logit processing (runtime/sampling.py ``penalize``): torch and reference engines.
+    # Logit processing (runtime/sampling.py ``penalize``; the monokernel's sampling.cuh).
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's
