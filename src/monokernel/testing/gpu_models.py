@@ -1,5 +1,6 @@
-"""What the GPU tests of the monokernel share: whether the GPU can hold a shape, token ids
-from a seed, and the real default model loaded onto the GPU (skipping where it cannot be)."""
+"""What the GPU tests of the monokernel share: whether a Hopper GPU is here (and can hold a
+shape), token ids from a seed, and the real default model loaded onto the GPU (skipping where
+it cannot be)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,18 @@ from monokernel.models.config import ModelConfig
 from monokernel.weights.names import Weights
 
 
+def hopper() -> bool:
+    """A Hopper GPU (sm_90), which the monokernel is built for."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+# The skip mark of a test that needs a Hopper GPU (pair it with pytest.mark.gpu).
+needs_hopper = pytest.mark.skipif(not hopper(), reason="needs a Hopper GPU (sm_90)")
+
+
 def hopper_with(gib: float) -> bool:
     """A Hopper GPU (sm_90) with at least ``gib`` GiB of memory."""
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
-        return False
-    return torch.cuda.mem_get_info()[1] >= gib * 2**30
+    return hopper() and torch.cuda.mem_get_info()[1] >= gib * 2**30
 
 
 def random_ids(n: int, vocab: int, seed: int) -> list[int]:

@@ -32,19 +32,13 @@ from monokernel.runtime.prefill_attention_triton import (
     triton_cache_attention,
 )
 from monokernel.runtime.prefill_graphs import graph_keys
+from monokernel.testing.gpu_models import needs_hopper
 from monokernel.weights.names import Weights
 from monokernel.weights.random_weights import random_weights
 from monokernel.weights.repack import repack
 
 LONG = 4100  # > 2 chunks of 2048: the bottom-right causal path runs too
 TRITON_CONFIGS = (BLOCKS, (128, 64, 8, 3))  # the default and one other block shape
-
-
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)")
 
 
 def _cfg(shape: str, full: bool = False) -> ModelConfig:

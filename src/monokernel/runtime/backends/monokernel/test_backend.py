@@ -17,7 +17,7 @@ from monokernel.models.shapes import SHAPES
 from monokernel.models.transformer import Float32View, Transformer
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import SamplingParams, probabilities
-from monokernel.testing.gpu_models import default_model_on_gpu
+from monokernel.testing.gpu_models import default_model_on_gpu, needs_hopper
 from monokernel.testing.oracle import assert_greedy_matches, peaked
 from monokernel.weights.random_weights import random_weights
 
@@ -29,13 +29,6 @@ PROMPT, STEPS = 64, 256
 # issued before its hand-off (below hidden 1536 one row). A shape that picks them must find
 # them compiled and tested.
 KNOBS_FLIPPED = ("-DMK_F_DRAWN=0", "-DMK_D_PRE=2")
-
-
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)")
 
 
 @functools.lru_cache(maxsize=2)

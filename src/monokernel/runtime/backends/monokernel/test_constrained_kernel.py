@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("llguidance")
 
@@ -21,6 +20,7 @@ from monokernel.runtime.constrained import Constraint, TokenMatcher
 from monokernel.runtime.engine import Engine, EngineConfig
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.runtime.test_constrained import SCHEMA, _matches
+from monokernel.testing.gpu_models import needs_hopper
 from monokernel.testing.tiny_models import make_tiny_model_dir
 
 # Kernel-sized (the tiny tests' 72-wide model has rows the kernel cannot read).
@@ -33,13 +33,9 @@ SIZES = {
 }
 
 
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)"),
+    needs_hopper,
 ]
 
 

@@ -20,16 +20,12 @@ from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.backends.monokernel.kernel import Probe
 from monokernel.runtime.logprobs import TokenLogprobs, token_logprobs
 from monokernel.runtime.sampling import SamplingParams, penalize, sample
+from monokernel.testing.gpu_models import needs_hopper
 from monokernel.weights.random_weights import random_weights
-
-
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)"),
+    needs_hopper,
 ]
 
 STEPS = 48

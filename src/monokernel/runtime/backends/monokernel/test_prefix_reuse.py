@@ -19,17 +19,13 @@ from monokernel.errors import InvalidRequestError
 from monokernel.models.shapes import SHAPES
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.testing.gpu_models import needs_hopper
 from monokernel.testing.oracle import peaked
 from monokernel.weights.random_weights import random_weights
 
-
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU (sm_90)"),
+    needs_hopper,
 ]
 
 MAX_LEN = 2048
