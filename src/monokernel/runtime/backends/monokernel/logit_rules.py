@@ -17,7 +17,8 @@ draws. Buffers (per kernel, each allocated by the first request that needs it):
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import torch
 
@@ -26,17 +27,19 @@ from monokernel.runtime.logprobs import TokenLogprobs
 from monokernel.runtime.sampling import SamplingParams, check_bias_ids
 
 # The Params fields of a launch with none of it (null buffers, neutral values).
-NEUTRAL: dict[str, object] = dict(
-    logit_bias=0,
-    seen=0,
-    raw_logits=0,
-    lp_out=0,
-    presence=0.0,
-    frequency=0.0,
-    repetition=1.0,
-    min_p=0.0,
-    n_logprobs=0,
-    lp_pad_=0,
+NEUTRAL: Mapping[str, object] = MappingProxyType(
+    dict(
+        logit_bias=0,
+        seen=0,
+        raw_logits=0,
+        lp_out=0,
+        presence=0.0,
+        frequency=0.0,
+        repetition=1.0,
+        min_p=0.0,
+        n_logprobs=0,
+        lp_pad_=0,
+    )
 )
 
 
@@ -54,10 +57,13 @@ class LogitRules:
 
     def fields(
         self, sampling: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]
-    ) -> dict[str, object]:
+    ) -> Mapping[str, object]:
         """The Params fields of a launch drawing by ``sampling`` after ``prompt_ids`` and the
         ``output_ids`` already produced (the first token, where the prefill drew it); fills
-        the buffers on the current stream, which the launch waits for."""
+        the buffers on the current stream, which the launch waits for (``filled``).
+        NEUTRAL itself for a request with none of it."""
+        if not sampling.host_fields():
+            return NEUTRAL
         f = dict(NEUTRAL)
         counting = sampling.presence_penalty != 0 or sampling.frequency_penalty != 0
         if sampling.repetition_penalty != 1 or counting:
@@ -98,6 +104,11 @@ class LogitRules:
                 n_logprobs=sampling.logprobs,
             )
         return f
+
+    @staticmethod
+    def filled(fields: Mapping[str, object]) -> bool:
+        """Whether ``fields`` (from ``fields``) point at buffers the host filled just now."""
+        return bool(fields["seen"] or fields["logit_bias"])
 
     def logprobs(self, step: int, n: int) -> TokenLogprobs:
         """Kernel step ``step``'s record (its token word has landed, so the record has):

@@ -27,7 +27,7 @@ from monokernel.runtime.backends.monokernel.kernel import (
     stall_seconds,
 )
 from monokernel.runtime.backends.monokernel.kv import KVStore
-from monokernel.runtime.backends.monokernel.logit_rules import NEUTRAL, LogitRules
+from monokernel.runtime.backends.monokernel.logit_rules import LogitRules
 from monokernel.runtime.backends.monokernel.token_reader import read_tokens
 from monokernel.runtime.constrained import TokenMatcher
 from monokernel.runtime.logprobs import TokenLogprobs, token_logprobs
@@ -149,7 +149,7 @@ class RequestDriver:
                     assert logprobs is not None and sampling.logprobs is not None
                     first_logprobs = token_logprobs(raw, first, sampling.logprobs)
             rules = kernel.rules.fields(sampling, prompt_ids, () if first is None else (first,))
-            if rules is not NEUTRAL:  # the buffers' fill goes before the launch too
+            if LogitRules.filled(rules):  # the buffers' fill goes before the launch too
                 kernel.stream.wait_stream(torch.cuda.current_stream(self.device))
         # Positions the cache holds before the kernel's first step, and that step's input.
         held, step_in = n - 1, prompt_ids[-1]
