@@ -108,38 +108,48 @@ __device__ __forceinline__ void each_mine(const float* __restrict__ logits, int 
   each_id(V, [&](int i) { f(i, ld_act(logits + i)); });
 }
 
+// The half of `part` that the exchange the next grid barrier completes uses: [grid,
+// kSamplePart] slots.
+__device__ __forceinline__ unsigned long long* exchange_half(const SampleScratch& s,
+                                                             unsigned bar) {
+  return s.part + (size_t)((bar / gridDim.x) & 1u) * gridDim.x * kSamplePart;
+}
+
 // This CTA's slot of the exchange that the next grid barrier completes.
 __device__ __forceinline__ unsigned long long* my_part(const SampleScratch& s, unsigned bar) {
-  return s.part + ((size_t)((bar / gridDim.x) & 1u) * gridDim.x + blockIdx.x) * kSamplePart;
+  return exchange_half(s, bar) + (size_t)blockIdx.x * kSamplePart;
 }
 
 // The grid barrier after every CTA wrote its slot (my_part); returns that exchange's
 // [grid, kSamplePart] slots.
 __device__ __forceinline__ const unsigned long long* exchange(const SampleScratch& s,
                                                               unsigned& bar) {
-  const unsigned half = (bar / gridDim.x) & 1u;
+  const unsigned long long* half = exchange_half(s, bar);
   grid_barrier(s.barrier, bar);
-  return s.part + (size_t)half * gridDim.x * kSamplePart;
+  return half;
+}
+
+// One float from every thread of the grid reduced to one, which every thread gets: block(v,
+// red) reduces a CTA's (block_max, block_sum), op(a, b) combines the CTAs' in CTA order.
+template <class Block, class Op>
+__device__ __forceinline__ float grid_reduce(float v, float init, Block block, Op op,
+                                             const SampleScratch& s, unsigned& bar) {
+  v = block(v, s.red);
+  if (threadIdx.x == 0) my_part(s, bar)[0] = __float_as_uint(v);
+  const unsigned long long* all = exchange(s, bar);
+  float r = init;
+  for (int c = threadIdx.x; c < (int)gridDim.x; c += kThreads)
+    r = op(r, __uint_as_float((unsigned)__ldcg(all + (size_t)c * kSamplePart)));
+  return block(r, s.red);
 }
 
 __device__ __forceinline__ float grid_max(float v, const SampleScratch& s, unsigned& bar) {
-  v = block_max(v, s.red);
-  if (threadIdx.x == 0) my_part(s, bar)[0] = __float_as_uint(v);
-  const unsigned long long* all = exchange(s, bar);
-  float m = -INFINITY;
-  for (int c = threadIdx.x; c < (int)gridDim.x; c += kThreads)
-    m = fmaxf(m, __uint_as_float((unsigned)__ldcg(all + (size_t)c * kSamplePart)));
-  return block_max(m, s.red);
+  return grid_reduce(v, -INFINITY, block_max, [](float a, float b) { return fmaxf(a, b); }, s,
+                     bar);
 }
 
 __device__ __forceinline__ float grid_sum(float v, const SampleScratch& s, unsigned& bar) {
-  v = block_sum(v, s.red);
-  if (threadIdx.x == 0) my_part(s, bar)[0] = __float_as_uint(v);
-  const unsigned long long* all = exchange(s, bar);
-  float m = 0.f;
-  for (int c = threadIdx.x; c < (int)gridDim.x; c += kThreads)
-    m += __uint_as_float((unsigned)__ldcg(all + (size_t)c * kSamplePart));
-  return block_sum(m, s.red);
+  return grid_reduce(v, 0.f, block_sum, [](float a, float b) { return a + b; }, s, bar);
 }
 
 // s.h64 (this CTA's 256-bin histogram) <- the grid's.
