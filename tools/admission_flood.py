@@ -6,17 +6,21 @@ memory before, at its peak and after.
     python3 tools/admission_flood.py http://127.0.0.1:8765 --pid SERVER_PID [--bodies 10]
 
 Needs httpx (the server's test extra). The server should run a GPU engine, so that the
-stream's speed measures what admission takes from it, not CPU contention.
+stream's speed measures what admission takes from it, not CPU contention. The stream is read
+in a process of its own: read by a thread beside the ten posting ones, its arrival times
+would carry this client's own GIL waits.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import statistics
 import sys
 import threading
 import time
+from typing import Any
 
 import httpx
 
@@ -29,22 +33,29 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def stream(url: str, model: str, tokens: int, stamps: list[float], stop: threading.Event) -> None:
+def stream(url: str, model: str, tokens: int, count: Any, stop: Any, out: Any) -> None:
+    """Child process: each streamed event's arrival time (perf_counter, CLOCK_MONOTONIC, the
+    parent's clock too), sent to ``out`` once ``stop`` is set or the stream ends; ``count``
+    counts them as they come; -1 if the stream was refused."""
     body = {"model": model, "prompt": "def f(x):", "max_tokens": tokens, "stream": True,
             "ignore_eos": True, "temperature": 0}  # fmt: skip
+    stamps: list[float] = []
     with (
         httpx.Client(timeout=None) as client,
         client.stream("POST", f"{url}/v1/completions", json=body) as r,
     ):
         if r.status_code != 200:
             print(f"the stream was refused: {r.status_code} {r.read()[:300]!r}", file=sys.stderr)
-            stop.set()
+            count.value = -1
+            out.put(stamps)
             return
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 stamps.append(time.perf_counter())
+                count.value = len(stamps)
             if stop.is_set():
-                return
+                break
+    out.put(stamps)
 
 
 def rate(stamps: list[float], t0: float, t1: float) -> float:
@@ -61,20 +72,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--stream-tokens", type=int, default=4000, help="the stream's max_tokens")
     args = ap.parse_args(argv)
     model = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
-    stamps: list[float] = []
-    stop = threading.Event()
-    reader = threading.Thread(
-        target=stream, args=(args.url, model, args.stream_tokens, stamps, stop), daemon=True
+    ctx = mp.get_context("spawn")
+    count, stop, out = ctx.Value("l", 0), ctx.Event(), ctx.Queue()
+    reader = ctx.Process(
+        target=stream, args=(args.url, model, args.stream_tokens, count, stop, out), daemon=True
     )
     reader.start()
-    while len(stamps) < 20:
-        if stop.is_set():
-            return 1
+    while 0 <= count.value < 20:
         time.sleep(0.01)
+    if count.value < 0:
+        return 1
     time.sleep(2.0)
     t_base = time.perf_counter()
     rss_before = rss_mb(args.pid)
-    before = rate(stamps, t_base - 2.0, t_base)
     prompt = "x" * int(args.mib * 2**20 - 200)
     raw = json.dumps({"model": model, "prompt": prompt, "max_tokens": 4}).encode()
     results: list[tuple[int, float]] = []
@@ -95,11 +105,14 @@ def main(argv: list[str]) -> int:
         peak.append(rss_mb(args.pid))
         time.sleep(0.02)
     t_done = time.perf_counter()
-    during = rate(stamps, t_flood, t_done)
     time.sleep(2.0)
-    after_rate = rate(stamps, t_done + 0.5, t_done + 2.0)
     rss_after = rss_mb(args.pid)
     stop.set()
+    stamps: list[float] = out.get(timeout=60)
+    reader.join(timeout=10)
+    before = rate(stamps, t_base - 2.0, t_base)
+    during = rate(stamps, t_flood, t_done)
+    after_rate = rate(stamps, t_done + 0.5, t_done + 2.0)
     times = [s for _, s in results]
     row = {
         "bodies": args.bodies,

@@ -3,12 +3,17 @@
     PYTHONPATH=src python3 tools/ttft_session.py --shape smollm2-135m --requests 50
 
 One monokernel backend (random weights in the named shape) serves ``--requests`` requests in
-a row, each a fresh prompt (random ids, so no prefix is reused) whose length is drawn
-log-uniformly from [--min-prompt, --max-prompt], 8 tokens generated: what an agent's server
-sees when every turn has a new length. Prints the load time (the prefill warm-up's share
-too), the first request's TTFT, the median, p90, p99 and max, and the ratios issue 38 asks
-for (p99 / p50 and first / p50). Run it with MONOKERNEL_PREFILL_WARMUP=0 beside the default
-to see what the warm-up removes.
+a row, each a fresh prompt (random ids, so no prefix is reused) whose length is drawn from
+[--min-prompt, --max-prompt] (``--spread``: log-uniformly, or uniformly), 8 tokens
+generated: what an agent's server sees when every turn has a new length. Prints the load time
+(the prefill warm-up's share too), the first request's TTFT, the median, p90, p99 and max, and
+the ratios issue 38 asks for (p99 / p50 and first / p50). Run it with
+MONOKERNEL_PREFILL_WARMUP=0 beside the default to see what the warm-up removes.
+
+Then the same session again on the same backend (``--again``, default on; the conversation
+replayed for --turns): by then every length has been seen, so each request's ratio to its
+second run says what the first run paid beyond the work of its length (a cold start), apart
+from the spread of lengths that p99 / p50 mixes in.
 
 ``--turns``: an agent's conversation instead: each request repeats the previous one's prompt
 and appends a new turn (log-uniform in [--min-prompt, --max-turn] tokens), so the backend
@@ -54,30 +59,43 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--turns", action="store_true", help="a held conversation (above)")
     ap.add_argument("--max-turn", type=int, default=1000)
+    ap.add_argument("--spread", choices=("log", "uniform"), default="log")
+    ap.add_argument("--again", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--json", dest="json_file")
     args = ap.parse_args(argv)
     cfg, device = SHAPES[args.shape], torch.device("cuda")
     gen = torch.Generator().manual_seed(args.seed)
     t0 = time.perf_counter()
     max_len = args.max_len or (8192 if args.turns else args.max_prompt + 16)
-    backend = MonokernelBackend(
-        cfg, random_weights(cfg, device=device, seed=args.seed), max_len, device
-    )
+    # No snapshots: within one pass none would be restored (no conversation comes back), and
+    # in the --again pass they would let a request skip the prefill its first run paid.
+    weights = random_weights(cfg, device=device, seed=args.seed)
+    backend = MonokernelBackend(cfg, weights, max_len, device, snapshot_bytes=0)
     load_s = time.perf_counter() - t0
     top = args.max_turn if args.turns else args.max_prompt
-    lo, hi = math.log(args.min_prompt), math.log(top)
-    ttft_ms: list[float] = []
+    lo, hi = (
+        (math.log(args.min_prompt), math.log(top))
+        if args.spread == "log"
+        else (
+            args.min_prompt,
+            top,
+        )
+    )
+    prompts: list[list[int]] = []
     lengths: list[int] = []  # each request's new tokens (the whole prompt when fresh)
     held: list[int] = []  # the conversation so far (--turns)
     for _ in range(args.requests):
-        n = int(math.exp(lo + (hi - lo) * torch.rand(1, generator=gen).item()))
+        u = lo + (hi - lo) * torch.rand(1, generator=gen).item()
+        n = int(math.exp(u) if args.spread == "log" else u)
         new = torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
         if args.turns and len(held) + n + 16 > max_len:
             held = []
         prompt = held + new if args.turns else new
         held = prompt
-        ttft_ms.append(time_request(backend, prompt, 8).ttft_s * 1e3)
+        prompts.append(prompt)
         lengths.append(n)
+    ttft_ms = [time_request(backend, p, 8).ttft_s * 1e3 for p in prompts]
+    again_ms = [time_request(backend, p, 8).ttft_s * 1e3 for p in prompts] if args.again else []
     backend.close()
     p50 = statistics.median(ttft_ms)
     row = {
@@ -95,10 +113,24 @@ def main(argv: list[str]) -> int:
         "first_over_p50": round(ttft_ms[0] / p50, 3),
         "slowest": sorted(zip(ttft_ms, lengths, strict=True), reverse=True)[:5],
     }
+    if again_ms:
+        # A fresh prompt's second run is a fresh prefill again (random ids, prefix reuse of the
+        # same ids aside: the backend holds only the latest prompt); a turn's replays it too.
+        ratio = [a / b for a, b in zip(ttft_ms, again_ms, strict=True)]
+        row |= {
+            "again_p50_ms": round(statistics.median(again_ms), 3),
+            "again_p99_ms": round(_pct(again_ms, 0.99), 3),
+            "over_again_max": round(max(ratio), 3),
+            "over_again_p99": round(_pct(ratio, 0.99), 3),
+        }
     print(json.dumps(row))
     if args.json_file:
         with open(args.json_file, "w") as f:
-            json.dump(row | {"ttft_ms": ttft_ms, "prompt_tokens": lengths}, f, indent=2)
+            json.dump(
+                row | {"ttft_ms": ttft_ms, "again_ms": again_ms, "prompt_tokens": lengths},
+                f,
+                indent=2,
+            )
     return 0
 
 

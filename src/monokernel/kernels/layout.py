@@ -539,9 +539,10 @@ LOGPROB_WORDS = 1 + 2 * MAX_LOGPROBS
 def tp_recv_bytes(tp: int, hidden: int, vocab: int) -> int:
     """One rank's receive buffer (csrc/tp.cuh): [2 parities][tp][hidden] 8-byte
     {value, tag} pairs for the residual all-reduces, [2][tp] 16-byte token units, the whole
-    ``vocab``'s logits as [2][vocab] {value, tag} pairs (top-k / top-p), and CTA 0's
-    untagged copy of them [vocab] fp32."""
-    return 2 * tp * hidden * 8 + 2 * tp * 16 + 2 * vocab * 8 + vocab * 4
+    ``vocab``'s logits as [2][vocab] {value, tag} pairs (top-k / top-p), the rank's untagged
+    copy of them [vocab] fp32 (padded to 8 bytes), and the raw logits for logprobs as
+    [2][vocab] pairs."""
+    return 2 * tp * hidden * 8 + 2 * tp * 16 + 2 * vocab * 8 + (vocab + 1) // 2 * 8 + 2 * vocab * 8
 
 
 # ---- the hand-off buffer --------------------------------------------------------------------

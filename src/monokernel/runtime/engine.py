@@ -367,9 +367,7 @@ class Engine:
         has them. Setting ``cancel`` (from any thread) ends the stream within a token."""
         params = (params or SamplingParams()).with_seed()
         # What this engine cannot apply is refused, not ignored.
-        why = unsupported_sampling_reason(
-            params, self.engine_name, self.speculative is not None, self.config.tp
-        )
+        why = unsupported_sampling_reason(params, self.engine_name, self.speculative is not None)
         if why is not None:
             raise InvalidRequestError(why)
         ids = prompt_ids if prompt_ids is not None else self.encode(prompt)

@@ -163,7 +163,7 @@ PENALTY_ENGINES = ("reference", "torch", "monokernel")
 
 
 def unsupported_sampling_reason(
-    params: SamplingParams, engine: str, speculative: bool, tp: int = 1
+    params: SamplingParams, engine: str, speculative: bool
 ) -> str | None:
     """Why an engine cannot honour ``params``' logit processing or logprobs, or None when
     it can. The message starts with the first such field's name."""
@@ -176,8 +176,6 @@ def unsupported_sampling_reason(
             f"{name} is supported by the {', '.join(PENALTY_ENGINES)} engines; this server "
             f"runs the {engine} engine"
         )
-    if tp > 1 and params.logprobs is not None:
-        return f"logprobs run on one GPU for now, not with --tp {tp}"
     if speculative:
         return f"{name} does not combine with --speculative yet"
     return None

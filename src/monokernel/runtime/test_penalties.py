@@ -145,9 +145,6 @@ def test_unsupported_reason() -> None:
     assert unsupported_sampling_reason(SamplingParams(), "monokernel", True) is None
     assert unsupported_sampling_reason(p, "torch", False) is None
     assert unsupported_sampling_reason(p, "reference", False) is None
-    assert unsupported_sampling_reason(p, "monokernel", False, tp=2) is None
-    why = unsupported_sampling_reason(SamplingParams(logprobs=2), "monokernel", False, tp=2)
-    assert (why or "").startswith("logprobs ") and "--tp 2" in (why or "")
     assert unsupported_sampling_reason(SamplingParams(logprobs=2), "monokernel", False) is None
     why = unsupported_sampling_reason(p, "other", False) or ""
     assert why.startswith("min_p ") and "reference, torch, monokernel engines" in why

@@ -5,7 +5,6 @@ cannot compute them refused with a 400 naming the field."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
@@ -112,14 +111,14 @@ def test_bad_values_are_refused(
     assert r.json()["error"]["param"] == param, r.json()
 
 
-def test_logprobs_under_tensor_parallelism_are_refused(
+def test_logprobs_with_speculation_are_refused(
     served_reference: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = served_reference[0]
-    monkeypatch.setattr(engine, "engine_name", "monokernel")
-    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, tp=2))
+    monkeypatch.setattr(engine, "speculative", object())
     r = _post(served_reference, CHAT, {"logprobs": True})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == "logprobs" and "--tp 2" in error["message"]
+    assert error["param"] == "logprobs" and "--speculative" in error["message"]
+    monkeypatch.undo()
     assert _post(served_reference, CHAT, {}).status_code == 200

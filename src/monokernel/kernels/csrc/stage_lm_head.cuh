@@ -28,11 +28,12 @@ __device__ __forceinline__ uint32_t lm_head(const Params& p, Cta& c, const Step&
   auto out = [&](int r, float logit) {
     if (p.debug_logits) p.debug_logits[(size_t)s.index * MK_V + r] = logit;
     const int id = Net::token_id(p, r);
-    if (p.raw_logits) p.raw_logits[r] = logit;  // for logprobs: the model's own
+    const float raw = logit;  // for logprobs: the model's own
+    if (MK_TP == 1 && p.raw_logits) p.raw_logits[r] = raw;  // TP: rank 0 gathers them
     if (p.mask && !grammar_allows(p, s.index, id)) logit = -INFINITY;  // outside the grammar
     if (p.seen || p.logit_bias) logit = penalize(p, id, logit);
     p.logits[r] = logit;
-    if (c.filtered) Net::share_logit(p, s.index, r, logit);
+    if (c.filtered) Net::share_logit(p, s.index, r, logit, raw);
     const float sc = c.greedy ? logit : logit / p.temperature + gumbel(key, id);
     if (better(sc, id, best, best_id)) { best = sc; best_id = id; }
   };

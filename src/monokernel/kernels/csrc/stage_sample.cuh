@@ -25,8 +25,8 @@ __device__ __noinline__ Drawn draw_whole(const Params& p, uint32_t key, unsigned
   extern __shared__ __align__(16) float smem[];
   const SampleScratch ss = sample_scratch(smem, p);
   const int token = Net::draw_filtered(p, key, ss, bar, step);
-  const bool logprobs = MK_TP == 1 && p.lp_out;
-  if (logprobs) write_logprobs(p, ss, bar, p.raw_logits, MK_V, step, token);
+  const bool logprobs = p.lp_out && Net::speaks(p);  // TP: rank 0 has gathered the raw logits
+  if (logprobs) write_logprobs(p, ss, bar, p.raw_logits, MK_V_ALL, step, token);
   // TP: CTA 0's cancel bit from rank 0; logprobs: CTA 0's record, before the token word.
   if (MK_TP > 1 || logprobs) grid_barrier(p.barrier, bar);
   return {token, bar};

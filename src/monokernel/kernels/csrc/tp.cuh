@@ -18,10 +18,11 @@
 // tag} per rank and step: every rank picks the same winner (larger score, ties to the lower
 // global id), and rank 0's cancel bit stops every rank at the same step.
 //
-// Top-k / top-p need the whole distribution: each LM-head row's logit also goes, tagged, into
-// every rank's copy of the whole vocabulary's logits (the step's parity), and CTA 0 of every
-// rank draws from all of them with the same exact rule (sampling.cuh): the same token on
-// every GPU, which the token exchange then carries with rank 0's cancel bit.
+// Top-k / top-p / min_p and logprobs need the whole distribution: each LM-head row's logit
+// also goes, tagged, into every rank's copy of the whole vocabulary's logits (the step's
+// parity), and every rank draws from all of them with the same exact rule (sampling.cuh): the
+// same token on every GPU, which the token exchange then carries with rank 0's cancel bit.
+// With logprobs the raw logits go to rank 0 as well, which alone writes the records.
 #pragma once
 #include "flow.cuh"
 #include "layout.cuh"
@@ -40,8 +41,9 @@ struct SingleGpu {
     return (!greedy && ((p.top_k > 0 && p.top_k < MK_V) || p.top_p < 1.f || p.min_p > 0.f)) ||
            p.lp_out;
   }
-  // LM-head row r's logit where top-k / top-p draw: p.logits holds them all already.
-  __device__ static __forceinline__ void share_logit(const Params&, int, int, float) {}
+  // LM-head row r's logit where top-k / top-p draw: p.logits holds them all already (and
+  // p.raw_logits the raw ones for logprobs).
+  __device__ static __forceinline__ void share_logit(const Params&, int, int, float, float) {}
   // Every CTA, after the LM head's barrier: the top-k / top-p / min_p token.
   __device__ static __forceinline__ int draw_filtered(const Params& p, uint32_t key,
                                                       const SampleScratch& s, unsigned& bar,
@@ -106,11 +108,14 @@ struct SingleGpu {
 #if MK_TP > 1
 
 // u32 words of a receive buffer (layout.py tp_recv_bytes): the reduction area, the token
-// units, the tagged logits of the whole vocabulary [2 parities][MK_V_ALL] {value, tag}, then
-// CTA 0's untagged copy of them [MK_V_ALL] (its own, never written by a peer).
+// units, the tagged logits of the whole vocabulary [2 parities][MK_V_ALL] {value, tag}, the
+// untagged copy of them [MK_V_ALL] (this rank's own, never written by a peer), then the raw
+// logits (before the mask and penalties) tagged as the logits are, which only rank 0's buffer
+// receives, for the logprobs it alone writes.
 constexpr int kTpRedWords = 2 * 2 * MK_TP * MK_H;
 constexpr size_t kTpLogitWords = kTpRedWords + 2 * 4 * MK_TP;
 constexpr size_t kTpDenseWords = kTpLogitWords + 2 * 2 * (size_t)MK_V_ALL;
+constexpr size_t kTpRawWords = kTpDenseWords + ((size_t)MK_V_ALL + 1) / 2 * 2;  // 8-byte aligned
 
 __device__ __forceinline__ void tp_st2(unsigned* a, unsigned x, unsigned y) {
   asm volatile("st.volatile.global.v2.u32 [%0], {%1, %2};" ::"l"(a), "r"(x), "r"(y) : "memory");
@@ -237,28 +242,40 @@ __device__ __forceinline__ int tp_pick_token(const Params& p, int step, float& b
   return cancel;
 }
 
-// LM-head row r's logit of step `step` into slot vocab_start + r of every rank's logits.
-__device__ __forceinline__ void tp_send_logit(const Params& p, int step, int r, float v) {
+// LM-head row r's logit of step `step` into slot vocab_start + r of every rank's logits, and
+// with logprobs its raw logit into rank 0's.
+__device__ __forceinline__ void tp_send_logit(const Params& p, int step, int r, float v,
+                                              float raw) {
   const unsigned tag = p.tp_tag + (unsigned)step;
-  const size_t off = kTpLogitWords + 2 * ((size_t)(tag & 1u) * MK_V_ALL + p.vocab_start + r);
+  const size_t slot = 2 * ((size_t)(tag & 1u) * MK_V_ALL + p.vocab_start + r);
 #pragma unroll
-  for (int k = 0; k < MK_TP; ++k) tp_st2(p.tp_recv[k] + off, __float_as_uint(v), tag);
+  for (int k = 0; k < MK_TP; ++k)
+    tp_st2(p.tp_recv[k] + kTpLogitWords + slot, __float_as_uint(v), tag);
+  if (p.lp_out) tp_st2(p.tp_recv[0] + kTpRawWords + slot, __float_as_uint(raw), tag);
 }
 
 // Every CTA of every rank: its slice of the step's whole-vocabulary logits (sampling.cuh's
 // each_mine ids), once every rank's are in, copied untagged for the sampler's passes (each
-// thread reads back only what it copied); then the token every rank draws alike, and (CTA 0,
-// thread 0) the exchange that brings rank 0's cancel bit, left in flags[kFlagCancel].
+// thread reads back only what it copied; rank 0 with logprobs: the raw ones too, into
+// p.raw_logits); then the token every rank draws alike, and (CTA 0, thread 0) the exchange
+// that brings rank 0's cancel bit, left in flags[kFlagCancel].
 __device__ __forceinline__ int tp_draw_filtered(const Params& p, uint32_t key,
                                                 const SampleScratch& s, unsigned& bar, int step) {
   const unsigned tag = p.tp_tag + (unsigned)step;
-  const unsigned* in = p.tp_mine + kTpLogitWords + 2 * (size_t)(tag & 1u) * MK_V_ALL;
+  const size_t parity = 2 * (size_t)(tag & 1u) * MK_V_ALL;
+  const unsigned* in = p.tp_mine + kTpLogitWords + parity;
+  const unsigned* raw_in = p.tp_mine + kTpRawWords + parity;
   float* all = reinterpret_cast<float*>(p.tp_mine + kTpDenseWords);
+  const bool raw = p.lp_out && p.tp_rank == 0;
   const long long t0 = clock64();
   each_id(MK_V_ALL, [&](int i) {
     uint2 w;
     while ((w = tp_ld2(in + 2 * (size_t)i)).y != tag) tp_check_timeout(t0);
     __stcg(all + i, __uint_as_float(w.x));
+    if (raw) {
+      while ((w = tp_ld2(raw_in + 2 * (size_t)i)).y != tag) tp_check_timeout(t0);
+      __stcg(p.raw_logits + i, __uint_as_float(w.x));
+    }
   });
   const int token = sample_filtered(p, key, s, bar, all, MK_V_ALL);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -272,13 +289,15 @@ __device__ __forceinline__ int tp_draw_filtered(const Params& p, uint32_t key,
 // Several GPUs: each rank holds a slice of every matrix (heads, intermediate, vocabulary);
 // the residual's partial sums are all-reduced over the peers, and the ranks agree on a token.
 struct TensorParallel {
-  // top-k / top-p / min_p: every rank's CTA 0 draws from the whole vocabulary
-  // (tp_draw_filtered). Logprobs are a single-GPU feature (the host refuses them here).
+  // top-k / top-p / min_p, and logprobs: every rank draws from the whole vocabulary
+  // (tp_draw_filtered), and rank 0 writes the logprobs.
   __device__ static __forceinline__ bool filtered(const Params& p, bool greedy) {
-    return !greedy && ((p.top_k > 0 && p.top_k < MK_V_ALL) || p.top_p < 1.f || p.min_p > 0.f);
+    return (!greedy && ((p.top_k > 0 && p.top_k < MK_V_ALL) || p.top_p < 1.f || p.min_p > 0.f)) ||
+           p.lp_out;
   }
-  __device__ static __forceinline__ void share_logit(const Params& p, int step, int r, float v) {
-    tp_send_logit(p, step, r, v);
+  __device__ static __forceinline__ void share_logit(const Params& p, int step, int r, float v,
+                                                     float raw) {
+    tp_send_logit(p, step, r, v, raw);
   }
   __device__ static __forceinline__ int draw_filtered(const Params& p, uint32_t key,
                                                       const SampleScratch& s, unsigned& bar,

@@ -33,21 +33,18 @@ from monokernel.runtime.backends.monokernel.kernel import (
 )
 from monokernel.runtime.backends.monokernel.kv import KVStore
 from monokernel.runtime.backends.monokernel.probes import Probes
-from monokernel.runtime.backends.monokernel.request import FIRST_TOKEN_SOURCES, RequestDriver
+from monokernel.runtime.backends.monokernel.request import (
+    FIRST_TOKEN_SOURCES,
+    WARMUP_SAMPLING,
+    RequestDriver,
+)
 from monokernel.runtime.prefill_graphs import graphs_enabled
 from monokernel.runtime.prefix_cache import PrefixCache
-from monokernel.runtime.sampling import SamplingParams
 from monokernel.weights.formats import DEFAULT_FORMAT
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.names import Weights
 from monokernel.weights.quantize import check_method, groups_size, int4_group_of
 from monokernel.weights.repack import repack
-
-# The requests a backend runs at load (MONOKERNEL_PREFILL_WARMUP).
-WARMUP_SAMPLING = (
-    SamplingParams(temperature=0.0),
-    SamplingParams(temperature=1.0, top_p=0.9, seed=0),
-)
 
 
 class MonokernelBackend:

@@ -40,6 +40,13 @@ from monokernel.runtime.sampling import SamplingParams, check_bias_ids, penalize
 # first step computes the last prompt position and draws it (as the debug paths always do).
 FIRST_TOKEN_SOURCES: tuple[str, ...] = ("prefill", "kernel")
 
+# The requests a backend runs at load (MONOKERNEL_PREFILL_WARMUP): greedy, and a draw from the
+# whole vocabulary, so the first real request meets no first use of either path.
+WARMUP_SAMPLING = (
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1.0, top_p=0.9, seed=0),
+)
+
 
 def ids_in_vocab(ids: Sequence[int], vocab_size: int) -> bool:
     """Whether every id is in [0, vocab_size): min and max run in C, a Python loop over a
@@ -193,7 +200,7 @@ class RequestDriver:
                     tokens = _masks_ahead(tokens, matcher, kernel.grammar, n_steps)
                 if want_logprobs:
                     assert logprobs is not None and sampling.logprobs is not None
-                    tokens = _with_logprobs(tokens, kernel.rules, sampling.logprobs, logprobs)
+                    tokens = with_logprobs(tokens, kernel.rules, sampling.logprobs, logprobs)
                 finished = yield from tokens
         except GeneratorExit:  # the consumer closed the stream: a normal early end
             raise
@@ -253,7 +260,7 @@ def _masks_ahead(
     return _tapped(tokens, advance)
 
 
-def _with_logprobs(
+def with_logprobs(
     tokens: Generator[int, None, bool], rules: LogitRules, n: int, sink: list[TokenLogprobs]
 ) -> Generator[int, None, bool]:
     """Each step's logprobs record (written by the kernel before its token word) appended

@@ -75,7 +75,7 @@ def test_masks_go_out_a_step_ahead_and_logprobs_before_each_token() -> None:
     """request.py's wrappers of the token stream: step s + 1's grammar mask is published
     when token s lands (none past the last step), each step's logprobs record is read before
     its token is yielded, and the kernel's finished flag comes through both."""
-    from monokernel.runtime.backends.monokernel.request import _masks_ahead, _with_logprobs
+    from monokernel.runtime.backends.monokernel.request import _masks_ahead, with_logprobs
 
     events: list[tuple[str, int]] = []
 
@@ -98,7 +98,7 @@ def test_masks_go_out_a_step_ahead_and_logprobs_before_each_token() -> None:
     sink: list[str] = []
     out = [3, 1, 8, 1, 10, 0]  # tokens 7, 0, 9, then done
     masked = _masks_ahead(read_tokens(out, None, lambda _s: None), Matcher(), Grammar(), 3)  # type: ignore[arg-type]
-    gen = _with_logprobs(masked, Rules(), 2, sink)  # type: ignore[arg-type]
+    gen = with_logprobs(masked, Rules(), 2, sink)  # type: ignore[arg-type]
     assert _drain(gen) == ([7, 0, 9], True)
     assert sink == ["lp0", "lp1", "lp2"]
     assert events == [

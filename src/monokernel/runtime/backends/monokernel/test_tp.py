@@ -169,6 +169,43 @@ def test_tp2_sampling_stops_cancel_and_next_request() -> None:
 
 @pytest.mark.gpu
 @needs_2_hoppers
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_tp2_logprobs_are_the_raw_logits_log_softmax(temperature: float) -> None:
+    """Rank 0 gathers every rank's raw logits and writes each step's record: it is
+    runtime/logprobs.py's on the kernels' own logits of that step (the ranks' shards side by
+    side), and each token is the host rule's on them (a penalty, so raw differs from drawn)."""
+    from monokernel.runtime.backends.monokernel.kernel import Probe
+    from monokernel.runtime.logprobs import TokenLogprobs, token_logprobs
+    from monokernel.runtime.sampling import penalize, sample
+
+    cfg, _, tp = _tp_setup("qwen2.5-coder-1.5b")
+    steps = 40
+    sampling = SamplingParams(
+        temperature=temperature, seed=9, logprobs=5, frequency_penalty=0.5, top_p=0.95
+    )
+    prompt = _tokens(PROMPT, cfg.vocab_size, seed=4)
+    shards = [
+        torch.full((steps, rk.cfg.vocab_size), float("nan"), device=rk.device) for rk in tp.ranks
+    ]
+    lps: list[TokenLogprobs] = []
+    probes = [Probe(debug_logits=s) for s in shards]
+    got = list(tp._run(prompt, steps, sampling, (), None, probes, lps))
+    raw = torch.cat([s.cpu() for s in shards], dim=1)
+    assert len(got) == len(lps) == steps
+    replayed: list[int] = []
+    for s, (token, lp) in enumerate(zip(got, lps, strict=True)):
+        z = penalize(raw[s], sampling, prompt, replayed)
+        replayed.append(sample(z, sampling, len(prompt) + s))
+        want = token_logprobs(raw[s], token, 5)
+        assert abs(lp.logprob - want.logprob) <= 1e-4, (s, lp, want)
+        assert [i for i, _ in lp.top] == [i for i, _ in want.top], (s, lp, want)
+        for (_, a), (_, b) in zip(lp.top, want.top, strict=True):
+            assert abs(a - b) <= 1e-4, (s, lp, want)
+    assert got == replayed
+
+
+@pytest.mark.gpu
+@needs_2_hoppers
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, 20, 1.0), (1.2, 50, 0.9)])
 def test_tp2_filtered_sampling_distribution(temperature: float, top_k: int, top_p: float) -> None:
     """Under TP every rank draws from the whole vocabulary's logits: token frequencies over

@@ -49,8 +49,13 @@ from monokernel.runtime.backends.monokernel.peer import (
     enable_peer_access,
     multicast_off,
 )
-from monokernel.runtime.backends.monokernel.request import checked_steps
+from monokernel.runtime.backends.monokernel.request import (
+    WARMUP_SAMPLING,
+    checked_steps,
+    with_logprobs,
+)
 from monokernel.runtime.backends.monokernel.token_reader import read_tokens
+from monokernel.runtime.logprobs import TokenLogprobs
 from monokernel.runtime.prefill import Prefiller
 from monokernel.runtime.prefill_tp import ShardedPrefill
 from monokernel.runtime.sampling import SamplingParams, check_bias_ids
@@ -222,11 +227,13 @@ class MonokernelTPBackend:
         self._tag = 1  # next generation; carried across requests so buffers are never reset
         self.failure: str | None = None  # why no more requests can run (RequestDriver's)
         if envs.MONOKERNEL_PREFILL_WARMUP:
-            # A two-token request now, so the first real one pays none of the first-use costs
-            # (the ranks' first launches, the prefill's first kernels); each request prefills
-            # its whole prompt, so what it leaves in the caches is never read.
-            for _ in self._run((0, 0), 2, SamplingParams(temperature=0.0), [], None):
-                pass
+            # Two-token requests now, greedy and sampled (the single-GPU backend's), so the
+            # first real one pays none of the first-use costs (the ranks' first launches, the
+            # prefill's first kernels, the whole-vocabulary draw); each request prefills its
+            # whole prompt, so what they leave in the caches is never read.
+            for sampling in WARMUP_SAMPLING:
+                for _ in self._run((0, 0), 2, sampling, [], None):
+                    pass
 
     # ---- one request --------------------------------------------------------------------
 
@@ -254,8 +261,11 @@ class MonokernelTPBackend:
         stop_ids: Sequence[int],
         cancel: CancelToken | None,
         probes: Sequence[Probe] | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> Iterator[int]:
-        """``probes``: each rank's debug inputs (forced tokens, its logits shard)."""
+        """``probes``: each rank's debug inputs (forced tokens, its logits shard).
+        ``logprobs``: with ``sampling.logprobs`` set, each token's record (rank 0 writes
+        them) is appended before the token is yielded."""
         if self.failure is not None:
             raise EngineFailedError(self.failure)
         n = len(prompt_ids)
@@ -308,8 +318,11 @@ class MonokernelTPBackend:
                 )
 
         failed = False
+        tokens = read_tokens(out, cancel, check)
+        if logprobs is not None and sampling.logprobs is not None:
+            tokens = with_logprobs(tokens, lead.rules, sampling.logprobs, logprobs)
         try:
-            finished = yield from read_tokens(out, cancel, check)
+            finished = yield from tokens
         except GeneratorExit:
             raise
         except BaseException:
@@ -335,6 +348,7 @@ class MonokernelTPBackend:
             request.sampling,
             sorted(request.stop_token_ids),
             cancel,
+            logprobs=request.logprobs,
         )
 
     def teacher_forced_logits(
