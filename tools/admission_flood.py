@@ -1,7 +1,10 @@
 """Big bodies against a running stream (issue 38 item 2): while one completion streams, N
 clients post bodies of ~16 MiB at once (prompts far past the context); reports each refusal's
 status and time, the stream's tokens/s before and during the flood, and the server's resident
-memory before, at its peak and after.
+memory before, at its peak and after. Then the same stream again without a flood (greedy, so
+the same tokens): ``during_over_control`` is the speed over the flood's tokens against the
+speed over the same tokens undisturbed, which a later window's own speed (a longer context,
+a longer text to stream) does not bias.
 
     python3 tools/admission_flood.py http://127.0.0.1:8765 --pid SERVER_PID [--bodies 10]
 
@@ -58,6 +61,22 @@ def stream(url: str, model: str, tokens: int, count: Any, stop: Any, out: Any) -
     out.put(stamps)
 
 
+def start_stream(url: str, model: str, tokens: int) -> tuple[Any, Any, Any, Any]:
+    """The reader process, its event count, its stop event and its result queue."""
+    ctx = mp.get_context("spawn")
+    count, stop, out = ctx.Value("l", 0), ctx.Event(), ctx.Queue()
+    reader = ctx.Process(target=stream, args=(url, model, tokens, count, stop, out), daemon=True)
+    reader.start()
+    return reader, count, stop, out
+
+
+def finish_stream(reader: Any, stop: Any, out: Any) -> list[float]:
+    stop.set()
+    stamps: list[float] = out.get(timeout=60)
+    reader.join(timeout=10)
+    return stamps
+
+
 def rate(stamps: list[float], t0: float, t1: float) -> float:
     n = sum(1 for t in stamps if t0 <= t < t1)
     return n / (t1 - t0)
@@ -72,12 +91,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--stream-tokens", type=int, default=4000, help="the stream's max_tokens")
     args = ap.parse_args(argv)
     model = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
-    ctx = mp.get_context("spawn")
-    count, stop, out = ctx.Value("l", 0), ctx.Event(), ctx.Queue()
-    reader = ctx.Process(
-        target=stream, args=(args.url, model, args.stream_tokens, count, stop, out), daemon=True
-    )
-    reader.start()
+    reader, count, stop, out = start_stream(args.url, model, args.stream_tokens)
     while 0 <= count.value < 20:
         time.sleep(0.01)
     if count.value < 0:
@@ -107,12 +121,17 @@ def main(argv: list[str]) -> int:
     t_done = time.perf_counter()
     time.sleep(2.0)
     rss_after = rss_mb(args.pid)
-    stop.set()
-    stamps: list[float] = out.get(timeout=60)
-    reader.join(timeout=10)
+    stamps = finish_stream(reader, stop, out)
     before = rate(stamps, t_base - 2.0, t_base)
     during = rate(stamps, t_flood, t_done)
     after_rate = rate(stamps, t_done + 0.5, t_done + 2.0)
+    # The events that arrived during the flood, i0 .. i1, then the same ones undisturbed.
+    i0 = next(i for i, t in enumerate(stamps) if t >= t_flood)
+    i1 = max(i for i, t in enumerate(stamps) if t < t_done)
+    reader, count, stop, out = start_stream(args.url, model, args.stream_tokens)
+    while 0 <= count.value <= i1:
+        time.sleep(0.01)
+    control = finish_stream(reader, stop, out)
     times = [s for _, s in results]
     row = {
         "bodies": args.bodies,
@@ -125,6 +144,11 @@ def main(argv: list[str]) -> int:
         "stream_tok_s_during": round(during, 1),
         "stream_tok_s_after": round(after_rate, 1),
         "during_over_before": round(during / before, 3),
+        "flood_events": [i0, i1],
+        # None when the flood was over within one event (a slow CPU stream).
+        "during_over_control": round((control[i1] - control[i0]) / (stamps[i1] - stamps[i0]), 3)
+        if i1 > i0
+        else None,
         "rss_mb_before": round(rss_before, 1),
         "rss_mb_peak": round(max(peak), 1),
         "rss_mb_after": round(rss_after, 1),
