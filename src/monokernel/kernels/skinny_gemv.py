@@ -1,0 +1,155 @@
+"""Build, pack for and launch the tensor-core skinny-GEMV benchmark (``csrc/skinny_gemv_bench.cu``).
+
+y[n] = W x[n] for N = 1..16 vectors in one pass over W, the products on the tensor cores
+(mma.m16n8k16, inputs as bf16 hi + lo): how fast bf16 and 4-bit weights stream that way,
+against the decode kernel's CUDA-core GEMV (issue 35's 4-bit speed, issue 36's verify pass of
+K+1 positions). The same build conventions as ``allreduce.py`` (content-hashed cubin in the
+cache, a lock, an atomic rename); the packers are plain torch, so the CPU tests check them
+against the dequantised matrix.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from pathlib import Path
+
+import torch
+
+from monokernel.kernels.build import ARCH_FLAGS, CSRC, cache_dir, compile_cached, find_nvcc
+from monokernel.kernels.launcher import KernelModule, set_current_context
+
+SOURCE = CSRC / "skinny_gemv_bench.cu"
+HEADERS = (CSRC / "common.cuh", CSRC / "tunables.cuh")  # what SOURCE includes: the cache key
+NS = (1, 2, 4, 8, 16)  # the entry points' input counts
+FORMATS = ("bf16", "int4")
+THREADS = 512  # kSkThreads
+GROUP = 128  # int4 columns sharing a scale and an offset (kGroup)
+TILE = 16  # rows of a row tile, columns of a k-tile
+
+# Lane l's 8 A-fragment elements of mma.m16n8k16 (g = l // 4, t = l % 4): (row, column) in a
+# 16 x 16 tile, in register order.
+_FRAG_ROW = torch.tensor([[0, 0, 8, 8, 0, 0, 8, 8]]) + torch.arange(32).view(32, 1) // 4
+_FRAG_COL = torch.tensor([[0, 1, 0, 1, 8, 9, 8, 9]]) + 2 * (torch.arange(32).view(32, 1) % 4)
+
+
+class SkinnyParams(ctypes.Structure):
+    """Mirror of ``struct SkinnyParams`` in csrc/skinny_gemv_bench.cu (same order and widths)."""
+
+    _fields_ = [
+        ("w", ctypes.c_uint64),
+        ("ab", ctypes.c_uint64),
+        ("x", ctypes.c_uint64),
+        ("y", ctypes.c_uint64),
+        ("rows", ctypes.c_int32),
+        ("k", ctypes.c_int32),
+        ("ks", ctypes.c_int32),
+        ("ctas_per_slice", ctypes.c_int32),
+    ]
+
+
+def entry_name(fmt: str, n: int) -> str:
+    if fmt not in FORMATS or n not in NS:
+        raise ValueError(f"no entry for {fmt} x {n}: formats {FORMATS}, N in {NS}")
+    return f"skinny_{fmt}_n{n}"
+
+
+def _flags() -> list[str]:
+    return ["-O3", "-std=c++17", *ARCH_FLAGS, "-cubin"]
+
+
+def nvcc_command(out: Path) -> list[str]:
+    return [find_nvcc(), *_flags(), "-Xptxas", "-v", "-o", str(out), str(SOURCE)]
+
+
+def cubin_path() -> Path:
+    text = b"".join(f.read_bytes() for f in (SOURCE, *HEADERS))
+    key = hashlib.sha256(text + "\n".join(_flags()).encode()).hexdigest()[:24]
+    return cache_dir() / f"skinny_gemv_bench-{key}.cubin"
+
+
+def build() -> Path:
+    """The benchmark's cubin, compiled now unless the cache already holds it."""
+    return compile_cached(cubin_path(), nvcc_command, "the skinny-GEMV benchmark")
+
+
+def check_shape(rows: int, k: int, fmt: str) -> None:
+    if rows % TILE or k % (4 * GROUP if fmt == "int4" else GROUP):
+        raise ValueError(
+            f"W [{rows}, {k}]: rows must be a multiple of {TILE}, columns of "
+            f"{4 * GROUP if fmt == 'int4' else GROUP} for {fmt}"
+        )
+
+
+def _fragments(m: torch.Tensor) -> torch.Tensor:
+    """[R, K] -> [R/16, K/16, 32 lanes, 8]: each lane's A-fragment elements of each tile."""
+    rows, k = m.shape
+    tiles = m.reshape(rows // TILE, TILE, k // TILE, TILE).permute(0, 2, 1, 3)
+    return tiles[:, :, _FRAG_ROW.to(m.device), _FRAG_COL.to(m.device)]
+
+
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """W [R, K] bf16 -> the kernel's bytes: [R/16][K/16][32][8] bf16."""
+    check_shape(*w.shape, "bf16")
+    return _fragments(w.to(torch.bfloat16)).contiguous().view(torch.uint8).flatten()
+
+
+def pack_int4(
+    q: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [R, K] in 0..15, a and b [R, K/128] fp32 (w = a q + b) -> the kernel's bytes
+    ([R/16][K/64][32][4] uint32 words) and its [R, K/128, 2] (a, b - 128 a) pairs."""
+    rows, k = q.shape
+    check_shape(rows, k, "int4")
+    f = _fragments(q.to(torch.int64))  # [T, K/16, 32, 8]
+    shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], device=q.device)
+    words = (f << shifts).sum(-1)  # [T, K/16, 32]: element 2m at bit 4m, 2m + 1 at 16 + 4m
+    words = words.view(rows // TILE, k // 64, 4, 32).permute(0, 1, 3, 2)  # [T, K/64, 32, 4]
+    packed = words.to(torch.int64).to(torch.int32).contiguous()  # wraps the top bit
+    pairs = torch.stack([a, b - 128.0 * a], dim=-1).to(torch.float32).contiguous()
+    return packed.view(torch.uint8).flatten(), pairs
+
+
+def dequant_int4(q: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The fp32 matrix a q + b that pack_int4's bytes stand for."""
+    return q.float() * a.repeat_interleave(GROUP, 1) + b.repeat_interleave(GROUP, 1)
+
+
+def slice_for(k: int, n: int, fmt: str) -> int:
+    """The K-slice a CTA holds: the most columns whose N hi + lo bf16 rows fit ~64 KB, a
+    multiple of 512 (int4's four groups a batch) dividing K."""
+    unit = 4 * GROUP if fmt == "int4" else GROUP
+    ks = k
+    while ks > unit and (4 * n * ks > 64 * 1024 or k % ks):
+        ks -= unit
+    while k % ks:
+        ks -= unit
+    return ks
+
+
+def smem_bytes(n: int, ks: int) -> int:
+    return 2 * n * (ks // 2 + 4) * 4 + n * (ks // GROUP) * 4
+
+
+class SkinnyGemv:
+    """One entry point (format, N) loaded on the current device."""
+
+    def __init__(self, cubin: Path, device: int, fmt: str, n: int, ks: int) -> None:
+        self.device, self.fmt, self.n, self.ks = device, fmt, n, ks
+        set_current_context(device)
+        self._module = KernelModule(cubin, entry_name(fmt, n), smem_bytes(n, ks), THREADS)
+
+    def launch(self, grid: int, params: SkinnyParams, stream: int) -> None:
+        set_current_context(self.device)
+        self._module.launch(grid, params, stream)  # type: ignore[arg-type]  # any Structure
+
+    def unload(self) -> None:
+        set_current_context(self.device)
+        self._module.unload()
+
+
+def grid_for(k: int, ks: int, sms: int) -> tuple[int, int]:
+    """(CTAs, CTAs a slice): one CTA an SM, the slices dealt evenly."""
+    slices = k // ks
+    per = max(1, sms // slices)
+    return slices * per, per
