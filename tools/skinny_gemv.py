@@ -3,12 +3,12 @@
     PYTHONPATH=src python3 tools/skinny_gemv.py [--k 2048,4096,8192] [--mb 256]
 
 The skinny-GEMV benchmark (kernels/csrc/skinny_gemv_bench.cu): y[n] = W x[n] for N = 1, 2, 4,
-8, 16 vectors in one pass over W, bf16 and 4-bit (groups of 128) weights, the products on the
-tensor cores. For each format, K and N: µs a pass, the weight bytes' rate against the copy
-bandwidth measured in the same run, and the relative L2 error against the fp32 product on the
-same (dequantised) weights. The decode kernel's CUDA-core GEMV streams bf16 at 90-96% of the
-copy bandwidth and 4-bit at 52-58% (docs/benchmarks.md); a verify pass of N positions costs
-it ~N times the arithmetic.
+8, 16 vectors in one pass over W, bf16, FP8 (E4M3, a scale a row) and 4-bit (groups of 128)
+weights, the products on the tensor cores. For each format, K and N: µs a pass, the weight
+bytes' rate against the copy bandwidth measured in the same run, and the relative L2 error
+against the fp64 product on the same (dequantised) weights. The decode kernel's CUDA-core
+GEMV streams bf16 at 90-96% of the copy bandwidth, FP8 at 69-82% and 4-bit at 52-58%
+(docs/benchmarks.md); a verify pass of N positions costs it ~N times the arithmetic.
 """
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ def operands(fmt: str, rows: int, k: int, gen: torch.Generator):
     if fmt == "bf16":
         w = (torch.randn(rows, k, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
         return sk.pack_bf16(w), None, w[:CHECKED_ROWS].float(), rows * k * 2
+    if fmt == "fp8":
+        w = torch.randn(rows, k, generator=gen, device=dev) * 0.02
+        scale = w.abs().amax(1) / 448.0
+        w8 = (w / scale[:, None]).to(torch.float8_e4m3fn)
+        ref = w8[:CHECKED_ROWS].float() * scale[:CHECKED_ROWS, None]
+        return sk.pack_fp8(w8), scale.contiguous(), ref, rows * k + rows * 4
     q = torch.randint(0, 16, (rows, k), generator=gen, dtype=torch.uint8, device=dev)
     a = torch.rand(rows, k // sk.GROUP, generator=gen, device=dev) * 0.004 + 0.001
     b = -8 * a + torch.randn(rows, k // sk.GROUP, generator=gen, device=dev) * 1e-3
@@ -108,7 +114,7 @@ def main(argv: list[str]) -> int:
     rows_out = []
     for fmt in args.formats.split(","):
         for k in map(int, args.k.split(",")):
-            per_row = k * 2 if fmt == "bf16" else k // 2 + (k // sk.GROUP) * 8
+            per_row = {"bf16": 2 * k, "fp8": k}.get(fmt, k // 2 + (k // sk.GROUP) * 8)
             rows = max(16, (args.mb << 20) // per_row // 16 * 16)
             base = None
             for n in map(int, args.n.split(",")):
@@ -119,9 +125,11 @@ def main(argv: list[str]) -> int:
                 rows_out.append(r)
                 print(json.dumps(r), flush=True)
     print("\nformat  K      N   us/pass  GB/s    of copy  vs N=1  rel L2")
+    row = (
+        "{format:6}  {k:<5}  {n:<2}  {us:8.1f}  {gb_s:6.0f}  {of_copy:7.1%}  {vs_n1:6.2f}  {rel_l2}"
+    )
     for r in rows_out:
-        print(f"{r['format']:6}  {r['k']:<5}  {r['n']:<2}  {r['us']:8.1f}  {r['gb_s']:6.0f}  "
-              f"{r['of_copy']:7.1%}  {r['vs_n1']:6.2f}  {r['rel_l2']}")  # fmt: skip
+        print(row.format(**r))
     if args.json_file:
         with open(args.json_file, "w") as f:
             json.dump({"copy_bytes_s": copy, "rows": rows_out}, f, indent=2)

@@ -1,7 +1,8 @@
 """Build, pack for and launch the tensor-core skinny-GEMV benchmark (``csrc/skinny_gemv_bench.cu``).
 
 y[n] = W x[n] for N = 1..16 vectors in one pass over W, the products on the tensor cores
-(mma.m16n8k16, inputs as bf16 hi + lo): how fast bf16 and 4-bit weights stream that way,
+(mma.m16n8k16, inputs as bf16 or f16 hi + lo): how fast bf16, FP8 and 4-bit weights stream
+that way,
 against the decode kernel's CUDA-core GEMV (issue 35's 4-bit speed, issue 36's verify pass of
 K+1 positions). The same build conventions as ``allreduce.py`` (content-hashed cubin in the
 cache, a lock, an atomic rename); the packers are plain torch, so the CPU tests check them
@@ -22,7 +23,7 @@ from monokernel.kernels.launcher import KernelModule, set_current_context
 SOURCE = CSRC / "skinny_gemv_bench.cu"
 HEADERS = (CSRC / "common.cuh", CSRC / "tunables.cuh")  # what SOURCE includes: the cache key
 NS = (1, 2, 4, 8, 16)  # the entry points' input counts
-FORMATS = ("bf16", "int4")
+FORMATS = ("bf16", "fp8", "int4")
 THREADS = 512  # kSkThreads
 GROUP = 128  # int4 columns sharing a scale and an offset (kGroup)
 TILE = 16  # rows of a row tile, columns of a k-tile
@@ -73,11 +74,16 @@ def build() -> Path:
     return compile_cached(cubin_path(), nvcc_command, "the skinny-GEMV benchmark")
 
 
+# Columns a CTA's K-slice is a multiple of: one batch of a lane's loads (bf16 8 k-tiles, fp8
+# 8 loads of two, int4 two groups of 128).
+SLICE_UNIT = {"bf16": 128, "fp8": 256, "int4": 2 * GROUP}
+
+
 def check_shape(rows: int, k: int, fmt: str) -> None:
-    if rows % TILE or k % (4 * GROUP if fmt == "int4" else GROUP):
+    if rows % TILE or k % SLICE_UNIT[fmt]:
         raise ValueError(
             f"W [{rows}, {k}]: rows must be a multiple of {TILE}, columns of "
-            f"{4 * GROUP if fmt == 'int4' else GROUP} for {fmt}"
+            f"{SLICE_UNIT[fmt]} for {fmt}"
         )
 
 
@@ -92,6 +98,15 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     """W [R, K] bf16 -> the kernel's bytes: [R/16][K/16][32][8] bf16."""
     check_shape(*w.shape, "bf16")
     return _fragments(w.to(torch.bfloat16)).contiguous().view(torch.uint8).flatten()
+
+
+def pack_fp8(w8: torch.Tensor) -> torch.Tensor:
+    """W [R, K] float8_e4m3fn -> the kernel's bytes: [R/16][K/32][32][2 k-tiles][8]."""
+    rows, k = w8.shape
+    check_shape(rows, k, "fp8")
+    f = _fragments(w8.view(torch.uint8))  # [T, K/16, 32, 8]
+    f = f.reshape(rows // TILE, k // 32, 2, 32, 8).permute(0, 1, 3, 2, 4)
+    return f.contiguous().flatten()
 
 
 def pack_int4(
@@ -116,9 +131,9 @@ def dequant_int4(q: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
 
 
 def slice_for(k: int, n: int, fmt: str) -> int:
-    """The K-slice a CTA holds: the most columns whose N hi + lo bf16 rows fit ~64 KB, a
-    multiple of 512 (int4's four groups a batch) dividing K."""
-    unit = 4 * GROUP if fmt == "int4" else GROUP
+    """The K-slice a CTA holds: the most columns whose N hi + lo 16-bit rows fit ~64 KB, a
+    multiple of the format's SLICE_UNIT dividing K."""
+    unit = SLICE_UNIT[fmt]
     ks = k
     while ks > unit and (4 * n * ks > 64 * 1024 or k % ks):
         ks -= unit

@@ -14,6 +14,10 @@
 // (g, 2t+9) (g+8, 2t+8) (g+8, 2t+9), so a warp's load of one tile step is 512 contiguous
 // bytes and needs no shuffle:
 //   bf16: one k-tile a 16-byte load, [R/16][K/16][32 lanes][8] bf16;
+//   fp8:  two k-tiles a 16-byte load, [R/16][K/32][32][16] E4M3 bytes, bytes 8i .. 8i + 7 the
+//         elements of k-tile 2j + i; each 16-bit half widens to A's register as an f16 pair
+//         (one cvt.rn.f16x2.e4m3x2, exact), one fp32 scale a row applied at the end, the
+//         inputs as f16 hi + lo;
 //   int4: four k-tiles a 16-byte load, [R/16][K/64][32][4 words]; word i of a load is k-tile
 //         4j + i, its nibble 4m the element 2m and nibble 16 + 4m the element 2m + 1 (m < 4),
 //         so ((w >> 4m) & 0x000F000F) | 0x43004300 is A's register m as bf16 pairs 128 + q
@@ -27,13 +31,14 @@
 // so the 8 groups' reads fall in different banks) and adds its partial rows into y with
 // atomicAdd (the bench sums in any order; the decode kernel would reduce in a fixed one).
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "common.cuh"  // ld_stream
 
 // Mirrored by monokernel/kernels/skinny_gemv.py (ctypes).
 struct SkinnyParams {
   const uint4* w;     // packed weights (above)
-  const float2* ab;   // int4: [R][K / 128] (a, b - 128 a); bf16: unused
+  const float2* ab;   // int4: [R][K / 128] (a, b - 128 a); fp8: [R] fp32 scales; bf16: unused
   const float* x;     // [N][K] fp32
   float* y;           // [N][R] fp32, zeroed by the host, accumulated
   int rows;           // R, a multiple of 16
@@ -53,6 +58,23 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       "{%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two E4M3 values (the low byte first) as an f16 pair: exact.
+__device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t w, int half) {
+  uint32_t r;
+  const unsigned short v = (unsigned short)(w >> (16 * half));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+  return r;
 }
 
 // The B fragments of k-tile j for n-tile nt: hi and lo pairs (k 2t, 2t+1) and (2t+8, 2t+9) of
@@ -78,18 +100,32 @@ struct Inputs {
 };
 
 // Shared memory: [hi, lo][N][stride] words, then the int4 groups' sums [N][ks / 128] fp32.
-template <int N>
+// An fp32 pair as hi + lo 16-bit pairs (bf16, or f16 for the fp8 weights' f16 products).
+template <bool F16>
+__device__ __forceinline__ void split_pair(float2 v, uint32_t& hi, uint32_t& lo) {
+  if constexpr (F16) {
+    const __half2 h = __floats2half2_rn(v.x, v.y);
+    const float2 hf = __half22float2(h);
+    const __half2 l = __floats2half2_rn(v.x - hf.x, v.y - hf.y);
+    hi = *reinterpret_cast<const uint32_t*>(&h);
+    lo = *reinterpret_cast<const uint32_t*>(&l);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);
+    const float2 hf = __bfloat1622float2(h);
+    const __nv_bfloat162 l = __floats2bfloat162_rn(v.x - hf.x, v.y - hf.y);
+    hi = *reinterpret_cast<const uint32_t*>(&h);
+    lo = *reinterpret_cast<const uint32_t*>(&l);
+  }
+}
+
+template <int N, bool F16>
 __device__ __forceinline__ Inputs<N> stage_inputs(const SkinnyParams& p, int k0, uint32_t* sm,
                                                    float* sums) {
   const int stride = p.ks / 2 + 4;
   for (int i = threadIdx.x; i < N * (p.ks / 2); i += kSkThreads) {
     const int n = i / (p.ks / 2), w = i % (p.ks / 2);
     const float2 v = *reinterpret_cast<const float2*>(p.x + (size_t)n * p.k + k0 + 2 * w);
-    const __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);
-    const float2 hf = __bfloat1622float2(h);
-    const __nv_bfloat162 l = __floats2bfloat162_rn(v.x - hf.x, v.y - hf.y);
-    sm[n * stride + w] = *reinterpret_cast<const uint32_t*>(&h);
-    sm[N * stride + n * stride + w] = *reinterpret_cast<const uint32_t*>(&l);
+    split_pair<F16>(v, sm[n * stride + w], sm[N * stride + n * stride + w]);
   }
   // One warp a group: its sum of x.
   const int groups = p.ks / kGroup, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -127,17 +163,24 @@ __device__ __forceinline__ void bf16_tiles(const SkinnyParams& p, const Inputs<N
   constexpr int BATCH = 8;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int kt = p.ks / 16, kt_all = p.k / 16;
+  uint4 cur[BATCH], nxt[BATCH];
+  bool have = false;  // cur holds this tile's first batch already
   for (int tile = tile0; tile < p.rows / 16; tile += tile_step) {
     const uint4* w = p.w + ((size_t)tile * kt_all + k0 / 16) * 32 + lane;
+    const uint4* wn = w + (size_t)tile_step * kt_all * 32;
+    const bool ahead = tile + tile_step < p.rows / 16;  // the last batch issues the next's first
     float c[NT][4] = {};
-    uint4 cur[BATCH], nxt[BATCH];
+    if (!have)
 #pragma unroll
-    for (int i = 0; i < BATCH; ++i) cur[i] = ld_stream(w + i * 32);
+      for (int i = 0; i < BATCH; ++i) cur[i] = ld_stream(w + i * 32);
     for (int j0 = 0; j0 < kt; j0 += BATCH) {
       const bool more = j0 + BATCH < kt;
 #pragma unroll
       for (int i = 0; i < BATCH; ++i)
-        if (more) nxt[i] = ld_stream(w + (j0 + BATCH + i) * 32);
+        if (more)
+          nxt[i] = ld_stream(w + (j0 + BATCH + i) * 32);
+        else if (ahead)
+          nxt[i] = ld_stream(wn + i * 32);
 #pragma unroll
       for (int i = 0; i < BATCH; ++i) {
         const uint32_t a[4] = {cur[i].x, cur[i].y, cur[i].z, cur[i].w};
@@ -152,33 +195,102 @@ __device__ __forceinline__ void bf16_tiles(const SkinnyParams& p, const Inputs<N
 #pragma unroll
       for (int i = 0; i < BATCH; ++i) cur[i] = nxt[i];
     }
+    have = ahead;
+    add_out<N>(p, tile, g, t, c);
+  }
+}
+
+// fp8 weights: two k-tiles a 16-byte load, BATCH loads a lane in flight; each row's scale at
+// the end.
+template <int N>
+__device__ __forceinline__ void fp8_tiles(const SkinnyParams& p, const Inputs<N>& in, int k0,
+                                          int tile0, int tile_step) {
+  constexpr int NT = (N + 7) / 8;
+  constexpr int BATCH = 8;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int kp = p.ks / 32, kp_all = p.k / 32;  // 16-byte loads a lane in the slice, the row
+  const float* scale = reinterpret_cast<const float*>(p.ab);
+  uint4 cur[BATCH], nxt[BATCH];
+  bool have = false;
+  for (int tile = tile0; tile < p.rows / 16; tile += tile_step) {
+    const uint4* w = p.w + ((size_t)tile * kp_all + k0 / 32) * 32 + lane;
+    const uint4* wn = w + (size_t)tile_step * kp_all * 32;
+    const bool ahead = tile + tile_step < p.rows / 16;  // the last batch issues the next's first
+    float c[NT][4] = {};
+    if (!have)
+#pragma unroll
+      for (int i = 0; i < BATCH; ++i) cur[i] = ld_stream(w + i * 32);
+    const float s0 = __ldg(scale + tile * 16 + g), s1 = __ldg(scale + tile * 16 + g + 8);
+    for (int j0 = 0; j0 < kp; j0 += BATCH) {
+      const bool more = j0 + BATCH < kp;
+#pragma unroll
+      for (int i = 0; i < BATCH; ++i)
+        if (more)
+          nxt[i] = ld_stream(w + (j0 + BATCH + i) * 32);
+        else if (ahead)
+          nxt[i] = ld_stream(wn + i * 32);
+#pragma unroll
+      for (int i = 0; i < BATCH; ++i) {
+        const uint32_t words[4] = {cur[i].x, cur[i].y, cur[i].z, cur[i].w};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t a[4] = {e4m3x2_f16x2(words[2 * h], 0), e4m3x2_f16x2(words[2 * h], 1),
+                                 e4m3x2_f16x2(words[2 * h + 1], 0),
+                                 e4m3x2_f16x2(words[2 * h + 1], 1)};
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            uint32_t b[4];
+            in.frag(nt, 2 * (j0 + i) + h, g, t, b);
+            mma_f16(c[nt], a, b[0], b[1]);
+            mma_f16(c[nt], a, b[2], b[3]);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < BATCH; ++i) cur[i] = nxt[i];
+    }
+    have = ahead;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      c[nt][0] *= s0;
+      c[nt][1] *= s0;
+      c[nt][2] *= s1;
+      c[nt][3] *= s1;
+    }
     add_out<N>(p, tile, g, t, c);
   }
 }
 
 // int4 weights: a group (128 columns, 8 k-tiles) is two 16-byte loads a lane; GROUPS groups'
-// loads in flight, and each group's (a, b') of the lane's rows g and g + 8 beside them.
+// loads in flight, and each group's (a, b') of the lane's rows g and g + 8 beside them (four
+// groups in flight spilled: 60-64% of the copy bandwidth against 83-86% for two).
 template <int N>
 __device__ __forceinline__ void int4_tiles(const SkinnyParams& p, const Inputs<N>& in,
                                            const float* sums, int k0, int tile0, int tile_step) {
   constexpr int NT = (N + 7) / 8;
-  constexpr int GROUPS = 4;  // 8 loads a lane in flight
+  constexpr int GROUPS = 2;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int groups = p.ks / kGroup, groups_all = p.k / kGroup, kq_all = p.k / 64;
+  uint4 cur[GROUPS][2], nxt[GROUPS][2];
+  float2 sc[GROUPS][2], sn[GROUPS][2];
+  bool have = false;
   for (int tile = tile0; tile < p.rows / 16; tile += tile_step) {
     const uint4* w = p.w + ((size_t)tile * kq_all + k0 / 64) * 32 + lane;
     const float2* ab0 = p.ab + (size_t)(tile * 16 + g) * groups_all + k0 / kGroup;
     const float2* ab1 = ab0 + (size_t)8 * groups_all;
+    const bool ahead = tile + tile_step < p.rows / 16;  // the last batch issues the next's first
+    const uint4* wn = w + (size_t)tile_step * kq_all * 32;
+    const float2* an0 = ab0 + (size_t)tile_step * 16 * groups_all;
+    const float2* an1 = an0 + (size_t)8 * groups_all;
     float acc[NT][4] = {};
-    uint4 cur[GROUPS][2], nxt[GROUPS][2];
-    float2 sc[GROUPS][2], sn[GROUPS][2];
+    if (!have)
 #pragma unroll
-    for (int i = 0; i < GROUPS; ++i) {
-      cur[i][0] = ld_stream(w + (2 * i) * 32);
-      cur[i][1] = ld_stream(w + (2 * i + 1) * 32);
-      sc[i][0] = __ldg(ab0 + i);
-      sc[i][1] = __ldg(ab1 + i);
-    }
+      for (int i = 0; i < GROUPS; ++i) {
+        cur[i][0] = ld_stream(w + (2 * i) * 32);
+        cur[i][1] = ld_stream(w + (2 * i + 1) * 32);
+        sc[i][0] = __ldg(ab0 + i);
+        sc[i][1] = __ldg(ab1 + i);
+      }
     for (int q0 = 0; q0 < groups; q0 += GROUPS) {
       const bool more = q0 + GROUPS < groups;
 #pragma unroll
@@ -188,6 +300,11 @@ __device__ __forceinline__ void int4_tiles(const SkinnyParams& p, const Inputs<N
           nxt[i][1] = ld_stream(w + (2 * (q0 + GROUPS + i) + 1) * 32);
           sn[i][0] = __ldg(ab0 + q0 + GROUPS + i);
           sn[i][1] = __ldg(ab1 + q0 + GROUPS + i);
+        } else if (ahead) {
+          nxt[i][0] = ld_stream(wn + (2 * i) * 32);
+          nxt[i][1] = ld_stream(wn + (2 * i + 1) * 32);
+          sn[i][0] = __ldg(an0 + i);
+          sn[i][1] = __ldg(an1 + i);
         }
 #pragma unroll
       for (int i = 0; i < GROUPS; ++i) {
@@ -231,33 +348,42 @@ __device__ __forceinline__ void int4_tiles(const SkinnyParams& p, const Inputs<N
         sc[i][1] = sn[i][1];
       }
     }
+    have = ahead;
     add_out<N>(p, tile, g, t, acc);
   }
 }
 
-template <int N, bool INT4>
+enum SkinnyFormat { kBf16, kFp8, kInt4 };
+
+template <int N, SkinnyFormat FMT>
 __device__ __forceinline__ void skinny(const SkinnyParams& p) {
   extern __shared__ __align__(16) uint32_t smem[];
   const int slice = blockIdx.x / p.ctas_per_slice, c = blockIdx.x % p.ctas_per_slice;
   const int k0 = slice * p.ks;
   float* sums = reinterpret_cast<float*>(smem + 2 * N * (p.ks / 2 + 4));
-  const Inputs<N> in = stage_inputs<N>(p, k0, smem, sums);
+  const Inputs<N> in = stage_inputs<N, FMT == kFp8>(p, k0, smem, sums);
   const int warp = threadIdx.x / 32;
   const int tile0 = c * kSkWarps + warp, step = p.ctas_per_slice * kSkWarps;
-  if constexpr (INT4)
+  if constexpr (FMT == kInt4)
     int4_tiles<N>(p, in, sums, k0, tile0, step);
+  else if constexpr (FMT == kFp8)
+    fp8_tiles<N>(p, in, k0, tile0, step);
   else
     bf16_tiles<N>(p, in, k0, tile0, step);
 }
 
-#define SKINNY_ENTRY(N)                                                            \
-  extern "C" __global__ void __launch_bounds__(kSkThreads, 1)                        \
-      skinny_bf16_n##N(const __grid_constant__ SkinnyParams p) {                   \
-    skinny<N, false>(p);                                                           \
-  }                                                                                \
-  extern "C" __global__ void __launch_bounds__(kSkThreads, 1)                        \
-      skinny_int4_n##N(const __grid_constant__ SkinnyParams p) {                   \
-    skinny<N, true>(p);                                                            \
+#define SKINNY_ENTRY(N)                                                  \
+  extern "C" __global__ void __launch_bounds__(kSkThreads, 1)            \
+      skinny_bf16_n##N(const __grid_constant__ SkinnyParams p) {         \
+    skinny<N, kBf16>(p);                                                 \
+  }                                                                      \
+  extern "C" __global__ void __launch_bounds__(kSkThreads, 1)            \
+      skinny_fp8_n##N(const __grid_constant__ SkinnyParams p) {          \
+    skinny<N, kFp8>(p);                                                  \
+  }                                                                      \
+  extern "C" __global__ void __launch_bounds__(kSkThreads, 1)            \
+      skinny_int4_n##N(const __grid_constant__ SkinnyParams p) {         \
+    skinny<N, kInt4>(p);                                                 \
   }
 
 SKINNY_ENTRY(1)
