@@ -56,6 +56,11 @@ class PackedLinear:
     scales: torch.Tensor | None  # int4: [cols/32, rows, 2] (scale, zero); int8: [rows]; bf16
     bias: torch.Tensor | None
 
+    @property
+    def act_dtype(self) -> torch.dtype:
+        """The dtype its input is rounded to (float32 matrices take theirs as it is)."""
+        return torch.float32 if self.kind == "float32" else _ACT
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, cols] -> [T, rows]: bf16 from the integer kernels (the next matrix reads
         bf16 anyway), float32 from a float32 matrix or with a bias."""
@@ -152,8 +157,10 @@ class PackedCpuStep:
     and the same contract as its ``_DecodeStep``, on packed matrices. Reads and writes the
     reference's KV cache, so the prompt's prefill can run on the reference.
 
-    Written for few torch calls a layer (~30): each costs ~3-5 µs of dispatch on a small
-    CPU, ~5 ms a token over 30 layers, as much as a third of the kernels' time."""
+    Written for few torch calls a layer (~24): each costs ~2-6 µs of dispatch on a small
+    CPU, as much as the matrices' own time once multiplied by 30 layers. So the ops write
+    into buffers allocated once per token count (_Scratch), whose views are taken once, and
+    the views of the cache a step writes and reads are taken once a step for all layers."""
 
     def __init__(
         self, ref: Transformer, cache: KVCache, groups: Mapping[str, GroupQuant] | None = None
@@ -161,7 +168,6 @@ class PackedCpuStep:
         """``groups``: the checkpoint's own 4-bit groups of the layers' matrices, if any."""
         cfg, w = ref.cfg, ref.w
         self.cfg, self.cache = cfg, cache
-        self.k_layers, self.v_layers = list(cache.k), list(cache.v)  # views, indexed once
         self.embed = w["embed"].float()
         self.head_table = self.embed if cfg.tie_word_embeddings else w["lm_head"].float()
         # int8 whatever the table holds: the top candidates are rescored anyway.
@@ -173,6 +179,7 @@ class PackedCpuStep:
         self.layers = [
             _Layer.pack(cfg, w, n, self._gain, groups or {}) for n in range(cfg.num_layers)
         ]
+        self._scratch: dict[int, _Scratch] = {}
         self.tok = torch.zeros(1, dtype=torch.long)  # the input token; then the greedy next
         self.pos = torch.zeros(1, dtype=torch.long)  # the input token's position
 
@@ -181,45 +188,74 @@ class PackedCpuStep:
         # far below the bf16 rounding the result meets next; one norm call instead of six.
         return g.float() * self.cfg.hidden_size**0.5
 
-    @staticmethod
-    def _normed(x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
-        return x * gain / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    def _buffers(self, t: int) -> _Scratch:
+        s = self._scratch.get(t)
+        if s is None:
+            s = self._scratch[t] = _Scratch.allocate(self.cfg, t, self.layers[0])
+        return s
 
-    def _attention(self, h: torch.Tensor, lw: _Layer, n: int, start: int) -> torch.Tensor:
-        cfg, t, end = self.cfg, h.shape[0], start + h.shape[0]
-        nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        heads = lw.qkv(h).view(t, nh + 2 * kvh, d)  # Q, K, V heads side by side
-        qk = heads[:, : nh + kvh]
+    @staticmethod
+    def _normed(x: torch.Tensor, gain: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        # Written in the next matrix's input dtype: the rounding .to() would do, one call less.
+        return torch.div(x * gain, torch.linalg.vector_norm(x, dim=-1, keepdim=True), out=out)
+
+    def _heads(self, lw: _Layer, h: torch.Tensor) -> torch.Tensor:
+        """Q, K and V heads [T, nh + 2 kvh, d] side by side, before RoPE."""
+        cfg, t = self.cfg, h.shape[0]
+        nh, kvh = cfg.num_heads, cfg.num_kv_heads
+        heads = lw.qkv(h).view(t, nh + 2 * kvh, cfg.head_dim)
         if lw.q_norm is not None and lw.k_norm is not None:
-            qk = torch.cat(
-                (
-                    rms_norm(qk[:, :nh].float(), lw.q_norm, cfg.rms_norm_eps),
-                    rms_norm(qk[:, nh:].float(), lw.k_norm, cfg.rms_norm_eps),
-                ),
+            eps = cfg.rms_norm_eps
+            q, k, v = heads.split((nh, kvh, kvh), dim=1)
+            heads = torch.cat(
+                (rms_norm(q.float(), lw.q_norm, eps), rms_norm(k.float(), lw.k_norm, eps), v),
                 dim=1,
             )
-        # The bf16 product with the float32 tables is float32, as the reference's RoPE.
-        qk = torch.addcmul(qk * self.cos2[start:end], qk.roll(d // 2, -1), self.sin2[start:end])
-        k_cache, v_cache = self.k_layers[n], self.v_layers[n]  # [kvh, max_len, d]
-        if t == 1:  # one indexing call fewer than the slice below, which a decode step feels
-            k_cache[:, start] = qk[0, nh:]
-            v_cache[:, start] = heads[0, nh + kvh :]
-        else:
-            k_cache[:, start:end] = qk[:, nh:].transpose(0, 1)
-            v_cache[:, start:end] = heads[:, nh + kvh :].transpose(0, 1)
-        q = qk if qk.dtype == k_cache.dtype else qk.to(k_cache.dtype)  # bf16 engine: bf16 cache
-        # A query at a time, over exactly the keys it sees: the same arithmetic whether a
-        # token comes alone (decode) or with others (verification).
-        out = [
-            F.scaled_dot_product_attention(
-                q[i, :nh, None],
-                k_cache[:, : start + i + 1],
-                v_cache[:, : start + i + 1],
-                enable_gqa=True,
-            ).view(1, cfg.q_size)
+        return heads
+
+    @torch.inference_mode()
+    def forward_tokens(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """tokens [T] int64 at positions start.. -> logits [T, V] float32 (the cache must
+        hold positions < start)."""
+        cfg, cache = self.cfg, self.cache
+        t = tokens.shape[0]
+        end = start + t
+        s = self._buffers(t)
+        # The step's position in the RoPE tables (V's heads keep cos 1, sin 0).
+        s.cos_qk.copy_(self.cos2[start:end])
+        s.sin_qk.copy_(self.sin2[start:end])
+        # Every layer's cache rows for these positions as [T, kvh, d], like the new heads.
+        k_rows = cache.k[:, :, start:end].transpose(1, 2).unbind(0)
+        v_rows = cache.v[:, :, start:end].transpose(1, 2).unbind(0)
+        # Query i sees keys 0..start+i: a query at a time, over exactly the keys it sees, so
+        # the arithmetic is the same whether a token comes alone (decode) or with others.
+        seen = [
+            (cache.k[:, :, : start + i + 1].unbind(0), cache.v[:, :, : start + i + 1].unbind(0))
             for i in range(t)
         ]
-        return lw.wo(out[0] if t == 1 else torch.cat(out))
+        q_cast = cache.k.dtype != s.rot.dtype  # a bf16 engine keeps a bf16 cache
+        x = torch.index_select(self.embed, 0, tokens, out=s.x)
+        for n, lw in enumerate(self.layers):
+            heads = self._heads(lw, self._normed(x, lw.attn_norm, s.h_attn))
+            # RoPE on all heads at once, into the float32 buffer whose views the cache
+            # writes and the queries read: cos 1 and sin 0 copy V's heads as they are.
+            torch.mul(heads, s.cos, out=s.rot)
+            s.rot.addcmul_(heads.roll(cfg.head_dim // 2, -1), s.sin)
+            k_rows[n].copy_(s.k_new)
+            v_rows[n].copy_(s.v_new)
+            out = [
+                F.scaled_dot_product_attention(
+                    q.to(cache.k.dtype) if q_cast else q,
+                    keys[n],
+                    values[n],
+                    enable_gqa=True,
+                ).view(1, cfg.q_size)
+                for q, (keys, values) in zip(s.queries, seen, strict=True)
+            ]
+            x.add_(lw.wo(out[0] if t == 1 else torch.cat(out)))
+            gate, up = lw.gate_up(self._normed(x, lw.ffn_norm, s.h_ffn)).chunk(2, dim=-1)
+            x.add_(lw.down(F.silu(gate) * up))
+        return self._logits(x * self.norm / torch.linalg.vector_norm(x, dim=-1, keepdim=True))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.head is None:
@@ -229,17 +265,6 @@ class PackedCpuStep:
         exact = (self.head_table[top] * x[:, None, :]).sum(-1)
         return logits.scatter_(1, top, exact)
 
-    @torch.inference_mode()
-    def forward_tokens(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """tokens [T] int64 at positions start.. -> logits [T, V] float32 (the cache must
-        hold positions < start)."""
-        x = self.embed[tokens]
-        for n, lw in enumerate(self.layers):
-            x = x + self._attention(self._normed(x, lw.attn_norm), lw, n, start)
-            gate, up = lw.gate_up(self._normed(x, lw.ffn_norm)).chunk(2, dim=-1)
-            x = x + lw.down(F.silu(gate) * up)
-        return self._logits(self._normed(x, self.norm))
-
     def __call__(self) -> torch.Tensor:
         """Input ``tok`` at ``pos`` -> logits [V] float32; leaves the greedy next token in
         ``tok`` and advances ``pos``, as the GPU step does."""
@@ -247,6 +272,43 @@ class PackedCpuStep:
         self.pos.add_(1)
         self.tok.copy_(torch.argmax(logits).view(1))
         return logits
+
+
+@dataclass(frozen=True, slots=True)
+class _Scratch:
+    """One step's buffers for T tokens, and their views, made once."""
+
+    x: torch.Tensor  # [T, hidden] float32: the residual stream
+    h_attn: torch.Tensor  # [T, hidden]: the normed input of Q/K/V, in its matrix's dtype
+    h_ffn: torch.Tensor  # [T, hidden]: the normed input of gate/up
+    rot: torch.Tensor  # [T, nh + 2 kvh, d] float32: Q, K after RoPE, and V
+    cos: torch.Tensor  # [T, nh + 2 kvh, d]: the step's RoPE tables; 1 on V's heads
+    sin: torch.Tensor  # [T, nh + 2 kvh, d]; 0 on V's heads
+    cos_qk: torch.Tensor  # cos's Q and K heads (what a step writes)
+    sin_qk: torch.Tensor
+    k_new: torch.Tensor  # rot's K heads [T, kvh, d]
+    v_new: torch.Tensor  # rot's V heads
+    queries: list[torch.Tensor]  # query i's heads [nh, 1, d]
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, t: int, layer: _Layer) -> _Scratch:
+        nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        shape = (t, nh + 2 * kvh, d)
+        rot = torch.empty(shape)
+        cos, sin = torch.ones(shape), torch.zeros(shape)
+        return cls(
+            x=torch.empty(t, cfg.hidden_size),
+            h_attn=torch.empty(t, cfg.hidden_size, dtype=layer.qkv.act_dtype),
+            h_ffn=torch.empty(t, cfg.hidden_size, dtype=layer.gate_up.act_dtype),
+            rot=rot,
+            cos=cos,
+            sin=sin,
+            cos_qk=cos[:, : nh + kvh],
+            sin_qk=sin[:, : nh + kvh],
+            k_new=rot[:, nh : nh + kvh],
+            v_new=rot[:, nh + kvh :],
+            queries=[rot[i, :nh, None] for i in range(t)],
+        )
 
 
 @dataclass(frozen=True, slots=True)
