@@ -45,6 +45,9 @@ _ACT = torch.bfloat16  # the kernels' fast activation dtype
 # A float32 value is "on the grid" within this fraction of the grid's step: float32
 # dequantisation (q * d + m) is off by a few ulps, an off-grid weight by up to half a step.
 _GRID_TOL = 1e-3
+# Buffers kept for forwards of up to this many tokens (decode, verification of drafts);
+# longer ones (a perplexity window) allocate theirs.
+_KEEP_SCRATCH = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +176,7 @@ class PackedCpuStep:
         # int8 whatever the table holds: the top candidates are rescored anyway.
         self.head = pack_int8(self.head_table) if cfg.hidden_size % 8 == 0 else None
         self.norm = self._gain(w["norm"])
-        # RoPE as x * cos2 + roll(x, d/2) * sin2: three calls instead of apply_rope's dozen.
+        # RoPE's tables over the whole head: (x1, x2) * cos2 + (x2, x1) * sin2.
         self.cos2 = torch.cat((ref.cos, ref.cos), dim=-1)[:, None, :]  # [max_len, 1, d]
         self.sin2 = torch.cat((-ref.sin, ref.sin), dim=-1)[:, None, :]
         self.layers = [
@@ -191,12 +194,17 @@ class PackedCpuStep:
     def _buffers(self, t: int) -> _Scratch:
         s = self._scratch.get(t)
         if s is None:
-            s = self._scratch[t] = _Scratch.allocate(self.cfg, t, self.layers[0])
+            s = _Scratch.allocate(self.cfg, t)
+            if t <= _KEEP_SCRATCH:  # a decode step or a draft's verification, not a window
+                self._scratch[t] = s
         return s
 
     @staticmethod
-    def _normed(x: torch.Tensor, gain: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _normed(
+        x: torch.Tensor, gain: torch.Tensor, s: _Scratch, dtype: torch.dtype
+    ) -> torch.Tensor:
         # Written in the next matrix's input dtype: the rounding .to() would do, one call less.
+        out = s.h_act if dtype == _ACT else s.h_f32
         return torch.div(x * gain, torch.linalg.vector_norm(x, dim=-1, keepdim=True), out=out)
 
     def _heads(self, lw: _Layer, h: torch.Tensor) -> torch.Tensor:
@@ -236,11 +244,14 @@ class PackedCpuStep:
         q_cast = cache.k.dtype != s.rot.dtype  # a bf16 engine keeps a bf16 cache
         x = torch.index_select(self.embed, 0, tokens, out=s.x)
         for n, lw in enumerate(self.layers):
-            heads = self._heads(lw, self._normed(x, lw.attn_norm, s.h_attn))
-            # RoPE on all heads at once, into the float32 buffer whose views the cache
-            # writes and the queries read: cos 1 and sin 0 copy V's heads as they are.
-            torch.mul(heads, s.cos, out=s.rot)
-            s.rot.addcmul_(heads.roll(cfg.head_dim // 2, -1), s.sin)
+            heads = self._heads(lw, self._normed(x, lw.attn_norm, s, lw.qkv.act_dtype))
+            # RoPE on all heads at once (cos 1 and sin 0 copy V's heads as they are), in
+            # buffers whose halves are views made once, into the one whose views the cache
+            # writes and the queries read: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
+            s.heads.copy_(heads)  # float32 once, not in each op below
+            torch.mul(s.heads, s.cos, out=s.rot)
+            s.rot_lo.addcmul_(s.heads_hi, s.sin_lo)
+            s.rot_hi.addcmul_(s.heads_lo, s.sin_hi)
             k_rows[n].copy_(s.k_new)
             v_rows[n].copy_(s.v_new)
             out = [
@@ -253,7 +264,8 @@ class PackedCpuStep:
                 for q, (keys, values) in zip(s.queries, seen, strict=True)
             ]
             x.add_(lw.wo(out[0] if t == 1 else torch.cat(out)))
-            gate, up = lw.gate_up(self._normed(x, lw.ffn_norm, s.h_ffn)).chunk(2, dim=-1)
+            h = self._normed(x, lw.ffn_norm, s, lw.gate_up.act_dtype)
+            gate, up = lw.gate_up(h).chunk(2, dim=-1)
             x.add_(lw.down(F.silu(gate) * up))
         return self._logits(x * self.norm / torch.linalg.vector_norm(x, dim=-1, keepdim=True))
 
@@ -279,32 +291,47 @@ class _Scratch:
     """One step's buffers for T tokens, and their views, made once."""
 
     x: torch.Tensor  # [T, hidden] float32: the residual stream
-    h_attn: torch.Tensor  # [T, hidden]: the normed input of Q/K/V, in its matrix's dtype
-    h_ffn: torch.Tensor  # [T, hidden]: the normed input of gate/up
+    h_act: torch.Tensor  # [T, hidden] bf16: a norm's output for the integer kernels
+    h_f32: torch.Tensor  # [T, hidden] float32: for a float32 matrix
+    heads: torch.Tensor  # [T, nh + 2 kvh, d] float32: Q, K and V before RoPE
     rot: torch.Tensor  # [T, nh + 2 kvh, d] float32: Q, K after RoPE, and V
     cos: torch.Tensor  # [T, nh + 2 kvh, d]: the step's RoPE tables; 1 on V's heads
     sin: torch.Tensor  # [T, nh + 2 kvh, d]; 0 on V's heads
     cos_qk: torch.Tensor  # cos's Q and K heads (what a step writes)
     sin_qk: torch.Tensor
+    heads_lo: torch.Tensor  # the first and second halves of each head, of heads, rot, sin
+    heads_hi: torch.Tensor
+    rot_lo: torch.Tensor
+    rot_hi: torch.Tensor
+    sin_lo: torch.Tensor
+    sin_hi: torch.Tensor
     k_new: torch.Tensor  # rot's K heads [T, kvh, d]
     v_new: torch.Tensor  # rot's V heads
     queries: list[torch.Tensor]  # query i's heads [nh, 1, d]
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, t: int, layer: _Layer) -> _Scratch:
+    def allocate(cls, cfg: ModelConfig, t: int) -> _Scratch:
         nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         shape = (t, nh + 2 * kvh, d)
-        rot = torch.empty(shape)
+        heads, rot = torch.empty(shape), torch.empty(shape)
         cos, sin = torch.ones(shape), torch.zeros(shape)
+        half = d // 2
         return cls(
             x=torch.empty(t, cfg.hidden_size),
-            h_attn=torch.empty(t, cfg.hidden_size, dtype=layer.qkv.act_dtype),
-            h_ffn=torch.empty(t, cfg.hidden_size, dtype=layer.gate_up.act_dtype),
+            h_act=torch.empty(t, cfg.hidden_size, dtype=_ACT),
+            h_f32=torch.empty(t, cfg.hidden_size),
+            heads=heads,
             rot=rot,
             cos=cos,
             sin=sin,
             cos_qk=cos[:, : nh + kvh],
             sin_qk=sin[:, : nh + kvh],
+            heads_lo=heads[..., :half],
+            heads_hi=heads[..., half:],
+            rot_lo=rot[..., :half],
+            rot_hi=rot[..., half:],
+            sin_lo=sin[..., :half],
+            sin_hi=sin[..., half:],
             k_new=rot[:, nh : nh + kvh],
             v_new=rot[:, nh + kvh :],
             queries=[rot[i, :nh, None] for i in range(t)],
