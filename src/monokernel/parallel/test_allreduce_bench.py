@@ -12,20 +12,8 @@ import pytest
 import torch
 
 from monokernel.parallel import allreduce_bench as bench
+from monokernel.testing.gpu_models import needs_hopper_pair
 
-
-def _hopper_pair() -> bool:
-    return (
-        torch.cuda.is_available()
-        and torch.cuda.device_count() >= 2
-        and all(torch.cuda.get_device_capability(d) == (9, 0) for d in (0, 1))
-        and torch.cuda.can_device_access_peer(0, 1)
-    )
-
-
-needs_hopper_pair = pytest.mark.skipif(
-    not _hopper_pair(), reason="needs 2 Hopper GPUs with peer access"
-)
 SIZES = [8, 2048, 4096, 6144, 8192, 16384, 32768, 65536]  # bytes
 
 

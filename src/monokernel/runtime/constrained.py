@@ -113,15 +113,13 @@ def require_llguidance() -> Any:
     return llguidance
 
 
-def unsupported_reason(engine: str, speculative: bool, tp: int = 1) -> str | None:
+def unsupported_reason(engine: str, speculative: bool) -> str | None:
     """Why an engine cannot run a constrained request, or None when it can."""
     if engine not in CONSTRAINED_ENGINES:
         return (
             f"constrained decoding runs on the {', '.join(CONSTRAINED_ENGINES)} engines; this "
             f"server runs the {engine} engine"
         )
-    if tp > 1:
-        return f"constrained decoding runs on one GPU for now, not with --tp {tp}"
     if speculative:
         # A draft would have to be checked against the grammar token by token before
         # verification; not worth it until someone needs both at once.

@@ -389,7 +389,7 @@ class Engine:
         """A fresh matcher for ``constraint``; ConstraintError (an InvalidRequestError) when
         this engine cannot run constrained requests, llguidance is missing, or the grammar is
         refused. Thread-safe, so a server can check a request before queueing it."""
-        reason = unsupported_reason(self.engine_name, self.speculative is not None, self.config.tp)
+        reason = unsupported_reason(self.engine_name, self.speculative is not None)
         if reason is not None:
             raise ConstraintError(reason)
         if self._grammars is None:

@@ -23,7 +23,7 @@ from monokernel.serve.testing_structured import (  # noqa: E402
     SCHEMA,
     UNSUPPORTED,
     USER,
-    as_tp_monokernel,
+    as_speculative,
     matches_schema,
     structured_server,
 )
@@ -250,10 +250,10 @@ def test_refusals_name_the_field(served: tuple[Engine, str]) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_tp_monokernel_refuses_constrained_requests(
+def test_speculation_refuses_constrained_requests(
     served: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    as_tp_monokernel(monkeypatch, served[0])
+    as_speculative(monkeypatch, served[0])
     for body in (
         {"response_format": {"type": "json_object"}},
         {"guided_json": SCHEMA},

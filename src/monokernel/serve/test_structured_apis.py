@@ -27,7 +27,7 @@ from monokernel.serve.testing_structured import (
     UNSUPPORTED,
     USER,
     ZONE,
-    as_tp_monokernel,
+    as_speculative,
     matches_schema,
     structured_server,
 )
@@ -185,10 +185,10 @@ def test_anthropic_sdk_forced_tool_use(served: tuple[Engine, str]) -> None:
     assert r.json() == forced.json()
 
 
-def test_anthropic_tp_monokernel_refuses_forced_calls(
+def test_anthropic_speculation_refuses_forced_calls(
     served: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    as_tp_monokernel(monkeypatch, served[0])
+    as_speculative(monkeypatch, served[0])
     for choice in ({"type": "any"}, {"type": "tool", "name": "get_time"}):
         r = _post(
             served,
@@ -333,10 +333,10 @@ def test_responses_refusals_name_the_field(served: tuple[Engine, str]) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_responses_tp_monokernel_refuses_constrained_requests(
+def test_responses_speculation_refuses_constrained_requests(
     served: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    as_tp_monokernel(monkeypatch, served[0])
+    as_speculative(monkeypatch, served[0])
     for body, param in (
         ({"text": {"format": {"type": "json_object"}}}, "text.format"),
         ({"text": {"format": JSON_SCHEMA_FORMAT}}, "text.format"),

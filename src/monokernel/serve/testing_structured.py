@@ -4,7 +4,6 @@ few tokens, the schemas the forced calls and formats use, and the server they ru
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,15 +15,14 @@ from monokernel.serve.testing import live_server, wait_ready
 from monokernel.serve.testing_names import MODEL_NAME
 from monokernel.testing.tiny_models import CHATML_TEMPLATE
 
-# What a server that cannot constrain says (the monokernel at --tp > 1).
-UNSUPPORTED = "constrained decoding runs on one GPU for now, not with --tp 2"
+# What a server that cannot constrain says (any engine with --speculative).
+UNSUPPORTED = "constrained decoding does not combine with --speculative yet"
 
 
-def as_tp_monokernel(monkeypatch: Any, engine: Engine) -> None:
-    """Make ``engine`` look like the monokernel over two GPUs, which refuses constrained
+def as_speculative(monkeypatch: Any, engine: Engine) -> None:
+    """Make ``engine`` look as if it ran with --speculative, which refuses constrained
     requests (for the refusal tests; the engine itself still runs the tiny model)."""
-    monkeypatch.setattr(engine, "engine_name", "monokernel")
-    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, tp=2))
+    monkeypatch.setattr(engine, "speculative", object())
 
 
 # Short, so prompt and reply fit the tiny model's 256 positions; Hermes's <tool_call>

@@ -20,6 +20,22 @@ def hopper() -> bool:
 needs_hopper = pytest.mark.skipif(not hopper(), reason="needs a Hopper GPU (sm_90)")
 
 
+def hopper_pair() -> bool:
+    """Two Hopper GPUs that reach each other's memory (the TP kernel's peer stores)."""
+    return (
+        torch.cuda.is_available()
+        and torch.cuda.device_count() >= 2
+        and all(torch.cuda.get_device_capability(d) == (9, 0) for d in (0, 1))
+        and torch.cuda.can_device_access_peer(0, 1)
+    )
+
+
+# The skip mark of a test that needs two of them (pair it with pytest.mark.gpu).
+needs_hopper_pair = pytest.mark.skipif(
+    not hopper_pair(), reason="needs 2 Hopper GPUs (sm_90) with peer access"
+)
+
+
 def hopper_with(gib: float) -> bool:
     """A Hopper GPU (sm_90) with at least ``gib`` GiB of memory."""
     return hopper() and torch.cuda.mem_get_info()[1] >= gib * 2**30

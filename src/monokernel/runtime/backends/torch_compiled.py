@@ -199,7 +199,12 @@ class TorchBackend(Speculating):
                 return  # the cache is full
             if self._threads is not None:
                 self._threads.token()
-            logits = self._call()
+            if on_device and self.packed is not None:
+                # The token is all this request reads: the packed step picks it from a
+                # cheaper 4-bit head, scored in float32 (cpu_packed.py).
+                self.packed.greedy()
+            else:
+                logits = self._call()
             pos += 1
 
     def close(self) -> None:

@@ -254,8 +254,8 @@ class DecodeKernel:
     @property
     def grammar(self) -> GrammarMask:
         """The buffers a constrained launch's masks go through (grammar_mask.py)."""
-        if self._grammar is None:
-            self._grammar = GrammarMask(self.cfg.vocab_size, self.device)
+        if self._grammar is None:  # the whole vocabulary's ids under TP, as the rules'
+            self._grammar = GrammarMask(self.dims.vocab_all or self.cfg.vocab_size, self.device)
         return self._grammar
 
     # ---- where the buffers lie ------------------------------------------------------------

@@ -197,7 +197,7 @@ class RequestDriver:
             if launched:
                 tokens = read_tokens(out, cancel, check)
                 if matcher is not None:
-                    tokens = _masks_ahead(tokens, matcher, kernel.grammar, n_steps)
+                    tokens = masks_ahead(tokens, matcher, (kernel.grammar,), n_steps)
                 if want_logprobs:
                     assert logprobs is not None and sampling.logprobs is not None
                     tokens = with_logprobs(tokens, kernel.rules, sampling.logprobs, logprobs)
@@ -246,16 +246,21 @@ def _tapped(
         yield token
 
 
-def _masks_ahead(
-    tokens: Generator[int, None, bool], matcher: TokenMatcher, grammar: GrammarMask, steps: int
+def masks_ahead(
+    tokens: Generator[int, None, bool],
+    matcher: TokenMatcher,
+    grammars: Sequence[GrammarMask],
+    steps: int,
 ) -> Generator[int, None, bool]:
-    """Step s + 1's mask sent as step s's token lands, so the kernel, already running step
-    s + 1, finds it in time."""
+    """Step s + 1's mask sent (to every kernel's buffers: one a TP rank) as step s's token
+    lands, so the kernels, already running step s + 1, find it in time."""
 
     def advance(step: int, token: int) -> None:
         matcher.advance(token)
         if step + 1 < steps:
-            grammar.publish(step + 1, matcher.words())
+            words = matcher.words()
+            for grammar in grammars:
+                grammar.publish(step + 1, words)
 
     return _tapped(tokens, advance)
 

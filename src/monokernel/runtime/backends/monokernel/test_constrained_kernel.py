@@ -3,7 +3,7 @@
 whose unconstrained output is nowhere near JSON, greedy and sampled, with the first token
 from the prefill or from the kernel, and when the host's masks come late.
 
-GPU tests (marker ``gpu``) on a Hopper GPU; they need llguidance.
+GPU tests (marker ``gpu``) on a Hopper GPU (two for --tp 2); they need llguidance.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from monokernel.runtime.constrained import Constraint, TokenMatcher
 from monokernel.runtime.engine import Engine, EngineConfig
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.runtime.test_constrained import SCHEMA, _matches
-from monokernel.testing.gpu_models import needs_hopper
+from monokernel.testing.gpu_models import needs_hopper, needs_hopper_pair
 from monokernel.testing.tiny_models import make_tiny_model_dir
 
 # Kernel-sized (the tiny tests' 72-wide model has rows the kernel cannot read).
@@ -92,3 +92,27 @@ def test_late_masks_are_waited_for(engine: Engine, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(TokenMatcher, "words", slow)
     got = engine.complete("Weather?", _params(0.0, 0, schema))
     assert got.token_ids == want.token_ids
+
+
+@needs_hopper_pair
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_tp2_draws_only_what_the_grammar_allows(
+    engine: Engine, tmp_path_factory: pytest.TempPathFactory, temperature: float
+) -> None:
+    """--tp 2: every rank gets each step's mask and masks its own ids; the token both ranks
+    agree on is one the grammar allows (the same weights as the TP=1 engine's)."""
+    d = make_tiny_model_dir("llama3", tmp_path_factory.mktemp("mkgrammar2") / "m", sizes=SIZES)
+    tp = Engine(d, EngineConfig(engine="monokernel", device="cuda:0", tp=2, progress=False))
+    schema = Constraint.json_schema(SCHEMA)
+    try:
+        for seed in range(3):
+            got = tp.complete("Weather?", _params(temperature, seed, schema))
+            assert _matches(json.loads(got.text)), got.text
+            assert _all_allowed(engine, schema, got.token_ids)
+            plain = tp.complete("Weather?", _params(temperature, seed, None))
+            assert plain.token_ids != got.token_ids
+        regex = Constraint.regex(r"[0-9]{3}-[a-z]{2}")
+        got = tp.complete("Code?", _params(temperature, 7, regex))
+        assert len(got.text) == 6 and got.text[3] == "-" and got.text[:3].isdigit(), got.text
+    finally:
+        tp.close()

@@ -75,7 +75,7 @@ def test_masks_go_out_a_step_ahead_and_logprobs_before_each_token() -> None:
     """request.py's wrappers of the token stream: step s + 1's grammar mask is published
     when token s lands (none past the last step), each step's logprobs record is read before
     its token is yielded, and the kernel's finished flag comes through both."""
-    from monokernel.runtime.backends.monokernel.request import _masks_ahead, with_logprobs
+    from monokernel.runtime.backends.monokernel.request import masks_ahead, with_logprobs
 
     events: list[tuple[str, int]] = []
 
@@ -86,9 +86,12 @@ def test_masks_go_out_a_step_ahead_and_logprobs_before_each_token() -> None:
         def words(self) -> str:
             return "w"
 
-    class Grammar:
+    class Grammar:  # one a TP rank: each gets every mask
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+
         def publish(self, step: int, words: str) -> None:
-            events.append(("publish", step))
+            events.append((f"publish{self.rank}", step))
 
     class Rules:
         def logprobs(self, step: int, n: int) -> str:
@@ -97,12 +100,13 @@ def test_masks_go_out_a_step_ahead_and_logprobs_before_each_token() -> None:
 
     sink: list[str] = []
     out = [3, 1, 8, 1, 10, 0]  # tokens 7, 0, 9, then done
-    masked = _masks_ahead(read_tokens(out, None, lambda _s: None), Matcher(), Grammar(), 3)  # type: ignore[arg-type]
+    grammars = (Grammar(0), Grammar(1))
+    masked = masks_ahead(read_tokens(out, None, lambda _s: None), Matcher(), grammars, 3)  # type: ignore[arg-type]
     gen = with_logprobs(masked, Rules(), 2, sink)  # type: ignore[arg-type]
     assert _drain(gen) == ([7, 0, 9], True)
     assert sink == ["lp0", "lp1", "lp2"]
     assert events == [
-        ("advance", 7), ("publish", 1), ("logprobs", 0),
-        ("advance", 0), ("publish", 2), ("logprobs", 1),
+        ("advance", 7), ("publish0", 1), ("publish1", 1), ("logprobs", 0),
+        ("advance", 0), ("publish0", 2), ("publish1", 2), ("logprobs", 1),
         ("advance", 9), ("logprobs", 2),
     ]  # fmt: skip

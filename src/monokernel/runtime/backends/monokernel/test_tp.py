@@ -15,22 +15,12 @@ from monokernel.errors import BackendUnavailableError
 from monokernel.models.shapes import SHAPES
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import SamplingParams, probabilities
+from monokernel.testing.gpu_models import needs_hopper_pair
 from monokernel.testing.oracle import assert_logits_match, peaked
 from monokernel.weights.random_weights import random_weights
 from monokernel.weights.shard import TensorParallelError
 
 PROMPT, STEPS = 64, 128
-
-
-def _two_hoppers() -> bool:
-    return (
-        torch.cuda.is_available()
-        and torch.cuda.device_count() >= 2
-        and all(torch.cuda.get_device_capability(i) == (9, 0) for i in range(2))
-    )
-
-
-needs_2_hoppers = pytest.mark.skipif(not _two_hoppers(), reason="needs 2 Hopper GPUs (sm_90)")
 
 
 def _tokens(n: int, vocab: int, seed: int) -> list[int]:
@@ -57,7 +47,7 @@ def _tp_setup(shape: str):
 
 
 @pytest.mark.gpu
-@needs_2_hoppers
+@needs_hopper_pair
 def test_tp2_teacher_forced_logits() -> None:
     cfg, weights, tp = _tp_setup("qwen2.5-coder-1.5b")
     seq = _tokens(PROMPT + STEPS, cfg.vocab_size, seed=1)
@@ -66,7 +56,7 @@ def test_tp2_teacher_forced_logits() -> None:
 
 
 @pytest.mark.gpu
-@needs_2_hoppers
+@needs_hopper_pair
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
 def test_tp2_quantized_teacher_forced_logits(fmt: str) -> None:
     """--quantize at TP=2: each rank packs its blocks with TP=1's scales (int4: its whole
@@ -114,7 +104,7 @@ GREEDY_CASES = [
 
 
 @pytest.mark.gpu
-@needs_2_hoppers
+@needs_hopper_pair
 @pytest.mark.parametrize("greedy", GREEDY_CASES, ids=["plain", "penalties"])
 def test_tp2_greedy_matches_tp1(greedy: SamplingParams) -> None:
     from monokernel.runtime.backends.monokernel import MonokernelBackend
@@ -131,7 +121,7 @@ def test_tp2_greedy_matches_tp1(greedy: SamplingParams) -> None:
 
 
 @pytest.mark.gpu
-@needs_2_hoppers
+@needs_hopper_pair
 def test_tp2_sampling_stops_cancel_and_next_request() -> None:
     cfg, _, tp = _tp_setup("qwen2.5-coder-1.5b")
     prompt = _tokens(12, cfg.vocab_size, seed=6)
@@ -168,7 +158,7 @@ def test_tp2_sampling_stops_cancel_and_next_request() -> None:
 
 
 @pytest.mark.gpu
-@needs_2_hoppers
+@needs_hopper_pair
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_tp2_logprobs_are_the_raw_logits_log_softmax(temperature: float) -> None:
     """Rank 0 gathers every rank's raw logits and writes each step's record: it is
@@ -205,7 +195,7 @@ def test_tp2_logprobs_are_the_raw_logits_log_softmax(temperature: float) -> None
 
 
 @pytest.mark.gpu
-@needs_2_hoppers
+@needs_hopper_pair
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.7, 20, 1.0), (1.2, 50, 0.9)])
 def test_tp2_filtered_sampling_distribution(temperature: float, top_k: int, top_p: float) -> None:
     """Under TP every rank draws from the whole vocabulary's logits: token frequencies over

@@ -52,9 +52,11 @@ from monokernel.runtime.backends.monokernel.peer import (
 from monokernel.runtime.backends.monokernel.request import (
     WARMUP_SAMPLING,
     checked_steps,
+    masks_ahead,
     with_logprobs,
 )
 from monokernel.runtime.backends.monokernel.token_reader import read_tokens
+from monokernel.runtime.constrained import TokenMatcher
 from monokernel.runtime.logprobs import TokenLogprobs
 from monokernel.runtime.prefill import Prefiller
 from monokernel.runtime.prefill_tp import ShardedPrefill
@@ -262,10 +264,13 @@ class MonokernelTPBackend:
         cancel: CancelToken | None,
         probes: Sequence[Probe] | None = None,
         logprobs: list[TokenLogprobs] | None = None,
+        matcher: TokenMatcher | None = None,
     ) -> Iterator[int]:
         """``probes``: each rank's debug inputs (forced tokens, its logits shard).
         ``logprobs``: with ``sampling.logprobs`` set, each token's record (rank 0 writes
-        them) is appended before the token is yielded."""
+        them) is appended before the token is yielded. ``matcher``: a constrained request's
+        grammar; each step's mask goes to every rank (its LM head masks its own ids), a step
+        ahead as on one GPU (request.py masks_ahead)."""
         if self.failure is not None:
             raise EngineFailedError(self.failure)
         n = len(prompt_ids)
@@ -279,7 +284,18 @@ class MonokernelTPBackend:
         tag = self._tag
         self._tag += span  # advanced up front: an aborted launch never has its tags reused
         self._prefill(prompt_ids)
-        launch = Launch(prompt_ids[-1], n - 1, n_steps, sampling, len(stop_ids))
+        mask_tag = 0
+        grammars = [rk.kernel.grammar for rk in self.ranks] if matcher is not None else []
+        if grammars:  # every rank's tags advance together, so they agree
+            tags = {g.begin(n_steps) for g in grammars}
+            if len(tags) != 1:
+                raise RuntimeError(f"the ranks' grammar tags disagree: {sorted(tags)}")
+            mask_tag = tags.pop()
+            assert matcher is not None
+            words = matcher.words()
+            for g in grammars:
+                g.publish(0, words)
+        launch = Launch(prompt_ids[-1], n - 1, n_steps, sampling, len(stop_ids), mask_tag)
         peers = [rk.recv.ptr for rk in self.ranks]
         params = []
         lead = self.ranks[0].kernel  # rank 0 writes the tokens and reads the cancel word
@@ -319,6 +335,8 @@ class MonokernelTPBackend:
 
         failed = False
         tokens = read_tokens(out, cancel, check)
+        if matcher is not None:
+            tokens = masks_ahead(tokens, matcher, grammars, n_steps)
         if logprobs is not None and sampling.logprobs is not None:
             tokens = with_logprobs(tokens, lead.rules, sampling.logprobs, logprobs)
         try:
@@ -349,6 +367,7 @@ class MonokernelTPBackend:
             sorted(request.stop_token_ids),
             cancel,
             logprobs=request.logprobs,
+            matcher=request.matcher,
         )
 
     def teacher_forced_logits(
