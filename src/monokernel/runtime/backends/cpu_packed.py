@@ -17,13 +17,22 @@ Both kernels want bf16 activations (float32 ones take a path ~10x slower), so ea
 input is rounded to bf16; the residual stream, norms, RoPE, attention and the KV cache stay
 float32, as in the reference. The head's bf16 logits carry ~3 significant digits, so the
 top ``RESCORE`` candidates are scored again from the float32 table: greedy picks what the
-float32 head would pick for that hidden state.
+float32 head would pick for that hidden state. A greedy step that needs no logits
+(``PackedCpuStep.greedy``, what the engine runs for a plain greedy request) takes its
+``PICK`` candidates from an int4 copy of the head instead, half the int8 one's bytes, and
+scores them the same way: the same float32 pick wherever it ranks among the int4 head's
+top PICK (on the default model it ranked at most 8th over 4,096 positions).
 
 The prompt's prefill stays on the float32 reference (Transformer.prefill): for many tokens
 float32 GEMMs beat these GEMV kernels on a CPU. A forward of several tokens here
 (speculative verification) gives bitwise the logits of as many single steps, because both
 kernels compute each input row on its own and attention runs a query at a time, so drafts
-are accepted exactly when plain decoding would have produced them.
+are accepted exactly when steps of ``__call__`` would have produced them (and when greedy
+steps would, wherever both heads' candidates hold the float32 pick).
+
+Each step's torch calls are few (~24 a layer) and write into buffers allocated once: on a
+small CPU a call costs 2-6 µs of dispatch, over 30 layers as much as a third of the
+matrices' time.
 """
 
 from __future__ import annotations
@@ -147,6 +156,15 @@ def pack_int4_rtn(w: torch.Tensor) -> PackedLinear | None:
     return pack_linear(w, gq=quantize_rtn(w, GROUP))
 
 
+def best_row(coarse: PackedLinear, table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[T] int64: for each row of x [T, cols], the row of ``table`` [rows, cols] float32 with
+    the largest float32 product among the PICK largest by ``coarse`` (table, packed)."""
+    top = coarse(x).topk(min(PICK, table.shape[0]), dim=-1).indices  # [T, k]
+    rows = table.index_select(0, top.view(-1)).view(*top.shape, -1)
+    exact = (rows * x[:, None, :]).sum(-1)
+    return top.gather(1, exact.argmax(-1, keepdim=True)).view(-1)
+
+
 def pack_linear(
     w: torch.Tensor, bias: torch.Tensor | None = None, gq: GroupQuant | None = None
 ) -> PackedLinear:
@@ -172,10 +190,9 @@ class PackedCpuStep:
     and the same contract as its ``_DecodeStep``, on packed matrices. Reads and writes the
     reference's KV cache, so the prompt's prefill can run on the reference.
 
-    Written for few torch calls a layer (~24): each costs ~2-6 µs of dispatch on a small
-    CPU, as much as the matrices' own time once multiplied by 30 layers. So the ops write
-    into buffers allocated once per token count (_Scratch), whose views are taken once, and
-    the views of the cache a step writes and reads are taken once a step for all layers."""
+    Its ops write into buffers allocated once per token count (_Scratch), whose views are
+    taken once, and the views of the cache a step writes and reads are taken once a step
+    for all layers: each view or allocation is another call."""
 
     def __init__(
         self, ref: Transformer, cache: KVCache, groups: Mapping[str, GroupQuant] | None = None
@@ -312,11 +329,9 @@ class PackedCpuStep:
         x = self._hidden(self.tok, int(self.pos))
         self.pos.add_(1)
         if self.pick is None:
-            self.tok.copy_(torch.argmax(self._logits(x)[0]).view(1))
-            return
-        top = self.pick(x)[0].topk(min(PICK, self.head_table.shape[0])).indices
-        exact = (self.head_table.index_select(0, top) * x).sum(-1)
-        self.tok.copy_(top[exact.argmax()].view(1))
+            self.tok.copy_(torch.argmax(self._logits(x), dim=-1))
+        else:
+            self.tok.copy_(best_row(self.pick, self.head_table, x))
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,11 @@ from monokernel.runtime.backends import construct_backend, cpu_packed, resolve_e
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.backends.cpu_packed import (
     GROUP,
+    PICK,
     PackedCpuStep,
+    best_row,
     int4_grid,
+    pack_int4_rtn,
     pack_linear,
 )
 from monokernel.runtime.backends.reference import ReferenceBackend
@@ -48,9 +51,16 @@ SMALL = {
     "ragged": dataclasses.replace(
         _TIED, hidden_size=44, intermediate_size=60, num_heads=2, head_dim=22
     ),
-    # Every matrix fits the int4 kernel (rows % 16, cols % 32); weights on Q4_1 grids.
+    # Every matrix fits the int4 kernel (rows % 16, cols % 32), the LM head too (the greedy
+    # step's 4-bit candidates); weights on Q4_1 grids.
     "int4": dataclasses.replace(
-        _TIED, hidden_size=64, intermediate_size=96, num_heads=4, num_kv_heads=2, head_dim=16
+        _TIED,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
     ),
 }
 REAL = SHAPES["smollm2-135m"]  # the default model's shape
@@ -219,6 +229,7 @@ def test_the_engines_greedy_stream_matches_the_reference() -> None:
     backend = construct_backend("torch", cfg, dict(weights), 64, CPU)
     assert isinstance(backend, TorchBackend) and backend.packed is not None
     assert {lw.qkv.kind for lw in backend.packed.layers} == {"int4"}
+    assert backend.packed.pick is not None  # greedy tokens from the 4-bit candidates
     want = _greedy(ReferenceBackend(cfg, weights, 64, CPU), cfg, 32)
     prompt = _prompt(cfg)
     logits = _reference_logits(cfg, weights, torch.cat([prompt, torch.tensor(want)]))
@@ -244,6 +255,57 @@ def test_the_default_models_shape() -> None:
     want = _reference_logits(REAL, weights, tokens)
     assert float(_relative(got[1:], want[1:]).max()) < LOGIT_TOL
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(4096, 576), (48, 64)])
+def test_the_greedy_pick_is_the_float32_heads_best(rows: int, cols: int) -> None:
+    """best_row against the float32 product of every row: the same row wherever the best
+    beats the second by more than float32 summation noise, though the 4-bit head alone
+    ranks another first at some (the rescoring is what picks); fewer rows than PICK too."""
+    gen = torch.Generator().manual_seed(9)
+    table = torch.randn(rows, cols, generator=gen) * 0.05
+    x = torch.randn(256, cols, generator=gen)
+    coarse = pack_int4_rtn(table)
+    assert coarse is not None and coarse.kind == "int4"
+    exact = x @ table.T
+    top2 = exact.topk(2, dim=-1).values
+    decided = top2[:, 0] - top2[:, 1] > 1e-5 * top2[:, 0].abs()
+    assert int(decided.sum()) > 200
+    got = best_row(coarse, table, x)
+    assert torch.equal(got[decided], exact.argmax(-1)[decided])
+    if rows > PICK:
+        assert (coarse(x).argmax(-1) != exact.argmax(-1)).any()
+
+
+def test_no_4bit_head_where_the_shape_fits_no_int4_kernel() -> None:
+    assert pack_int4_rtn(torch.randn(97, 64)) is None  # rows % 16
+    assert pack_int4_rtn(torch.randn(96, 48)) is None  # cols % 32
+
+
+def test_a_greedy_step_picks_the_logits_best() -> None:
+    """PackedCpuStep.greedy (4-bit candidates) against __call__ (int8 logits, rescored) on the
+    same states: the same token wherever the logits decide, the same position advanced."""
+    cfg = dataclasses.replace(SMALL["int4"], vocab_size=1024)
+    weights = q4_1_weights(cfg, seed=11, logit_scale=8.0)
+    model = Transformer(cfg, weights, 64)
+    prompt = _prompt(cfg)
+    steps = [PackedCpuStep(model, model.new_cache(64)) for _ in range(2)]
+    assert steps[0].pick is not None
+    for st in steps:
+        model.prefill(prompt, st.cache)
+        st.pos.fill_(len(prompt))
+        st.tok.fill_(int(prompt[-1]))
+    decided = 0
+    for _ in range(24):
+        logits = steps[0]()
+        steps[1].greedy()
+        assert int(steps[0].pos) == int(steps[1].pos)
+        top2 = logits.topk(2).values
+        if top2[0] - top2[1] > DECIDED * (logits.max() - logits.min()):
+            decided += 1
+            assert int(steps[1].tok) == int(steps[0].tok)
+        steps[1].tok.copy_(steps[0].tok)  # both go on from the same token
+    assert decided >= 12
 
 
 def _greedy(backend: object, cfg: ModelConfig, n: int) -> list[int]:
