@@ -118,6 +118,9 @@ class PrefillGraphs:
         self.largest, self.max_len = largest, max_len
         self._graphs: dict[tuple[int, int], _Graph] = {}  # (bucket, keys or 0) -> graph
         self._pool: tuple[int, int] | None = None
+        # Its own capture stream, on the device of the first capture: torch.cuda.graph's
+        # default one is made once per process, on whatever device was current then.
+        self._stream: torch.cuda.Stream | None = None
 
     def run(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor | None:
         """The residual stream [T, hidden] of ``tokens`` (int64 on the device) prefilled at
@@ -167,7 +170,9 @@ class PrefillGraphs:
             forward()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
             x = forward()
         self._pool = graph.pool()
         entry = _Graph(graph, tokens, pos, x)

@@ -11,7 +11,8 @@ device-to-device copies, which order themselves against both devices' streams: t
 issues everything without waiting.
 
 Per layer and rank the extra memory is the partial and one copy of each peer's, [T, H] fp32
-each (``extra_bytes``).
+each (``extra_bytes``). A prompt from position 0 of up to 2,048 tokens replays each rank's
+blocks as CUDA graphs between the exchanges (prefill_tp_graphs.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from monokernel.runtime.prefill import Prefiller, checked_tokens
+from monokernel.runtime.prefill_graphs import graphs_enabled
+from monokernel.runtime.prefill_tp_graphs import ShardedPrefillGraphs
 
 
 def _on(device: torch.device) -> AbstractContextManager[object]:
@@ -32,7 +35,9 @@ def _on(device: torch.device) -> AbstractContextManager[object]:
 class ShardedPrefill:
     """The ranks' prefillers (rank r's first), run layer by layer in lock step."""
 
-    def __init__(self, ranks: Sequence[Prefiller]) -> None:
+    def __init__(self, ranks: Sequence[Prefiller], graphs: bool | None = None) -> None:
+        """``graphs``: replay block graphs for prompts from position 0
+        (prefill_tp_graphs.py); default: on CUDA unless MONOKERNEL_PREFILL_GRAPHS=0."""
         if not ranks:
             raise ValueError("a sharded prefill needs at least one rank")
         chunks = {pf.chunk_tokens for pf in ranks}
@@ -42,6 +47,9 @@ class ShardedPrefill:
         self.chunk_tokens = chunks.pop()
         self.max_len = ranks[0].max_len
         self.devices = [pf.k.device for pf in ranks]
+        if graphs is None:
+            graphs = all(graphs_enabled(d) for d in self.devices)
+        self.graphs = ShardedPrefillGraphs(self) if graphs else None
 
     @staticmethod
     def extra_bytes(chunk_tokens: int, hidden: int, tp: int) -> int:
@@ -53,6 +61,8 @@ class ShardedPrefill:
         """Prefill ``tokens`` at positions [start, start + T) into every rank's cache
         (positions [0, start) must already hold the prefix there). Asynchronous."""
         tokens = checked_tokens(tokens, start, self.max_len)
+        if start == 0 and self.graphs is not None and self.graphs.run(tokens):
+            return
         for a in range(0, tokens.shape[0], self.chunk_tokens):
             self._chunk(tokens[a : a + self.chunk_tokens], start + a)
 
@@ -70,16 +80,16 @@ class ShardedPrefill:
                     out = torch.zeros_like(x)
                     pf.attention_block(x, n, start, rope, out=out)
                     parts.append(out)
-            self._reduce(xs, parts, n)
+            self.reduce(xs, parts, n)
             parts = []
             for pf, dev, x in zip(self.ranks, self.devices, xs, strict=True):
                 with _on(dev):
                     out = torch.zeros_like(x)
                     pf.mlp_block(x, n, out=out)
                     parts.append(out)
-            self._reduce(xs, parts)
+            self.reduce(xs, parts)
 
-    def _reduce(self, xs: list[torch.Tensor], parts: list[torch.Tensor], bias_of: int = -1) -> None:
+    def reduce(self, xs: list[torch.Tensor], parts: list[torch.Tensor], bias_of: int = -1) -> None:
         """xs[r] += parts[0], += parts[1], ... += parts[N-1] in that order on every rank, then
         layer ``bias_of``'s O bias (each rank holds its copy)."""
         for r, (pf, x, dev) in enumerate(zip(self.ranks, xs, self.devices, strict=True)):

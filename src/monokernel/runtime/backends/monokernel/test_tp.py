@@ -122,6 +122,42 @@ def test_tp2_greedy_matches_tp1(greedy: SamplingParams) -> None:
 
 @pytest.mark.gpu
 @needs_hopper_pair
+def test_tp2_graphed_prefill_fills_the_caches_as_the_eager_one() -> None:
+    """Each rank's block graphs (captured at load) between the eagerly issued exchanges fill
+    every rank's cache as the eager sharded prefill does (cuBLAS may pick other kernels for
+    a padded bucket's rows: close, not bitwise), and a request decodes the same."""
+    cfg, _, tp = _tp_setup("qwen2.5-coder-1.5b")
+    sp = tp.prefill
+    assert sp.graphs is not None and sp.graphs.captured()
+    for n in (5, 64, 300):
+        prompt = _tokens(n, cfg.vocab_size, seed=n)
+        caches = []
+        for graphs in (sp.graphs, None):
+            kept, sp.graphs = sp.graphs, graphs
+            try:
+                sp.run(prompt, 0)
+            finally:
+                sp.graphs = kept
+            for rk in tp.ranks:
+                torch.cuda.synchronize(rk.device)
+            caches.append([(rk.cache.k[:, :, :n].float(), rk.cache.v[:, :, :n].float())
+                           for rk in tp.ranks])  # fmt: skip
+        for (kg, vg), (ke, ve) in zip(*caches, strict=True):
+            assert float((kg - ke).norm() / ke.norm()) < 2e-3, n
+            assert float((vg - ve).norm() / ve.norm()) < 2e-3, n
+    prompt = _tokens(PROMPT, cfg.vocab_size, seed=8)
+    greedy = SamplingParams(temperature=0.0)
+    got = list(tp.stream(_request(prompt, 32, greedy), CancelToken()))
+    kept, sp.graphs = sp.graphs, None
+    try:
+        want = list(tp.stream(_request(prompt, 32, greedy), CancelToken()))
+    finally:
+        sp.graphs = kept
+    assert got == want
+
+
+@pytest.mark.gpu
+@needs_hopper_pair
 def test_tp2_sampling_stops_cancel_and_next_request() -> None:
     cfg, _, tp = _tp_setup("qwen2.5-coder-1.5b")
     prompt = _tokens(12, cfg.vocab_size, seed=6)

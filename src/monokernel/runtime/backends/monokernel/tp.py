@@ -20,6 +20,7 @@ multicast is never used.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -133,7 +134,8 @@ class Rank:
                 groups=groups,
             )
             self.kernel = DecodeKernel(cfg, dims, packed, self.cache, max_seq_len, device)
-            # Eager: a captured graph could not hold the exchanges between the ranks.
+            # No whole-prompt graphs: one could not hold the exchanges between the ranks
+            # (ShardedPrefill replays per-block graphs between them: prefill_tp_graphs.py).
             self.prefill = Prefiller(
                 cfg,
                 packed,
@@ -228,14 +230,20 @@ class MonokernelTPBackend:
         self.prefill = ShardedPrefill([rk.prefill for rk in self.ranks])
         self._tag = 1  # next generation; carried across requests so buffers are never reset
         self.failure: str | None = None  # why no more requests can run (RequestDriver's)
+        self.warmup_s = 0.0
         if envs.MONOKERNEL_PREFILL_WARMUP:
-            # Two-token requests now, greedy and sampled (the single-GPU backend's), so the
-            # first real one pays none of the first-use costs (the ranks' first launches, the
-            # prefill's first kernels, the whole-vocabulary draw); each request prefills its
-            # whole prompt, so what they leave in the caches is never read.
+            t0 = time.perf_counter()
+            # Every prefill bucket's block graphs (prefill_tp_graphs.py), then two-token
+            # requests, greedy and sampled (the single-GPU backend's), so the first real one
+            # pays none of the first-use costs (the ranks' first launches, the prefill's first
+            # kernels, the whole-vocabulary draw); each request prefills its whole prompt, so
+            # what they leave in the caches is never read.
+            if self.prefill.graphs is not None:
+                self.prefill.graphs.warm()
             for sampling in WARMUP_SAMPLING:
                 for _ in self._run((0, 0), 2, sampling, [], None):
                     pass
+            self.warmup_s = time.perf_counter() - t0
 
     # ---- one request --------------------------------------------------------------------
 
