@@ -212,8 +212,6 @@ class PackedCpuStep:
         # RoPE's tables over the whole head: (x1, x2) * cos2 + (x2, x1) * sin2.
         self.cos2 = torch.cat((ref.cos, ref.cos), dim=-1)[:, None, :]  # [max_len, 1, d]
         self.sin2 = torch.cat((-ref.sin, ref.sin), dim=-1)[:, None, :]
-        self.cos2q = self.cos2 * cfg.head_dim**-0.5
-        self.sin2q = self.sin2 * cfg.head_dim**-0.5
         self.layers = [
             _Layer.pack(cfg, w, n, self._gain, groups or {}) for n in range(cfg.num_layers)
         ]
@@ -269,20 +267,15 @@ class PackedCpuStep:
         end = start + t
         s = self._buffers(t)
         # The step's position in the RoPE tables (V's heads keep cos 1, sin 0).
-        s.cos_q.copy_(self.cos2q[start:end])
-        s.sin_q.copy_(self.sin2q[start:end])
-        s.cos_k.copy_(self.cos2[start:end])
-        s.sin_k.copy_(self.sin2[start:end])
+        s.cos_qk.copy_(self.cos2[start:end])
+        s.sin_qk.copy_(self.sin2[start:end])
         # Every layer's cache rows for these positions as [T, kvh, d], like the new heads.
         k_rows = cache.k[:, :, start:end].transpose(1, 2).unbind(0)
         v_rows = cache.v[:, :, start:end].transpose(1, 2).unbind(0)
         # Query i sees keys 0..start+i: a query at a time, over exactly the keys it sees, so
         # the arithmetic is the same whether a token comes alone (decode) or with others.
         seen = [
-            (
-                cache.k[:, :, : start + i + 1].transpose(2, 3).unbind(0),
-                cache.v[:, :, : start + i + 1].unbind(0),
-            )
+            (cache.k[:, :, : start + i + 1].unbind(0), cache.v[:, :, : start + i + 1].unbind(0))
             for i in range(t)
         ]
         q_cast = cache.k.dtype != s.rot.dtype  # a bf16 engine keeps a bf16 cache
@@ -299,9 +292,11 @@ class PackedCpuStep:
             k_rows[n].copy_(s.k_new)
             v_rows[n].copy_(s.v_new)
             out = [
-                torch.bmm(
-                    torch.softmax(torch.bmm(q.to(cache.k.dtype) if q_cast else q, keys[n]), -1),
+                F.scaled_dot_product_attention(
+                    q.to(cache.k.dtype) if q_cast else q,
+                    keys[n],
                     values[n],
+                    enable_gqa=True,
                 ).view(1, cfg.q_size)
                 for q, (keys, values) in zip(s.queries, seen, strict=True)
             ]
@@ -350,10 +345,8 @@ class _Scratch:
     rot: torch.Tensor  # [T, nh + 2 kvh, d] float32: Q, K after RoPE, and V
     cos: torch.Tensor  # [T, nh + 2 kvh, d]: the step's RoPE tables; 1 on V's heads
     sin: torch.Tensor  # [T, nh + 2 kvh, d]; 0 on V's heads
-    cos_q: torch.Tensor  # cos's Q heads (what a step writes)
-    sin_q: torch.Tensor
-    cos_k: torch.Tensor
-    sin_k: torch.Tensor
+    cos_qk: torch.Tensor  # cos's Q and K heads (what a step writes)
+    sin_qk: torch.Tensor
     heads_lo: torch.Tensor  # the first and second halves of each head, of heads, rot, sin
     heads_hi: torch.Tensor
     rot_lo: torch.Tensor
@@ -379,10 +372,8 @@ class _Scratch:
             rot=rot,
             cos=cos,
             sin=sin,
-            cos_q=cos[:, :nh],
-            sin_q=sin[:, :nh],
-            cos_k=cos[:, nh : nh + kvh],
-            sin_k=sin[:, nh : nh + kvh],
+            cos_qk=cos[:, : nh + kvh],
+            sin_qk=sin[:, : nh + kvh],
             heads_lo=heads[..., :half],
             heads_hi=heads[..., half:],
             rot_lo=rot[..., :half],
@@ -391,7 +382,7 @@ class _Scratch:
             sin_hi=sin[..., half:],
             k_new=rot[:, nh : nh + kvh],
             v_new=rot[:, nh + kvh :],
-            queries=[rot[i, :nh].view(kvh, nh // kvh, d) for i in range(t)],
+            queries=[rot[i, :nh, None] for i in range(t)],
         )
 
 
