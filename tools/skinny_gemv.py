@@ -69,16 +69,7 @@ def run(fmt: str, n: int, rows: int, k: int, cubin, sms: int, reps: int) -> dict
     ks = sk.slice_for(k, n, fmt)
     grid, per = sk.grid_for(k, ks, sms)
     kern = sk.SkinnyGemv(cubin, torch.cuda.current_device(), fmt, n, ks)
-    p = sk.SkinnyParams(
-        packed.data_ptr(),
-        0 if pairs is None else pairs.data_ptr(),
-        xd.data_ptr(),
-        y.data_ptr(),
-        rows,
-        k,
-        ks,
-        per,
-    )
+    p = sk.params(packed, pairs, xd, y, ks, per)
     stream = torch.cuda.current_stream().cuda_stream
     kern.launch(grid, p, stream)
     torch.cuda.synchronize()

@@ -10,11 +10,10 @@ benchmark shares only ``common.cuh`` (its timer) with the decode kernel. One
 from __future__ import annotations
 
 import ctypes
-import hashlib
 from pathlib import Path
 
-from monokernel.kernels.build import ARCH_FLAGS, CSRC, cache_dir, compile_cached, find_nvcc
-from monokernel.kernels.launcher import KernelModule, set_current_context
+from monokernel.kernels.build import CSRC, build_standalone
+from monokernel.kernels.launcher import DeviceKernel
 
 SOURCE = CSRC / "allreduce_bench.cu"
 HEADERS = (CSRC / "common.cuh", CSRC / "tunables.cuh")  # what SOURCE includes: the cache key
@@ -50,23 +49,9 @@ def recv_buffer_bytes(nranks: int, n: int) -> int:
     return 2 * nranks * (n // UNIT_FLOATS) * 16
 
 
-def _flags() -> list[str]:
-    return ["-O3", "-std=c++17", *ARCH_FLAGS, "-cubin"]
-
-
-def nvcc_command(out: Path) -> list[str]:
-    return [find_nvcc(), *_flags(), "-Xptxas", "-v", "-o", str(out), str(SOURCE)]
-
-
-def cubin_path() -> Path:
-    text = b"".join(f.read_bytes() for f in (SOURCE, *HEADERS))
-    key = hashlib.sha256(text + "\n".join(_flags()).encode()).hexdigest()[:24]
-    return cache_dir() / f"allreduce_bench-{key}.cubin"
-
-
 def build() -> Path:
     """The benchmark's cubin, compiled now unless the cache already holds it."""
-    return compile_cached(cubin_path(), nvcc_command, "the all-reduce benchmark")
+    return build_standalone(SOURCE, HEADERS, "allreduce_bench", "the all-reduce benchmark")
 
 
 def grid_for(n: int, threads: int, max_ctas: int) -> int:
@@ -75,23 +60,13 @@ def grid_for(n: int, threads: int, max_ctas: int) -> int:
     return max(1, min(max_ctas, -(-units // threads)))
 
 
-class AllReduceKernel:
-    """The N-rank entry point loaded on one device."""
+class AllReduceKernel(DeviceKernel):
+    """The N-rank entry point loaded on one device; launched cooperatively, so a grid that
+    cannot be resident at once is an error instead of a cross-GPU hang."""
 
     def __init__(self, cubin: Path, device: int, nranks: int, threads: int) -> None:
         if not 1 <= nranks <= MAX_RANKS:
             raise ValueError(f"nranks must be in [1, {MAX_RANKS}], got {nranks}")
         if not 32 <= threads <= MAX_THREADS or threads % 32:
             raise ValueError(f"threads must be a multiple of 32 in [32, {MAX_THREADS}]")
-        self.device = device
-        set_current_context(device)
-        self._module = KernelModule(cubin, entry_name(nranks), smem_bytes=0, threads=threads)
-
-    def launch(self, grid: int, params: ArParams, stream: int) -> None:
-        # Cooperative: every CTA resident at once, or an error instead of a cross-GPU hang.
-        set_current_context(self.device)
-        self._module.launch(grid, params, stream)  # type: ignore[arg-type]  # any Structure
-
-    def unload(self) -> None:
-        set_current_context(self.device)
-        self._module.unload()
+        super().__init__(cubin, device, entry_name(nranks), 0, threads)

@@ -529,6 +529,20 @@ def build(dims: KernelDims, debug: bool | None = None) -> Path:
     )
 
 
+def build_standalone(source: Path, headers: Sequence[Path], stem: str, what: str) -> Path:
+    """A benchmark's own cubin (a .cu outside the decode kernel, e.g. allreduce_bench.cu):
+    keyed by its source, the headers it includes and the flags, compiled now unless the
+    cache holds it."""
+    flags = ["-O3", "-std=c++17", *ARCH_FLAGS, "-cubin"]
+    text = b"".join(f.read_bytes() for f in (source, *headers))
+    key = hashlib.sha256(text + "\n".join(flags).encode()).hexdigest()[:24]
+    return compile_cached(
+        cache_dir() / f"{stem}-{key}.cubin",
+        lambda out: [find_nvcc(), *flags, "-Xptxas", "-v", "-o", str(out), str(source)],
+        what,
+    )
+
+
 def compile_cached(target: Path, command: Callable[[Path], list[str]], what: str) -> Path:
     """``target``, compiled by ``command(tmp_path)`` unless it exists already. A file lock
     serialises concurrent builders; the result is renamed into place whole."""

@@ -158,6 +158,25 @@ class KernelModule:
             self._module = ctypes.c_void_p()
 
 
+class DeviceKernel:
+    """One entry point of a cubin loaded into ``device``'s primary context (torch's): the
+    benchmarks' kernels, which take one ctypes Structure of parameters."""
+
+    def __init__(self, cubin: Path, device: int, name: str, smem_bytes: int, threads: int) -> None:
+        self.device = device
+        set_current_context(device)
+        self._module = KernelModule(cubin, name, smem_bytes, threads)
+
+    def launch(self, grid: int, params: ctypes.Structure, stream: int) -> None:
+        """Cooperative: every CTA resident at once, or an error (never a partial grid)."""
+        set_current_context(self.device)
+        self._module.launch(grid, params, stream)  # type: ignore[arg-type]  # any Structure
+
+    def unload(self) -> None:
+        set_current_context(self.device)
+        self._module.unload()
+
+
 def stream_done(stream: int) -> bool:
     """True once all work on the stream has finished; raises on a kernel fault."""
     res = driver().cuStreamQuery(ctypes.c_void_p(stream))

@@ -12,13 +12,12 @@ against the dequantised matrix.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 from pathlib import Path
 
 import torch
 
-from monokernel.kernels.build import ARCH_FLAGS, CSRC, cache_dir, compile_cached, find_nvcc
-from monokernel.kernels.launcher import KernelModule, set_current_context
+from monokernel.kernels.build import CSRC, build_standalone
+from monokernel.kernels.launcher import DeviceKernel
 
 SOURCE = CSRC / "skinny_gemv_bench.cu"
 HEADERS = (CSRC / "common.cuh", CSRC / "tunables.cuh")  # what SOURCE includes: the cache key
@@ -55,23 +54,9 @@ def entry_name(fmt: str, n: int) -> str:
     return f"skinny_{fmt}_n{n}"
 
 
-def _flags() -> list[str]:
-    return ["-O3", "-std=c++17", *ARCH_FLAGS, "-cubin"]
-
-
-def nvcc_command(out: Path) -> list[str]:
-    return [find_nvcc(), *_flags(), "-Xptxas", "-v", "-o", str(out), str(SOURCE)]
-
-
-def cubin_path() -> Path:
-    text = b"".join(f.read_bytes() for f in (SOURCE, *HEADERS))
-    key = hashlib.sha256(text + "\n".join(_flags()).encode()).hexdigest()[:24]
-    return cache_dir() / f"skinny_gemv_bench-{key}.cubin"
-
-
 def build() -> Path:
     """The benchmark's cubin, compiled now unless the cache already holds it."""
-    return compile_cached(cubin_path(), nvcc_command, "the skinny-GEMV benchmark")
+    return build_standalone(SOURCE, HEADERS, "skinny_gemv_bench", "the skinny-GEMV benchmark")
 
 
 # Columns a CTA's K-slice is a multiple of: one batch of a lane's loads (bf16 8 k-tiles, fp8
@@ -146,21 +131,34 @@ def smem_bytes(n: int, ks: int) -> int:
     return 2 * n * (ks // 2 + 4) * 4 + n * (ks // GROUP) * 4
 
 
-class SkinnyGemv:
-    """One entry point (format, N) loaded on the current device."""
+class SkinnyGemv(DeviceKernel):
+    """One entry point (format, N) loaded on ``device``, for a K-slice of ``ks`` columns."""
 
     def __init__(self, cubin: Path, device: int, fmt: str, n: int, ks: int) -> None:
-        self.device, self.fmt, self.n, self.ks = device, fmt, n, ks
-        set_current_context(device)
-        self._module = KernelModule(cubin, entry_name(fmt, n), smem_bytes(n, ks), THREADS)
+        self.fmt, self.n, self.ks = fmt, n, ks
+        super().__init__(cubin, device, entry_name(fmt, n), smem_bytes(n, ks), THREADS)
 
-    def launch(self, grid: int, params: SkinnyParams, stream: int) -> None:
-        set_current_context(self.device)
-        self._module.launch(grid, params, stream)  # type: ignore[arg-type]  # any Structure
 
-    def unload(self) -> None:
-        set_current_context(self.device)
-        self._module.unload()
+def params(
+    packed: torch.Tensor,
+    pairs: torch.Tensor | None,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    ks: int,
+    ctas_per_slice: int,
+) -> SkinnyParams:
+    """A launch's parameters: x [N, K] and y [N, R] fp32 on the device, the packed weights
+    and their scales (int4's pairs, fp8's row scales; None for bf16)."""
+    return SkinnyParams(
+        packed.data_ptr(),
+        0 if pairs is None else pairs.data_ptr(),
+        x.data_ptr(),
+        y.data_ptr(),
+        y.shape[1],
+        x.shape[1],
+        ks,
+        ctas_per_slice,
+    )
 
 
 def grid_for(k: int, ks: int, sms: int) -> tuple[int, int]:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from monokernel.kernels import skinny_gemv as sk
+from monokernel.testing.cuda_structs import struct_mismatch
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 
@@ -117,6 +118,11 @@ def test_builds_a_cubin_with_every_entry(tmp_path: Path, monkeypatch: pytest.Mon
             assert sk.entry_name(fmt, n).encode() in data
 
 
+@needs_nvcc
+def test_ctypes_params_match_the_cuda_struct(tmp_path: Path) -> None:
+    assert struct_mismatch(sk.SkinnyParams, "SkinnyParams", sk.SOURCE, tmp_path) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -151,16 +157,7 @@ def test_skinny_gemv_gpu(fmt: str, n: int) -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     grid, per = sk.grid_for(k, ks, sms)
     kern = sk.SkinnyGemv(sk.build(), torch.cuda.current_device(), fmt, entry_n, ks)
-    p = sk.SkinnyParams(
-        packed.data_ptr(),
-        0 if pairs is None else pairs.data_ptr(),
-        x.data_ptr(),
-        y.data_ptr(),
-        rows,
-        k,
-        ks,
-        per,
-    )
+    p = sk.params(packed, pairs, x, y, ks, per)
     kern.launch(grid, p, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     kern.unload()

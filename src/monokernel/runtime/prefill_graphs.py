@@ -32,12 +32,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from monokernel import envs
 
 MIN_BUCKET = 16
+T = TypeVar("T")
 
 
 def graphs_enabled(device: torch.device) -> bool:
@@ -92,6 +94,28 @@ def graph_keys(largest: int, max_len: int) -> list[tuple[int, int]]:
             out.append((b, k))
             end = k + 1  # the next end with a larger bucket
     return out
+
+
+def capture_graph(
+    fn: Callable[[], T],
+    device: torch.device,
+    pool: tuple[int, int] | None,
+    stream: torch.cuda.Stream,
+) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``fn`` captured on ``stream`` (on ``device``) into ``pool``, after one eager run on a
+    side stream so that nothing is first-time during capture (cuBLAS handles and
+    workspaces, the attention kernel's choice, Triton's first compile); the graph and what
+    the captured call returned (its static outputs)."""
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = fn()
+    return graph, out
 
 
 @dataclass(slots=True)
@@ -162,18 +186,9 @@ class PrefillGraphs:
         def forward() -> torch.Tensor:
             return self._chunk(tokens) if pos is None else self._chunk_at(tokens, pos, keys)
 
-        # Warm up on a side stream (cuBLAS handles and workspaces, attention kernel choice,
-        # lazily built state) so that nothing is first-time during capture.
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            forward()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
-            x = forward()
+        graph, x = capture_graph(forward, device, self._pool, self._stream)
         self._pool = graph.pool()
         entry = _Graph(graph, tokens, pos, x)
         self._graphs[(bucket, keys)] = entry

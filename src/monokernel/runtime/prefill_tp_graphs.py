@@ -20,12 +20,13 @@ Longer prompts and prompts after a held prefix run eagerly (GPU-bound at that si
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from monokernel.runtime.prefill_graphs import bucket_for, buckets
+from monokernel.runtime.prefill_graphs import bucket_for, buckets, capture_graph
 
 if TYPE_CHECKING:
     from monokernel.runtime.prefill_qkv import ChunkRope
@@ -122,19 +123,12 @@ class ShardedPrefillGraphs:
         self._buckets[bucket] = entry
         return entry
 
-    def _graph(self, rank: int, dev: torch.device, block) -> torch.cuda.CUDAGraph:  # type: ignore[no-untyped-def]
-        """``block`` captured on ``dev`` into the rank's pool, after one eager run on a side
-        stream (cuBLAS workspaces, attention kernel choice, Triton's first compile)."""
-        with torch.cuda.device(dev):
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):
-                block()
-            torch.cuda.current_stream(dev).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pools[rank], stream=self._streams[rank]):
-                block()
-            self._pools[rank] = graph.pool()
+    def _graph(
+        self, rank: int, dev: torch.device, block: Callable[[], None]
+    ) -> torch.cuda.CUDAGraph:
+        """``block`` captured on ``dev`` into the rank's pool."""
+        graph, _ = capture_graph(block, dev, self._pools[rank], self._streams[rank])
+        self._pools[rank] = graph.pool()
         return graph
 
     def captured(self) -> bool:

@@ -155,26 +155,26 @@ __device__ __forceinline__ void add_out(const SkinnyParams& p, int tile, int g, 
     }
 }
 
-// bf16 weights: one 16-byte load a k-tile, BATCH loads a lane in flight.
-template <int N>
-__device__ __forceinline__ void bf16_tiles(const SkinnyParams& p, const Inputs<N>& in, int k0,
-                                           int tile0, int tile_step) {
-  constexpr int NT = (N + 7) / 8;
-  constexpr int BATCH = 8;
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int kt = p.ks / 16, kt_all = p.k / 16;
+// A warp's row tiles of its K-slice: ``loads`` 16-byte loads a lane each (a tile's loads lie
+// ``per_tile`` uint4 apart, the slice's first at ``first``), BATCH in flight, each tile's last
+// batch issued with the next tile's first. begin(tile), on_load(j, load j), end(tile).
+template <int BATCH, class Begin, class OnLoad, class End>
+__device__ __forceinline__ void stream_tiles(const SkinnyParams& p, int tile0, int tile_step,
+                                             int loads, size_t per_tile, size_t first,
+                                             Begin begin, OnLoad on_load, End end) {
+  const int lane = threadIdx.x % 32;
   uint4 cur[BATCH], nxt[BATCH];
   bool have = false;  // cur holds this tile's first batch already
   for (int tile = tile0; tile < p.rows / 16; tile += tile_step) {
-    const uint4* w = p.w + ((size_t)tile * kt_all + k0 / 16) * 32 + lane;
-    const uint4* wn = w + (size_t)tile_step * kt_all * 32;
-    const bool ahead = tile + tile_step < p.rows / 16;  // the last batch issues the next's first
-    float c[NT][4] = {};
+    const uint4* w = p.w + (size_t)tile * per_tile + first + lane;
+    const uint4* wn = w + (size_t)tile_step * per_tile;
+    const bool ahead = tile + tile_step < p.rows / 16;
+    begin(tile);
     if (!have)
 #pragma unroll
       for (int i = 0; i < BATCH; ++i) cur[i] = ld_stream(w + i * 32);
-    for (int j0 = 0; j0 < kt; j0 += BATCH) {
-      const bool more = j0 + BATCH < kt;
+    for (int j0 = 0; j0 < loads; j0 += BATCH) {
+      const bool more = j0 + BATCH < loads;
 #pragma unroll
       for (int i = 0; i < BATCH; ++i)
         if (more)
@@ -182,56 +182,61 @@ __device__ __forceinline__ void bf16_tiles(const SkinnyParams& p, const Inputs<N
         else if (ahead)
           nxt[i] = ld_stream(wn + i * 32);
 #pragma unroll
-      for (int i = 0; i < BATCH; ++i) {
-        const uint32_t a[4] = {cur[i].x, cur[i].y, cur[i].z, cur[i].w};
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          uint32_t b[4];
-          in.frag(nt, j0 + i, g, t, b);
-          mma_bf16(c[nt], a, b[0], b[1]);
-          mma_bf16(c[nt], a, b[2], b[3]);
-        }
-      }
+      for (int i = 0; i < BATCH; ++i) on_load(j0 + i, cur[i]);
 #pragma unroll
       for (int i = 0; i < BATCH; ++i) cur[i] = nxt[i];
     }
     have = ahead;
-    add_out<N>(p, tile, g, t, c);
+    end(tile);
   }
 }
 
-// fp8 weights: two k-tiles a 16-byte load, BATCH loads a lane in flight; each row's scale at
-// the end.
+// bf16 weights: one 16-byte load a k-tile, 8 loads a lane in flight.
+template <int N>
+__device__ __forceinline__ void bf16_tiles(const SkinnyParams& p, const Inputs<N>& in, int k0,
+                                           int tile0, int tile_step) {
+  constexpr int NT = (N + 7) / 8;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  float c[NT][4];
+  stream_tiles<8>(
+      p, tile0, tile_step, p.ks / 16, (size_t)(p.k / 16) * 32, (size_t)(k0 / 16) * 32,
+      [&](int) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
+      },
+      [&](int j, const uint4 u) {
+        const uint32_t a[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          uint32_t b[4];
+          in.frag(nt, j, g, t, b);
+          mma_bf16(c[nt], a, b[0], b[1]);
+          mma_bf16(c[nt], a, b[2], b[3]);
+        }
+      },
+      [&](int tile) { add_out<N>(p, tile, g, t, c); });
+}
+
+// fp8 weights: two k-tiles a 16-byte load, 8 loads a lane in flight; each row's scale at the
+// end.
 template <int N>
 __device__ __forceinline__ void fp8_tiles(const SkinnyParams& p, const Inputs<N>& in, int k0,
                                           int tile0, int tile_step) {
   constexpr int NT = (N + 7) / 8;
-  constexpr int BATCH = 8;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int kp = p.ks / 32, kp_all = p.k / 32;  // 16-byte loads a lane in the slice, the row
   const float* scale = reinterpret_cast<const float*>(p.ab);
-  uint4 cur[BATCH], nxt[BATCH];
-  bool have = false;
-  for (int tile = tile0; tile < p.rows / 16; tile += tile_step) {
-    const uint4* w = p.w + ((size_t)tile * kp_all + k0 / 32) * 32 + lane;
-    const uint4* wn = w + (size_t)tile_step * kp_all * 32;
-    const bool ahead = tile + tile_step < p.rows / 16;  // the last batch issues the next's first
-    float c[NT][4] = {};
-    if (!have)
+  float c[NT][4];
+  float s0 = 0.f, s1 = 0.f;
+  stream_tiles<8>(
+      p, tile0, tile_step, p.ks / 32, (size_t)(p.k / 32) * 32, (size_t)(k0 / 32) * 32,
+      [&](int tile) {
 #pragma unroll
-      for (int i = 0; i < BATCH; ++i) cur[i] = ld_stream(w + i * 32);
-    const float s0 = __ldg(scale + tile * 16 + g), s1 = __ldg(scale + tile * 16 + g + 8);
-    for (int j0 = 0; j0 < kp; j0 += BATCH) {
-      const bool more = j0 + BATCH < kp;
-#pragma unroll
-      for (int i = 0; i < BATCH; ++i)
-        if (more)
-          nxt[i] = ld_stream(w + (j0 + BATCH + i) * 32);
-        else if (ahead)
-          nxt[i] = ld_stream(wn + i * 32);
-#pragma unroll
-      for (int i = 0; i < BATCH; ++i) {
-        const uint32_t words[4] = {cur[i].x, cur[i].y, cur[i].z, cur[i].w};
+        for (int nt = 0; nt < NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.f;
+        s0 = __ldg(scale + tile * 16 + g);
+        s1 = __ldg(scale + tile * 16 + g + 8);
+      },
+      [&](int j, const uint4 u) {
+        const uint32_t words[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const uint32_t a[4] = {e4m3x2_f16x2(words[2 * h], 0), e4m3x2_f16x2(words[2 * h], 1),
@@ -240,25 +245,22 @@ __device__ __forceinline__ void fp8_tiles(const SkinnyParams& p, const Inputs<N>
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             uint32_t b[4];
-            in.frag(nt, 2 * (j0 + i) + h, g, t, b);
+            in.frag(nt, 2 * j + h, g, t, b);
             mma_f16(c[nt], a, b[0], b[1]);
             mma_f16(c[nt], a, b[2], b[3]);
           }
         }
-      }
+      },
+      [&](int tile) {
 #pragma unroll
-      for (int i = 0; i < BATCH; ++i) cur[i] = nxt[i];
-    }
-    have = ahead;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      c[nt][0] *= s0;
-      c[nt][1] *= s0;
-      c[nt][2] *= s1;
-      c[nt][3] *= s1;
-    }
-    add_out<N>(p, tile, g, t, c);
-  }
+        for (int nt = 0; nt < NT; ++nt) {
+          c[nt][0] *= s0;
+          c[nt][1] *= s0;
+          c[nt][2] *= s1;
+          c[nt][3] *= s1;
+        }
+        add_out<N>(p, tile, g, t, c);
+      });
 }
 
 // int4 weights: a group (128 columns, 8 k-tiles) is two 16-byte loads a lane; GROUPS groups'
