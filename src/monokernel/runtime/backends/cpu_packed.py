@@ -44,7 +44,8 @@ import torch
 import torch.nn.functional as F
 
 from monokernel.models.config import ModelConfig
-from monokernel.models.transformer import KVCache, Transformer, rms_norm
+from monokernel.models.transformer import KVCache, Transformer
+from monokernel.runtime.backends.cpu_layers import ACT, PackedLayers, script
 from monokernel.weights.group_quant import GroupQuant, quantize_rtn
 from monokernel.weights.group_quant import fuse_rows as gq_fuse_rows
 
@@ -54,7 +55,7 @@ RESCORE = 16  # LM-head candidates scored again in float32
 # model the float32 head's pick ranked at most 8th among the 4-bit logits over 4,096
 # positions of the packaged text (3rd among the int8 ones).
 PICK = 32
-_ACT = torch.bfloat16  # the kernels' fast activation dtype
+_ACT = ACT  # the kernels' fast activation dtype
 # A float32 value is "on the grid" within this fraction of the grid's step: float32
 # dequantisation (q * d + m) is off by a few ulps, an off-grid weight by up to half a step.
 _GRID_TOL = 1e-3
@@ -105,7 +106,9 @@ class PackedLinear:
         return torch._weight_int4pack_mm_for_cpu(eye, self.data, GROUP, self.scales.float()).T
 
 
-def int4_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def int4_grid(
+    w: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(q [rows, cols] int32 in 0..15, scale, zero [rows, cols/32] float32) such that
     ``w = (q - 8) * scale + zero`` group by group, when every group of 32 in a row holds at
     most 16 evenly spaced values from its minimum to its maximum (a Q4_1 block's
@@ -130,7 +133,9 @@ def _on_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return q.reshape(rows, cols).to(torch.int32), step[..., 0], (lo + 8 * step)[..., 0]
 
 
-def _groups_grid(gq: GroupQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def _groups_grid(
+    gq: GroupQuant,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """int4_grid's (q, scale, zero) from a matrix's own groups: w = a q + b is
     (q - 8) a + (b + 8 a)."""
     if gq.group != GROUP or gq.rows % 16:
@@ -195,7 +200,10 @@ class PackedCpuStep:
     for all layers: each view or allocation is another call."""
 
     def __init__(
-        self, ref: Transformer, cache: KVCache, groups: Mapping[str, GroupQuant] | None = None
+        self,
+        ref: Transformer,
+        cache: KVCache,
+        groups: Mapping[str, GroupQuant] | None = None,
     ) -> None:
         """``groups``: the checkpoint's own 4-bit groups of the layers' matrices, if any."""
         cfg, w = ref.cfg, ref.w
@@ -215,6 +223,20 @@ class PackedCpuStep:
         self.layers = [
             _Layer.pack(cfg, w, n, self._gain, groups or {}) for n in range(cfg.num_layers)
         ]
+        self.run_layers = script(
+            PackedLayers(
+                GROUP,
+                (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+                cfg.rms_norm_eps,
+                [g for lw in self.layers for g in (lw.attn_norm, lw.ffn_norm)],
+                [
+                    (m.kind, m.data, m.scales, m.bias)
+                    for lw in self.layers
+                    for m in (lw.qkv, lw.wo, lw.gate_up, lw.down)
+                ],
+                [(lw.q_norm, lw.k_norm) for lw in self.layers],
+            )
+        )
         self._scratch: dict[int, _Scratch] = {}
         self.tok = torch.zeros(1, dtype=torch.long)  # the input token; then the greedy next
         self.pos = torch.zeros(1, dtype=torch.long)  # the input token's position
@@ -232,28 +254,6 @@ class PackedCpuStep:
                 self._scratch[t] = s
         return s
 
-    @staticmethod
-    def _normed(
-        x: torch.Tensor, gain: torch.Tensor, s: _Scratch, dtype: torch.dtype
-    ) -> torch.Tensor:
-        # Written in the next matrix's input dtype: the rounding .to() would do, one call less.
-        out = s.h_act if dtype == _ACT else s.h_f32
-        return torch.div(x * gain, torch.linalg.vector_norm(x, dim=-1, keepdim=True), out=out)
-
-    def _heads(self, lw: _Layer, h: torch.Tensor) -> torch.Tensor:
-        """Q, K and V heads [T, nh + 2 kvh, d] side by side, before RoPE."""
-        cfg, t = self.cfg, h.shape[0]
-        nh, kvh = cfg.num_heads, cfg.num_kv_heads
-        heads = lw.qkv(h).view(t, nh + 2 * kvh, cfg.head_dim)
-        if lw.q_norm is not None and lw.k_norm is not None:
-            eps = cfg.rms_norm_eps
-            q, k, v = heads.split((nh, kvh, kvh), dim=1)
-            heads = torch.cat(
-                (rms_norm(q.float(), lw.q_norm, eps), rms_norm(k.float(), lw.k_norm, eps), v),
-                dim=1,
-            )
-        return heads
-
     @torch.inference_mode()
     def forward_tokens(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """tokens [T] int64 at positions start.. -> logits [T, V] float32 (the cache must
@@ -262,7 +262,7 @@ class PackedCpuStep:
 
     def _hidden(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """The final norm's output [T, hidden] float32, what the LM head multiplies."""
-        cfg, cache = self.cfg, self.cache
+        cache = self.cache
         t = tokens.shape[0]
         end = start + t
         s = self._buffers(t)
@@ -270,40 +270,16 @@ class PackedCpuStep:
         s.cos_qk.copy_(self.cos2[start:end])
         s.sin_qk.copy_(self.sin2[start:end])
         # Every layer's cache rows for these positions as [T, kvh, d], like the new heads.
-        k_rows = cache.k[:, :, start:end].transpose(1, 2).unbind(0)
-        v_rows = cache.v[:, :, start:end].transpose(1, 2).unbind(0)
-        # Query i sees keys 0..start+i: a query at a time, over exactly the keys it sees, so
-        # the arithmetic is the same whether a token comes alone (decode) or with others.
-        seen = [
-            (cache.k[:, :, : start + i + 1].unbind(0), cache.v[:, :, : start + i + 1].unbind(0))
-            for i in range(t)
-        ]
-        q_cast = cache.k.dtype != s.rot.dtype  # a bf16 engine keeps a bf16 cache
+        k_rows = list(cache.k[:, :, start:end].transpose(1, 2).unbind(0))
+        v_rows = list(cache.v[:, :, start:end].transpose(1, 2).unbind(0))
+        # The keys and values query i sees, positions 0..start+i, of every layer.
+        keys = [list(cache.k[:, :, : start + i + 1].unbind(0)) for i in range(t)]
+        values = [list(cache.v[:, :, : start + i + 1].unbind(0)) for i in range(t)]
         x = torch.index_select(self.embed, 0, tokens, out=s.x)
-        for n, lw in enumerate(self.layers):
-            heads = self._heads(lw, self._normed(x, lw.attn_norm, s, lw.qkv.act_dtype))
-            # RoPE on all heads at once (cos 1 and sin 0 copy V's heads as they are), in
-            # buffers whose halves are views made once, into the one whose views the cache
-            # writes and the queries read: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
-            s.heads.copy_(heads)  # float32 once, not in each op below
-            torch.mul(s.heads, s.cos, out=s.rot)
-            s.rot_lo.addcmul_(s.heads_hi, s.sin_lo)
-            s.rot_hi.addcmul_(s.heads_lo, s.sin_hi)
-            k_rows[n].copy_(s.k_new)
-            v_rows[n].copy_(s.v_new)
-            out = [
-                F.scaled_dot_product_attention(
-                    q.to(cache.k.dtype) if q_cast else q,
-                    keys[n],
-                    values[n],
-                    enable_gqa=True,
-                ).view(1, cfg.q_size)
-                for q, (keys, values) in zip(s.queries, seen, strict=True)
-            ]
-            x.add_(lw.wo(out[0] if t == 1 else torch.cat(out)))
-            h = self._normed(x, lw.ffn_norm, s, lw.gate_up.act_dtype)
-            gate, up = lw.gate_up(h).chunk(2, dim=-1)
-            x.add_(lw.down(F.silu(gate) * up))
+        # The graph interpreter without its optimising passes: the ops as written, bitwise
+        # those of the eager module (no faster with them: keys grow a position a step).
+        with torch.jit.optimized_execution(False):
+            self.run_layers(x, s.tensors(), s.queries, k_rows, v_rows, keys, values)
         return x * self.norm / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -342,6 +318,7 @@ class _Scratch:
     h_act: torch.Tensor  # [T, hidden] bf16: a norm's output for the integer kernels
     h_f32: torch.Tensor  # [T, hidden] float32: for a float32 matrix
     heads: torch.Tensor  # [T, nh + 2 kvh, d] float32: Q, K and V before RoPE
+    heads_flat: torch.Tensor  # heads as [T, (nh + 2 kvh) d], the QKV matrix's output
     rot: torch.Tensor  # [T, nh + 2 kvh, d] float32: Q, K after RoPE, and V
     cos: torch.Tensor  # [T, nh + 2 kvh, d]: the step's RoPE tables; 1 on V's heads
     sin: torch.Tensor  # [T, nh + 2 kvh, d]; 0 on V's heads
@@ -357,6 +334,14 @@ class _Scratch:
     v_new: torch.Tensor  # rot's V heads
     queries: list[torch.Tensor]  # query i's heads [nh, 1, d]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The buffers and views PackedLayers.forward reads, in its order."""
+        return [
+            self.h_act, self.h_f32, self.heads, self.heads_flat, self.rot, self.cos,
+            self.heads_lo, self.heads_hi, self.rot_lo, self.rot_hi, self.sin_lo,
+            self.sin_hi, self.k_new, self.v_new,
+        ]  # fmt: skip
+
     @classmethod
     def allocate(cls, cfg: ModelConfig, t: int) -> _Scratch:
         nh, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -369,6 +354,7 @@ class _Scratch:
             h_act=torch.empty(t, cfg.hidden_size, dtype=_ACT),
             h_f32=torch.empty(t, cfg.hidden_size),
             heads=heads,
+            heads_flat=heads.view(t, -1),
             rot=rot,
             cos=cos,
             sin=sin,
