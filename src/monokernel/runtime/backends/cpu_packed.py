@@ -220,6 +220,9 @@ class PackedCpuStep:
         # RoPE's tables over the whole head: (x1, x2) * cos2 + (x2, x1) * sin2.
         self.cos2 = torch.cat((ref.cos, ref.cos), dim=-1)[:, None, :]  # [max_len, 1, d]
         self.sin2 = torch.cat((-ref.sin, ref.sin), dim=-1)[:, None, :]
+        # The queries' tables carry attention's 1/sqrt(d) (exact for d = 64, a power of 4).
+        self.cos2_q = self.cos2 * cfg.head_dim**-0.5
+        self.sin2_q = self.sin2 * cfg.head_dim**-0.5
         self.layers = [
             _Layer.pack(cfg, w, n, self._gain, groups or {}) for n in range(cfg.num_layers)
         ]
@@ -267,13 +270,15 @@ class PackedCpuStep:
         end = start + t
         s = self._buffers(t)
         # The step's position in the RoPE tables (V's heads keep cos 1, sin 0).
-        s.cos_qk.copy_(self.cos2[start:end])
-        s.sin_qk.copy_(self.sin2[start:end])
+        s.cos_q.copy_(self.cos2_q[start:end])
+        s.sin_q.copy_(self.sin2_q[start:end])
+        s.cos_k.copy_(self.cos2[start:end])
+        s.sin_k.copy_(self.sin2[start:end])
         # Every layer's cache rows for these positions as [T, kvh, d], like the new heads.
         k_rows = list(cache.k[:, :, start:end].transpose(1, 2).unbind(0))
         v_rows = list(cache.v[:, :, start:end].transpose(1, 2).unbind(0))
         # The keys and values query i sees, positions 0..start+i, of every layer.
-        keys = [list(cache.k[:, :, : start + i + 1].unbind(0)) for i in range(t)]
+        keys = [list(cache.k[:, :, : start + i + 1].transpose(2, 3).unbind(0)) for i in range(t)]
         values = [list(cache.v[:, :, : start + i + 1].unbind(0)) for i in range(t)]
         x = torch.index_select(self.embed, 0, tokens, out=s.x)
         # The graph interpreter without its optimising passes: the ops as written, bitwise
@@ -322,8 +327,10 @@ class _Scratch:
     rot: torch.Tensor  # [T, nh + 2 kvh, d] float32: Q, K after RoPE, and V
     cos: torch.Tensor  # [T, nh + 2 kvh, d]: the step's RoPE tables; 1 on V's heads
     sin: torch.Tensor  # [T, nh + 2 kvh, d]; 0 on V's heads
-    cos_qk: torch.Tensor  # cos's Q and K heads (what a step writes)
-    sin_qk: torch.Tensor
+    cos_q: torch.Tensor  # cos's Q heads (what a step writes: with 1/sqrt(d))
+    sin_q: torch.Tensor
+    cos_k: torch.Tensor  # cos's K heads
+    sin_k: torch.Tensor
     heads_lo: torch.Tensor  # the first and second halves of each head, of heads, rot, sin
     heads_hi: torch.Tensor
     rot_lo: torch.Tensor
@@ -332,7 +339,7 @@ class _Scratch:
     sin_hi: torch.Tensor
     k_new: torch.Tensor  # rot's K heads [T, kvh, d]
     v_new: torch.Tensor  # rot's V heads
-    queries: list[torch.Tensor]  # query i's heads [nh, 1, d]
+    queries: list[torch.Tensor]  # query i's heads [kvh, nh / kvh, d], a KV head's group a row
 
     def tensors(self) -> list[torch.Tensor]:
         """The buffers and views PackedLayers.forward reads, in its order."""
@@ -358,8 +365,10 @@ class _Scratch:
             rot=rot,
             cos=cos,
             sin=sin,
-            cos_qk=cos[:, : nh + kvh],
-            sin_qk=sin[:, : nh + kvh],
+            cos_q=cos[:, :nh],
+            sin_q=sin[:, :nh],
+            cos_k=cos[:, nh : nh + kvh],
+            sin_k=sin[:, nh : nh + kvh],
             heads_lo=heads[..., :half],
             heads_hi=heads[..., half:],
             rot_lo=rot[..., :half],
@@ -368,7 +377,7 @@ class _Scratch:
             sin_hi=sin[..., half:],
             k_new=rot[:, nh : nh + kvh],
             v_new=rot[:, nh + kvh :],
-            queries=[rot[i, :nh, None] for i in range(t)],
+            queries=[rot[i, :nh].view(kvh, nh // kvh, d) for i in range(t)],
         )
 
 
