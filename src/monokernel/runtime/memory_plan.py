@@ -21,6 +21,7 @@ from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import PREFILL_CHUNK
 from monokernel.runtime import kv_memory
 from monokernel.runtime.prefill_tp import ShardedPrefill
+from monokernel.runtime.prefill_tp_graphs import graph_bytes as tp_graph_bytes
 from monokernel.weights.shard import rank_config, shard_config, valid_tp_sizes
 
 # Without --max-model-len where memory is not planned (CPU), and for the engines whose decode
@@ -94,7 +95,8 @@ def _tp_rank0_bytes(cfg: ModelConfig, n: int, weight_bytes: int, tp: int, s: Pla
     """Rank 0 of the TP backend (runtime/backends/monokernel/tp.py) holds the most: its shard
     in bf16 (the layers' 1/tp, its LM-head rows, the whole embedding), repacked, its KV heads'
     cache and RoPE tables, its prefill's workspace and the partial sums the sharded prefill
-    exchanges (runtime/prefill_tp.py). The checkpoint itself stays in host memory."""
+    exchanges (runtime/prefill_tp.py), and its prefill graphs (runtime/prefill_tp_graphs.py).
+    The checkpoint itself stays in host memory."""
     rank = rank_config(shard_config(cfg, 0, tp))
     layers = weight_bytes * 2 // s.dtype_bytes
     embed = 2 * cfg.vocab_size * cfg.hidden_size
@@ -103,6 +105,8 @@ def _tp_rank0_bytes(cfg: ModelConfig, n: int, weight_bytes: int, tp: int, s: Pla
     chunk = min(s.chunk_tokens, n)
     extra = kv_memory.repack_bytes(rank, fold=False, convert=False, consume=True)
     extra += ShardedPrefill.extra_bytes(chunk, cfg.hidden_size, tp)
+    if s.graphs:
+        extra += tp_graph_bytes(rank, s.chunk_tokens, n, s.precision)
     return shard + kv_memory.needed_bytes(rank, n, chunk, s.precision, extra)
 
 

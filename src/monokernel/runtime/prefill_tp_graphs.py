@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from monokernel.models.config import ModelConfig
+from monokernel.runtime.prefill import workspace_bytes
 from monokernel.runtime.prefill_graphs import bucket_for, buckets, capture_graph
 
 if TYPE_CHECKING:
@@ -35,6 +37,14 @@ if TYPE_CHECKING:
 # Graphs for prompts up to this many tokens: past it the GPU's work outweighs the launches
 # (and each bucket's buffers and captures cost memory and load time).
 MAX_TP_BUCKET = 2048
+
+
+def graph_bytes(rank: ModelConfig, chunk_tokens: int, max_len: int, precision: str) -> int:
+    """One rank's memory for its block graphs: every bucket's residual and two partials
+    [bucket, H] fp32, and the pool the largest bucket's blocks run in (as eager's workspace)."""
+    largest = min(MAX_TP_BUCKET, chunk_tokens, max_len)
+    statics = 3 * 4 * rank.hidden_size * sum(buckets(largest)) if largest >= 1 else 0
+    return statics + workspace_bytes(rank, largest, largest, precision)
 
 
 @dataclass(slots=True)

@@ -159,6 +159,28 @@ def test_tp_counts_rank_zero_and_refuses_a_bad_split() -> None:
         plan_context(cfg, 80 * GIB, weights, "monokernel", None, tp=3, settings=GPU)
 
 
+def test_tp_counts_its_prefill_graphs() -> None:
+    """The block graphs of the sharded prefill (every bucket's residual and partials, the
+    largest bucket's pool) are counted on rank 0 where the graphs are on."""
+    from dataclasses import replace
+
+    from monokernel.models.config import ModelConfig as Cfg
+    from monokernel.runtime.prefill_tp_graphs import MAX_TP_BUCKET, graph_bytes
+    from monokernel.weights.shard import rank_config, shard_config
+
+    cfg: Cfg = DENSE_SHAPES["qwen2.5-coder-1.5b"]
+    weights = _bf16_weights(cfg)
+    on = mp.need_bytes(cfg, 4096, weights, "monokernel", 2, GPU)
+    off = mp.need_bytes(cfg, 4096, weights, "monokernel", 2, replace(GPU, graphs=False))
+    rank = rank_config(shard_config(cfg, 0, 2))
+    assert on - off == graph_bytes(rank, GPU.chunk_tokens, 4096, GPU.precision)
+    # Buffers of every bucket up to the cap: 16 + 32 + ... + 2,048 rows, three [T, H] fp32.
+    statics = 3 * 4 * rank.hidden_size * (2 * MAX_TP_BUCKET - 16)
+    assert statics < on - off < statics + 4 * GIB
+    # A short context caps the buckets.
+    assert graph_bytes(rank, GPU.chunk_tokens, 100, GPU.precision) < on - off
+
+
 def test_float32_weights_that_fit_in_bf16_say_so() -> None:
     cfg = DENSE_SHAPES["llama-3.2-1b"]
     f32 = PlanSettings(where="cuda:0", dtype_bytes=4)
