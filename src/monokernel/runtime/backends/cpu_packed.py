@@ -46,14 +46,14 @@ import torch.nn.functional as F
 from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import KVCache, Transformer
 from monokernel.runtime.backends.cpu_layers import ACT, PackedLayers, script
-from monokernel.weights.group_quant import GroupQuant, quantize_rtn
+from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.group_quant import fuse_rows as gq_fuse_rows
 
 GROUP = 32  # weights sharing an int4 scale and zero: a Q4_1 block
 RESCORE = 16  # LM-head candidates scored again in float32
 # Candidates a greedy step takes from the 4-bit head and scores in float32: on the default
 # model the float32 head's pick ranked at most 8th among the 4-bit logits over 4,096
-# positions of the packaged text (3rd among the int8 ones).
+# positions of the packaged text (2nd among the int8 ones; the 4-bit head alone picks it at 87%).
 PICK = 32
 _ACT = ACT  # the kernels' fast activation dtype
 # A float32 value is "on the grid" within this fraction of the grid's step: float32
@@ -154,11 +154,28 @@ def pack_int8(w: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear
 
 
 def pack_int4_rtn(w: torch.Tensor) -> PackedLinear | None:
-    """W [rows, cols] rounded to int4 in groups of 32 (quantize_rtn), or None where the
-    shape fits no int4 kernel."""
-    if w.shape[0] % 16 or w.shape[1] % GROUP:
+    """W [rows, cols] rounded to int4 in groups of 32, each group's 16 levels from its
+    minimum to its maximum (a Q4_1 block's grid), or None where the shape fits no int4
+    kernel. A few in-place passes: ~0.19 s for the default model's head on 2 cores, where
+    quantize_rtn and the generic packing took ~0.4 s of the engine's start."""
+    rows, cols = w.shape
+    if rows % 16 or cols % GROUP:
         return None
-    return pack_linear(w, gq=quantize_rtn(w, GROUP))
+    g = w.float().reshape(rows, cols // GROUP, GROUP)
+    lo, hi = torch.aminmax(g, dim=-1)
+    step = ((hi - lo) / 15).clamp_min_(torch.finfo(torch.float32).tiny)
+    q = (g - lo[..., None]).div_(step[..., None]).round_().clamp_(0, 15).to(torch.int32)
+    return _pack_int4(q.view(rows, cols), step, lo + 8 * step, None)
+
+
+def _pack_int4(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None
+) -> PackedLinear:
+    """w = (q - 8) * scale + zero, q [rows, cols] int32 in 0..15, scale and zero
+    [rows, cols / 32] float32, in the int4 kernel's layout."""
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    sz = torch.stack((scale.T, zero.T), dim=-1).to(_ACT).contiguous()
+    return PackedLinear("int4", packed, sz, None if bias is None else bias.float())
 
 
 def best_row(coarse: PackedLinear, table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -181,10 +198,7 @@ def pack_linear(
     if grid is None:
         grid = int4_grid(w)
     if grid is not None:
-        q, scale, zero = grid
-        packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-        sz = torch.stack((scale.T, zero.T), dim=-1).to(_ACT).contiguous()
-        return PackedLinear("int4", packed, sz, None if bias is None else bias.float())
+        return _pack_int4(*grid, bias)
     if w.shape[1] % 8 == 0:
         return pack_int8(w, bias)
     return PackedLinear("float32", w.float(), None, None if bias is None else bias.float())
