@@ -30,9 +30,10 @@ kernels compute each input row on its own and attention runs a query at a time, 
 are accepted exactly when steps of ``__call__`` would have produced them (and when greedy
 steps would, wherever both heads' candidates hold the float32 pick).
 
-Each step's torch calls are few (~24 a layer) and write into buffers allocated once: on a
-small CPU a call costs 2-6 µs of dispatch, over 30 layers as much as a third of the
-matrices' time.
+A step's torch calls are few (~24 a layer), write into buffers allocated once, and run in
+one TorchScript call for all layers (cpu_layers.py): on a small CPU each call from Python
+costs 2-6 µs, over 30 layers as much as a third of the matrices' time. Default model, 2
+cores: ~17.5 ms a token, of which the int4 layers ~10 ms, the int4 head 2.4, attention ~1.
 """
 
 from __future__ import annotations
