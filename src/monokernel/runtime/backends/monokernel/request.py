@@ -169,8 +169,7 @@ class RequestDriver:
         out = kernel.token_words
         mask_tag = 0
         if launched and matcher is not None:
-            mask_tag = kernel.grammar.begin(n_steps)
-            kernel.grammar.publish(0, matcher.words())
+            mask_tag = begin_masks((kernel.grammar,), matcher, n_steps)
         if launched:
             launch = Launch(step_in, held, n_steps, sampling, len(stop_ids), mask_tag, rules)
             kernel.start(launch, probe)
@@ -195,13 +194,15 @@ class RequestDriver:
                     logprobs.append(first_logprobs)
                 yield first  # the kernel is already running on the next one
             if launched:
-                tokens = read_tokens(out, cancel, check)
-                if matcher is not None:
-                    tokens = masks_ahead(tokens, matcher, (kernel.grammar,), n_steps)
-                if want_logprobs:
-                    assert logprobs is not None and sampling.logprobs is not None
-                    tokens = with_logprobs(tokens, kernel.rules, sampling.logprobs, logprobs)
-                finished = yield from tokens
+                finished = yield from kernel_tokens(
+                    read_tokens(out, cancel, check),
+                    n_steps,
+                    matcher,
+                    (kernel.grammar,),
+                    kernel.rules,
+                    sampling,
+                    logprobs,
+                )
         except GeneratorExit:  # the consumer closed the stream: a normal early end
             raise
         except BaseException:
@@ -228,6 +229,39 @@ class RequestDriver:
                 generated = [w - 1 for w in out[2 : 2 + max(0, steps - 1)]]  # id + 1
                 ran = (*prompt_ids[:held], step_in)
                 prefix.finish(ran, fed_tokens(ran, generated, steps, forced_ids))
+
+
+def begin_masks(grammars: Sequence[GrammarMask], matcher: TokenMatcher, steps: int) -> int:
+    """A constrained launch's first mask tag (Launch.mask_tag) on every kernel's buffers
+    (one a TP rank: their tags advance together, so they agree), with step 0's mask
+    published to each."""
+    tags = {grammar.begin(steps) for grammar in grammars}
+    if len(tags) != 1:
+        raise RuntimeError(f"the kernels' grammar tags disagree: {sorted(tags)}")
+    words = matcher.words()
+    for grammar in grammars:
+        grammar.publish(0, words)
+    return tags.pop()
+
+
+def kernel_tokens(
+    tokens: Generator[int, None, bool],
+    steps: int,
+    matcher: TokenMatcher | None,
+    grammars: Sequence[GrammarMask],
+    rules: LogitRules,
+    sampling: SamplingParams,
+    sink: list[TokenLogprobs] | None,
+) -> Generator[int, None, bool]:
+    """A launch's ``steps`` tokens as they land (token_reader.read_tokens), with a
+    constrained request's next mask sent (masks_ahead) and, where ``sink`` and
+    ``sampling.logprobs`` ask for them, each step's logprobs record from ``rules``
+    (with_logprobs); returns whether the kernel finished."""
+    if matcher is not None:
+        tokens = masks_ahead(tokens, matcher, grammars, steps)
+    if sink is not None and sampling.logprobs is not None:
+        tokens = with_logprobs(tokens, rules, sampling.logprobs, sink)
+    return tokens
 
 
 def _tapped(

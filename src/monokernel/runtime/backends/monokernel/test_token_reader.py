@@ -110,3 +110,57 @@ def test_masks_go_out_a_step_ahead_and_logprobs_before_each_token() -> None:
         ("advance", 0), ("publish0", 2), ("publish1", 2), ("logprobs", 1),
         ("advance", 9), ("logprobs", 2),
     ]  # fmt: skip
+
+
+def test_begin_masks_and_kernel_tokens_for_one_kernel_or_several() -> None:
+    """request.py's launch helpers, as the one-GPU driver and the TP backend call them: the
+    first tag is the kernels' common one with step 0's mask on each (tags that disagree are
+    an error), and kernel_tokens adds the masks and the logprobs only where asked."""
+    from monokernel.runtime.backends.monokernel.request import begin_masks, kernel_tokens
+    from monokernel.runtime.sampling import SamplingParams
+
+    events: list[tuple[str, int]] = []
+
+    class Grammar:
+        def __init__(self, name: str, tag: int) -> None:
+            self.name, self.tag = name, tag
+
+        def begin(self, steps: int) -> int:
+            events.append((f"begin{self.name}", steps))
+            return self.tag
+
+        def publish(self, step: int, words: str) -> None:
+            events.append((f"publish{self.name}", step))
+
+    class Matcher:
+        def advance(self, token: int) -> None:
+            events.append(("advance", token))
+
+        def words(self) -> str:
+            return "w"
+
+    class Rules:
+        def logprobs(self, step: int, n: int) -> str:
+            return f"lp{step}x{n}"
+
+    ranks = (Grammar("0", 5), Grammar("1", 5))
+    assert begin_masks(ranks, Matcher(), 3) == 5  # type: ignore[arg-type]
+    assert events == [("begin0", 3), ("begin1", 3), ("publish0", 0), ("publish1", 0)]
+    with pytest.raises(RuntimeError, match="disagree"):
+        begin_masks((Grammar("0", 5), Grammar("1", 6)), Matcher(), 3)  # type: ignore[arg-type]
+
+    def landed():  # type: ignore[no-untyped-def]
+        return read_tokens([3, 1, 8, 1, 10, 0], None, lambda _s: None)  # 7, 0, 9, done
+
+    plain = SamplingParams()
+    events.clear()
+    sink: list[str] = []
+    gen = kernel_tokens(landed(), 3, None, (), Rules(), plain, sink)  # type: ignore[arg-type]
+    assert _drain(gen) == ([7, 0, 9], True) and sink == [] and events == []
+    asked = SamplingParams(logprobs=2)
+    gen = kernel_tokens(landed(), 3, Matcher(), ranks, Rules(), asked, sink)  # type: ignore[arg-type]
+    assert _drain(gen) == ([7, 0, 9], True)
+    assert sink == ["lp0x2", "lp1x2", "lp2x2"]
+    assert events[:3] == [("advance", 7), ("publish0", 1), ("publish1", 1)]
+    gen = kernel_tokens(landed(), 3, None, (), Rules(), asked, None)  # type: ignore[arg-type]
+    assert _drain(gen) == ([7, 0, 9], True)  # no sink: no records asked for

@@ -52,9 +52,9 @@ from monokernel.runtime.backends.monokernel.peer import (
 )
 from monokernel.runtime.backends.monokernel.request import (
     WARMUP_SAMPLING,
+    begin_masks,
     checked_steps,
-    masks_ahead,
-    with_logprobs,
+    kernel_tokens,
 )
 from monokernel.runtime.backends.monokernel.token_reader import read_tokens
 from monokernel.runtime.constrained import TokenMatcher
@@ -292,17 +292,8 @@ class MonokernelTPBackend:
         tag = self._tag
         self._tag += span  # advanced up front: an aborted launch never has its tags reused
         self._prefill(prompt_ids)
-        mask_tag = 0
         grammars = [rk.kernel.grammar for rk in self.ranks] if matcher is not None else []
-        if grammars:  # every rank's tags advance together, so they agree
-            tags = {g.begin(n_steps) for g in grammars}
-            if len(tags) != 1:
-                raise RuntimeError(f"the ranks' grammar tags disagree: {sorted(tags)}")
-            mask_tag = tags.pop()
-            assert matcher is not None
-            words = matcher.words()
-            for g in grammars:
-                g.publish(0, words)
+        mask_tag = 0 if matcher is None else begin_masks(grammars, matcher, n_steps)
         launch = Launch(prompt_ids[-1], n - 1, n_steps, sampling, len(stop_ids), mask_tag)
         peers = [rk.recv.ptr for rk in self.ranks]
         params = []
@@ -342,11 +333,15 @@ class MonokernelTPBackend:
                 )
 
         failed = False
-        tokens = read_tokens(out, cancel, check)
-        if matcher is not None:
-            tokens = masks_ahead(tokens, matcher, grammars, n_steps)
-        if logprobs is not None and sampling.logprobs is not None:
-            tokens = with_logprobs(tokens, lead.rules, sampling.logprobs, logprobs)
+        tokens = kernel_tokens(
+            read_tokens(out, cancel, check),
+            n_steps,
+            matcher,
+            grammars,
+            lead.rules,
+            sampling,
+            logprobs,
+        )
         try:
             finished = yield from tokens
         except GeneratorExit:
