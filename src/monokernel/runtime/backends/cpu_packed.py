@@ -179,12 +179,20 @@ def _pack_int4(
     return PackedLinear("int4", packed, sz, None if bias is None else bias.float())
 
 
+def candidates(
+    logits: torch.Tensor, table: torch.Tensor, x: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest of ``logits`` [T, rows] in each row (indices [T, k]) and their
+    float32 products: rows of ``table`` [rows, cols] float32 with x [T, cols]."""
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices  # [T, k]
+    rows = table.index_select(0, top.view(-1)).view(*top.shape, -1)
+    return top, (rows * x[:, None, :]).sum(-1)
+
+
 def best_row(coarse: PackedLinear, table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """[T] int64: for each row of x [T, cols], the row of ``table`` [rows, cols] float32 with
     the largest float32 product among the PICK largest by ``coarse`` (table, packed)."""
-    top = coarse(x).topk(min(PICK, table.shape[0]), dim=-1).indices  # [T, k]
-    rows = table.index_select(0, top.view(-1)).view(*top.shape, -1)
-    exact = (rows * x[:, None, :]).sum(-1)
+    top, exact = candidates(coarse(x), table, x, PICK)
     return top.gather(1, exact.argmax(-1, keepdim=True)).view(-1)
 
 
@@ -306,8 +314,7 @@ class PackedCpuStep:
         if self.head is None:
             return F.linear(x, self.head_table)
         logits = self.head(x).float()  # [T, V], within ~1% of the float32 head's
-        top = logits.topk(min(RESCORE, logits.shape[-1]), dim=-1).indices  # [T, k]
-        exact = (self.head_table[top] * x[:, None, :]).sum(-1)
+        top, exact = candidates(logits, self.head_table, x, RESCORE)
         return logits.scatter_(1, top, exact)
 
     def __call__(self) -> torch.Tensor:
