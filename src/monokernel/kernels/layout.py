@@ -331,7 +331,11 @@ PARAMS: tuple[Field, ...] = (
     ),
     _p("logit_bias", "const float*", "[V_all] added to each logit (logit_bias), or null"),
     _p("seen", "unsigned*", "[V_all] penalties: 1 if in the prompt, + 2 a time generated; or null"),
-    _p("raw_logits", "float*", "[V] logits before the mask and penalties (logprobs), or null"),
+    _p(
+        "raw_logits",
+        "float*",
+        "[V_all] logits before the mask and penalties (logprobs; TP: rank 0 gathers them), or null",
+    ),
     _p(
         "lp_out",
         "volatile float*",

@@ -143,7 +143,3 @@ class ShardedPrefillGraphs:
 
     def captured(self) -> bool:
         return bool(self._buckets)
-
-    def clear(self) -> None:
-        self._buckets.clear()
-        self._pools = [None] * len(self.prefill.ranks)

@@ -65,7 +65,7 @@ struct Params {
   unsigned long long* sample_part;  // [2, grid, SAMPLE_PART] each CTA's partials of a whole-vocabulary draw (sampling.cuh)
   const float* logit_bias;          // [V_all] added to each logit (logit_bias), or null
   unsigned* seen;                   // [V_all] penalties: 1 if in the prompt, + 2 a time generated; or null
-  float* raw_logits;                // [V] logits before the mask and penalties (logprobs), or null
+  float* raw_logits;                // [V_all] logits before the mask and penalties (logprobs; TP: rank 0 gathers them), or null
   volatile float* lp_out;           // host-mapped: [n_steps, LOGPROB_WORDS] each step's logprob, then (id bits, logprob) pairs; or null
   int max_len;                      // cache positions
   int first_token;                  // the first step's input token
