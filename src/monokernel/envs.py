@@ -130,6 +130,19 @@ _SETTINGS: tuple[Setting, ...] = (
         _BUILD,
     ),
     Setting(
+        "MONOKERNEL_INT4_LAYOUT",
+        "choice",
+        "auto",
+        "How the monokernel streams int4 layers: `tiles` (16-row tiles multiplied on the "
+        "tensor cores, csrc/gemv_tiles.cuh), `rows` (a warp a row on the CUDA cores), or "
+        "`auto`: tiles where hidden / 16 is at least the 132 SMs, so that every CTA owns "
+        "output tiles of the O and down projections and the hand-offs stay tagged data "
+        "(csrc/flow.cuh), rows below. Sets how the weights are packed and which kernel "
+        "is built.",
+        _BUILD,
+        choices=("auto", "tiles", "rows"),
+    ),
+    Setting(
         "MONOKERNEL_VERBOSE_BUILD",
         "bool",
         False,

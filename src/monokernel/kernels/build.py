@@ -35,6 +35,8 @@ from monokernel.kernels.plan import head_units_fit
 from monokernel.models.config import ModelConfig
 from monokernel.weights.formats import FORMATS
 from monokernel.weights.formats.int4 import GROUPS as INT4_GROUPS
+from monokernel.weights.formats.int4 import TILE_COLS
+from monokernel.weights.formats.int4 import tiles_for as int4_tiles_for
 
 CSRC = Path(__file__).parent / "csrc"
 ENTRY = "decode.cu"
@@ -48,6 +50,7 @@ MAX_DOWN_LOADS = 4
 # SMs of the GPUs the kernel is tuned on (H100 SXM, H200); only down_split's rows-per-unit
 # rule uses it: the grid itself is the device's SM count, read at launch.
 HOPPER_SMS = 132
+TILE_ROWS = 16  # rows of a tile format's GEMV unit (csrc/formats/int4.cuh)
 MAX_HEAD_DIM = 256
 # KernelDims.weight_format / head_format -> the C++ format type (csrc/formats/):
 # MK_WEIGHT_FORMAT / MK_HEAD_FORMAT.
@@ -78,9 +81,20 @@ class KernelDims:
     head_format: str = "bf16"  # the LM head's (the checkpoint's own under --quantize)
     # int4's columns a group's scale pair covers (weights/formats/int4.py); 0 otherwise.
     weight_group: int = 0
+    # Whether the layers' format streams 16-row tiles on the tensor cores (int4 where
+    # weights/formats/int4.py tiles_for says so; csrc/gemv_tiles.cuh) rather than rows on
+    # the CUDA cores. None with int4: decided at construction (MONOKERNEL_INT4_LAYOUT read
+    # once, so a later build of these dims is the kernel their weights were packed for);
+    # None otherwise.
+    weight_tiles: bool | None = None
     # The whole vocabulary under tensor parallelism (``vocab`` is then a rank's rows): top-k /
     # top-p draw over all of it. 0: ``vocab``.
     vocab_all: int = 0
+
+    def __post_init__(self) -> None:
+        if self.weight_tiles is None and self.weight_format == "int4":
+            tiles = int4_tiles_for(self.hidden, self.q_size, self.kv_size, self.intermediate)
+            object.__setattr__(self, "weight_tiles", tiles)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig) -> KernelDims:
@@ -129,6 +143,7 @@ class KernelDims:
             "MK_QK_NORM": int(self.qk_norm),
             "MK_WEIGHT_FORMAT": self.kernel_format(),
             "MK_HEAD_FORMAT": WEIGHT_FORMATS[self.head_format],
+            "MK_TILES": int(bool(self.weight_tiles)),
             **(choices := self.choices(flags)),
             "MK_SMEM_BYTES": layout.smem_bytes(self, choices["MK_ATTN_CHUNK"]),
         }
@@ -137,6 +152,8 @@ class KernelDims:
     def kernel_format(self) -> str:
         """The layers' C++ format type: int4's is a template over its group."""
         cxx = WEIGHT_FORMATS[self.weight_format]
+        if self.weight_tiles:
+            cxx = "Int4Tiles"
         return f"{cxx}<{self.weight_group}>" if self.weight_format == "int4" else cxx
 
     def check_formats(self) -> None:
@@ -160,6 +177,8 @@ class KernelDims:
                 f"int4 groups of {self.weight_group} columns; the kernel reads {INT4_GROUPS}"
             )
         n = max(FORMATS[self.weight_format].weights_per_load, self.weight_group)
+        if self.weight_tiles:
+            n = max(n, TILE_COLS)
         rows = {
             "hidden": self.hidden,
             "q heads x head_dim": self.q_size,
@@ -170,6 +189,12 @@ class KernelDims:
             raise UnsupportedModelError(
                 f"weight format {self.weight_format!r} reads rows in units of {n} weights; this "
                 f"shape's {', '.join(odd)} is not a multiple of {n}"
+            )
+        qkv = self.q_size + 2 * self.kv_size
+        if self.weight_tiles and qkv % TILE_ROWS:
+            raise UnsupportedModelError(
+                f"weight format {self.weight_format!r} streams tiles of {TILE_ROWS} rows; this "
+                f"shape's fused QKV projection has {qkv} (q + 2 kv heads x head_dim)"
             )
         if self.hidden % FORMATS[self.head_format].weights_per_load:
             raise UnsupportedModelError(
@@ -192,13 +217,56 @@ class KernelDims:
 
     # ---- the per-shape choices (CHOICES); each docstring is the knob's documentation ----
 
+    def tile_split(self, k: int) -> int:
+        """A tile format's warps a tile (split K, csrc/gemv_tiles.cuh) for an input of k:
+        the most, up to all 16 of a CTA, whose slices start on a group (64 columns at
+        least). A tile is 16 rows, so a stage has 16x fewer units than rows; all 16 warps of
+        a CTA on each tile keep every warp streaming while the CTA has tiles left.
+        Llama-3.1-8B int4 (perf-notes step 77): 16 everywhere 2,774 µs/token; the gate/up
+        projection at 1, 2 or 4 warps a tile 2,826-2,970 (batches of 3: 2,981 at 16), the
+        down projection at 8 2,959, QKV at 4 and O at 8 3,006."""
+        unit = max(64, self.weight_group)
+        for split in (16, 8, 4, 2):
+            if k % (split * unit) == 0:
+                return split
+        return 1
+
+    def qkv_tile_split(self) -> int:
+        """Stage A's (QKV) warps a tile in a tile format (tile_split of hidden); 1 otherwise
+        (unused: rows split by kSplitA)."""
+        return self.tile_split(self.hidden) if self.weight_tiles else 1
+
+    def o_tile_split(self) -> int:
+        """Stage C's (O projection) warps a tile in a tile format (tile_split of q heads x
+        head_dim); 1 otherwise (unused: rows split by kSplitC)."""
+        return self.tile_split(self.q_size) if self.weight_tiles else 1
+
+    def gate_up_tile_split(self) -> int:
+        """Stage D's (gate/up) warps a tile in a tile format (tile_split of hidden); 1
+        otherwise (unused: one warp a gate/up pair of rows)."""
+        return self.tile_split(self.hidden) if self.weight_tiles else 1
+
+    def tile_batch(self) -> int:
+        """A tile format's 16-byte loads a lane issues together, with the next batch in
+        flight behind them (csrc/gemv_tiles.cuh): 4, or 2 with groups of 32, whose loads
+        carry two group pairs (12 registers a load against 8). Llama-3.1-8B int4, one
+        backend (perf-notes step 77): 2,774 µs/token at 4 against 3,044 / 2,981 / 2,927 /
+        2,933 / 3,094 at 2 / 3 / 5 / 6 / 8 (the deeper ones spill). Groups of 32 are
+        unmeasured at speed. 1 where the format is not tiled (unused)."""
+        if not self.weight_tiles:
+            return 1
+        return 2 if self.weight_group == 32 else 4
+
     def down_split(self) -> int:
-        """Warps per row of the down projection: the fewest that make each warp's slice one
+        """Warps per row of the down projection (a tile format: per tile, tile_split of
+        the intermediate size): the fewest that make each warp's slice one
         batch of loads (at most BATCH a lane), so rows pipeline without a third buffer; but
         half that where two such batches in flight would hold more than MAX_DOWN_LOADS loads
         a lane (bytes in flight beyond ~30 KB a SM only queue) and the wider slices still
         leave every unit two rows or more on 132 SMs (fewer rows than units leave warps
         idle)."""
+        if self.weight_tiles:
+            return self.tile_split(self.intermediate)
         chunks = self.intermediate // FORMATS[self.weight_format].weights_per_load
         unit = 8 if self.weight_group else 1  # int4's slices: whole 8 chunks (csrc Split)
         for split in (1, 2, 4, 8, 16):
@@ -324,6 +392,10 @@ CHOICES: tuple[Choice, ...] = (
     Choice("MK_BATCH2", KernelDims.gate_up_batch),
     Choice("MK_D_PRE", KernelDims.gate_up_rows_before_input),
     Choice("MK_F_DRAWN", KernelDims.lm_head_drawn_rows),
+    Choice("MK_TILE_SPLIT_A", KernelDims.qkv_tile_split),
+    Choice("MK_TILE_SPLIT_C", KernelDims.o_tile_split),
+    Choice("MK_TILE_SPLIT_D", KernelDims.gate_up_tile_split),
+    Choice("MK_TILE_BATCH", KernelDims.tile_batch),
     Choice("MK_ATTN_CHUNK", KernelDims.attn_chunk),
     Choice("MK_ATTN_RANGE", KernelDims.attn_range),
 )

@@ -134,6 +134,7 @@ D = sym("head_dim", "MK_D")
 NH = sym("heads", "MK_NH")
 NKV = sym("kv_heads", "MK_NKV")
 ATTN_CHUNK = sym("attn_chunk", "MK_ATTN_CHUNK")
+TILES = sym("tiles", "MK_TILES")  # 1: the layers' format streams 16-row tiles (gemv_tiles.cuh)
 T = Expr("kThreads", lambda e: THREADS)
 W = Expr("kWarps", lambda e: WARPS)
 SLOTS = Expr("kSplitSlots", lambda e: SPLIT_SLOTS)
@@ -152,6 +153,7 @@ class Shape(Protocol):
     head_dim: int
     heads: int
     kv_heads: int
+    weight_tiles: bool | None
 
 
 def env(shape: Shape, attn_chunk: int = 0) -> dict[str, int]:
@@ -165,6 +167,7 @@ def env(shape: Shape, attn_chunk: int = 0) -> dict[str, int]:
         "heads": shape.heads,
         "kv_heads": shape.kv_heads,
         "attn_chunk": attn_chunk,
+        "tiles": int(bool(shape.weight_tiles)),
     }
 
 
@@ -184,9 +187,11 @@ ATTN_SCRATCH_GROUP = named(
     "kAttnScratchGroup",
     4 * GROUP + 2 * D + round4(T // CH) + emax(GROUP * (5 * D // 2 + PMAX), 8 * T),
 )
-# Stage D borrows the scratch: the split-K partials [WARPS, SLOTS] | its normalised input [H] |
-# the next norm's staged gain [H].
-D_INPUT = named("kDInputFloats", W * SLOTS + 2 * H)
+# A warp's split-K partials: SLOTS rows, or a tile GEMV's 8 tiles of 16 (gemv_tiles.cuh).
+PART = named("kPartFloats", SLOTS + TILES * (8 * 16 - SPLIT_SLOTS))
+# Stage D borrows the scratch: the split-K partials [WARPS, PART] | its normalised input [H] |
+# the next norm's staged gain [H] | a tile GEMV's input sums [XS / 32].
+D_INPUT = named("kDInputFloats", W * PART + 2 * H + TILES * XS // 32)
 ATTN_SCRATCH = named("kAttnScratch", emax(emax(ATTN_SCRATCH_HEAD, ATTN_SCRATCH_GROUP), D_INPUT))
 RED_FLOATS = 64
 # The K/V window: K and V rows [CHUNK, D] bf16 | the RoPE row [D] | per ring stage an mbarrier
@@ -721,11 +726,14 @@ def header() -> str:
         "// sampling's scratch (sampling.cuh SampleScratch)",
         f"constexpr int kSmemSample = ({prev} + 3) / 4 * 4;",
         f"constexpr int kSmemFloats = kSmemSample + {SAMPLE_FLOATS};",
-        "// Inside att while stage D uses it: split-K partials | D's input | the staged gain.",
+        "// Inside att while stage D uses it: split-K partials | D's input | the staged gain |",
+        "// a tile GEMV's input sums.",
         "constexpr int kAttPart = 0;",
-        "constexpr int kAttXd = kWarps * kSplitSlots;",
+        "constexpr int kAttXd = kWarps * kPartFloats;",
         "constexpr int kAttGain = kAttXd + MK_H;",
-        'static_assert(kAttGain + MK_H == kDInputFloats, "layout.py: D_INPUT");',
+        "constexpr int kAttSums = kAttGain + MK_H;",
+        "static_assert(kAttSums + MK_TILES * kXsFloats / 32 == kDInputFloats,",
+        '              "layout.py: D_INPUT");',
         "// build.py computed the same total from layout.py.",
         'static_assert(4 * kSmemFloats == MK_SMEM_BYTES, "layout.py: shared memory");',
         "",

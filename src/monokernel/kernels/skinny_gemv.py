@@ -20,7 +20,7 @@ from monokernel.kernels.build import CSRC, build_standalone
 from monokernel.kernels.launcher import DeviceKernel
 
 SOURCE = CSRC / "skinny_gemv_bench.cu"
-HEADERS = (CSRC / "common.cuh", CSRC / "tunables.cuh")  # what SOURCE includes: the cache key
+HEADERS = (CSRC / "common.cuh", CSRC / "mma.cuh")  # what SOURCE includes: the cache key
 NS = (1, 2, 4, 8, 16)  # the entry points' input counts
 FORMATS = ("bf16", "fp8", "int4")
 THREADS = 512  # kSkThreads

@@ -27,6 +27,7 @@ from monokernel.models.config import ModelConfig
 from monokernel.models.rope import rope_tables
 from monokernel.weights.formats import DEFAULT_FORMAT, PackedMatrix, get_format
 from monokernel.weights.formats.int4 import Int4Groups
+from monokernel.weights.formats.int4 import tiles_for as int4_tiles_for
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.group_quant import fuse_rows as gq_fuse_rows
 from monokernel.weights.group_quant import interleave_rows as gq_interleave_rows
@@ -99,10 +100,11 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float().contiguous()
 
 
-def _pack_groups(groups: Mapping[str, GroupQuant], p: str) -> dict[str, PackedMatrix]:
+def _pack_groups(groups: Mapping[str, GroupQuant], p: str, tiles: bool) -> dict[str, PackedMatrix]:
     """Layer ``p``'s matrices in int4 from the checkpoint's own 4-bit groups, fused as
-    repack_layer fuses the dense ones, their bits unchanged."""
-    fmt = Int4Groups(groups[p + "wq"].group)
+    repack_layer fuses the dense ones, their bits unchanged (in the tile layout if
+    ``tiles``: int4.py tiles_for)."""
+    fmt = Int4Groups(groups[p + "wq"].group, tiles=tiles)
 
     def pack(gq: GroupQuant) -> PackedMatrix:
         return fmt.pack_groups(gq.q, gq.scale, gq.offset)
@@ -135,7 +137,11 @@ def repack_layer(
     if groups is not None:
         if fold:
             raise ValueError("a checkpoint's 4-bit groups cannot take a folded norm gain")
-        matrices = _pack_groups(groups, p)
+        matrices = _pack_groups(
+            groups,
+            p,
+            int4_tiles_for(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size),
+        )
     else:
         pack = config_format(fmt, cfg).pack
         matrices = {

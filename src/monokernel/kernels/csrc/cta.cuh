@@ -10,12 +10,22 @@
 #include "token_words.cuh"
 #include "tp.cuh"
 
+// Warps sharing a unit of stages A, C and D: a row (tunables.cuh), or in a tile format a
+// tile of 16 rows (build.py's per-shape tile splits; D then runs as a split GEMV too).
+constexpr int kSplitQkv = WeightFormat::kTiles ? MK_TILE_SPLIT_A : kSplitA;
+constexpr int kSplitO = WeightFormat::kTiles ? MK_TILE_SPLIT_C : kSplitC;
+constexpr int kSplitD = MK_TILE_SPLIT_D;
+
 // The split GEMVs' shapes, one register buffer each (F's shares A's).
-using SA = Split<WeightFormat, MK_H, kSplitA>;     // A: QKV
-using SC = Split<WeightFormat, MK_Q, kSplitC>;     // C: O projection
+using SA = Split<WeightFormat, MK_H, kSplitQkv>;   // A: QKV
+using SC = Split<WeightFormat, MK_Q, kSplitO>;     // C: O projection
 using SE = Split<WeightFormat, MK_I, MK_SPLIT_E>;  // E: down projection
 using SF = Split<HeadFormat, MK_H, kSplitF>;       // F: the LM head (its own format)
+using SD = Split<WeightFormat, MK_H, kSplitD>;     // D in a tile format: a tile of pairs
 using GateUp = RowShape<WeightFormat, MK_H, MK_BATCH2>;  // D: one gate or up row
+// D's buffers: a gate row and an up row, or a tile format's first batch (and no up row).
+constexpr int kPreG = WeightFormat::kTiles ? SD::Shape::B : GateUp::B;
+constexpr int kPreU = WeightFormat::kTiles ? 1 : GateUp::B;
 using WeightLoad = WeightFormat::Load;
 using HeadLoad = HeadFormat::Load;
 // A buffer issued on one path only would stay live through every layer and spill: the LM
@@ -65,7 +75,7 @@ struct Cta {
   unsigned attn_done_g;
   // First batches held in registers across hand-offs, one buffer per stage shape.
   WeightLoad preAF[kPreAF], preC[SC::Shape::B], preE[SE::Shape::B];
-  WeightLoad preG[GateUp::B], preU[GateUp::B];
+  WeightLoad preG[kPreG], preU[kPreU];
   HeadLoad preF_[kPreF];  // unused where kSharedPreAF
 
   __device__ __forceinline__ WeightLoad (&preA())[SA::Shape::B] {
@@ -102,7 +112,7 @@ struct Cta {
     // The last CTA has the fewest LM-head and QKV rows (they go out CTA by CTA), so it has
     // the slack to absorb the host's PCIe round trips.
     host_cta = blockIdx.x == gridDim.x - 1;
-    flow = flow_possible<SC::GROUPS, SE::GROUPS>();
+    flow = flow_possible<SC::GROUPS, SE::GROUPS, WeightFormat::kTileRows>();
     filtered = Net::filtered(p, greedy);
     words = kTokenWords && !filtered;
     bar = 0;

@@ -7,7 +7,8 @@
 // the 0/1 features MK_QKV_BIAS, MK_O_BIAS, MK_QK_NORM, MK_TP tensor-parallel ranks (1: the
 // single-GPU kernel, every TP addition compiled away), MK_V_ALL the whole vocabulary (MK_V
 // is a rank's share of it under TP; top-k / top-p draw over all of it), MK_WEIGHT_FORMAT
-// the weights' format type (formats/format.cuh) and MK_SMEM_BYTES the dynamic shared memory
+// the weights' format type (formats/format.cuh), MK_TILES 1 where it streams 16-row
+// tiles (gemv_tiles.cuh), and MK_SMEM_BYTES the dynamic shared memory
 // layout.py computed.
 #pragma once
 #include "common.cuh"
@@ -19,7 +20,9 @@
 #error "kernels/build.py passes every dimension (-D): build through it"
 #endif
 #if !defined(MK_SPLIT_E) || !defined(MK_BATCH2) || !defined(MK_D_PRE) || !defined(MK_F_DRAWN) || \
-    !defined(MK_ATTN_CHUNK) || !defined(MK_ATTN_RANGE) || !defined(MK_ATTN_GROUP)
+    !defined(MK_ATTN_CHUNK) || !defined(MK_ATTN_RANGE) || !defined(MK_ATTN_GROUP) ||         \
+    !defined(MK_TILE_SPLIT_A) || !defined(MK_TILE_SPLIT_C) || !defined(MK_TILE_SPLIT_D) ||    \
+    !defined(MK_TILE_BATCH) || !defined(MK_TILES)
 #error "kernels/build.py passes every per-shape choice (-D, its CHOICES table)"
 #endif
 

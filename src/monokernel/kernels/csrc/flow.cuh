@@ -445,12 +445,14 @@ __device__ __forceinline__ float load_vec(float* xs, const float* src, unsigned 
 
 // Whether every CTA owns a row of the stages whose outputs order the buffers' reuse (see the
 // top of this file): C (rows H, split units per CTA), D (I gate/up pairs, a warp each) and
-// E (rows H). The same for every CTA.
-template <int GROUPS_C, int GROUPS_E>
+// E (rows H); in a tile format (gemv_tiles.cuh) whole tiles, numbered across CTAs first.
+// The same for every CTA.
+template <int GROUPS_C, int GROUPS_E, int TILE_ROWS>
 __device__ __forceinline__ bool flow_possible() {
   const int last = (int)gridDim.x - 1;
-  return last * GROUPS_C < MK_H && last * kWarps < MK_I &&
-         last * GROUPS_E < MK_H;
+  if constexpr (TILE_ROWS > 1)  // a tile format: tiles of TILE_ROWS rows across CTAs first
+    return last < MK_H / TILE_ROWS && last < 2 * MK_I / TILE_ROWS;
+  return last * GROUPS_C < MK_H && last * kWarps < MK_I && last * GROUPS_E < MK_H;
 }
 
 // A hand-off: a grid barrier unless the data carries its own flag. Split like grid_arrive /

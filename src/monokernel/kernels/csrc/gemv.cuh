@@ -10,13 +10,18 @@
 #pragma once
 #include "layout.cuh"
 
-// A row of K weights of format F, dealt over the 32 lanes of a warp in 16-byte loads.
+// A GEMV unit of format F (a row, or a tile of 16 rows: F::kTileRows) over K columns, dealt
+// over the 32 lanes of a warp in 16-byte loads. A tile format keeps its own batch
+// (MK_TILE_BATCH): its loads carry their group pairs in registers too.
 template <class F, int K, int BATCH>
 struct RowShape {
+  static_assert(K * F::kTileRows % (32 * F::kPerLoad) == 0 || !F::kTiles,
+                "a tile slice is whole warp-wide loads (build.py checks)");
   static_assert(K % F::kPerLoad == 0, "a row is whole 16-byte loads (build.py checks)");
-  static constexpr int C = K / F::kPerLoad;        // 16-byte chunks in a row
-  static constexpr int N = (C + 31) / 32;          // chunks per lane
-  static constexpr int B = N < BATCH ? N : BATCH;  // loads per lane per batch
+  static constexpr int C = K * F::kTileRows / F::kPerLoad;  // 16-byte chunks in a unit
+  static constexpr int N = (C + 31) / 32;                   // chunks per lane
+  static constexpr int BB = F::kTiles ? MK_TILE_BATCH : BATCH;
+  static constexpr int B = N < BB ? N : BB;  // loads per lane per batch
 };
 
 // Issue the first batch of one row's loads into registers; zeros where !live (a pipeline's
@@ -89,10 +94,22 @@ __device__ __forceinline__ float row_partial(
 // so short stages get more loads in flight and rows balance over fewer, larger units.
 // Partial sums meet in shared memory (fixed order: deterministic, no atomics).
 // Unit u = blockIdx * (WARPS/SPLIT) + warp/SPLIT owns rows u, u + units, ...
-// A group format's slices start on a multiple of 8 chunks (int4.cuh: its rotation).
+// A group format's slices start on a multiple of 8 chunks (int4.cuh: its rotation); a tile
+// format's units are tiles of 16 rows (gemv_tiles.cuh), its slices start on a group.
+// A tile format's first tile of unit group g of CTA cta: numbered across CTAs first
+// (gemv_tiles.cuh), so every CTA owns a tile wherever there are as many tiles as CTAs.
+__device__ __forceinline__ int tile_unit(int g, int cta) { return g * (int)gridDim.x + cta; }
+
+template <class F>
+constexpr int slice_unit() {
+  if constexpr (F::kTiles)
+    return F::kSliceCols;
+  else
+    return F::kPerLoad * (F::kGroups ? 8 : 1);
+}
 template <class F, int K, int SPLIT>
 struct Split {
-  static constexpr int kSliceUnit = F::kPerLoad * (F::kGroups ? 8 : 1);
+  static constexpr int kSliceUnit = slice_unit<F>();
   static constexpr int S = (K % (kSliceUnit * SPLIT) == 0) ? SPLIT : 1;  // else no split
   static constexpr int KP = K / S;                                         // slice length
   static constexpr int GROUPS = kWarps / S;                                // units per CTA
@@ -105,9 +122,16 @@ template <int K, int SPLIT, class F>
 __device__ __forceinline__ typename F::Ptr split_first(Matrix<F> W, int rows, int warp,
                                                        int cta = (int)blockIdx.x) {
   using P = Split<F, K, SPLIT>;
-  const int unit = cta * P::GROUPS + warp / P::S;
-  const int r = unit < rows ? unit : rows - 1;
-  return W.at((size_t)r * K + (warp % P::S) * P::KP);
+  if constexpr (F::kTiles) {
+    const int unit = tile_unit(warp / P::S, cta);
+    const int tiles = rows / F::kTileRows;
+    return F::tile_at(W.rows, W.scales, (size_t)(unit < tiles ? unit : tiles - 1),
+                      (warp % P::S) * P::KP, K);
+  } else {
+    const int unit = cta * P::GROUPS + warp / P::S;
+    const int r = unit < rows ? unit : rows - 1;
+    return W.at((size_t)r * K + (warp % P::S) * P::KP);
+  }
 }
 
 // Issue this warp's first row slice of a split GEMV (split_first) into buf.
@@ -127,23 +151,16 @@ __device__ __forceinline__ void issue_row(typename F::Load (&buf)[RowShape<F, K,
   issue_first<F, K, BATCH>(buf, W.at(r * K), lane);
 }
 
-// out(r, value) is called once per row, by one thread. All threads of the CTA must call.
-// cta: the CTA's rank in the row order (the units of the first ranks get a row more when the
-// rows do not divide evenly). bias (may be null): added to each row's value. The first
-// round's values are loaded before the rows are computed: read in the combine, they cost a
-// round trip on the stage's way out. scale: multiplies each row's dot product before the bias (a
-// deferred norm's 1/rms, flow.cuh norm_scale). PINGPONG: a unit's rows alternate between
-// `pre` and a second buffer, so no copy joins them: the compiler otherwise copies the row in
-// flight out of its registers at the top of each row (waiting for it) before issuing the
-// next, leaving one row in flight a warp. For the LM head's ~144 rows a unit.
+#include "gemv_tiles.cuh"  // gemv_split's branch for tile formats
+
+// gemv_split over rows (a row format).
 template <int K, int SPLIT, bool PINGPONG = false, class F, class Out>
-__device__ __forceinline__ void gemv_split(Matrix<F> M, int rows, const float* __restrict__ xs,
+__device__ __forceinline__ void gemv_split_rows(Matrix<F> M, int rows, const float* __restrict__ xs,
                                            float* part, int warp, int lane,
                                            typename F::Load (&pre)[Split<F, K, SPLIT>::Shape::B],
                                            Out out,
-                                           int cta = (int)blockIdx.x,
-                                           const float* __restrict__ bias = nullptr,
-                                           float scale = 1.f) {
+                                                int cta, const float* __restrict__ bias,
+                                                float scale) {
   using P = Split<F, K, SPLIT>;
   using L = typename F::Load;
   using S = typename P::Shape;
@@ -205,6 +222,41 @@ __device__ __forceinline__ void gemv_split(Matrix<F> M, int rows, const float* _
       }
     }
     __syncthreads();
+  }
+}
+
+// out(r, value) is called once per row, by one thread. All threads of the CTA must call.
+// cta: the CTA's rank in the row order (the units of the first ranks get a row more when the
+// rows do not divide evenly). bias (may be null): added to each row's value. The first
+// round's values are loaded before the rows are computed: read in the combine, they cost a
+// round trip on the stage's way out. scale: multiplies each row's dot product before the bias (a
+// deferred norm's 1/rms, flow.cuh norm_scale). PINGPONG: a unit's rows alternate between
+// `pre` and a second buffer, so no copy joins them: the compiler otherwise copies the row in
+// flight out of its registers at the top of each row (waiting for it) before issuing the
+// next, leaving one row in flight a warp. For the LM head's ~144 rows a unit.
+//
+// A tile format (gemv_tiles.cuh) rewrites xs in place as its 16-bit input pairs.
+template <int K, int SPLIT, bool PINGPONG = false, class F, class Out>
+__device__ __forceinline__ void gemv_split(Matrix<F> M, int rows, float* xs,
+                                           float* part, int warp, int lane,
+                                           typename F::Load (&pre)[Split<F, K, SPLIT>::Shape::B],
+                                           Out out,
+                                           int cta = (int)blockIdx.x,
+                                           const float* __restrict__ bias = nullptr,
+                                           float scale = 1.f) {
+  if constexpr (F::kTiles) {
+    gemv_tiles<K, SPLIT>(M, rows, xs, part + kAttSums, part, warp, lane, pre,
+                         [&](int tile, int i, float v0, float v1) {
+                           const int r = tile * F::kTileRows + 2 * i;
+                           v0 *= scale;
+                           v1 *= scale;
+                           if (bias) v0 += bias[r], v1 += bias[r + 1];
+                           out(r, v0);
+                           out(r + 1, v1);
+                         },
+                         cta);
+  } else {
+    gemv_split_rows<K, SPLIT, PINGPONG>(M, rows, xs, part, warp, lane, pre, out, cta, bias, scale);
   }
 }
 

@@ -30,10 +30,8 @@
 // do. Each CTA holds a K-slice of x in shared memory ([hi, lo][N][KS] bf16 rows padded by 8
 // so the 8 groups' reads fall in different banks) and adds its partial rows into y with
 // atomicAdd (the bench sums in any order; the decode kernel would reduce in a fixed one).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "common.cuh"  // ld_stream
+#include "mma.cuh"
 
 // Mirrored by monokernel/kernels/skinny_gemv.py (ctypes).
 struct SkinnyParams {
@@ -50,24 +48,6 @@ struct SkinnyParams {
 constexpr int kSkThreads = 512;
 constexpr int kSkWarps = kSkThreads / 32;
 constexpr int kGroup = 128;  // int4 columns sharing (a, b)
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // Two E4M3 values (the low byte first) as an f16 pair: exact.
 __device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t w, int half) {
@@ -100,24 +80,6 @@ struct Inputs {
 };
 
 // Shared memory: [hi, lo][N][stride] words, then the int4 groups' sums [N][ks / 128] fp32.
-// An fp32 pair as hi + lo 16-bit pairs (bf16, or f16 for the fp8 weights' f16 products).
-template <bool F16>
-__device__ __forceinline__ void split_pair(float2 v, uint32_t& hi, uint32_t& lo) {
-  if constexpr (F16) {
-    const __half2 h = __floats2half2_rn(v.x, v.y);
-    const float2 hf = __half22float2(h);
-    const __half2 l = __floats2half2_rn(v.x - hf.x, v.y - hf.y);
-    hi = *reinterpret_cast<const uint32_t*>(&h);
-    lo = *reinterpret_cast<const uint32_t*>(&l);
-  } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(v.x, v.y);
-    const float2 hf = __bfloat1622float2(h);
-    const __nv_bfloat162 l = __floats2bfloat162_rn(v.x - hf.x, v.y - hf.y);
-    hi = *reinterpret_cast<const uint32_t*>(&h);
-    lo = *reinterpret_cast<const uint32_t*>(&l);
-  }
-}
-
 template <int N, bool F16>
 __device__ __forceinline__ Inputs<N> stage_inputs(const SkinnyParams& p, int k0, uint32_t* sm,
                                                    float* sums) {

@@ -9,7 +9,7 @@
 __device__ __forceinline__ void attn_norm_qkv_first(const Params& p, Cta& c,
                                                     const LayerWeights& lw) {
   stage_gain<MK_H>(c.gn, lw.attn_gain);
-  issue_split_first<MK_H, kSplitA>(c.preA(), lw.wqkv, kQkv, c.warp, c.lane);
+  issue_split_first<MK_H, kSplitQkv>(c.preA(), lw.wqkv, kQkv, c.warp, c.lane);
 }
 
 // Layer 0's input: the token's embedding row times the norm's gain into xs (swizzled, a GEMV
@@ -44,7 +44,7 @@ __device__ __forceinline__ void attn_norm_qkv(const Params& p, Cta& c, const Ste
           : Net::residual_input(p, c.xs, c.xres, l.red, l.tag_x, c.red,
                                 staged_gain(c.gn, l.w.attn_gain));
   skew(p, s.index, l.index, kSkewAttnNormQkvInput);
-  gemv_split<MK_H, kSplitA>(
+  gemv_split<MK_H, kSplitQkv>(
       l.w.wqkv, kQkv, c.xs, c.part(), c.warp, c.lane, c.preA(),
       [&](int r, float d) { st_flow(p.qkv + r, d, l.tag); }, (int)blockIdx.x,
       MK_QKV_BIAS ? l.w.bqkv : nullptr, ra);

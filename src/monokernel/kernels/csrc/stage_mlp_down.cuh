@@ -22,7 +22,7 @@ __device__ __forceinline__ void mlp_down_hand_off(const Params& p, Cta& c, const
     using HE = const typename HF::Elem*;
     const Matrix<WF> wa = p.layers[more ? l.index + 1 : l.index].wqkv;
     const Matrix<HF> wf = p.lm_head;
-    const void* next = more ? (const void*)split_first<MK_H, kSplitA>(wa, kQkv, c.warp)
+    const void* next = more ? (const void*)split_first<MK_H, kSplitQkv>(wa, kQkv, c.warp)
                             : (const void*)split_first<MK_H, kSplitF>(wf, MK_V, c.warp);
     hand_off(p, c, s, l, kMarkMlpDownWork, kMarkMlpDownWait, [&] {
       stage_gain<MK_H>(c.gn, more ? p.layers[l.index + 1].attn_gain : p.norm_gain);
@@ -34,7 +34,7 @@ __device__ __forceinline__ void mlp_down_hand_off(const Params& p, Cta& c, const
   } else {
     // The formats' positions differ in type (int4.cuh): the next layer's rows, or the head's.
     const auto next_a =
-        split_first<MK_H, kSplitA>(p.layers[more ? l.index + 1 : l.index].wqkv, kQkv, c.warp);
+        split_first<MK_H, kSplitQkv>(p.layers[more ? l.index + 1 : l.index].wqkv, kQkv, c.warp);
     const auto next_f = split_first<MK_H, kSplitF>(p.lm_head, MK_V, c.warp);
     hand_off(p, c, s, l, kMarkMlpDownWork, kMarkMlpDownWait, [&] {
       stage_gain<MK_H>(c.gn, more ? p.layers[l.index + 1].attn_gain : p.norm_gain);

@@ -14,20 +14,58 @@ __device__ __forceinline__ size_t clamp_row(int r, int rows) {
 
 // Rows of this warp's first pair [from, to): 0 the gate row, 1 the up row. MK_D_PRE of them go
 // out before the hand-off C -> D, the rest once D's input is in (build.py
-// gate_up_rows_before_input).
+// gate_up_rows_before_input). None in a tile format (its first batch: mlp_gate_up_first).
+// (Templates over the layers' format WF so that only this build's branch is compiled.)
+template <class WF = WeightFormat>
 __device__ __forceinline__ void issue_pair_rows(Cta& c, const LayerWeights& lw, int from,
                                                 int to) {
-  if (from <= 0 && 0 < to)
-    issue_row<MK_H, MK_BATCH2>(c.preG, lw.wgu, 2 * clamp_row(c.gw, MK_I), c.lane);
-  if (from <= 1 && 1 < to)
-    issue_row<MK_H, MK_BATCH2>(c.preU, lw.wgu, 2 * clamp_row(c.gw, MK_I) + 1, c.lane);
+  if constexpr (!WF::kTiles) {
+    const Matrix<WF>& wgu = lw.wgu;  // the same object: WF is WeightFormat
+    if (from <= 0 && 0 < to)
+      issue_row<MK_H, MK_BATCH2>(c.preG, wgu, 2 * clamp_row(c.gw, MK_I), c.lane);
+    if (from <= 1 && 1 < to)
+      issue_row<MK_H, MK_BATCH2>(c.preU, wgu, 2 * clamp_row(c.gw, MK_I) + 1, c.lane);
+  }
 }
 
 // D's first loads, issued by stage C ahead of its hand-off wait: the norm's gain staged and
-// the first MK_D_PRE rows of this warp's first pair.
+// the first MK_D_PRE rows of this warp's first pair (a tile format: its first tile's first
+// batch; gemv_tiles.cuh).
+template <class WF = WeightFormat>
 __device__ __forceinline__ void mlp_gate_up_first(const Params&, Cta& c, const LayerWeights& lw) {
   stage_gain<MK_H>(c.gn, lw.ffn_gain);
-  issue_pair_rows(c, lw, 0, MK_D_PRE);
+  if constexpr (WF::kTiles) {
+    const Matrix<WF>& wgu = lw.wgu;
+    issue_split_first<MK_H, kSplitD>(c.preG, wgu, 2 * MK_I, c.warp, c.lane);
+  } else {
+    issue_pair_rows(c, lw, 0, MK_D_PRE);
+  }
+}
+
+// The gate/up GEMV: silu(gate) * up into act, each times rd (the norm's deferred 1/rms).
+template <class WF = WeightFormat>
+__device__ __forceinline__ void gate_up_gemv(const Params& p, Cta& c, const Layer& l, float rd) {
+  const Matrix<WF>& wgu = l.w.wgu;
+  if constexpr (WF::kTiles) {
+    // A tile of 16 rows is 8 gate/up pairs (rows 2i, 2i + 1): one combining thread a pair.
+    gemv_tiles<MK_H, kSplitD>(wgu, 2 * MK_I, c.xd, c.att + kAttSums, c.part(), c.warp, c.lane,
+                              c.preG,
+                              [&](int tile, int i, float g, float u) {
+                                g *= rd;
+                                u *= rd;
+                                st_flow_copies(p.act + 8 * tile + i, MK_I,
+                                               g / (1.f + expf(-g)) * u, l.tag);
+                              },
+                              (int)blockIdx.x);
+  } else {
+    gemv_pairs<MK_H>(wgu, MK_I, c.gw, c.tw, c.xd, c.lane, c.preG, c.preU,
+                     [&](int r, float g, float u) {
+                       g *= rd;
+                       u *= rd;
+                       if (c.lane == 0)
+                         st_flow_copies(p.act + r, MK_I, g / (1.f + expf(-g)) * u, l.tag);
+                     });
+  }
 }
 
 __device__ __forceinline__ void mlp_gate_up(const Params& p, Cta& c, const Step& s,
@@ -38,13 +76,7 @@ __device__ __forceinline__ void mlp_gate_up(const Params& p, Cta& c, const Step&
   // The norm's 1/rms where it is deferred to the dot products.
   const float rd = Net::mlp_norm(p, s2, c.xres, c.xd, c.red, staged_gain(c.gn, l.w.ffn_gain));
   skew(p, s.index, l.index, kSkewMlpGateUpInput);
-  gemv_pairs<MK_H>(l.w.wgu, MK_I, c.gw, c.tw, c.xd, c.lane, c.preG, c.preU,
-                   [&](int r, float g, float u) {
-                     g *= rd;
-                     u *= rd;
-                     if (c.lane == 0)
-                       st_flow_copies(p.act + r, MK_I, g / (1.f + expf(-g)) * u, l.tag);
-                   });
+  gate_up_gemv(p, c, l, rd);
   skew(p, s.index, l.index, kSkewMlpGateUpDone);
   hand_off(p, c, s, l, kMarkMlpGateUpWork, kMarkMlpGateUpWait, [&] {
     mlp_down_first(p, c, l.w);

@@ -6,12 +6,23 @@ b = -8d) and Q4_1 (a = d, b = m) in groups of 32, AWQ and GPTQ (a = s, b = -z * 
 of 128 (weights/group_quant.py decodes them), and ``--quantize int4`` (asymmetric
 round-to-nearest in groups of 128).
 
-Layout (csrc/formats/int4.cuh reads it): ``data`` is uint8 [rows, cols / 2], row-major; the
-16 bytes of chunk c of a row hold its columns 32c .. 32c + 31. Word u (4 bytes) of a chunk
-holds columns 8u .. 8u + 7: byte k column 8u + k in its low nibble and 8u + 4 + k in its high
-one. The words are stored rotated by rho = (c >> 1) & 3: stored word t is word (t + rho) & 3,
-which spreads the lanes' reads of the input over the shared-memory banks. ``scales[0]`` is
-float32 [rows, cols / group, 2]: each group's (a, b).
+Two layouts, told apart by ``data``'s rank:
+
+* rows (csrc/formats/int4.cuh, a warp a row on the CUDA cores): ``data`` is uint8
+  [rows, cols / 2], row-major; the 16 bytes of chunk c of a row hold its columns
+  32c .. 32c + 31. Word u (4 bytes) of a chunk holds columns 8u .. 8u + 7: byte k column
+  8u + k in its low nibble and 8u + 4 + k in its high one. The words are stored rotated by
+  rho = (c >> 1) & 3: stored word t is word (t + rho) & 3, which spreads the lanes' reads of
+  the input over the shared-memory banks. ``scales[0]`` is float32 [rows, cols / group, 2]:
+  each group's (a, b).
+* tiles (csrc/formats/int4_tiles.cuh, 16-row tiles on the tensor cores): ``data`` is uint8
+  [rows / 16, cols / 64, 32 lanes, 16], each lane's 4 words the A fragments of mma.m16n8k16
+  for 4 k-tiles (that header has the order); ``scales[0]`` is float32
+  [rows / 16, cols / group, 8, 4]: for rows g and g + 8 of a tile, (a, b - 128 a) each (the
+  kernel multiplies 128 + q). dense() gives a q + (b - 128 a) + 128 a, the value the kernel
+  multiplies by, within an fp32 rounding of the checkpoint's b.
+
+Which one the monokernel streams is ``tiles_for`` (MONOKERNEL_INT4_LAYOUT).
 """
 
 from __future__ import annotations
@@ -25,6 +36,9 @@ from monokernel.weights.formats.base import PackedMatrix, WeightFormat, check_bl
 from monokernel.weights.group_quant import quantize_rtn
 
 CHUNK = 32  # columns in one 16-byte load
+TILE_ROWS = 16  # rows of a tile (the mma's M)
+TILE_COLS = 64  # a tile's columns in one warp-wide load (4 k-tiles of 16)
+SMS = 132  # an H100's or H200's SMs: the decode kernel's CTAs
 DEFAULT_GROUP = 128  # --quantize int4's, AWQ's and GPTQ's usual group
 GROUPS = (32, 64, 128, 256)  # group sizes the kernel reads: whole chunks dividing 8 chunks
 _PAIR_BYTES = 8  # float32 a and b
@@ -72,16 +86,100 @@ def _nibble_values(data: torch.Tensor) -> torch.Tensor:
     return ((natural[..., None] >> shifts) & 0x0F).view(rows, 2 * half)
 
 
+def tiles_for(hidden: int, q_size: int, kv_size: int, intermediate: int) -> bool:
+    """Whether the monokernel streams the int4 layers of a model (one rank's sizes under
+    tensor parallelism) as 16-row tiles (MONOKERNEL_INT4_LAYOUT). ``auto``: where the shape
+    fits tiles and every CTA owns an output tile of the O and down projections (hidden / 16
+    >= SMS), so the kernel's hand-offs stay tagged data; ``tiles`` on a shape that does not
+    fit is refused, naming the sizes."""
+    layout = envs.MONOKERNEL_INT4_LAYOUT
+    if layout == "rows":
+        return False
+    odd = [
+        f"{name} {v}"
+        for name, v, unit in (
+            ("hidden", hidden, TILE_COLS),
+            ("q heads x head_dim", q_size, TILE_COLS),
+            ("intermediate", intermediate, TILE_COLS),
+            ("fused QKV rows", q_size + 2 * kv_size, TILE_ROWS),
+        )
+        if v % unit
+    ]
+    if layout == "tiles" and odd:
+        raise ValueError(
+            f"MONOKERNEL_INT4_LAYOUT=tiles: tiles take inputs in multiples of {TILE_COLS} "
+            f"columns and outputs of {TILE_ROWS} rows; this shape has {', '.join(odd)} "
+            "(set it to auto or rows)"
+        )
+    return layout == "tiles" or (not odd and hidden // TILE_ROWS >= SMS)
+
+
+def _fragment_tables(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lane l's 8 A-fragment elements of mma.m16n8k16 (g = l // 4, t = l % 4): their rows and
+    columns in a 16 x 16 tile [32, 8], in register order, and element e's nibble in the
+    lane's word [8]. Made on the device (no host copy: the prefill captures dense() in CUDA
+    graphs)."""
+    lane = torch.arange(32, device=dev).view(32, 1)
+    e = torch.arange(8, device=dev).view(1, 8)
+    rows = lane // 4 + 8 * ((e // 2) % 2)
+    cols = 2 * (lane % 4) + e % 2 + 8 * (e // 4)
+    shift = (4 * (e // 2) + 16 * (e % 2)).view(8).to(torch.int32)
+    return rows, cols, shift
+
+
+def pack_tiles(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [rows, cols] (0..15; rows a multiple of 16, cols of 64) -> the tile layout's
+    bytes [rows / 16, cols / 64, 32, 16]."""
+    rows, cols = q.shape
+    frag_row, frag_col, shift = _fragment_tables(q.device)
+    t = q.to(torch.int32).reshape(rows // TILE_ROWS, TILE_ROWS, cols // 16, 16).permute(0, 2, 1, 3)
+    f = t[:, :, frag_row, frag_col]  # [T, K/16, 32, 8]
+    words = (f << shift).sum(-1, dtype=torch.int64)  # [T, K/16, 32]
+    words = words.view(rows // TILE_ROWS, cols // TILE_COLS, 4, 32).permute(0, 1, 3, 2)
+    packed = words.to(torch.int32).contiguous()  # wraps the top bit: the same 32 bits
+    return packed.view(torch.uint8).view(rows // TILE_ROWS, cols // TILE_COLS, 32, 16)
+
+
+def unpack_tiles(data: torch.Tensor) -> torch.Tensor:
+    """pack_tiles' inverse: uint8 [rows, cols]."""
+    tiles, blocks = data.shape[:2]
+    frag_row, frag_col, shift = _fragment_tables(data.device)
+    words = data.contiguous().view(torch.int32).view(tiles, blocks, 32, 4).permute(0, 1, 3, 2)
+    words = words.reshape(tiles, blocks * 4, 32, 1)  # [T, K/16, 32, 1]
+    f = (words >> shift) & 0x0F  # [T, K/16, 32, 8]
+    out = torch.empty(tiles, blocks * 4, TILE_ROWS, 16, dtype=torch.uint8, device=data.device)
+    out[:, :, frag_row, frag_col] = f.to(torch.uint8)
+    return out.permute(0, 2, 1, 3).reshape(tiles * TILE_ROWS, blocks * TILE_COLS)
+
+
+def tile_pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a, b [rows, groups] -> the tile layout's pairs [rows / 16, groups, 8, 4]: rows g and
+    g + 8 of each tile as (a, b - 128 a)."""
+    rows, groups = a.shape
+    a, b = a.float(), b.float()
+    ab = torch.stack((a, b - 128.0 * a), dim=2)  # [rows, groups, 2]
+    ab = ab.view(rows // TILE_ROWS, 2, 8, groups, 2).permute(0, 3, 2, 1, 4)  # [T, G', 8, 2, 2]
+    return ab.reshape(rows // TILE_ROWS, groups, 8, 4).contiguous()
+
+
+def untile_pairs(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tile layout's pairs as stored: (a, b - 128 a), each [rows, groups]."""
+    tiles, groups = pairs.shape[:2]
+    ab = pairs.view(tiles, groups, 8, 2, 2).permute(0, 3, 2, 1, 4).reshape(tiles * 16, groups, 2)
+    return ab[:, :, 0].contiguous(), ab[:, :, 1].contiguous()
+
+
 class Int4Groups(WeightFormat):
     name = "int4"
     kernel_type = "Int4Groups"  # a template over the group: build.py adds <group>
     weights_per_load = CHUNK
     packs_in_place = False
 
-    def __init__(self, group: int = DEFAULT_GROUP) -> None:
+    def __init__(self, group: int = DEFAULT_GROUP, tiles: bool = False) -> None:
         if group not in GROUPS:
             raise ValueError(f"int4 group {group}: the kernel reads groups of {GROUPS}")
         self.group = group
+        self.tiles = tiles  # pack in the tile layout (instances differ; the class says rows)
 
     def pack(self, w: torch.Tensor, scales: torch.Tensor | None = None) -> PackedMatrix:
         """Round-to-nearest in groups of ``self.group`` (weights/group_quant.py)."""
@@ -106,12 +204,32 @@ class Int4Groups(WeightFormat):
             )
         if q.dtype != torch.uint8:
             raise ValueError(f"int4: quants are uint8 0..15; got {q.dtype}")
+        if self.tiles:
+            if rows % TILE_ROWS or cols % TILE_COLS:
+                raise ValueError(
+                    f"int4 tiles: a [{rows}, {cols}] matrix; rows must be a multiple of "
+                    f"{TILE_ROWS} and columns of {TILE_COLS}"
+                )
+            return PackedMatrix(self.name, rows, cols, pack_tiles(q), (tile_pairs(a, b),))
         pairs = torch.stack((a.float(), b.float()), dim=2).contiguous()  # [rows, groups, 2]
         return PackedMatrix(self.name, rows, cols, pack_nibbles(q), (pairs,))
 
     @staticmethod
     def group_of(m: PackedMatrix) -> int:
         return m.cols // m.scales[0].shape[1]
+
+    @staticmethod
+    def is_tiled(m: PackedMatrix) -> bool:
+        return m.data.dim() == 4
+
+    @staticmethod
+    def groups_of(m: PackedMatrix) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """m's (q uint8 [rows, cols], a, b [rows, groups]) in either layout."""
+        (pairs,) = m.scales
+        if Int4Groups.is_tiled(m):
+            a, b128 = untile_pairs(pairs)
+            return unpack_tiles(m.data), a, b128 + 128.0 * a
+        return unpack_nibbles(m.data), pairs[:, :, 0], pairs[:, :, 1]
 
     def dense(self, m: PackedMatrix, dtype: torch.dtype | None = None) -> torch.Tensor:
         # float32 a * q + b per group (a product, then a sum: exactly group_quant's dense),
@@ -125,6 +243,11 @@ class Int4Groups(WeightFormat):
             from monokernel.weights.formats.int4_triton import dequantize_bf16
 
             return dequantize_bf16(m.data, pairs, m.cols)
+        if self.is_tiled(m):  # a (128 + q) + (b - 128 a), as the kernel multiplies
+            a, b128 = untile_pairs(pairs)
+            q = unpack_tiles(m.data).float().view(m.rows, -1, g) + 128.0
+            w = q * a[:, :, None] + b128[:, :, None]
+            return w.view(m.rows, m.cols).to(dtype or torch.bfloat16)
         out = torch.empty(m.rows, m.cols, dtype=dtype or torch.bfloat16, device=m.data.device)
         step = max(1, _DENSE_BLOCK // m.cols)
         for r in range(0, m.rows, step):
@@ -139,8 +262,13 @@ class Int4Groups(WeightFormat):
     def slice_rows(self, m: PackedMatrix, start: int, size: int) -> PackedMatrix:
         check_block(m, start, size, "rows")
         (pairs,) = m.scales
+        if self.is_tiled(m):
+            if start % TILE_ROWS or size % TILE_ROWS:
+                raise ValueError(f"int4 tiles: rows [{start}, {start + size}) cut tiles of 16")
+            start, size = start // TILE_ROWS, size // TILE_ROWS
         end = start + size
-        return dataclasses.replace(m, rows=size, data=m.data[start:end], scales=(pairs[start:end],))
+        rows = size * (TILE_ROWS if self.is_tiled(m) else 1)
+        return dataclasses.replace(m, rows=rows, data=m.data[start:end], scales=(pairs[start:end],))
 
     def slice_cols(self, m: PackedMatrix, start: int, size: int) -> PackedMatrix:
         # Repacked: a block's chunks are numbered from its own first column (the rotation).
@@ -148,7 +276,11 @@ class Int4Groups(WeightFormat):
         g = self.group_of(m)
         if start % g or size % g:
             raise ValueError(f"int4: columns [{start}, {start + size}) cut groups of {g}")
-        (pairs,) = m.scales
-        q = unpack_nibbles(m.data)[:, start : start + size]
-        ab = pairs[:, start // g : (start + size) // g]
-        return self.pack_groups(q.contiguous(), ab[:, :, 0], ab[:, :, 1])
+        q, a, b = self.groups_of(m)
+        block = slice(start // g, (start + size) // g)
+        fmt = Int4Groups(g, tiles=self.is_tiled(m))
+        return fmt.pack_groups(
+            q[:, start : start + size].contiguous(),
+            a[:, block].contiguous(),
+            b[:, block].contiguous(),
+        )

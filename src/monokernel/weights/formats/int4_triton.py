@@ -42,15 +42,54 @@ def _kernel() -> Any:
     return dequant_int4
 
 
+@functools.cache
+def _tiles_kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dequant_int4_tiles(
+        data_ptr, pairs_ptr, out_ptr, cols, G: tl.constexpr, BLOCK: tl.constexpr
+    ):  # fmt: skip
+        # Program (row, column block): int4.py's tile layout read backwards. Row r is row
+        # rr = r % 16 of tile r // 16: lane group g = rr % 8, half h = rr // 8; column c is
+        # column cc = c % 16 of k-tile c // 16, word (c // 16) % 4 of load c // 64, lane
+        # 4 g + (cc % 8) // 2, fragment element e = cc % 2 + 2 h + 4 (cc // 8).
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = col < cols
+        tile = row // 16
+        rr = row % 16
+        g = rr % 8
+        h = rr // 8
+        cc = col % 16
+        lane = 4 * g + (cc % 8) // 2
+        e = cc % 2 + 2 * h + 4 * (cc // 8)
+        word = (
+            data_ptr + ((tile * (cols // 64) + col // 64) * 32 + lane) * 16 + ((col // 16) % 4) * 4
+        )
+        shift = 4 * (e // 2) + 16 * (e % 2)
+        byte = tl.load(word + shift // 8, mask=live, other=0)
+        q = ((byte.to(tl.int32) >> (shift % 8)) & 15).to(tl.float32)
+        pair = pairs_ptr + ((tile * (cols // G) + col // G) * 8 + g) * 4 + 2 * h
+        a = tl.load(pair, mask=live, other=0.0)
+        b = tl.load(pair + 1, mask=live, other=0.0)
+        tl.store(out_ptr + row * cols + col, (a * (q + 128.0) + b).to(tl.bfloat16), mask=live)
+
+    return dequant_int4_tiles
+
+
 def dequantize_bf16(data: torch.Tensor, pairs: torch.Tensor, cols: int) -> torch.Tensor:
-    """The packed int4 matrix (data uint8 [rows, cols / 2], pairs float32 [rows, groups, 2])
-    as bf16 [rows, cols], on data's CUDA device: a * q + b, which Triton may fuse into one
-    multiply-add, rounded to bf16. So each weight is within one bf16 rounding of dense()'s
+    """The packed int4 matrix (data uint8 [rows, cols / 2], pairs float32 [rows, groups, 2],
+    or the tile layout's: int4.py) as bf16 [rows, cols], on data's CUDA device: a * q + b
+    (tiles: a (128 + q) + (b - 128 a)), which Triton may fuse into one multiply-add, rounded
+    to bf16. So each weight is within one bf16 rounding of dense()'s
     float32 value; where that is 0 (q at the group's zero point) a fused residue of the
     scale's own rounding, ~1e-8 of the step, may stand in for it."""
-    rows = data.shape[0]
+    tiled = data.dim() == 4  # the tile layout (int4.py)
+    rows = data.shape[0] * (16 if tiled else 1)
     out = torch.empty(rows, cols, dtype=torch.bfloat16, device=data.device)
     group = cols // pairs.shape[1]
     grid = (rows, -(-cols // BLOCK))
-    _kernel()[grid](data, pairs, out, cols, G=group, BLOCK=BLOCK)
+    (_tiles_kernel() if tiled else _kernel())[grid](data, pairs, out, cols, G=group, BLOCK=BLOCK)
     return out

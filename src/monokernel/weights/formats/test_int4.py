@@ -1,7 +1,9 @@
 """The int4 weight format (4-bit quants, a float32 scale and offset a group of a row's
 columns): its bytes against the layout csrc/formats/int4.cuh reads, emulated here bit for
 bit (the rotated words, the 1 + q/128 floats, the two sums), its bits kept from a
-checkpoint's groups, and its row and column blocks."""
+checkpoint's groups, and its row and column blocks; the same for the tile layout
+(csrc/formats/int4_tiles.cuh, emulated as csrc/gemv_tiles.cuh multiplies it) and which of
+the two the kernel streams."""
 
 from __future__ import annotations
 
@@ -10,7 +12,14 @@ import pytest
 import torch
 
 from monokernel.weights.formats import FORMATS, get_format
-from monokernel.weights.formats.int4 import GROUPS, Int4Groups, pack_nibbles, unpack_nibbles
+from monokernel.weights.formats.int4 import (
+    GROUPS,
+    Int4Groups,
+    pack_nibbles,
+    tiles_for,
+    unpack_nibbles,
+    unpack_tiles,
+)
 from monokernel.weights.group_quant import quantize_rtn
 
 SIZES = [(1, 32), (3, 64), (7, 96), (5, 256), (9, 576), (2, 1408)]
@@ -158,12 +167,15 @@ def test_the_registry_and_refusals() -> None:
 _INTERPRETED = """
 import torch
 from monokernel.weights.formats.int4 import Int4Groups
-from monokernel.weights.formats.int4_triton import BLOCK, _kernel
-for rows, cols, group in [(5, 576, 64), (3, 1408, 32), (2, 4096, 128), (1, 96, 32)]:
-    fmt = Int4Groups(group)
+from monokernel.weights.formats.int4_triton import BLOCK, _kernel, _tiles_kernel
+cases = [(5, 576, 64, 0), (3, 1408, 32, 0), (2, 4096, 128, 0), (1, 96, 32, 0),
+         (32, 576, 32, 1), (16, 1024, 128, 1), (48, 256, 64, 1)]
+for rows, cols, group, tiles in cases:
+    fmt = Int4Groups(group, tiles=bool(tiles))
     m = fmt.pack(torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols)))
     out = torch.empty(rows, cols, dtype=torch.bfloat16)
-    _kernel()[(rows, -(-cols // BLOCK))](m.data, m.scales[0], out, cols, G=group, BLOCK=BLOCK)
+    kernel = _tiles_kernel() if tiles else _kernel()
+    kernel[(rows, -(-cols // BLOCK))](m.data, m.scales[0], out, cols, G=group, BLOCK=BLOCK)
     w = fmt.dense(m, torch.float32)
     truncated = (w.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
     assert torch.equal(out, truncated), (rows, cols, group)
@@ -190,13 +202,149 @@ def test_the_triton_dequantisation_is_the_dense_matrix_in_bf16() -> None:
         pytest.skip("needs an NVIDIA GPU")
     from monokernel.weights.formats.int4_triton import dequantize_bf16
 
-    for rows, cols, group in [(37, 576, 64), (300, 1408, 32), (1024, 4096, 128)]:
-        fmt = Int4Groups(group)
+    for rows, cols, group, tiles in [
+        (37, 576, 64, False),
+        (300, 1408, 32, False),
+        (1024, 4096, 128, False),
+        (304, 1408, 32, True),
+        (1024, 4096, 128, True),
+    ]:
+        fmt = Int4Groups(group, tiles=tiles)
         m = fmt.pack(random_matrix(rows, cols, seed=cols).cuda())
         got = dequantize_bf16(m.data, m.scales[0], cols).float()
         w = fmt.dense(m, torch.float32)
         # Triton may fuse a * q + b: one bf16 rounding of the float32 value, or where that is
-        # 0 (q = the zero point) a residue far below the group's step.
+        # 0 (q = the zero point) a residue far below the group's step (tiles: a (128 + q) +
+        # (b - 128 a), a float32 rounding of 128 a).
         ulp = torch.finfo(torch.bfloat16).eps * w.abs()
-        step = m.scales[0][:, :, 0].repeat_interleave(group, dim=1)
-        assert bool(((got - w).abs() <= torch.maximum(ulp, 1e-6 * step)).all())
+        step = fmt.groups_of(m)[1].repeat_interleave(group, dim=1)
+        residue = (256 * torch.finfo(torch.float32).eps if tiles else 1e-6) * step
+        assert bool(((got - w).abs() <= torch.maximum(ulp, residue)).all())
+
+
+# ---- the tile layout (csrc/formats/int4_tiles.cuh, csrc/gemv_tiles.cuh) ----------------------
+
+TILE_SIZES = [(16, 64, 32), (32, 128, 64), (48, 256, 128), (16, 512, 256), (64, 576, 32)]
+
+
+def mma_a_position(lane: int, e: int) -> tuple[int, int]:
+    """PTX's m16n8k16 A fragment: lane l's element e (0..7) is (row, column) of the tile."""
+    g, t = lane // 4, lane % 4
+    return g + 8 * ((e // 2) % 2), 2 * t + e % 2 + 8 * (e // 4)
+
+
+def tile_kernel_dot(data: torch.Tensor, pairs: torch.Tensor, x: torch.Tensor) -> np.ndarray:
+    """What gemv_tiles computes for every row, emulated from the packed bytes as the kernel
+    reads them: lane l's word m of load j is k-tile 4j + m, ((w >> 4i) & 0x000F000F) |
+    0x43004300 its A register i (elements 2i, 2i + 1 as the bf16 values 128 + q), x as bf16
+    hi + lo, and each segment's a C + (b - 128 a) s."""
+    tiles, loads = data.shape[:2]
+    cols = 64 * loads
+    group = cols // pairs.shape[1]
+    seg = min(group, 64)
+    words = data.contiguous().view(torch.int32).numpy().view(np.uint32).reshape(tiles, loads, 32, 4)
+    xf = x.float()
+    hi = xf.bfloat16().float()
+    lo = (xf - hi).bfloat16().float()
+    hi, lo = hi.numpy().astype(np.float64), lo.numpy().astype(np.float64)
+    ab = pairs.numpy().astype(np.float64)  # [T, groups, 8, 4]
+    acc = np.zeros((tiles, 16))
+    for j in range(loads):
+        for h in range(64 // seg):
+            c = np.zeros((tiles, 16))
+            for m in range(h * seg // 16, (h + 1) * seg // 16):
+                kt = 4 * j + m
+                a = np.zeros((tiles, 16, 16))
+                for lane in range(32):
+                    v = words[:, j, lane, m]
+                    for i in range(4):
+                        reg = ((v >> (4 * i)) & 0x000F000F) | 0x43004300
+                        for half, e in ((0, 2 * i), (1, 2 * i + 1)):
+                            r, col = mma_a_position(lane, e)
+                            a[:, r, col] = 128 + ((reg >> (16 * half)) & 0xF)
+                c += a @ hi[16 * kt : 16 * kt + 16] + a @ lo[16 * kt : 16 * kt + 16]
+            k0 = 64 * j + seg * h
+            s = hi[k0 : k0 + seg].sum() + lo[k0 : k0 + seg].sum()
+            p = ab[:, k0 // group]  # [T, 8, 4]: rows g (a, b'), rows g + 8 (a, b')
+            acc[:, :8] += p[:, :, 0] * c[:, :8] + p[:, :, 1] * s
+            acc[:, 8:] += p[:, :, 2] * c[:, 8:] + p[:, :, 3] * s
+    return acc.reshape(16 * tiles)
+
+
+@pytest.mark.parametrize(("rows", "cols", "group"), TILE_SIZES)
+def test_tiles_are_what_the_tile_gemv_multiplies(rows: int, cols: int, group: int) -> None:
+    """The tile kernel's arithmetic on the packed bytes is the dense matrix times x (to the
+    hi + lo rounding of x), and unpacking gives back the quants."""
+    w = random_matrix(rows, cols, seed=rows + cols)
+    q, a, b = groups_of(w, group)
+    m = Int4Groups(group, tiles=True).pack_groups(q, a, b)
+    assert m.data.shape == (rows // 16, cols // 64, 32, 16)
+    assert m.scales[0].shape == (rows // 16, cols // group, 8, 4)
+    assert torch.equal(unpack_tiles(m.data), q)
+    x = torch.randn(cols, generator=torch.Generator().manual_seed(7))
+    want = (
+        q.double() * a.double().repeat_interleave(group, 1) + b.double().repeat_interleave(group, 1)
+    ) @ x.double()
+    got = tile_kernel_dot(m.data, m.scales[0], x)
+    assert np.linalg.norm(got - want.numpy()) <= 1e-4 * np.linalg.norm(want.numpy())
+
+
+@pytest.mark.parametrize(("rows", "cols", "group"), TILE_SIZES)
+def test_tiles_and_rows_hold_the_same_matrix(rows: int, cols: int, group: int) -> None:
+    q, a, b = groups_of(random_matrix(rows, cols, seed=cols), group)
+    tiles = Int4Groups(group, tiles=True).pack_groups(q, a, b)
+    plain = Int4Groups(group).pack_groups(q, a, b)
+    fmt = Int4Groups(group)
+    assert fmt.matrix_bytes(rows, cols) == tiles.data.numel() + 4 * tiles.scales[0].numel()
+    # a (128 + q) + (b - 128 a): within an fp32 rounding of 128 a of a q + b.
+    ulp = 128 * a.abs().repeat_interleave(group, 1) * torch.finfo(torch.float32).eps
+    diff = (fmt.dense(tiles, torch.float32) - fmt.dense(plain, torch.float32)).abs()
+    assert bool((diff <= 2 * ulp).all())
+    gq, ga, _ = fmt.groups_of(tiles)
+    assert torch.equal(gq, q) and torch.equal(ga, a.float())
+
+
+def test_tile_blocks_are_whole_tiles_and_groups() -> None:
+    q, a, b = groups_of(random_matrix(48, 256, seed=3), 64)
+    fmt = Int4Groups(64, tiles=True)
+    m = fmt.pack_groups(q, a, b)
+    dense = fmt.dense(m, torch.float32)
+    rows = fmt.slice_rows(m, 16, 32)
+    assert rows.rows == 32 and Int4Groups.is_tiled(rows)
+    assert torch.equal(fmt.dense(rows, torch.float32), dense[16:48])
+    cols = fmt.slice_cols(m, 64, 128)
+    assert Int4Groups.is_tiled(cols)
+    assert torch.allclose(fmt.dense(cols, torch.float32), dense[:, 64:192], atol=1e-4)
+    with pytest.raises(ValueError, match="cut tiles of 16"):
+        fmt.slice_rows(m, 8, 16)
+    with pytest.raises(ValueError, match="rows must be a multiple of 16"):
+        fmt.pack_groups(q[:40], a[:40], b[:40])
+
+
+@pytest.mark.parametrize(
+    ("layout", "sizes", "want"),
+    [
+        ("auto", (4096, 4096, 1024, 14336), True),  # Llama-3.1-8B: 256 tiles >= 132 SMs
+        ("auto", (1536, 1536, 256, 8960), False),  # Qwen2.5-1.5B: 96 tiles, rows
+        ("auto", (4104, 4096, 1024, 14336), False),  # not whole 64-column loads
+        ("rows", (4096, 4096, 1024, 14336), False),
+        ("tiles", (576, 576, 192, 1536), True),  # SmolLM2, forced
+    ],
+)
+def test_which_layout_the_kernel_streams(
+    layout: str, sizes: tuple[int, int, int, int], want: bool
+) -> None:
+    from monokernel import envs
+
+    with envs.overridden(MONOKERNEL_INT4_LAYOUT=layout):
+        assert tiles_for(*sizes) is want
+
+
+def test_forced_tiles_refuse_a_shape_that_does_not_fit() -> None:
+    from monokernel import envs
+
+    with (
+        envs.overridden(MONOKERNEL_INT4_LAYOUT="tiles"),
+        pytest.raises(ValueError, match="q heads x head_dim 672"),
+    ):
+        tiles_for(640, 672, 96, 1408)

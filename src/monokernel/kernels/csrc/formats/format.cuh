@@ -16,6 +16,7 @@
 #include "bf16.cuh"
 #include "fp8.cuh"
 #include "int4.cuh"
+#include "int4_tiles.cuh"
 #include "int8.cuh"
 
 // A row-major weight matrix [rows, K] in format F, as the kernel's LayerWeights hold it.

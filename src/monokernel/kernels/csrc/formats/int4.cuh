@@ -44,6 +44,8 @@ struct Int4Groups {
   static constexpr float kUnit = 1.f;
   static constexpr bool kGroups = true;
   static constexpr int kGroup = G;
+  static constexpr bool kTiles = false;  // a GEMV unit is one row (int4_tiles.cuh: 16)
+  static constexpr int kTileRows = 1;
 
   struct Ptr {
     const uint8_t* q;   // the chunk's bytes

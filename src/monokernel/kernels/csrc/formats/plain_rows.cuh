@@ -12,6 +12,8 @@ struct PlainRows {
   using Ptr = const E*;   // a position in a matrix
   using Load = uint4;     // what one lane's load of a row brings
   static constexpr bool kGroups = false;  // group scales beside the weights (int4.cuh)
+  static constexpr bool kTiles = false;   // a GEMV unit is one row (int4.cuh: 16-row tiles)
+  static constexpr int kTileRows = 1;
 
   // Element e (= row * K + column) of the matrix whose rows start at `rows`.
   __device__ static __forceinline__ Ptr at(const E* rows, const float*, size_t e) {

@@ -17,6 +17,7 @@ import dataclasses
 import pytest
 import torch
 
+from monokernel import envs
 from monokernel.models.config import ModelConfig
 from monokernel.models.shapes import SHAPES
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
@@ -48,19 +49,37 @@ ODD32: ModelConfig = dataclasses.replace(
     num_kv_heads=1,
     head_dim=96,
 )
+# An odd shape in int4 tiles (csrc/gemv_tiles.cuh: inputs whole 64-column loads, the fused
+# QKV rows whole 16-row tiles): groups of 64, one KV head, odd tile counts.
+ODD64: ModelConfig = dataclasses.replace(
+    SHAPES["odd"],
+    hidden_size=704,
+    intermediate_size=1472,
+    num_heads=5,
+    num_kv_heads=1,
+    head_dim=128,
+)
 CONFIGS: dict[str, ModelConfig] = {
     "llama-3.1-8b": SHAPES["llama-3.1-8b"],
     "qwen2.5-coder-1.5b": SHAPES["qwen2.5-coder-1.5b"],
     "odd16": ODD16,
     "odd32": ODD32,
+    "odd64": ODD64,
 }
-# The formats each shape runs in (odd16's rows are not whole int4 groups, odd32's are).
+# The formats each shape runs in (odd16's rows are not whole int4 groups, odd32's are);
+# "int4-tiles": int4 with MONOKERNEL_INT4_LAYOUT=tiles (the 8B shape streams tiles already).
 FORMATS: dict[str, tuple[str, ...]] = {
     "llama-3.1-8b": ("fp8", "int8", "int4"),
-    "qwen2.5-coder-1.5b": ("fp8", "int8", "int4"),
+    "qwen2.5-coder-1.5b": ("fp8", "int8", "int4", "int4-tiles"),
     "odd16": ("fp8", "int8"),
     "odd32": ("int4",),
+    "odd64": ("int4-tiles",),
 }
+
+
+def layout(fmt: str) -> tuple[str, str]:
+    """A case's --quantize method and its MONOKERNEL_INT4_LAYOUT."""
+    return ("int4", "tiles") if fmt == "int4-tiles" else (fmt, "auto")
 
 
 def _needs(shape: str) -> pytest.MarkDecorator:
@@ -82,14 +101,18 @@ def test_teacher_forced_logits(shape: str, fmt: str) -> None:
     cfg, dev = CONFIGS[shape], torch.device("cuda")
     weights = random_weights(cfg, device=dev, seed=31)
     seq = random_ids(PROMPT + STEPS, cfg.vocab_size, seed=32)
+    fmt, int4_layout = layout(fmt)
     # int4's values (a * q + b) are not bf16 numbers, as fp8's and int8's stored values are:
     # the bf16 prefill would multiply the prompt by them rounded, so it runs in fp32 here and
     # what is compared is the kernel's arithmetic (weights/formats/int4.py says so).
     precision = "fp32" if fmt == "int4" else None
-    mk = MonokernelBackend(
-        cfg, weights, PROMPT + STEPS, dev, quantize=fmt, prefill_precision=precision
-    )
+    with envs.overridden(MONOKERNEL_INT4_LAYOUT=int4_layout):
+        mk = MonokernelBackend(
+            cfg, weights, PROMPT + STEPS, dev, quantize=fmt, prefill_precision=precision
+        )
     assert mk.kernel.packed.format == fmt and mk.kernel.packed.head_format == "bf16"
+    tiled = fmt == "int4" and (int4_layout == "tiles" or shape == "llama-3.1-8b")
+    assert bool(mk.kernel.dims.weight_tiles) == tiled  # the 8B shape: tiles by default
     got = mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])  # [STEPS, V]
     mk.close()
     del mk
@@ -98,7 +121,8 @@ def test_teacher_forced_logits(shape: str, fmt: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("shape", "fmt"), [c for c in CASES if c.values[0] in ("qwen2.5-coder-1.5b", "odd16", "odd32")]
+    ("shape", "fmt"),
+    [c for c in CASES if c.values[0] in ("qwen2.5-coder-1.5b", "odd16", "odd32", "odd64")],
 )
 def test_greedy_matches_reference(shape: str, fmt: str) -> None:
     """Free-running greedy on peaked random weights: the reference's argmax on the
@@ -108,7 +132,15 @@ def test_greedy_matches_reference(shape: str, fmt: str) -> None:
     cfg, dev = CONFIGS[shape], torch.device("cuda")
     weights = peaked(cfg, random_weights(cfg, device=dev, seed=33))
     prompt = random_ids(PROMPT, cfg.vocab_size, seed=34)
-    mk = MonokernelBackend(cfg, weights, PROMPT + STEPS, dev, quantize=fmt)
+    fmt, int4_layout = layout(fmt)
+    # int4 with the fp32 prefill, as in test_teacher_forced_logits: the bf16 one multiplies
+    # the prompt by the int4 values rounded to bf16, which the reference does not (on odd64
+    # that alone flips step 2 by more than the oracle allows, in both int4 layouts).
+    precision = "fp32" if fmt == "int4" else None
+    with envs.overridden(MONOKERNEL_INT4_LAYOUT=int4_layout):
+        mk = MonokernelBackend(
+            cfg, weights, PROMPT + STEPS, dev, quantize=fmt, prefill_precision=precision
+        )
     request = DecodeRequest(tuple(prompt), SamplingParams(temperature=0.0), STEPS, frozenset())
     got = list(mk.stream(request, CancelToken()))
     mk.close()
@@ -118,7 +150,7 @@ def test_greedy_matches_reference(shape: str, fmt: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4", "int4-tiles"])
 def test_default_model_greedy(fmt: str) -> None:
     """The real default model (SmolLM2-135M-Instruct, its Q4_1 GGUF dequantised) quantised
     at load: the kernel's greedy tokens are the reference's on the same dequantised values,
@@ -129,7 +161,9 @@ def test_default_model_greedy(fmt: str) -> None:
 
     cfg, weights, prompt = default_model_on_gpu("Write a Python function that adds.")
     dev = torch.device("cuda")
-    mk = MonokernelBackend(cfg, weights, len(prompt) + STEPS, dev, quantize=fmt)
+    fmt, int4_layout = layout(fmt)
+    with envs.overridden(MONOKERNEL_INT4_LAYOUT=int4_layout):
+        mk = MonokernelBackend(cfg, weights, len(prompt) + STEPS, dev, quantize=fmt)
     request = DecodeRequest(tuple(prompt), SamplingParams(temperature=0.0), STEPS, frozenset())
     got = list(mk.stream(request, CancelToken()))
     mk.close()
@@ -146,10 +180,12 @@ CHAT_PROMPTS = (
 
 
 @pytest.mark.gpu
-def test_default_model_from_its_q4_1_blocks_is_hf_transformers() -> None:
+@pytest.mark.parametrize("int4_layout", ["auto", "tiles"])
+def test_default_model_from_its_q4_1_blocks_is_hf_transformers(int4_layout: str) -> None:
     """The real default model decoding from its own Q4_1 blocks (Checkpoint.groups, int4 in
     groups of 32, no bf16 detour): greedy tokens equal to HF transformers' on the same GGUF
-    dequantised (float32), for 64 tokens on three chat prompts."""
+    dequantised (float32), for 64 tokens on three chat prompts; in the layout the kernel
+    picks for it (rows) and in 16-row tiles on the tensor cores."""
     if not hopper_with(8):
         pytest.skip("needs a Hopper GPU")
     pytest.importorskip("gguf")
@@ -172,15 +208,16 @@ def test_default_model_from_its_q4_1_blocks_is_hf_transformers() -> None:
         str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
     ).to(dev)
     weights = {k: v.to(device=dev, dtype=torch.bfloat16) for k, v in ckpt.weights.items()}
-    mk = MonokernelBackend(
-        ckpt.config,
-        weights,
-        512,
-        dev,
-        quantize="int4",
-        groups=ckpt.groups,
-        prefill_precision="fp32",
-    )
+    with envs.overridden(MONOKERNEL_INT4_LAYOUT=int4_layout):
+        mk = MonokernelBackend(
+            ckpt.config,
+            weights,
+            512,
+            dev,
+            quantize="int4",
+            groups=ckpt.groups,
+            prefill_precision="fp32",
+        )
     assert mk.kernel.packed.format == "int4"
     n = 64
     try:

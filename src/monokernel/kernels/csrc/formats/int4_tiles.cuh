@@ -1,0 +1,67 @@
+// int4.cuh's 4-bit weights (a float32 scale a and offset b per group of G input columns of a row)
+// in tiles of 16 rows (weights/formats/int4.py's tile layout), multiplied on the tensor cores
+// (gemv_tiles.cuh): the CUDA cores' widening and fp32 input reads ran out of issue slots and
+// shared-memory bandwidth at ~55% of HBM's rate (perf-notes step 67), mma.m16n8k16 streams
+// at ~85% (step 76).
+//
+// Layout, in tiles of 16 rows: a warp's 16-byte loads (one a lane) cover the tile's 64 columns
+// c .. c + 63, 512 contiguous bytes, [rows / 16][K / 64][32 lanes][4 words]. Word m of lane l
+// (g = l / 4, t = l % 4) is k-tile m of those columns in mma's A-fragment order: nibble 4i is
+// element 2i and nibble 16 + 4i element 2i + 1 of the lane's 8, (g, 2t) (g, 2t+1) (g+8, 2t)
+// (g+8, 2t+1) (g, 2t+8) (g, 2t+9) (g+8, 2t+8) (g+8, 2t+9), so ((w >> 4i) & 0x000F000F) |
+// 0x43004300 is register i of A as the bf16 pair 128 + q (one shift, one LOP3; exact).
+// The pairs: [rows / 16][K / G][8][4] float32, for lane group g (a, b - 128 a) of row g, then
+// of row g + 8: the tensor cores sum C = sum (128 + q) x over a group and the lane adds
+// a C + (b - 128 a) s, s the group's sum of x (gemv_tiles.cuh tile_inputs). A load of 64
+// columns meets one group (G >= 64, "segment" of 64 columns) or two (G = 32): kSegs pairs.
+#pragma once
+#include "../common.cuh"
+
+template <int G>
+struct Int4Tiles {
+  static_assert(G % 32 == 0 && 256 % G == 0, "a group is 32, 64, 128 or 256 columns");
+  using Elem = uint8_t;  // two weights a byte: a row of K weights is K / 2 of them
+  static constexpr bool kTiles = true;
+  static constexpr int kTileRows = 16;     // rows a unit of the GEMV streams together
+  static constexpr int kPerLoad = 32;      // weights of one lane's 16-byte load
+  static constexpr int kTileCols = 64;     // columns one warp-wide load covers
+  static constexpr int kSliceCols = G > 64 ? G : 64;  // a split-K slice starts on a group
+  static constexpr bool kScaled = false;   // the groups' scales, not a row's
+  static constexpr float kUnit = 1.f;
+  static constexpr bool kGroups = true;
+  static constexpr int kGroup = G;
+  static constexpr int kSegCols = G < 64 ? G : 64;  // columns under one pair in a load
+  static constexpr int kSegs = 64 / kSegCols;
+
+  struct Ptr {
+    const uint4* w;     // a tile slice's first load (lane 0's)
+    const float4* ab;   // its first group's pairs (lane group 0's)
+  };
+  struct Load {
+    uint4 w;
+    float4 ab[kSegs];  // (a, b') of rows g and g + 8 for each segment of the load
+  };
+
+  // Tile `tile`'s columns from c0 (a multiple of kSliceCols) of a matrix of K columns.
+  __device__ static __forceinline__ Ptr tile_at(const uint8_t* rows, const float* pairs,
+                                                size_t tile, int c0, int K) {
+    return {reinterpret_cast<const uint4*>(rows) + (tile * (K / 64) + c0 / 64) * 32,
+            reinterpret_cast<const float4*>(pairs) + (tile * (K / G) + c0 / G) * 8};
+  }
+  // Chunk c = 32 j + lane of a slice: lane's load j (gemv.cuh's chunk numbering).
+  __device__ static __forceinline__ Load load(Ptr p, int c) {
+    Load u;
+    const int j = c >> 5, g = (c & 31) >> 2;
+    u.w = ld_stream(p.w + c);
+#pragma unroll
+    for (int h = 0; h < kSegs; ++h) u.ab[h] = __ldg(p.ab + ((64 * j + kSegCols * h) / G) * 8 + g);
+    return u;
+  }
+  __device__ static __forceinline__ Load zero() {
+    Load u;
+    u.w = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int h = 0; h < kSegs; ++h) u.ab[h] = make_float4(0.f, 0.f, 0.f, 0.f);
+    return u;
+  }
+};

@@ -1,0 +1,178 @@
+// The GEMV of a tile format (formats/int4.cuh) on the tensor cores: a unit is a tile of 16
+// rows, not a row; a warp streams a tile's K-slice with one 16-byte load a lane per 64
+// columns and multiplies it by the input with mma.m16n8k16 (perf-notes step 76 measured this
+// at ~85% of the copy bandwidth for int4 where the CUDA cores got ~55%).
+//
+// The input: x is rounded to bf16 hi + lo (two mma a k-tile: the products carry ~16 mantissa
+// bits of x, the fp32 input nearly). B's 8 columns all hold x, so every lane ends with its
+// rows' dot products (c[0] row g, c[2] row g + 8) and no lane needs zeros: a single-position
+// GEMV pays nothing for the columns it does not use.
+//
+// Split K as gemv_split: SPLIT warps share a tile, one slice each; their partials meet in
+// shared memory in rounds of kTileRound tiles a warp and are summed in a fixed order
+// (deterministic). out2(tile, i, v0, v1) gets rows 2i and 2i + 1 of a tile (i < 8), so a
+// gate/up matrix interleaved by rows hands one thread both halves of a pair.
+// Included by gemv.cuh after RowShape, Split, split_first and issue_first.
+#pragma once
+#include "mma.cuh"
+
+// Tiles a warp's partials hold per round: part is [kWarps][kTileRound][16] floats.
+constexpr int kTileRound = kPartFloats / 16;
+
+// xs [K], fp32 and swizzled (common.cuh), rewritten in place as the tile GEMV's input: each
+// k-tile of 16 inputs (64 bytes) holds its 8 pairs (2w, 2w + 1) as {hi, lo} bf16x2 words in
+// pair order 0 4 1 5 2 6 3 7, so lane t's B fragments (pairs t and t + 4) are one 16-byte
+// load; sums[k / 32] <- the sum of hi + lo over inputs k .. k + 31 (an int4 group's offset
+// term). A thread rewrites only the 64 bytes it read: no barrier between reads and writes.
+template <int K>
+__device__ __forceinline__ void tile_inputs(float* xs, float* sums) {
+  static_assert(K % 64 == 0, "a tile GEMV's input is whole 64-column loads (build.py checks)");
+  constexpr int kKt = K / 16;
+  for (int base = (int)threadIdx.x & ~31; base < kKt; base += kThreads) {  // warp-uniform
+    const int kt = base + ((int)threadIdx.x & 31);
+    float s = 0.f;
+    if (kt < kKt) {
+      float* blk = xs + 16 * kt;
+      float v[16];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float4 f = *reinterpret_cast<const float4*>(swz(blk + 4 * q));
+        v[4 * q] = f.x, v[4 * q + 1] = f.y, v[4 * q + 2] = f.z, v[4 * q + 3] = f.w;
+      }
+      uint32_t hi[8], lo[8];
+#pragma unroll
+      for (int w = 0; w < 8; ++w) {
+        split_pair<false>(make_float2(v[2 * w], v[2 * w + 1]), hi[w], lo[w]);
+        s += (bf_lo(hi[w]) + bf_lo(lo[w])) + (bf_hi(hi[w]) + bf_hi(lo[w]));
+      }
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+        *reinterpret_cast<uint4*>(blk + 4 * t) = make_uint4(hi[t], lo[t], hi[t + 4], lo[t + 4]);
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    if (kt < kKt && !(kt & 1)) sums[kt / 2] = s;
+  }
+  __syncthreads();
+}
+
+// One load's 64 columns (4 k-tiles) of the lane's tile rows g and g + 8 into acc0 and acc2:
+// per segment (F::kSegCols columns under one group pair) the tensor cores sum
+// C = sum (128 + q) x, and the pair adds a C + (b - 128 a) s. xl: the lane's B fragments of
+// the load's first k-tile; sl: the sums of its 32-column blocks.
+template <class F>
+__device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
+                                              const float* __restrict__ xl,
+                                              const float* __restrict__ sl, float& acc0,
+                                              float& acc2) {
+  const uint32_t wd[4] = {u.w.x, u.w.y, u.w.z, u.w.w};
+  constexpr int kPerSeg = 4 / F::kSegs;  // k-tiles a segment
+#pragma unroll
+  for (int h = 0; h < F::kSegs; ++h) {
+    float c[4];
+#pragma unroll
+    for (int m = h * kPerSeg; m < (h + 1) * kPerSeg; ++m) {
+      const uint32_t v = wd[m];
+      const uint32_t a[4] = {(v & 0x000F000Fu) | 0x43004300u,
+                             ((v >> 4) & 0x000F000Fu) | 0x43004300u,
+                             ((v >> 8) & 0x000F000Fu) | 0x43004300u,
+                             ((v >> 12) & 0x000F000Fu) | 0x43004300u};
+      const uint4 x = *reinterpret_cast<const uint4*>(xl + 16 * m);
+      if (m == h * kPerSeg)
+        mma_bf16_first(c, a, x.x, x.z);
+      else
+        mma_bf16(c, a, x.x, x.z);
+      mma_bf16(c, a, x.y, x.w);
+    }
+    const float s = F::kSegCols == 32 ? sl[h] : sl[0] + sl[1];
+    acc0 = fmaf(u.ab[h].x, c[0], fmaf(u.ab[h].y, s, acc0));
+    acc2 = fmaf(u.ab[h].z, c[2], fmaf(u.ab[h].w, s, acc2));
+  }
+}
+
+// Tiles of W [rows, K] (rows a multiple of 16) times xs: unit u = (warp / S) * grid + cta owns
+// tiles u, u + units, ... (numbered across CTAs first, so every CTA owns a tile wherever there
+// are as many tiles as CTAs: flow.cuh flow_possible); pre holds its first tile's first batch
+// (issue_split_first). sums: K / 32 floats of scratch. All threads of the CTA must call.
+template <int K, int SPLIT, class F, class Out2>
+__device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, float* sums,
+                                           float* part, int warp, int lane,
+                                           typename F::Load (&pre)[Split<F, K, SPLIT>::Shape::B],
+                                           Out2 out2, int cta) {
+  using P = Split<F, K, SPLIT>;
+  using S = typename P::Shape;
+  using L = typename F::Load;
+  constexpr int NB = (S::N + S::B - 1) / S::B;  // batches a tile slice
+  constexpr int R = kTileRound;
+  tile_inputs<K>(xs, sums);
+  const int tiles = rows / F::kTileRows;
+  const int units = gridDim.x * P::GROUPS;
+  const int c0 = (warp % P::S) * P::KP;
+  const int u0 = tile_unit(warp / P::S, cta);
+  const int iters = (tiles - cta + units - 1) / units;  // max over the groups (group 0's)
+  const float* xl = xs + c0 + 4 * (lane & 3);
+  const float* sl = sums + c0 / 32;
+  // One stream of batches over the warp's tiles: while batch b is multiplied, the next is in
+  // flight (the tile's next batch, or after its last the next tile's first, across rounds).
+  // The batches run in a loop, not unrolled: a tile slice of up to K / 64 loads unrolled
+  // would be tens of KB of code (the SM's instruction caches hold ~32 KB at full speed).
+  L cur[S::B], nxt[S::B];
+#pragma unroll
+  for (int i = 0; i < S::B; ++i) cur[i] = pre[i];
+  auto tile = [&](int it, int slot) {
+    const int t = u0 + it * units, tn = t + units;
+    const auto pc = F::tile_at(M.rows, M.scales, (size_t)(t < tiles ? t : tiles - 1), c0, K);
+    const auto pn = F::tile_at(M.rows, M.scales, (size_t)(tn < tiles ? tn : tiles - 1), c0, K);
+    float acc0 = 0.f, acc2 = 0.f;
+#pragma unroll 1
+    for (int b = 0; b < NB; ++b) {
+      const bool last = b + 1 == NB;
+      const auto pa = last ? pn : pc;
+      const int bn = last ? 0 : b + 1;
+      const bool live = !last || tn < tiles;
+#pragma unroll
+      for (int i = 0; i < S::B; ++i) {
+        const int j = bn * S::B + i;
+        nxt[i] = live && j < S::N ? F::load(pa, 32 * j + lane) : F::zero();
+      }
+#pragma unroll
+      for (int i = 0; i < S::B; ++i) {
+        const int j = b * S::B + i;
+        if (j < S::N) tile_load_dot<F>(cur[i], xl + 64 * j, sl + 2 * j, acc0, acc2);
+      }
+#pragma unroll
+      for (int i = 0; i < S::B; ++i) cur[i] = nxt[i];
+    }
+    if ((lane & 3) == 0) {
+      part[(warp * R + slot) * 16 + (lane >> 2)] = acc0;
+      part[(warp * R + slot) * 16 + (lane >> 2) + 8] = acc2;
+    }
+  };
+  // TPI threads sum an item's (a tile's two rows') S partials, PER each, then shuffle.
+  constexpr int TPI = P::S >= 2 ? P::S / 2 : 1;
+  constexpr int PER = P::S / TPI;
+  constexpr int ITEMS = P::GROUPS * R * 8;
+  for (int it0 = 0; it0 < iters; it0 += R) {
+    const int it1 = min(iters, it0 + R);
+    for (int it = it0; it < it1; ++it) tile(it, it - it0);
+    __syncthreads();
+    for (int q = threadIdx.x; q < ITEMS * TPI; q += kThreads) {
+      const int k = q % TPI, item = q / TPI;
+      const int i = item % 8, j = (item / 8) % R, gg = item / (8 * R);
+      float v0 = 0.f, v1 = 0.f;
+#pragma unroll
+      for (int e = 0; e < PER; ++e) {
+        const float* pp = part + ((gg * P::S + k * PER + e) * R + j) * 16 + 2 * i;
+        v0 += pp[0];
+        v1 += pp[1];
+      }
+#pragma unroll
+      for (int o = TPI / 2; o; o >>= 1) {
+        v0 += __shfl_xor_sync(0xffffffffu, v0, o);
+        v1 += __shfl_xor_sync(0xffffffffu, v1, o);
+      }
+      const int t = tile_unit(gg, cta) + (it0 + j) * units;
+      if (k == 0 && it0 + j < it1 && t < tiles) out2(t, i, v0, v1);
+    }
+    __syncthreads();
+  }
+}
