@@ -129,13 +129,14 @@ if [[ $STAGES == *variants* ]]; then
 fi
 
 if [[ $STAGES == *stalls* ]]; then
-  # Nsight Compute's sampled warp states for one decode launch (MK_STALL_SHAPE; clocks left
-  # alone), per machine instruction, summarised by tools/stall_summary.py.
+  # Nsight Compute's sampled warp states for one decode launch (MK_STALL_SHAPE and
+  # MK_STALL_ENGINES, e.g. monokernel:int4; clocks left alone), per machine instruction,
+  # summarised by tools/stall_summary.py.
   shape=${MK_STALL_SHAPE:-qwen2.5-coder-1.5b}
   echo "== warp stalls ($shape)" >&2
   timeout "${MK_STALL_TIMEOUT:-240}" ncu --clock-control none -k mk_decode -c 1 \
     --section WarpStateStats --section SourceCounters -f -o "$OUTDIR/stalls" \
-    python3 -m monokernel.bench --shape "$shape" --engines monokernel --prompt-tokens 64 \
+    python3 -m monokernel.bench --shape "$shape" --engines "${MK_STALL_ENGINES:-monokernel}" --prompt-tokens 64 \
     --gen-tokens 24 --repeats 1 >"$OUTDIR/stalls.log" 2>&1 || status=1
   ncu --import "$OUTDIR/stalls.ncu-rep" --page source --csv --print-source sass 2>>"$OUTDIR/stalls.log" |
     gzip >"$OUTDIR/stalls-src.csv.gz"

@@ -18,6 +18,7 @@ import torch
 
 from monokernel.kernels.build import CSRC, build_standalone
 from monokernel.kernels.launcher import DeviceKernel
+from monokernel.weights.formats.int4 import fragment_tables
 
 SOURCE = CSRC / "skinny_gemv_bench.cu"
 HEADERS = (CSRC / "common.cuh", CSRC / "mma.cuh")  # what SOURCE includes: the cache key
@@ -26,11 +27,6 @@ FORMATS = ("bf16", "fp8", "int4")
 THREADS = 512  # kSkThreads
 GROUP = 128  # int4 columns sharing a scale and an offset (kGroup)
 TILE = 16  # rows of a row tile, columns of a k-tile
-
-# Lane l's 8 A-fragment elements of mma.m16n8k16 (g = l // 4, t = l % 4): (row, column) in a
-# 16 x 16 tile, in register order.
-_FRAG_ROW = torch.tensor([[0, 0, 8, 8, 0, 0, 8, 8]]) + torch.arange(32).view(32, 1) // 4
-_FRAG_COL = torch.tensor([[0, 1, 0, 1, 8, 9, 8, 9]]) + 2 * (torch.arange(32).view(32, 1) % 4)
 
 
 class SkinnyParams(ctypes.Structure):
@@ -75,8 +71,9 @@ def check_shape(rows: int, k: int, fmt: str) -> None:
 def _fragments(m: torch.Tensor) -> torch.Tensor:
     """[R, K] -> [R/16, K/16, 32 lanes, 8]: each lane's A-fragment elements of each tile."""
     rows, k = m.shape
+    frag_row, frag_col, _ = fragment_tables(m.device)
     tiles = m.reshape(rows // TILE, TILE, k // TILE, TILE).permute(0, 2, 1, 3)
-    return tiles[:, :, _FRAG_ROW.to(m.device), _FRAG_COL.to(m.device)]
+    return tiles[:, :, frag_row, frag_col]
 
 
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
@@ -102,7 +99,7 @@ def pack_int4(
     rows, k = q.shape
     check_shape(rows, k, "int4")
     f = _fragments(q.to(torch.int64))  # [T, K/16, 32, 8]
-    shifts = torch.tensor([0, 16, 4, 20, 8, 24, 12, 28], device=q.device)
+    shifts = fragment_tables(q.device)[2].to(torch.int64)
     words = (f << shifts).sum(-1)  # [T, K/16, 32]: element 2m at bit 4m, 2m + 1 at 16 + 4m
     words = words.view(rows // TILE, k // 64, 4, 32).permute(0, 1, 3, 2)  # [T, K/64, 32, 4]
     packed = words.to(torch.int64).to(torch.int32).contiguous()  # wraps the top bit

@@ -114,7 +114,7 @@ def tiles_for(hidden: int, q_size: int, kv_size: int, intermediate: int) -> bool
     return layout == "tiles" or (not odd and hidden // TILE_ROWS >= SMS)
 
 
-def _fragment_tables(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fragment_tables(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lane l's 8 A-fragment elements of mma.m16n8k16 (g = l // 4, t = l % 4): their rows and
     columns in a 16 x 16 tile [32, 8], in register order, and element e's nibble in the
     lane's word [8]. Made on the device (no host copy: the prefill captures dense() in CUDA
@@ -131,7 +131,7 @@ def pack_tiles(q: torch.Tensor) -> torch.Tensor:
     """q uint8 [rows, cols] (0..15; rows a multiple of 16, cols of 64) -> the tile layout's
     bytes [rows / 16, cols / 64, 32, 16]."""
     rows, cols = q.shape
-    frag_row, frag_col, shift = _fragment_tables(q.device)
+    frag_row, frag_col, shift = fragment_tables(q.device)
     t = q.to(torch.int32).reshape(rows // TILE_ROWS, TILE_ROWS, cols // 16, 16).permute(0, 2, 1, 3)
     f = t[:, :, frag_row, frag_col]  # [T, K/16, 32, 8]
     words = (f << shift).sum(-1, dtype=torch.int64)  # [T, K/16, 32]
@@ -143,7 +143,7 @@ def pack_tiles(q: torch.Tensor) -> torch.Tensor:
 def unpack_tiles(data: torch.Tensor) -> torch.Tensor:
     """pack_tiles' inverse: uint8 [rows, cols]."""
     tiles, blocks = data.shape[:2]
-    frag_row, frag_col, shift = _fragment_tables(data.device)
+    frag_row, frag_col, shift = fragment_tables(data.device)
     words = data.contiguous().view(torch.int32).view(tiles, blocks, 32, 4).permute(0, 1, 3, 2)
     words = words.reshape(tiles, blocks * 4, 32, 1)  # [T, K/16, 32, 1]
     f = (words >> shift) & 0x0F  # [T, K/16, 32, 8]

@@ -20,63 +20,46 @@ def _kernel() -> Any:
 
     @triton.jit
     def dequant_int4(
-        data_ptr, pairs_ptr, out_ptr, cols, G: tl.constexpr, BLOCK: tl.constexpr
+        data_ptr, pairs_ptr, out_ptr, cols, G: tl.constexpr, BLOCK: tl.constexpr,
+        TILES: tl.constexpr,
     ):  # fmt: skip
         # Program (row, column block): int4.py's layout read backwards, a weight at a time.
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         live = col < cols
-        chunk = col // 32
-        within = col % 32
-        word = ((within // 8) - ((chunk >> 1) & 3)) & 3  # stored word of natural word
-        j = within % 8
-        byte = tl.load(
-            data_ptr + row * (cols // 2) + chunk * 16 + word * 4 + (j % 4), mask=live, other=0
-        )
-        q = ((byte.to(tl.int32) >> (4 * (j // 4))) & 15).to(tl.float32)
-        pair = pairs_ptr + (row * (cols // G) + col // G) * 2
+        if TILES:
+            # Row r is row rr = r % 16 of tile r // 16: lane group g = rr % 8, half h =
+            # rr // 8; column c is column cc = c % 16 of k-tile c // 16, word (c // 16) % 4
+            # of load c // 64, lane 4 g + (cc % 8) // 2, fragment element e = cc % 2 + 2 h +
+            # 4 (cc // 8), nibble 4 (e // 2) + 16 (e % 2) of the word.
+            tile = row // 16
+            g = row % 8
+            h = (row % 16) // 8
+            cc = col % 16
+            e = cc % 2 + 2 * h + 4 * (cc // 8)
+            shift = 4 * (e // 2) + 16 * (e % 2)
+            lane = 4 * g + (cc % 8) // 2
+            load = (tile * (cols // 64) + col // 64) * 32 + lane
+            byte_at = data_ptr + load * 16 + ((col // 16) % 4) * 4 + shift // 8
+            nibble = shift % 8
+            pair = pairs_ptr + ((tile * (cols // G) + col // G) * 8 + g) * 4 + 2 * h
+        else:
+            chunk = col // 32
+            within = col % 32
+            word = ((within // 8) - ((chunk >> 1) & 3)) & 3  # stored word of natural word
+            j = within % 8
+            byte_at = data_ptr + row * (cols // 2) + chunk * 16 + word * 4 + (j % 4)
+            nibble = 4 * (j // 4)
+            pair = pairs_ptr + (row * (cols // G) + col // G) * 2
+        byte = tl.load(byte_at, mask=live, other=0)
+        q = ((byte.to(tl.int32) >> nibble) & 15).to(tl.float32)
         a = tl.load(pair, mask=live, other=0.0)
         b = tl.load(pair + 1, mask=live, other=0.0)
-        tl.store(out_ptr + row * cols + col, (q * a + b).to(tl.bfloat16), mask=live)
+        # Tiles store (a, b - 128 a): a (128 + q) + b' is the value the kernel multiplies by.
+        w = a * (q + 128.0) + b if TILES else q * a + b
+        tl.store(out_ptr + row * cols + col, w.to(tl.bfloat16), mask=live)
 
     return dequant_int4
-
-
-@functools.cache
-def _tiles_kernel() -> Any:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def dequant_int4_tiles(
-        data_ptr, pairs_ptr, out_ptr, cols, G: tl.constexpr, BLOCK: tl.constexpr
-    ):  # fmt: skip
-        # Program (row, column block): int4.py's tile layout read backwards. Row r is row
-        # rr = r % 16 of tile r // 16: lane group g = rr % 8, half h = rr // 8; column c is
-        # column cc = c % 16 of k-tile c // 16, word (c // 16) % 4 of load c // 64, lane
-        # 4 g + (cc % 8) // 2, fragment element e = cc % 2 + 2 h + 4 (cc // 8).
-        row = tl.program_id(0).to(tl.int64)
-        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        live = col < cols
-        tile = row // 16
-        rr = row % 16
-        g = rr % 8
-        h = rr // 8
-        cc = col % 16
-        lane = 4 * g + (cc % 8) // 2
-        e = cc % 2 + 2 * h + 4 * (cc // 8)
-        word = (
-            data_ptr + ((tile * (cols // 64) + col // 64) * 32 + lane) * 16 + ((col // 16) % 4) * 4
-        )
-        shift = 4 * (e // 2) + 16 * (e % 2)
-        byte = tl.load(word + shift // 8, mask=live, other=0)
-        q = ((byte.to(tl.int32) >> (shift % 8)) & 15).to(tl.float32)
-        pair = pairs_ptr + ((tile * (cols // G) + col // G) * 8 + g) * 4 + 2 * h
-        a = tl.load(pair, mask=live, other=0.0)
-        b = tl.load(pair + 1, mask=live, other=0.0)
-        tl.store(out_ptr + row * cols + col, (a * (q + 128.0) + b).to(tl.bfloat16), mask=live)
-
-    return dequant_int4_tiles
 
 
 def dequantize_bf16(data: torch.Tensor, pairs: torch.Tensor, cols: int) -> torch.Tensor:
@@ -91,5 +74,5 @@ def dequantize_bf16(data: torch.Tensor, pairs: torch.Tensor, cols: int) -> torch
     out = torch.empty(rows, cols, dtype=torch.bfloat16, device=data.device)
     group = cols // pairs.shape[1]
     grid = (rows, -(-cols // BLOCK))
-    (_tiles_kernel() if tiled else _kernel())[grid](data, pairs, out, cols, G=group, BLOCK=BLOCK)
+    _kernel()[grid](data, pairs, out, cols, G=group, BLOCK=BLOCK, TILES=tiled)
     return out
