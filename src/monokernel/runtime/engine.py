@@ -223,7 +223,7 @@ class Engine:
         self.quantize: str | None = (
             self.config.quantize if self.config.quantize is not None else ckpt.quantization
         )
-        # A 4-bit checkpoint (GGUF Q4_0/Q4_1, AWQ, GPTQ) streams its own groups as int4, on
+        # A 4-bit checkpoint (GGUF Q4_0/Q4_1/Q4_K, AWQ, GPTQ) streams its own groups as int4, on
         # one GPU or split over --tp GPUs.
         groups = ckpt.groups
         if self.quantize != "int4":

@@ -3,7 +3,7 @@
 GGUF metadata is turned into an HF-config-shaped dict and sent through
 ``config_from_hf_dict`` so GGUF and safetensors checkpoints meet the same refusals.
 Tensors are dequantised to float32 and renamed through one explicit table into our names.
-Each layer's linear weights stored as Q4_0 or Q4_1 also come back as their blocks' bits
+Each layer's linear weights stored as Q4_0, Q4_1 or Q4_K also come back as their blocks' bits
 (``GroupQuant``, weights/group_quant.py), for the kernel to stream as they are.
 
 ``gguf`` is imported inside functions only: the GPU machines need not have it installed.
@@ -334,7 +334,7 @@ def load_gguf_weights(path: Path, cfg: ModelConfig) -> Weights:
 
 def load_gguf_tensors(path: Path, cfg: ModelConfig) -> tuple[Weights, dict[str, GroupQuant]]:
     """``load_gguf_weights``'s weights, and in the same pass over the file each layer
-    linear weight stored as Q4_0 or Q4_1 as a GroupQuant of its blocks' bits (our names, HF
+    linear weight stored as Q4_0, Q4_1 or Q4_K as a GroupQuant of its blocks' bits (our names, HF
     row order; its ``dense()`` is the weight, up to the sign of a Q4_0 zero)."""
     path = Path(path)
     reader = _reader(path)
@@ -375,8 +375,8 @@ def _permuted_heads(name: str, cfg: ModelConfig) -> int | None:
 
 
 def _group_quant(reader: GGUFFile, tensor: TensorInfo, ours: str) -> GroupQuant | None:
-    """A layer linear weight's Q4_0/Q4_1 blocks as a GroupQuant; None for any other tensor
-    (another type, the embedding, the LM head, a norm)."""
+    """A layer linear weight's Q4_0/Q4_1/Q4_K blocks as a GroupQuant; None for any other
+    tensor (another type, the embedding, the LM head, a norm)."""
     from gguf import GGMLQuantizationType
 
     kind = GGMLQuantizationType(tensor.tensor_type).name
@@ -392,8 +392,8 @@ def _dense_4bit(gq: GroupQuant, tensor: TensorInfo) -> torch.Tensor:
     float32 operations on the same values, so the same bits (the nibbles are split once)."""
     from gguf import GGMLQuantizationType
 
-    if GGMLQuantizationType(tensor.tensor_type).name == "Q4_1":
-        return gq.dense()  # q * d + m, as _dequantize_blocks
+    if GGMLQuantizationType(tensor.tensor_type).name in ("Q4_1", "Q4_K"):
+        return gq.dense()  # q * d + m (Q4_K: q * d sc - dmin m), as GGUF dequantises
     # Q4_0's (q - 8) * d, not the scale form q * d - 8d: that gives +0.0 where this -0.0.
     out = gq.q.to(torch.float32).view(gq.rows, -1, gq.group).sub_(8.0)
     return out.mul_(gq.scale[:, :, None]).view(gq.rows, gq.cols)

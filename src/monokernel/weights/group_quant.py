@@ -5,7 +5,9 @@ packer has one input: w[r, c] = scale[r, c // group] * q[r, c] + offset[r, c // 
 q in 0..15. Each source maps onto it without changing a bit:
 
 - GGUF Q4_0 (w = d * (q - 8)): scale d, offset -8d; Q4_1 (w = d * q + m): scale d,
-  offset m; group 32 (a block);
+  offset m; group 32 (a block); Q4_K (a block of 256 in 8 sub-blocks of 32, w = d sc q -
+  dmin m with 6-bit sc and m a sub-block): scale d sc, offset -dmin m (products of an fp16
+  value and a 6-bit integer: exact in float32), group 32;
 - AutoAWQ GEMM and AutoGPTQ / GPTQModel (w = s * (q - z)): scale s, offset -z * s, exact
   in float32 (s is fp16, z at most 16: the product needs 16 bits of mantissa);
 - ``quantize_rtn``: ``--quantize int4``'s asymmetric round-to-nearest.
@@ -26,8 +28,11 @@ from monokernel.errors import WeightLoadError
 
 QMAX = 15  # 4-bit unsigned
 GROUP_MULTIPLE = 32  # the kernel reads a row in 32-weight steps: a group never splits one
-GGUF_GROUP = 32  # a Q4_0/Q4_1 block
-GGUF_BLOCK_BYTES: dict[str, int] = {"Q4_0": 18, "Q4_1": 20}  # fp16 d, [fp16 m,] 16 bytes
+GGUF_GROUP = 32  # a Q4_0/Q4_1 block, a Q4_K sub-block
+# Bytes of a block: Q4_0/Q4_1 fp16 d, [fp16 m,] 16 bytes of quants (32 weights); Q4_K fp16 d
+# and dmin, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of quants (256 weights).
+GGUF_BLOCK_BYTES: dict[str, int] = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+GGUF_BLOCK_WEIGHTS: dict[str, int] = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256}
 # AutoAWQ packs the eight columns of an int32 in this order: nibble i (bits 4i..4i+3) holds
 # column AWQ_ORDER[i] of the eight (its GEMM kernel's dequantisation wants them so); a
 # column's nibble is therefore AWQ_NIBBLE[column], the inverse permutation.
@@ -248,22 +253,32 @@ def _group_hint(cols: int, group: int) -> str:
 
 
 def from_gguf_blocks(raw: torch.Tensor, kind: str, shape: tuple[int, ...]) -> GroupQuant:
-    """A GGUF Q4_0 or Q4_1 tensor's stored bytes (uint8, whole blocks in row-major order)
-    as a GroupQuant of ``shape`` [rows, cols] in groups of 32, one a block. ``dense()``
-    equals gguf_loader's dequantisation in float32 (Q4_0 up to the sign of a zero:
-    d * (q - 8) is -0.0 where the scale form gives +0.0)."""
+    """A GGUF Q4_0, Q4_1 or Q4_K tensor's stored bytes (uint8, whole blocks in row-major
+    order) as a GroupQuant of ``shape`` [rows, cols] in groups of 32 (a Q4_0/Q4_1 block, a
+    Q4_K sub-block). ``dense()`` equals the GGUF dequantisation in float32 (Q4_0 up to the
+    sign of a zero: d * (q - 8) is -0.0 where the scale form gives +0.0)."""
     if kind not in GGUF_BLOCK_BYTES:
-        raise GroupQuantError(f"GGUF type {kind} is not 4-bit; 4-bit types: Q4_0, Q4_1")
-    if len(shape) != 2 or shape[1] % GGUF_GROUP:
-        raise GroupQuantError(f"a {kind} matrix must be 2-D with columns in 32s; got {shape}")
+        raise GroupQuantError(
+            f"GGUF type {kind} is not 4-bit; 4-bit types: {', '.join(GGUF_BLOCK_BYTES)}"
+        )
+    per = GGUF_BLOCK_WEIGHTS[kind]
+    if len(shape) != 2 or shape[1] % per:
+        raise GroupQuantError(f"a {kind} matrix must be 2-D with columns in {per}s; got {shape}")
     rows, cols = (int(s) for s in shape)
     size = GGUF_BLOCK_BYTES[kind]
-    if raw.dtype != torch.uint8 or raw.numel() != rows * cols // GGUF_GROUP * size:
+    if raw.dtype != torch.uint8 or raw.numel() != rows * cols // per * size:
         raise GroupQuantError(
-            f"{kind} {shape} takes {rows * cols // GGUF_GROUP * size} bytes; "
+            f"{kind} {shape} takes {rows * cols // per * size} bytes; "
             f"got {raw.numel()} of {raw.dtype}"
         )
     blocks = raw.reshape(-1, size)
+    ngroups = cols // GGUF_GROUP
+    if kind == "Q4_K":
+        scale, offset, q = _q4_k_groups(blocks)
+        return GroupQuant(
+            q.reshape(rows, cols), scale.reshape(rows, ngroups), offset.reshape(rows, ngroups),
+            GGUF_GROUP,
+        )  # fmt: skip
     d = blocks[:, 0:2].contiguous().view(torch.float16).to(torch.float32).reshape(-1)
     if kind == "Q4_0":
         offset = d * -8.0  # exact: a power of two times an fp16 value
@@ -275,10 +290,30 @@ def from_gguf_blocks(raw: torch.Tensor, kind: str, shape: tuple[int, ...]) -> Gr
     q = torch.empty(blocks.shape[0], GGUF_GROUP, dtype=torch.uint8, device=raw.device)
     torch.bitwise_and(qs, 0x0F, out=q[:, :16])
     torch.bitwise_right_shift(qs, 4, out=q[:, 16:])
-    ngroups = cols // GGUF_GROUP
     return GroupQuant(
         q.reshape(rows, cols), d.reshape(rows, ngroups), offset.reshape(rows, ngroups), GGUF_GROUP
     )
+
+
+def _q4_k_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K blocks [n, 144] -> each sub-block's scale d sc and offset -dmin m [n, 8] and the
+    quants [n, 256]. Sub-block j's 6-bit sc and m (ggml's get_scale_min_k4): for j < 4 the
+    low 6 bits of bytes j and j + 4 of the 12; for j >= 4 the nibbles of byte j + 4 with the
+    top 2 bits of bytes j - 4 and j above them. The 128 quant bytes are 4 runs of 32: run i's
+    low nibbles are sub-block 2i, its high nibbles sub-block 2i + 1."""
+    d = blocks[:, 0:2].contiguous().view(torch.float16).to(torch.float32)
+    dmin = blocks[:, 2:4].contiguous().view(torch.float16).to(torch.float32)
+    k = blocks[:, 4:16].to(torch.int32)
+    lo, mid, hi = k[:, 0:4], k[:, 4:8], k[:, 8:12]
+    sc = torch.cat((lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)), dim=1)
+    mn = torch.cat((mid & 63, (hi >> 4) | ((mid >> 6) << 4)), dim=1)
+    # d sc and dmin m: an fp16 value times a 6-bit integer, exact in float32; ggml's
+    # d1 * q - m1 is then q * scale + offset bit for bit.
+    scale = d * sc.to(torch.float32)
+    offset = -(dmin * mn.to(torch.float32))
+    runs = blocks[:, 16:144].reshape(-1, 4, 1, 32)
+    q = torch.cat((runs & 0x0F, runs >> 4), dim=2)  # [n, 4 runs, low / high, 32]
+    return scale, offset, q.reshape(-1, 256)
 
 
 # --------------------------------------------------------------------------- AWQ and GPTQ

@@ -44,7 +44,7 @@ class Checkpoint:
     source: str
     # "fp8" when the checkpoint stored its weights as FP8 (weights/checkpoint_quant.py; they
     # are dequantised in ``weights``): the engine then quantises to fp8 by default. "int4"
-    # when every layer linear weight is stored in 4 bits (GGUF Q4_0/Q4_1, AWQ, GPTQ; then
+    # when every layer linear weight is stored in 4 bits (GGUF Q4_0/Q4_1/Q4_K, AWQ, GPTQ; then
     # in ``groups``). Other GGUF files and unquantised checkpoints: None.
     quantization: str | None = None
     # With quantization "int4": each layer linear weight ("layers.{n}.wq", ... w_down) as

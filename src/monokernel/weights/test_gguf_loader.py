@@ -121,8 +121,10 @@ def write_gguf(
     drop: tuple[str, ...] = (),
     meta: Callable[[Any], None] | None = None,
     sizes: dict[str, Any] = SIZES,
+    raw_tensors: dict[str, tuple[np.ndarray, Any]] | None = None,
 ) -> Path:
-    """Write ``state`` (HF names) as llama.cpp would; ``types`` maps GGUF names to a type."""
+    """Write ``state`` (HF names) as llama.cpp would; ``types`` maps GGUF names to a type.
+    ``raw_tensors``: GGUF name -> (stored bytes, type), written in place of ``state``'s."""
     types = types or {}
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(sizes["num_hidden_layers"])
@@ -143,7 +145,7 @@ def write_gguf(
         meta(w)
     for hf_name, t in state.items():
         name = hf_to_gguf(hf_name)
-        if name in drop:
+        if name in drop or name in (raw_tensors or {}):
             continue
         a = t.float().numpy()
         if arch == "llama" and ".attn_q." in name:
@@ -159,6 +161,8 @@ def write_gguf(
             w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
     for name, a in (extra_tensors or {}).items():
         w.add_tensor(name, a)
+    for name, (raw, qtype) in (raw_tensors or {}).items():
+        w.add_tensor(name, raw, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -300,6 +304,59 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     head_dim = w.shape[0] // n_heads
     heads = w.reshape(n_heads, head_dim, *w.shape[1:])
     return torch.cat((heads[:, 0::2], heads[:, 1::2]), dim=1).reshape(w.shape)
+
+
+# Every input dimension a whole Q4_K block (256): hidden, q = 4 x 64, intermediate.
+SIZES_Q4_K = SIZES | dict(
+    hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64,
+)  # fmt: skip
+
+
+def q4_k_bytes(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Q4_K blocks [rows, cols / 256 * 144] as llama.cpp stores them, with small positive fp16
+    d and dmin and random 6-bit scales, mins and quants (gguf cannot quantise Q4_K)."""
+    rng = np.random.default_rng(seed)
+    n = rows * cols // 256
+    d = (rng.random(n) * 1e-2 + 1e-3).astype(np.float16).view(np.uint8).reshape(n, 2)
+    dmin = (rng.random(n) * 1e-2).astype(np.float16).view(np.uint8).reshape(n, 2)
+    rest = rng.integers(0, 256, (n, 140), dtype=np.uint8)
+    return np.concatenate((d, dmin, rest), axis=1).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_q4_k_layer_matrices_keep_their_bits(tmp_path: Path, arch: str) -> None:
+    """A GGUF whose layer matrices are all Q4_K (llama.cpp's K-quant, 8 sub-blocks of 32 a
+    block of 256) loads as int4 in groups of 32 with the sub-blocks' bits: each group's
+    dense() is gguf's own dequantisation, rows unpermuted as the weights are."""
+    from monokernel.weights.loader import load_checkpoint
+
+    _, state = tiny_hf(arch, tied=False, sizes=SIZES_Q4_K)
+    types = {"token_embd.weight": QT.Q8_0, "output.weight": QT.Q8_0}
+    raw = {}
+    for i, k in enumerate(sorted(state)):
+        name = hf_to_gguf(k)
+        parts = name.split(".")
+        if parts[0] == "blk" and parts[2] in LAYER_LINEARS and parts[3] == "weight":
+            raw[name] = (q4_k_bytes(*state[k].shape, seed=i), QT.Q4_K)
+    path = write_gguf(
+        tmp_path / "q4k.gguf", arch, state, types=types, sizes=SIZES_Q4_K, raw_tensors=raw
+    )
+    ckpt = load_checkpoint(path, progress=False)
+    assert ckpt.quantization == "int4" and ckpt.groups is not None
+    assert len(ckpt.groups) == 7 * SIZES_Q4_K["num_hidden_layers"]
+    reader = gguf.GGUFReader(str(path))
+    stored = {t.name: t for t in reader.tensors}
+    for name, gq in ckpt.groups.items():
+        assert gq.group == 32 and int(gq.q.max()) <= 15
+        assert torch.equal(gq.dense(), ckpt.weights[name]), name
+    # One matrix straight from gguf's dequantisation (ffn_down: no row permutation).
+    t = stored["blk.0.ffn_down.weight"]
+    want = gguf.quants.dequantize(np.array(t.data), QT.Q4_K).reshape(
+        ckpt.groups["layers.0.w_down"].shape
+    )
+    got = ckpt.groups["layers.0.w_down"].dense().numpy()
+    assert np.array_equal(got.view(np.int32), want.astype(np.float32).view(np.int32))
 
 
 def test_a_gguf_not_all_4bit_is_not_int4(tmp_path: Path) -> None:

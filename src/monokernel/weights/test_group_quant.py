@@ -134,6 +134,22 @@ def test_gguf_blocks_of_a_real_quantiser() -> None:
         assert (gq.dense() - torch.from_numpy(a)).abs().max() < 0.4
 
 
+@pytest.mark.parametrize("shape", [(1, 256), (3, 768), (5, 512)])
+def test_q4_k_blocks_are_ggufs_dequantisation(shape: tuple[int, int]) -> None:
+    """Q4_K (8 sub-blocks of 32 a block of 256, 6-bit scales and mins): each sub-block is a
+    group of 32 whose dense() is gguf's own dequantisation bit for bit."""
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(shape[1] + shape[0])
+    n = shape[0] * shape[1] // 256
+    d = (rng.standard_normal(n) * 1e-2).astype(np.float16).view(np.uint8).reshape(n, 2)
+    dmin = (rng.random(n) * 1e-2).astype(np.float16).view(np.uint8).reshape(n, 2)
+    raw = np.concatenate((d, dmin, rng.integers(0, 256, (n, 140), dtype=np.uint8)), axis=1)
+    gq = from_gguf_blocks(torch.from_numpy(raw.reshape(-1).copy()), "Q4_K", shape)
+    want = gguf.quants.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType.Q4_K)
+    assert gq.group == 32 and gq.scale.shape == (shape[0], shape[1] // 32)
+    assert torch.equal(bits(gq.dense()), bits(torch.from_numpy(want.reshape(shape)).float()))
+
+
 def test_gguf_blocks_refusals() -> None:
     raw = gguf_raw(2, 64, "Q4_1", seed=0)
     with pytest.raises(GroupQuantError, match="not 4-bit"):
@@ -142,6 +158,8 @@ def test_gguf_blocks_refusals() -> None:
         from_gguf_blocks(raw[:-1], "Q4_1", (2, 64))
     with pytest.raises(GroupQuantError, match="columns in 32s"):
         from_gguf_blocks(raw, "Q4_1", (4, 40))
+    with pytest.raises(GroupQuantError, match="columns in 256s"):
+        from_gguf_blocks(raw, "Q4_K", (1, 128))
 
 
 # --------------------------------------------------------------------------- AWQ
