@@ -420,7 +420,10 @@ def workspace_bytes(
     heads = cfg.num_heads if cfg.num_heads != cfg.num_kv_heads else 0  # expanded copies
     kv = 2 * (heads + (cfg.num_kv_heads if precision == "fp32" else 0))
     prefix = kv * max_len * cfg.head_dim * attn_bytes
-    largest = max(cfg.vocab_size, 2 * i, qkv) * max(h, i)  # elements, an upper bound
+    # The largest matrix, in elements: the LM head [V, H], gate/up [2I, H], QKV [Q + 2KV, H],
+    # down [H, I] or O [H, Q] (max(rows) x max(columns) overstated it 5x on the 32B shape,
+    # which then did not fit one 80 GB card with its int4 repacking).
+    largest = max(cfg.vocab_size * h, 2 * i * h, qkv * h, h * max(i, cfg.q_size))
     weight = 0 if get_format(fmt).packs_in_place else torch.bfloat16.itemsize * largest
     if precision == "fp32":
         weight += largest * f32
