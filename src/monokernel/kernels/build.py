@@ -248,14 +248,14 @@ class KernelDims:
 
     def tile_batch(self) -> int:
         """A tile format's 16-byte loads a lane issues together, with the next batch in
-        flight behind them (csrc/gemv_tiles.cuh): 4, or 2 with groups of 32, whose loads
-        carry two group pairs (12 registers a load against 8). Llama-3.1-8B int4, one
-        backend (perf-notes step 77): 2,774 µs/token at 4 against 3,044 / 2,981 / 2,927 /
-        2,933 / 3,094 at 2 / 3 / 5 / 6 / 8 (the deeper ones spill). Groups of 32 are
-        unmeasured at speed. 1 where the format is not tiled (unused)."""
+        flight behind them (csrc/gemv_tiles.cuh): 5, or 4 with groups of 32 (a load then
+        carries two group pairs: 8 registers against 6). Llama-3.1-8B int4, one backend
+        (perf-notes steps 77-78): 2,655 µs/token at 5 against 2,743 / 2,761 at 4 / 6 (with a
+        pair of 8 bytes a load: at 16 bytes, 4 was best and 5, 6, 8 spilled). Groups of 32
+        are unmeasured at speed. 1 where the format is not tiled (unused)."""
         if not self.weight_tiles:
             return 1
-        return 2 if self.weight_group == 32 else 4
+        return 4 if self.weight_group == 32 else 5
 
     def down_split(self) -> int:
         """Warps per row of the down projection (a tile format: per tile, tile_split of

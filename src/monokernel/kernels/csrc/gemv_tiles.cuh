@@ -55,15 +55,15 @@ __device__ __forceinline__ void tile_inputs(float* xs, float* sums) {
   __syncthreads();
 }
 
-// One load's 64 columns (4 k-tiles) of the lane's tile rows g and g + 8 into acc0 and acc2:
-// per segment (F::kSegCols columns under one group pair) the tensor cores sum
-// C = sum (128 + q) x, and the pair adds a C + (b - 128 a) s. xl: the lane's B fragments of
-// the load's first k-tile; sl: the sums of its 32-column blocks.
+// One load's 64 columns (4 k-tiles) of the lane's tile row (g for lanes t < 2, g + 8 for the
+// others) into acc: per segment (F::kSegCols columns under one group pair) the tensor cores
+// sum C = sum (128 + q) x, and the pair adds a C + (b - 128 a) s. xl: the lane's B fragments
+// of the load's first k-tile; sl: the sums of its 32-column blocks; upper: t >= 2.
 template <class F>
 __device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
                                               const float* __restrict__ xl,
-                                              const float* __restrict__ sl, float& acc0,
-                                              float& acc2) {
+                                              const float* __restrict__ sl, bool upper,
+                                              float& acc) {
   const uint32_t wd[4] = {u.w.x, u.w.y, u.w.z, u.w.w};
   constexpr int kPerSeg = 4 / F::kSegs;  // k-tiles a segment
 #pragma unroll
@@ -84,8 +84,7 @@ __device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
       mma_bf16(c, a, x.y, x.w);
     }
     const float s = F::kSegCols == 32 ? sl[h] : sl[0] + sl[1];
-    acc0 = fmaf(u.ab[h].x, c[0], fmaf(u.ab[h].y, s, acc0));
-    acc2 = fmaf(u.ab[h].z, c[2], fmaf(u.ab[h].w, s, acc2));
+    acc = fmaf(u.ab[h].x, upper ? c[2] : c[0], fmaf(u.ab[h].y, s, acc));
   }
 }
 
@@ -111,6 +110,7 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
   const int iters = (tiles - cta + units - 1) / units;  // max over the groups (group 0's)
   const float* xl = xs + c0 + 4 * (lane & 3);
   const float* sl = sums + c0 / 32;
+  const bool upper = lane & 2;  // this lane's row: g + 8, else g
   // One stream of batches over the warp's tiles: while batch b is multiplied, the next is in
   // flight (the tile's next batch, or after its last the next tile's first, across rounds).
   // The batches run in a loop, not unrolled: a tile slice of up to K / 64 loads unrolled
@@ -122,7 +122,7 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
     const int t = u0 + it * units, tn = t + units;
     const auto pc = F::tile_at(M.rows, M.scales, (size_t)(t < tiles ? t : tiles - 1), c0, K);
     const auto pn = F::tile_at(M.rows, M.scales, (size_t)(tn < tiles ? tn : tiles - 1), c0, K);
-    float acc0 = 0.f, acc2 = 0.f;
+    float acc = 0.f;
 #pragma unroll 1
     for (int b = 0; b < NB; ++b) {
       const bool last = b + 1 == NB;
@@ -137,15 +137,12 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
 #pragma unroll
       for (int i = 0; i < S::B; ++i) {
         const int j = b * S::B + i;
-        if (j < S::N) tile_load_dot<F>(cur[i], xl + 64 * j, sl + 2 * j, acc0, acc2);
+        if (j < S::N) tile_load_dot<F>(cur[i], xl + 64 * j, sl + 2 * j, upper, acc);
       }
 #pragma unroll
       for (int i = 0; i < S::B; ++i) cur[i] = nxt[i];
     }
-    if ((lane & 3) == 0) {
-      part[(warp * R + slot) * 16 + (lane >> 2)] = acc0;
-      part[(warp * R + slot) * 16 + (lane >> 2) + 8] = acc2;
-    }
+    if ((lane & 1) == 0) part[(warp * R + slot) * 16 + (lane >> 2) + (upper ? 8 : 0)] = acc;
   };
   // TPI threads sum an item's (a tile's two rows') S partials, PER each, then shuffle.
   constexpr int TPI = P::S >= 2 ? P::S / 2 : 1;

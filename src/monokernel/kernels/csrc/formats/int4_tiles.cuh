@@ -11,7 +11,7 @@
 // (g+8, 2t+1) (g, 2t+8) (g, 2t+9) (g+8, 2t+8) (g+8, 2t+9), so ((w >> 4i) & 0x000F000F) |
 // 0x43004300 is register i of A as the bf16 pair 128 + q (one shift, one LOP3; exact).
 // The pairs: [rows / 16][K / G][8][4] float32, for lane group g (a, b - 128 a) of row g, then
-// of row g + 8: the tensor cores sum C = sum (128 + q) x over a group and the lane adds
+// of row g + 8 (lanes t = 0, 1 of the group read the first, t = 2, 3 the second): the tensor cores sum C = sum (128 + q) x over a group and the lane adds
 // a C + (b - 128 a) s, s the group's sum of x (gemv_tiles.cuh tile_inputs). A load of 64
 // columns meets one group (G >= 64, "segment" of 64 columns) or two (G = 32): kSegs pairs.
 #pragma once
@@ -39,7 +39,7 @@ struct Int4Tiles {
   };
   struct Load {
     uint4 w;
-    float4 ab[kSegs];  // (a, b') of rows g and g + 8 for each segment of the load
+    float2 ab[kSegs];  // (a, b') of the lane's row, g (t < 2) or g + 8, for each segment
   };
 
   // Tile `tile`'s columns from c0 (a multiple of kSliceCols) of a matrix of K columns.
@@ -51,17 +51,19 @@ struct Int4Tiles {
   // Chunk c = 32 j + lane of a slice: lane's load j (gemv.cuh's chunk numbering).
   __device__ static __forceinline__ Load load(Ptr p, int c) {
     Load u;
-    const int j = c >> 5, g = (c & 31) >> 2;
+    const int j = c >> 5, g = (c & 31) >> 2, half = (c >> 1) & 1;
     u.w = ld_stream(p.w + c);
+    const float2* ab = reinterpret_cast<const float2*>(p.ab);
 #pragma unroll
-    for (int h = 0; h < kSegs; ++h) u.ab[h] = __ldg(p.ab + ((64 * j + kSegCols * h) / G) * 8 + g);
+    for (int h = 0; h < kSegs; ++h)
+      u.ab[h] = __ldg(ab + (((64 * j + kSegCols * h) / G) * 8 + g) * 2 + half);
     return u;
   }
   __device__ static __forceinline__ Load zero() {
     Load u;
     u.w = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-    for (int h = 0; h < kSegs; ++h) u.ab[h] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int h = 0; h < kSegs; ++h) u.ab[h] = make_float2(0.f, 0.f);
     return u;
   }
 };

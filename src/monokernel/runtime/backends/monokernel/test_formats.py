@@ -120,6 +120,35 @@ def test_teacher_forced_logits(shape: str, fmt: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("int4_layout", ["tiles", "rows"])
+@pytest.mark.skipif(not hopper_with(16), reason="needs a Hopper GPU, 16 GiB")
+def test_teacher_forced_logits_from_groups_of_32(int4_layout: str) -> None:
+    """A 4-bit checkpoint's groups of 32 (GGUF Q4_0/Q4_1/Q4_K's; --quantize never picks 32
+    where the sizes are whole 64-column tiles), in both layouts: rel L2 <= 1e-2 against the
+    reference on the groups' own values. In tiles a load then carries two group pairs."""
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+    from monokernel.weights.group_quant import quantize_rtn
+    from monokernel.weights.quantize import is_quantized
+
+    cfg, dev = CONFIGS["qwen2.5-coder-1.5b"], torch.device("cuda")
+    weights = random_weights(cfg, device=dev, seed=35)
+    seq = random_ids(PROMPT + STEPS, cfg.vocab_size, seed=36)
+    groups = {k: quantize_rtn(v, 32) for k, v in weights.items() if is_quantized(k)}
+    with envs.overridden(MONOKERNEL_INT4_LAYOUT=int4_layout):
+        mk = MonokernelBackend(
+            cfg, weights, PROMPT + STEPS, dev, quantize="int4", groups=groups,
+            prefill_precision="fp32",
+        )  # fmt: skip
+    assert mk.kernel.dims.weight_group == 32
+    assert bool(mk.kernel.dims.weight_tiles) == (int4_layout == "tiles")
+    got = mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
+    mk.close()
+    del mk
+    ref = {k: groups[k].dense() if k in groups else v for k, v in weights.items()}
+    assert_logits_match(cfg, ref, seq, PROMPT, got, f"groups of 32, {int4_layout}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("shape", "fmt"),
     [c for c in CASES if c.values[0] in ("qwen2.5-coder-1.5b", "odd16", "odd32", "odd64")],
