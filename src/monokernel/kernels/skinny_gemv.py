@@ -18,7 +18,7 @@ import torch
 
 from monokernel.kernels.build import CSRC, build_standalone
 from monokernel.kernels.launcher import DeviceKernel
-from monokernel.weights.formats.int4 import fragment_tables
+from monokernel.weights.formats.int4 import fragment_tables, pack_tiles
 
 SOURCE = CSRC / "skinny_gemv_bench.cu"
 HEADERS = (CSRC / "common.cuh", CSRC / "mma.cuh")  # what SOURCE includes: the cache key
@@ -98,13 +98,8 @@ def pack_int4(
     ([R/16][K/64][32][4] uint32 words) and its [R, K/128, 2] (a, b - 128 a) pairs."""
     rows, k = q.shape
     check_shape(rows, k, "int4")
-    f = _fragments(q.to(torch.int64))  # [T, K/16, 32, 8]
-    shifts = fragment_tables(q.device)[2].to(torch.int64)
-    words = (f << shifts).sum(-1)  # [T, K/16, 32]: element 2m at bit 4m, 2m + 1 at 16 + 4m
-    words = words.view(rows // TILE, k // 64, 4, 32).permute(0, 1, 3, 2)  # [T, K/64, 32, 4]
-    packed = words.to(torch.int64).to(torch.int32).contiguous()  # wraps the top bit
     pairs = torch.stack([a, b - 128.0 * a], dim=-1).to(torch.float32).contiguous()
-    return packed.view(torch.uint8).flatten(), pairs
+    return pack_tiles(q).flatten(), pairs  # the decode kernel's tile layout (int4.py)
 
 
 def dequant_int4(q: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -155,12 +155,10 @@ __device__ __forceinline__ void issue_row(typename F::Load (&buf)[RowShape<F, K,
 
 // gemv_split over rows (a row format).
 template <int K, int SPLIT, bool PINGPONG = false, class F, class Out>
-__device__ __forceinline__ void gemv_split_rows(Matrix<F> M, int rows, const float* __restrict__ xs,
-                                           float* part, int warp, int lane,
-                                           typename F::Load (&pre)[Split<F, K, SPLIT>::Shape::B],
-                                           Out out,
-                                                int cta, const float* __restrict__ bias,
-                                                float scale) {
+__device__ __forceinline__ void gemv_split_rows(
+    Matrix<F> M, int rows, const float* __restrict__ xs, float* part, int warp, int lane,
+    typename F::Load (&pre)[Split<F, K, SPLIT>::Shape::B], Out out, int cta,
+    const float* __restrict__ bias, float scale) {
   using P = Split<F, K, SPLIT>;
   using L = typename F::Load;
   using S = typename P::Shape;

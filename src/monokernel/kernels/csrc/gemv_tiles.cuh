@@ -1,4 +1,4 @@
-// The GEMV of a tile format (formats/int4.cuh) on the tensor cores: a unit is a tile of 16
+// The GEMV of a tile format (formats/int4_tiles.cuh) on the tensor cores: a unit is a tile of 16
 // rows, not a row; a warp streams a tile's K-slice with one 16-byte load a lane per 64
 // columns and multiplies it by the input with mma.m16n8k16 (perf-notes step 76 measured this
 // at ~85% of the copy bandwidth for int4 where the CUDA cores got ~55%).
@@ -12,7 +12,7 @@
 // shared memory in rounds of kTileRound tiles a warp and are summed in a fixed order
 // (deterministic). out2(tile, i, v0, v1) gets rows 2i and 2i + 1 of a tile (i < 8), so a
 // gate/up matrix interleaved by rows hands one thread both halves of a pair.
-// Included by gemv.cuh after RowShape, Split, split_first and issue_first.
+// Included by gemv.cuh after RowShape, Split and tile_unit.
 #pragma once
 #include "mma.cuh"
 
@@ -71,11 +71,8 @@ __device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
     float c[4];
 #pragma unroll
     for (int m = h * kPerSeg; m < (h + 1) * kPerSeg; ++m) {
-      const uint32_t v = wd[m];
-      const uint32_t a[4] = {(v & 0x000F000Fu) | 0x43004300u,
-                             ((v >> 4) & 0x000F000Fu) | 0x43004300u,
-                             ((v >> 8) & 0x000F000Fu) | 0x43004300u,
-                             ((v >> 12) & 0x000F000Fu) | 0x43004300u};
+      uint32_t a[4];
+      int4_a_fragment(wd[m], a);
       const uint4 x = *reinterpret_cast<const uint4*>(xl + 16 * m);
       if (m == h * kPerSeg)
         mma_bf16_first(c, a, x.x, x.z);

@@ -18,13 +18,11 @@
 //         elements of k-tile 2j + i; each 16-bit half widens to A's register as an f16 pair
 //         (one cvt.rn.f16x2.e4m3x2, exact), one fp32 scale a row applied at the end, the
 //         inputs as f16 hi + lo;
-//   int4: four k-tiles a 16-byte load, [R/16][K/64][32][4 words]; word i of a load is k-tile
-//         4j + i, its nibble 4m the element 2m and nibble 16 + 4m the element 2m + 1 (m < 4),
-//         so ((w >> 4m) & 0x000F000F) | 0x43004300 is A's register m as bf16 pairs 128 + q
-//         (one shift and one LOP3). Each row's groups of 128 columns have an fp32 scale a and
-//         offset b (w = a q + b): the kernel sums C = sum (128 + q) x a group on the tensor
-//         cores (exact products, fp32 sums) and adds a C + (b - 128 a) s, s the group's sum
-//         of x; the packer stores b - 128 a.
+//   int4: four k-tiles a 16-byte load, [R/16][K/64][32][4 words], the decode kernel's tile
+//         layout (formats/int4_tiles.cuh; widened by mma.cuh int4_a_fragment). Each row's
+//         groups of 128 columns have an fp32 scale a and offset b (w = a q + b): the kernel
+//         sums C = sum (128 + q) x a group on the tensor cores (exact products, fp32 sums)
+//         and adds a C + (b - 128 a) s, s the group's sum of x; the packer stores b - 128 a.
 // Inputs: x rounded to bf16 hi + lo (hi = bf16(x), lo = bf16(x - hi)), two mma a k-tile, so
 // the products carry ~16 mantissa bits of x, as the fp32 inputs of the decode kernel nearly
 // do. Each CTA holds a K-slice of x in shared memory ([hi, lo][N][KS] bf16 rows padded by 8
@@ -278,11 +276,8 @@ __device__ __forceinline__ void int4_tiles(const SkinnyParams& p, const Inputs<N
           const uint32_t words[4] = {cur[i][h].x, cur[i][h].y, cur[i][h].z, cur[i][h].w};
 #pragma unroll
           for (int m = 0; m < 4; ++m) {
-            const uint32_t v = words[m];
-            const uint32_t a[4] = {(v & 0x000F000Fu) | 0x43004300u,
-                                   ((v >> 4) & 0x000F000Fu) | 0x43004300u,
-                                   ((v >> 8) & 0x000F000Fu) | 0x43004300u,
-                                   ((v >> 12) & 0x000F000Fu) | 0x43004300u};
+            uint32_t a[4];
+            int4_a_fragment(words[m], a);
             const int j = 8 * (q0 + i) + 4 * h + m;  // k-tile in the slice
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {

@@ -11,8 +11,8 @@
 // (g+8, 2t+1) (g, 2t+8) (g, 2t+9) (g+8, 2t+8) (g+8, 2t+9), so ((w >> 4i) & 0x000F000F) |
 // 0x43004300 is register i of A as the bf16 pair 128 + q (one shift, one LOP3; exact).
 // The pairs: [rows / 16][K / G][8][4] float32, for lane group g (a, b - 128 a) of row g, then
-// of row g + 8 (lanes t = 0, 1 of the group read the first, t = 2, 3 the second): the tensor cores sum C = sum (128 + q) x over a group and the lane adds
-// a C + (b - 128 a) s, s the group's sum of x (gemv_tiles.cuh tile_inputs). A load of 64
+// of row g + 8 (lanes t = 0, 1 of the group read the first, t = 2, 3 the second): the tensor
+// cores sum C = sum (128 + q) x over a group and the lane adds a C + (b - 128 a) s, s the group's sum of x (gemv_tiles.cuh tile_inputs). A load of 64
 // columns meets one group (G >= 64, "segment" of 64 columns) or two (G = 32): kSegs pairs.
 #pragma once
 #include "../common.cuh"
@@ -24,18 +24,16 @@ struct Int4Tiles {
   static constexpr bool kTiles = true;
   static constexpr int kTileRows = 16;     // rows a unit of the GEMV streams together
   static constexpr int kPerLoad = 32;      // weights of one lane's 16-byte load
-  static constexpr int kTileCols = 64;     // columns one warp-wide load covers
   static constexpr int kSliceCols = G > 64 ? G : 64;  // a split-K slice starts on a group
   static constexpr bool kScaled = false;   // the groups' scales, not a row's
   static constexpr float kUnit = 1.f;
   static constexpr bool kGroups = true;
-  static constexpr int kGroup = G;
   static constexpr int kSegCols = G < 64 ? G : 64;  // columns under one pair in a load
   static constexpr int kSegs = 64 / kSegCols;
 
   struct Ptr {
     const uint4* w;     // a tile slice's first load (lane 0's)
-    const float4* ab;   // its first group's pairs (lane group 0's)
+    const float2* ab;   // its first group's pairs (lane group 0's row g)
   };
   struct Load {
     uint4 w;
@@ -46,17 +44,16 @@ struct Int4Tiles {
   __device__ static __forceinline__ Ptr tile_at(const uint8_t* rows, const float* pairs,
                                                 size_t tile, int c0, int K) {
     return {reinterpret_cast<const uint4*>(rows) + (tile * (K / 64) + c0 / 64) * 32,
-            reinterpret_cast<const float4*>(pairs) + (tile * (K / G) + c0 / G) * 8};
+            reinterpret_cast<const float2*>(pairs) + (tile * (K / G) + c0 / G) * 16};
   }
   // Chunk c = 32 j + lane of a slice: lane's load j (gemv.cuh's chunk numbering).
   __device__ static __forceinline__ Load load(Ptr p, int c) {
     Load u;
     const int j = c >> 5, g = (c & 31) >> 2, half = (c >> 1) & 1;
     u.w = ld_stream(p.w + c);
-    const float2* ab = reinterpret_cast<const float2*>(p.ab);
 #pragma unroll
     for (int h = 0; h < kSegs; ++h)
-      u.ab[h] = __ldg(ab + (((64 * j + kSegCols * h) / G) * 8 + g) * 2 + half);
+      u.ab[h] = __ldg(p.ab + (((64 * j + kSegCols * h) / G) * 8 + g) * 2 + half);
     return u;
   }
   __device__ static __forceinline__ Load zero() {
