@@ -71,8 +71,11 @@ __device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
     float c[4];
 #pragma unroll
     for (int m = h * kPerSeg; m < (h + 1) * kPerSeg; ++m) {
-      uint32_t a[4];
-      int4_a_fragment(wd[m], a);
+      const uint32_t v = wd[m];
+      const uint32_t a[4] = {(v & 0x000F000Fu) | 0x43004300u,
+                             ((v >> 4) & 0x000F000Fu) | 0x43004300u,
+                             ((v >> 8) & 0x000F000Fu) | 0x43004300u,
+                             ((v >> 12) & 0x000F000Fu) | 0x43004300u};
       const uint4 x = *reinterpret_cast<const uint4*>(xl + 16 * m);
       if (m == h * kPerSeg)
         mma_bf16_first(c, a, x.x, x.z);

@@ -1,5 +1,5 @@
-// The tensor cores' mma.m16n8k16 with fp32 accumulators, the 4-bit weights' A fragment, and
-// fp32 values as the hi + lo 16-bit pairs they multiply: what the tile GEMV (gemv_tiles.cuh) and the skinny-GEMV
+// The tensor cores' mma.m16n8k16 with fp32 accumulators, and fp32 values as the hi + lo
+// 16-bit pairs they multiply: what the tile GEMV (gemv_tiles.cuh) and the skinny-GEMV
 // benchmark (skinny_gemv_bench.cu) share.
 #pragma once
 #include <cuda_bf16.h>
@@ -34,14 +34,6 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
       "{%8,%9}, {%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Word v of a 4-bit tile (formats/int4_tiles.cuh: nibble 4i is element 2i, nibble 16 + 4i
-// element 2i + 1) as the A fragment's four registers of bf16 pairs 128 + q: one shift and
-// one LOP3 a register, exact.
-__device__ __forceinline__ void int4_a_fragment(uint32_t v, uint32_t (&a)[4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) a[i] = ((v >> (4 * i)) & 0x000F000Fu) | 0x43004300u;
 }
 
 // An fp32 pair as hi + lo 16-bit pairs (bf16, or f16 for the fp8 weights' f16 products):

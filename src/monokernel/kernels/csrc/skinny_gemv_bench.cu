@@ -19,7 +19,7 @@
 //         (one cvt.rn.f16x2.e4m3x2, exact), one fp32 scale a row applied at the end, the
 //         inputs as f16 hi + lo;
 //   int4: four k-tiles a 16-byte load, [R/16][K/64][32][4 words], the decode kernel's tile
-//         layout (formats/int4_tiles.cuh; widened by mma.cuh int4_a_fragment). Each row's
+//         layout (formats/int4_tiles.cuh, which says how a word widens). Each row's
 //         groups of 128 columns have an fp32 scale a and offset b (w = a q + b): the kernel
 //         sums C = sum (128 + q) x a group on the tensor cores (exact products, fp32 sums)
 //         and adds a C + (b - 128 a) s, s the group's sum of x; the packer stores b - 128 a.
@@ -276,8 +276,11 @@ __device__ __forceinline__ void int4_tiles(const SkinnyParams& p, const Inputs<N
           const uint32_t words[4] = {cur[i][h].x, cur[i][h].y, cur[i][h].z, cur[i][h].w};
 #pragma unroll
           for (int m = 0; m < 4; ++m) {
-            uint32_t a[4];
-            int4_a_fragment(words[m], a);
+            const uint32_t v = words[m];
+            const uint32_t a[4] = {(v & 0x000F000Fu) | 0x43004300u,
+                                   ((v >> 4) & 0x000F000Fu) | 0x43004300u,
+                                   ((v >> 8) & 0x000F000Fu) | 0x43004300u,
+                                   ((v >> 12) & 0x000F000Fu) | 0x43004300u};
             const int j = 8 * (q0 + i) + 4 * h + m;  // k-tile in the slice
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {

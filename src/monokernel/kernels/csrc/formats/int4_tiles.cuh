@@ -33,7 +33,7 @@ struct Int4Tiles {
 
   struct Ptr {
     const uint4* w;     // a tile slice's first load (lane 0's)
-    const float2* ab;   // its first group's pairs (lane group 0's row g)
+    const float4* ab;   // its first group's pairs (lane group 0's)
   };
   struct Load {
     uint4 w;
@@ -44,16 +44,17 @@ struct Int4Tiles {
   __device__ static __forceinline__ Ptr tile_at(const uint8_t* rows, const float* pairs,
                                                 size_t tile, int c0, int K) {
     return {reinterpret_cast<const uint4*>(rows) + (tile * (K / 64) + c0 / 64) * 32,
-            reinterpret_cast<const float2*>(pairs) + (tile * (K / G) + c0 / G) * 16};
+            reinterpret_cast<const float4*>(pairs) + (tile * (K / G) + c0 / G) * 8};
   }
   // Chunk c = 32 j + lane of a slice: lane's load j (gemv.cuh's chunk numbering).
   __device__ static __forceinline__ Load load(Ptr p, int c) {
     Load u;
     const int j = c >> 5, g = (c & 31) >> 2, half = (c >> 1) & 1;
     u.w = ld_stream(p.w + c);
+    const float2* ab = reinterpret_cast<const float2*>(p.ab);
 #pragma unroll
     for (int h = 0; h < kSegs; ++h)
-      u.ab[h] = __ldg(p.ab + (((64 * j + kSegCols * h) / G) * 8 + g) * 2 + half);
+      u.ab[h] = __ldg(ab + (((64 * j + kSegCols * h) / G) * 8 + g) * 2 + half);
     return u;
   }
   __device__ static __forceinline__ Load zero() {
