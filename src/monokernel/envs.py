@@ -130,11 +130,12 @@ _SETTINGS: tuple[Setting, ...] = (
         _BUILD,
     ),
     Setting(
-        "MONOKERNEL_INT4_LAYOUT",
+        "MONOKERNEL_WEIGHT_LAYOUT",
         "choice",
         "auto",
-        "How the monokernel streams int4 layers: `tiles` (16-row tiles multiplied on the "
-        "tensor cores, csrc/gemv_tiles.cuh), `rows` (a warp a row on the CUDA cores), or "
+        "How the monokernel streams int4 and fp8 layers (bf16 and int8 always stream rows): "
+        "`tiles` (16-row tiles multiplied on the tensor cores, csrc/gemv_tiles.cuh), `rows` "
+        "(a warp a row on the CUDA cores), or "
         "`auto`: tiles where hidden / 16 is at least the 132 SMs, so that every CTA owns "
         "output tiles of the O and down projections and the hand-offs stay tagged data "
         "(csrc/flow.cuh), rows below. Sets how the weights are packed and which kernel "
@@ -225,7 +226,9 @@ _SETTINGS: tuple[Setting, ...] = (
         True,
         "The Triton attention kernel in FlashAttention-2's place for chunks past position 0 "
         "(head_dim 64 and 128, runtime/prefill_attention_triton.py), where probed to agree "
-        "with SDPA; 0 keeps FlashAttention-2 and the split.",
+        "with SDPA, and the Triton kernels that turn int4 weights and fp8 tiles into the "
+        "prefill's bf16 matrices (weights/formats/int4_triton.py, fp8_triton.py); 0 keeps "
+        "FlashAttention-2 and the split, and torch's conversions.",
         _PREFILL,
     ),
     Setting(

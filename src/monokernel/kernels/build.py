@@ -35,8 +35,7 @@ from monokernel.kernels.plan import head_units_fit
 from monokernel.models.config import ModelConfig
 from monokernel.weights.formats import FORMATS
 from monokernel.weights.formats.int4 import GROUPS as INT4_GROUPS
-from monokernel.weights.formats.int4 import TILE_COLS
-from monokernel.weights.formats.int4 import tiles_for as int4_tiles_for
+from monokernel.weights.formats.tiles import TILE_COLS, TILE_FORMATS, TILE_ROWS, tiles_for
 
 CSRC = Path(__file__).parent / "csrc"
 ENTRY = "decode.cu"
@@ -50,7 +49,6 @@ MAX_DOWN_LOADS = 4
 # SMs of the GPUs the kernel is tuned on (H100 SXM, H200); only down_split's rows-per-unit
 # rule uses it: the grid itself is the device's SM count, read at launch.
 HOPPER_SMS = 132
-TILE_ROWS = 16  # rows of a tile format's GEMV unit (csrc/formats/int4.cuh)
 MAX_HEAD_DIM = 256
 # KernelDims.weight_format / head_format -> the C++ format type (csrc/formats/):
 # MK_WEIGHT_FORMAT / MK_HEAD_FORMAT.
@@ -81,19 +79,21 @@ class KernelDims:
     head_format: str = "bf16"  # the LM head's (the checkpoint's own under --quantize)
     # int4's columns a group's scale pair covers (weights/formats/int4.py); 0 otherwise.
     weight_group: int = 0
-    # Whether the layers' format streams 16-row tiles on the tensor cores (int4 where
-    # weights/formats/int4.py tiles_for says so; csrc/gemv_tiles.cuh) rather than rows on
-    # the CUDA cores. None with int4: decided at construction (MONOKERNEL_INT4_LAYOUT read
-    # once, so a later build of these dims is the kernel their weights were packed for);
-    # None otherwise.
+    # Whether the layers' format streams 16-row tiles on the tensor cores (int4 and fp8 where
+    # weights/formats/tiles.py tiles_for says so; csrc/gemv_tiles.cuh) rather than rows on
+    # the CUDA cores. None: decided at construction (MONOKERNEL_WEIGHT_LAYOUT read once, so
+    # a later build of these dims is the kernel their weights were packed for); None with
+    # a format that has no tiles.
     weight_tiles: bool | None = None
     # The whole vocabulary under tensor parallelism (``vocab`` is then a rank's rows): top-k /
     # top-p draw over all of it. 0: ``vocab``.
     vocab_all: int = 0
 
     def __post_init__(self) -> None:
-        if self.weight_tiles is None and self.weight_format == "int4":
-            tiles = int4_tiles_for(self.hidden, self.q_size, self.kv_size, self.intermediate)
+        if self.weight_tiles is None and self.weight_format in TILE_FORMATS:
+            tiles = tiles_for(
+                self.weight_format, self.hidden, self.q_size, self.kv_size, self.intermediate
+            )
             object.__setattr__(self, "weight_tiles", tiles)
 
     @classmethod
@@ -153,7 +153,7 @@ class KernelDims:
         """The layers' C++ format type: int4's is a template over its group."""
         cxx = WEIGHT_FORMATS[self.weight_format]
         if self.weight_tiles:
-            cxx = "Int4Tiles"
+            cxx = {"int4": "Int4Tiles", "fp8": "Fp8Tiles"}[self.weight_format]
         return f"{cxx}<{self.weight_group}>" if self.weight_format == "int4" else cxx
 
     def check_formats(self) -> None:
@@ -252,9 +252,13 @@ class KernelDims:
         carries two group pairs: 8 registers against 6). Llama-3.1-8B int4, one backend
         (perf-notes steps 77-78): 2,655 µs/token at 5 against 2,743 / 2,761 at 4 / 6 (with a
         pair of 8 bytes a load: at 16 bytes, 4 was best and 5, 6, 8 spilled). Groups of 32
-        are unmeasured at speed. 1 where the format is not tiled (unused)."""
+        are unmeasured at speed. fp8 (a load is its 16 bytes alone): 4, Llama-3.1-8B fp8 on
+        one backend (perf-notes step 79) 3,206.7 µs/token against 3,252.2 / 3,210.3 at 6 / 8.
+        1 where the format is not tiled (unused)."""
         if not self.weight_tiles:
             return 1
+        if self.weight_format == "fp8":
+            return 4
         return 4 if self.weight_group == 32 else 5
 
     def down_split(self) -> int:

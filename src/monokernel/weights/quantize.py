@@ -25,9 +25,10 @@ import torch
 from monokernel.errors import MonokernelError
 from monokernel.models.config import ModelConfig
 from monokernel.weights.formats import WeightFormat, get_format
+from monokernel.weights.formats.fp8 import Fp8Rows
 from monokernel.weights.formats.int4 import DEFAULT_GROUP, Int4Groups
 from monokernel.weights.formats.int4 import GROUPS as INT4_GROUPS
-from monokernel.weights.formats.int4 import tiles_for as int4_tiles_for
+from monokernel.weights.formats.tiles import tiles_for
 from monokernel.weights.group_quant import GroupQuant
 
 QUANTIZE_METHODS: tuple[str, ...] = ("fp8", "int8", "int4")  # each also a weight format's name
@@ -81,11 +82,11 @@ def int4_group_of(cfg: ModelConfig) -> int:
 def config_format(method: str, cfg: ModelConfig) -> WeightFormat:
     """The weight format ``method`` (a --quantize method, or bf16) packs a model in, known
     by its config: what the kernel's repack, its build and the bench's byte count use."""
+    tiles = tiles_for(method, cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size)
     if method == "int4":
-        return Int4Groups(
-            int4_group_of(cfg),
-            tiles=int4_tiles_for(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size),
-        )
+        return Int4Groups(int4_group_of(cfg), tiles=tiles)
+    if method == "fp8":
+        return Fp8Rows(tiles=tiles)
     return get_format(method)
 
 

@@ -27,7 +27,7 @@ from monokernel.models.config import ModelConfig
 from monokernel.models.rope import rope_tables
 from monokernel.weights.formats import DEFAULT_FORMAT, PackedMatrix, get_format
 from monokernel.weights.formats.int4 import Int4Groups
-from monokernel.weights.formats.int4 import tiles_for as int4_tiles_for
+from monokernel.weights.formats.tiles import tiles_for
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.group_quant import fuse_rows as gq_fuse_rows
 from monokernel.weights.group_quant import interleave_rows as gq_interleave_rows
@@ -103,7 +103,7 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
 def _pack_groups(groups: Mapping[str, GroupQuant], p: str, tiles: bool) -> dict[str, PackedMatrix]:
     """Layer ``p``'s matrices in int4 from the checkpoint's own 4-bit groups, fused as
     repack_layer fuses the dense ones, their bits unchanged (in the tile layout if
-    ``tiles``: int4.py tiles_for)."""
+    ``tiles``: tiles.py tiles_for)."""
     fmt = Int4Groups(groups[p + "wq"].group, tiles=tiles)
 
     def pack(gq: GroupQuant) -> PackedMatrix:
@@ -140,7 +140,7 @@ def repack_layer(
         matrices = _pack_groups(
             groups,
             p,
-            int4_tiles_for(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size),
+            tiles_for("int4", cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size),
         )
     else:
         pack = config_format(fmt, cfg).pack

@@ -1,12 +1,13 @@
-// The GEMV of a tile format (formats/int4_tiles.cuh) on the tensor cores: a unit is a tile of 16
-// rows, not a row; a warp streams a tile's K-slice with one 16-byte load a lane per 64
-// columns and multiplies it by the input with mma.m16n8k16 (perf-notes step 76 measured this
-// at ~85% of the copy bandwidth for int4 where the CUDA cores got ~55%).
+// The GEMV of a tile format (formats/int4_tiles.cuh, formats/fp8_tiles.cuh) on the tensor
+// cores: a unit is a tile of 16 rows, not a row; a warp streams a tile's K-slice with one
+// 16-byte load a lane per F::kLoadCols columns and multiplies it by the input with
+// mma.m16n8k16 (perf-notes step 76 measured this at ~85% of the copy bandwidth for int4
+// where the CUDA cores got ~55%).
 //
-// The input: x is rounded to bf16 hi + lo (two mma a k-tile: the products carry ~16 mantissa
-// bits of x, the fp32 input nearly). B's 8 columns all hold x, so every lane ends with its
-// rows' dot products (c[0] row g, c[2] row g + 8) and no lane needs zeros: a single-position
-// GEMV pays nothing for the columns it does not use.
+// The input: x is rounded to bf16 (f16 for fp8) hi + lo (two mma a k-tile: the products carry
+// ~16 mantissa bits of x, the fp32 input nearly). B's 8 columns all hold x, so every lane ends
+// with its rows' dot products (c[0] row g, c[2] row g + 8) and no lane needs zeros: a
+// single-position GEMV pays nothing for the columns it does not use.
 //
 // Split K as gemv_split: SPLIT warps share a tile, one slice each; their partials meet in
 // shared memory in rounds of kTileRound tiles a warp and are summed in a fixed order
@@ -20,11 +21,12 @@
 constexpr int kTileRound = kPartFloats / 16;
 
 // xs [K], fp32 and swizzled (common.cuh), rewritten in place as the tile GEMV's input: each
-// k-tile of 16 inputs (64 bytes) holds its 8 pairs (2w, 2w + 1) as {hi, lo} bf16x2 words in
-// pair order 0 4 1 5 2 6 3 7, so lane t's B fragments (pairs t and t + 4) are one 16-byte
-// load; sums[k / 32] <- the sum of hi + lo over inputs k .. k + 31 (an int4 group's offset
-// term). A thread rewrites only the 64 bytes it read: no barrier between reads and writes.
-template <int K>
+// k-tile of 16 inputs (64 bytes) holds its 8 pairs (2w, 2w + 1) as {hi, lo} 16-bit pairs
+// (F::kF16: f16, else bf16) in pair order 0 4 1 5 2 6 3 7, so lane t's B fragments (pairs t
+// and t + 4) are one 16-byte load; in a group format, sums[k / 32] <- the sum of hi + lo over
+// inputs k .. k + 31 (an int4 group's offset term). A thread rewrites only the 64 bytes it
+// read: no barrier between reads and writes.
+template <int K, class F>
 __device__ __forceinline__ void tile_inputs(float* xs, float* sums) {
   static_assert(K % 64 == 0, "a tile GEMV's input is whole 64-column loads (build.py checks)");
   constexpr int kKt = K / 16;
@@ -42,15 +44,18 @@ __device__ __forceinline__ void tile_inputs(float* xs, float* sums) {
       uint32_t hi[8], lo[8];
 #pragma unroll
       for (int w = 0; w < 8; ++w) {
-        split_pair<false>(make_float2(v[2 * w], v[2 * w + 1]), hi[w], lo[w]);
-        s += (bf_lo(hi[w]) + bf_lo(lo[w])) + (bf_hi(hi[w]) + bf_hi(lo[w]));
+        split_pair<F::kF16>(make_float2(v[2 * w], v[2 * w + 1]), hi[w], lo[w]);
+        if constexpr (F::kGroups)
+          s += (bf_lo(hi[w]) + bf_lo(lo[w])) + (bf_hi(hi[w]) + bf_hi(lo[w]));
       }
 #pragma unroll
       for (int t = 0; t < 4; ++t)
         *reinterpret_cast<uint4*>(blk + 4 * t) = make_uint4(hi[t], lo[t], hi[t + 4], lo[t + 4]);
     }
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
-    if (kt < kKt && !(kt & 1)) sums[kt / 2] = s;
+    if constexpr (F::kGroups) {
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      if (kt < kKt && !(kt & 1)) sums[kt / 2] = s;
+    }
   }
   __syncthreads();
 }
@@ -102,7 +107,7 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
   using L = typename F::Load;
   constexpr int NB = (S::N + S::B - 1) / S::B;  // batches a tile slice
   constexpr int R = kTileRound;
-  tile_inputs<K>(xs, sums);
+  tile_inputs<K, F>(xs, sums);
   const int tiles = rows / F::kTileRows;
   const int units = gridDim.x * P::GROUPS;
   const int c0 = (warp % P::S) * P::KP;
@@ -123,6 +128,10 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
     const auto pc = F::tile_at(M.rows, M.scales, (size_t)(t < tiles ? t : tiles - 1), c0, K);
     const auto pn = F::tile_at(M.rows, M.scales, (size_t)(tn < tiles ? tn : tiles - 1), c0, K);
     float acc = 0.f;
+    // A row-scaled format's scale, for the row this lane's partial is of (t clamped as pc).
+    float sc = 1.f;
+    if constexpr (F::kScaled)
+      sc = M.row_scale((size_t)(t < tiles ? t : tiles - 1) * 16 + (lane >> 2) + (upper ? 8 : 0));
 #pragma unroll 1
     for (int b = 0; b < NB; ++b) {
       const bool last = b + 1 == NB;
@@ -137,11 +146,16 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
 #pragma unroll
       for (int i = 0; i < S::B; ++i) {
         const int j = b * S::B + i;
-        if (j < S::N) tile_load_dot<F>(cur[i], xl + 64 * j, sl + 2 * j, upper, acc);
+        if constexpr (F::kGroups) {
+          if (j < S::N) tile_load_dot<F>(cur[i], xl + 64 * j, sl + 2 * j, upper, acc);
+        } else {
+          if (j < S::N) F::tile_dot(cur[i], xl + F::kLoadCols * j, upper, acc);
+        }
       }
 #pragma unroll
       for (int i = 0; i < S::B; ++i) cur[i] = nxt[i];
     }
+    if constexpr (F::kScaled) acc *= sc;
     if ((lane & 1) == 0) part[(warp * R + slot) * 16 + (lane >> 2) + (upper ? 8 : 0)] = acc;
   };
   // TPI threads sum an item's (a tile's two rows') S partials, PER each, then shuffle.

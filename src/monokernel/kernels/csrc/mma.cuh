@@ -36,6 +36,16 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// c = A B in f16 (no accumulator to clear first).
+__device__ __forceinline__ void mma_f16_first(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                              uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%10,%10,%10,%10};"
+      : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
+}
+
 // An fp32 pair as hi + lo 16-bit pairs (bf16, or f16 for the fp8 weights' f16 products):
 // hi = round(v), lo = round(v - hi), so the products carry ~16 mantissa bits of v.
 template <bool F16>
@@ -53,4 +63,13 @@ __device__ __forceinline__ void split_pair(float2 v, uint32_t& hi, uint32_t& lo)
     hi = *reinterpret_cast<const uint32_t*>(&h);
     lo = *reinterpret_cast<const uint32_t*>(&l);
   }
+}
+
+// Two E4M3 values of w's 16-bit half `half` (the low byte first) as an f16 pair: exact (E4M3's
+// values are all f16 values), so an fp8 tile multiplies its weights as stored.
+__device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t w, int half) {
+  uint32_t r;
+  const unsigned short v = (unsigned short)(w >> (16 * half));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+  return r;
 }

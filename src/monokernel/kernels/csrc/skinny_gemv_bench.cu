@@ -47,14 +47,6 @@ constexpr int kSkThreads = 512;
 constexpr int kSkWarps = kSkThreads / 32;
 constexpr int kGroup = 128;  // int4 columns sharing (a, b)
 
-// Two E4M3 values (the low byte first) as an f16 pair: exact.
-__device__ __forceinline__ uint32_t e4m3x2_f16x2(uint32_t w, int half) {
-  uint32_t r;
-  const unsigned short v = (unsigned short)(w >> (16 * half));
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
-  return r;
-}
-
 // The B fragments of k-tile j for n-tile nt: hi and lo pairs (k 2t, 2t+1) and (2t+8, 2t+9) of
 // input column nt * 8 + g; zeros past N.
 template <int N>

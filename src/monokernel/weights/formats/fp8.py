@@ -14,6 +14,11 @@ before or after packing, and a rank's row block carries its own scales.
 
 ``RowScaled`` is the part fp8 and int8 (int8.py) share: they differ only in how a scaled row
 is rounded to one byte.
+
+fp8 has a second layout, told apart by ``data``'s rank: 16-row tiles for the tensor cores
+(tiles.py's byte tiles, [rows / 16, cols / 32, 32, 16], csrc/formats/fp8_tiles.cuh), the
+same bytes reordered, the same [rows] scales. ``Fp8Rows(tiles=True)`` packs it; every other
+method reads either layout. Which one the monokernel streams is tiles.py's ``tiles_for``.
 """
 
 from __future__ import annotations
@@ -24,7 +29,14 @@ from typing import ClassVar
 
 import torch
 
+from monokernel import envs
 from monokernel.weights.formats.base import PackedMatrix, WeightFormat, check_block
+from monokernel.weights.formats.tiles import (
+    TILE_ROWS,
+    check_tile_shape,
+    pack_byte_tiles,
+    unpack_byte_tiles,
+)
 
 _FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _SCALE_BYTES = 4  # float32
@@ -36,6 +48,22 @@ class RowScaled(WeightFormat):
     packs_in_place = False
     weights_per_load = 16
     qmax: ClassVar[float]  # the largest stored magnitude; a row's amax maps onto it
+    has_tiles: ClassVar[bool] = False  # whether the kernel reads this format as tiles
+
+    def __init__(self, tiles: bool = False) -> None:
+        if tiles and not self.has_tiles:
+            raise ValueError(f"{self.name} has no tile layout (the kernel streams it in rows)")
+        self.tiles = tiles  # pack in the tile layout (instances differ; the class says rows)
+
+    @staticmethod
+    def is_tiled(m: PackedMatrix) -> bool:
+        return m.data.dim() == 4
+
+    def stored(self, m: PackedMatrix) -> torch.Tensor:
+        """m's stored values as a [rows, cols] matrix, in either layout."""
+        if not self.is_tiled(m):
+            return m.data
+        return unpack_byte_tiles(m.data.view(torch.uint8)).view(m.data.dtype)
 
     @abstractmethod
     def _round(self, scaled: torch.Tensor) -> torch.Tensor:
@@ -59,20 +87,29 @@ class RowScaled(WeightFormat):
         else:
             s = scales.float().to(wf.device)
         q = self._round(wf / s[:, None])  # [rows, cols]
+        if self.tiles:
+            check_tile_shape(self.name, rows, cols)
+            q = pack_byte_tiles(q.view(torch.uint8)).view(q.dtype)
         return PackedMatrix(self.name, rows, cols, q.contiguous(), (s.contiguous(),))
 
     def dense(self, m: PackedMatrix, dtype: torch.dtype | None = None) -> torch.Tensor:
         # float32 product first: with dtype=float32 the result is exactly what the kernel
         # multiplies by; bf16 rounds it once, as the prefill's GEMMs want.
         (s,) = m.scales
-        return (m.data.float() * s[:, None]).to(dtype or torch.bfloat16)
+        return (self.stored(m).float() * s[:, None]).to(dtype or torch.bfloat16)
 
     def gemm_operands(
         self, m: PackedMatrix, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # The stored values (e4m3's 4 significant bits, int8's 7) are exact in bf16, so the
         # prefill's GEMM sees the kernel's weights without a second rounding of q * s.
-        return m.data.to(dtype or torch.bfloat16), m.scales[0]
+        dtype = dtype or torch.bfloat16
+        tiled_on_gpu = self.is_tiled(m) and m.data.is_cuda
+        if tiled_on_gpu and dtype == torch.bfloat16 and envs.MONOKERNEL_PREFILL_TRITON:
+            from monokernel.weights.formats.fp8_triton import untile_bf16
+
+            return untile_bf16(m.data, m.cols), m.scales[0]
+        return self.stored(m).to(dtype), m.scales[0]
 
     def matrix_bytes(self, rows: int, cols: int) -> int:
         return rows * cols + _SCALE_BYTES * rows
@@ -81,20 +118,33 @@ class RowScaled(WeightFormat):
         check_block(m, start, size, "rows")
         (s,) = m.scales
         end = start + size
-        return dataclasses.replace(m, rows=size, data=m.data[start:end], scales=(s[start:end],))
+        data = m.data
+        if self.is_tiled(m):
+            if start % TILE_ROWS or size % TILE_ROWS:
+                raise ValueError(
+                    f"{self.name} tiles: rows [{start}, {end}) cut tiles of {TILE_ROWS}"
+                )
+            data = data[start // TILE_ROWS : end // TILE_ROWS]
+        else:
+            data = data[start:end]
+        return dataclasses.replace(m, rows=size, data=data, scales=(s[start:end],))
 
     def slice_cols(self, m: PackedMatrix, start: int, size: int) -> PackedMatrix:
         # The scales are a row's: every column block of a row shares them, so partial dot
         # products scaled alike sum to the whole row's.
         check_block(m, start, size, "cols")
-        block = m.data[:, start : start + size].contiguous()  # rows stay contiguous: a copy
+        block = self.stored(m)[:, start : start + size].contiguous()  # a copy
+        if self.is_tiled(m):
+            check_tile_shape(self.name, m.rows, size)
+            block = pack_byte_tiles(block.view(torch.uint8)).view(block.dtype)
         return dataclasses.replace(m, cols=size, data=block)
 
 
 class Fp8Rows(RowScaled):
     name = "fp8"
-    kernel_type = "Fp8Rows"
+    kernel_type = "Fp8Rows"  # in tiles: Fp8Tiles (build.py)
     qmax = _FP8_MAX
+    has_tiles = True
 
     def _round(self, scaled: torch.Tensor) -> torch.Tensor:
         # Clamped first: the division can land a hair past 448, and e4m3fn has no infinity

@@ -22,7 +22,7 @@ Two layouts, told apart by ``data``'s rank:
   kernel multiplies 128 + q). dense() gives a q + (b - 128 a) + 128 a, the value the kernel
   multiplies by, within an fp32 rounding of the checkpoint's b.
 
-Which one the monokernel streams is ``tiles_for`` (MONOKERNEL_INT4_LAYOUT).
+Which one the monokernel streams is tiles.py's ``tiles_for`` (MONOKERNEL_WEIGHT_LAYOUT).
 """
 
 from __future__ import annotations
@@ -33,12 +33,10 @@ import torch
 
 from monokernel import envs
 from monokernel.weights.formats.base import PackedMatrix, WeightFormat, check_block
+from monokernel.weights.formats.tiles import TILE_COLS, TILE_ROWS, check_tile_shape
 from monokernel.weights.group_quant import quantize_rtn
 
 CHUNK = 32  # columns in one 16-byte load
-TILE_ROWS = 16  # rows of a tile (the mma's M)
-TILE_COLS = 64  # a tile's columns in one warp-wide load (4 k-tiles of 16)
-SMS = 132  # an H100's or H200's SMs: the decode kernel's CTAs
 DEFAULT_GROUP = 128  # --quantize int4's, AWQ's and GPTQ's usual group
 GROUPS = (32, 64, 128, 256)  # group sizes the kernel reads: whole chunks dividing 8 chunks
 _PAIR_BYTES = 8  # float32 a and b
@@ -84,34 +82,6 @@ def _nibble_values(data: torch.Tensor) -> torch.Tensor:
     k = torch.arange(8, dtype=torch.int32, device=data.device)
     shifts = (k % 4) * 8 + (k // 4) * 4  # 0, 8, 16, 24, 4, 12, 20, 28
     return ((natural[..., None] >> shifts) & 0x0F).view(rows, 2 * half)
-
-
-def tiles_for(hidden: int, q_size: int, kv_size: int, intermediate: int) -> bool:
-    """Whether the monokernel streams the int4 layers of a model (one rank's sizes under
-    tensor parallelism) as 16-row tiles (MONOKERNEL_INT4_LAYOUT). ``auto``: where the shape
-    fits tiles and every CTA owns an output tile of the O and down projections (hidden / 16
-    >= SMS), so the kernel's hand-offs stay tagged data; ``tiles`` on a shape that does not
-    fit is refused, naming the sizes."""
-    layout = envs.MONOKERNEL_INT4_LAYOUT
-    if layout == "rows":
-        return False
-    odd = [
-        f"{name} {v}"
-        for name, v, unit in (
-            ("hidden", hidden, TILE_COLS),
-            ("q heads x head_dim", q_size, TILE_COLS),
-            ("intermediate", intermediate, TILE_COLS),
-            ("fused QKV rows", q_size + 2 * kv_size, TILE_ROWS),
-        )
-        if v % unit
-    ]
-    if layout == "tiles" and odd:
-        raise ValueError(
-            f"MONOKERNEL_INT4_LAYOUT=tiles: tiles take inputs in multiples of {TILE_COLS} "
-            f"columns and outputs of {TILE_ROWS} rows; this shape has {', '.join(odd)} "
-            "(set it to auto or rows)"
-        )
-    return layout == "tiles" or (not odd and hidden // TILE_ROWS >= SMS)
 
 
 def fragment_tables(dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -205,11 +175,7 @@ class Int4Groups(WeightFormat):
         if q.dtype != torch.uint8:
             raise ValueError(f"int4: quants are uint8 0..15; got {q.dtype}")
         if self.tiles:
-            if rows % TILE_ROWS or cols % TILE_COLS:
-                raise ValueError(
-                    f"int4 tiles: a [{rows}, {cols}] matrix; rows must be a multiple of "
-                    f"{TILE_ROWS} and columns of {TILE_COLS}"
-                )
+            check_tile_shape("int4", rows, cols)
             return PackedMatrix(self.name, rows, cols, pack_tiles(q), (tile_pairs(a, b),))
         pairs = torch.stack((a.float(), b.float()), dim=2).contiguous()  # [rows, groups, 2]
         return PackedMatrix(self.name, rows, cols, pack_nibbles(q), (pairs,))

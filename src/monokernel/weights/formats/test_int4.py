@@ -16,7 +16,6 @@ from monokernel.weights.formats.int4 import (
     GROUPS,
     Int4Groups,
     pack_nibbles,
-    tiles_for,
     unpack_nibbles,
     unpack_tiles,
 )
@@ -319,32 +318,3 @@ def test_tile_blocks_are_whole_tiles_and_groups() -> None:
         fmt.slice_rows(m, 8, 16)
     with pytest.raises(ValueError, match="rows must be a multiple of 16"):
         fmt.pack_groups(q[:40], a[:40], b[:40])
-
-
-@pytest.mark.parametrize(
-    ("layout", "sizes", "want"),
-    [
-        ("auto", (4096, 4096, 1024, 14336), True),  # Llama-3.1-8B: 256 tiles >= 132 SMs
-        ("auto", (1536, 1536, 256, 8960), False),  # Qwen2.5-1.5B: 96 tiles, rows
-        ("auto", (4104, 4096, 1024, 14336), False),  # not whole 64-column loads
-        ("rows", (4096, 4096, 1024, 14336), False),
-        ("tiles", (576, 576, 192, 1536), True),  # SmolLM2, forced
-    ],
-)
-def test_which_layout_the_kernel_streams(
-    layout: str, sizes: tuple[int, int, int, int], want: bool
-) -> None:
-    from monokernel import envs
-
-    with envs.overridden(MONOKERNEL_INT4_LAYOUT=layout):
-        assert tiles_for(*sizes) is want
-
-
-def test_forced_tiles_refuse_a_shape_that_does_not_fit() -> None:
-    from monokernel import envs
-
-    with (
-        envs.overridden(MONOKERNEL_INT4_LAYOUT="tiles"),
-        pytest.raises(ValueError, match="q heads x head_dim 672"),
-    ):
-        tiles_for(640, 672, 96, 1408)

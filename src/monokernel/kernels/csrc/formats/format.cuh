@@ -15,6 +15,7 @@
 
 #include "bf16.cuh"
 #include "fp8.cuh"
+#include "fp8_tiles.cuh"
 #include "int4.cuh"
 #include "int4_tiles.cuh"
 #include "int8.cuh"

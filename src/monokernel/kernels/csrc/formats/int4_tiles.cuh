@@ -24,10 +24,12 @@ struct Int4Tiles {
   static constexpr bool kTiles = true;
   static constexpr int kTileRows = 16;     // rows a unit of the GEMV streams together
   static constexpr int kPerLoad = 32;      // weights of one lane's 16-byte load
+  static constexpr int kLoadCols = 64;     // a warp-wide load's columns of the tile
   static constexpr int kSliceCols = G > 64 ? G : 64;  // a split-K slice starts on a group
   static constexpr bool kScaled = false;   // the groups' scales, not a row's
   static constexpr float kUnit = 1.f;
   static constexpr bool kGroups = true;
+  static constexpr bool kF16 = false;      // inputs as bf16 hi + lo (128 + q is a bf16)
   static constexpr int kSegCols = G < 64 ? G : 64;  // columns under one pair in a load
   static constexpr int kSegs = 64 / kSegCols;
 

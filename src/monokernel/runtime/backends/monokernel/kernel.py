@@ -32,7 +32,6 @@ from monokernel.models.transformer import KVCache
 from monokernel.runtime.backends.monokernel.grammar_mask import GrammarMask
 from monokernel.runtime.backends.monokernel.logit_rules import NEUTRAL, LogitRules
 from monokernel.runtime.sampling import SamplingParams
-from monokernel.weights.formats.int4 import Int4Groups
 from monokernel.weights.repack import Repacked
 
 MAX_STOP_IDS = 256  # the stop-id buffer the kernel scans each step
@@ -185,13 +184,13 @@ class DecodeKernel:
     ) -> None:
         self.cfg, self.dims, self.packed, self.cache = cfg, dims, packed, cache
         self.max_seq_len, self.device = max_seq_len, device
-        if dims.weight_format == "int4" and packed.layers:
-            tiled = Int4Groups.is_tiled(packed.layers[0].matrices["wqkv"])
+        if packed.layers:
+            tiled = packed.layers[0].matrices["wqkv"].data.dim() == 4  # tiles: rank 4
             if tiled != bool(dims.weight_tiles):
                 raise BackendUnavailableError(
-                    f"int4 weights packed as {'tiles' if tiled else 'rows'} for a kernel built "
-                    f"for {'tiles' if dims.weight_tiles else 'rows'} (MONOKERNEL_INT4_LAYOUT "
-                    "changed between the build and the repacking)"
+                    f"{dims.weight_format} weights packed as {'tiles' if tiled else 'rows'} for "
+                    f"a kernel built for {'tiles' if dims.weight_tiles else 'rows'} "
+                    "(MONOKERNEL_WEIGHT_LAYOUT changed between the build and the repacking)"
                 )
         self.grid = torch.cuda.get_device_properties(device).multi_processor_count
         if cfg.num_kv_heads > self.grid:

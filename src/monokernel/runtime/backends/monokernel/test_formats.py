@@ -67,19 +67,20 @@ CONFIGS: dict[str, ModelConfig] = {
     "odd64": ODD64,
 }
 # The formats each shape runs in (odd16's rows are not whole int4 groups, odd32's are);
-# "int4-tiles": int4 with MONOKERNEL_INT4_LAYOUT=tiles (the 8B shape streams tiles already).
+# "int4-tiles", "fp8-tiles": with MONOKERNEL_WEIGHT_LAYOUT=tiles (the 8B shape streams both
+# in tiles already).
 FORMATS: dict[str, tuple[str, ...]] = {
     "llama-3.1-8b": ("fp8", "int8", "int4"),
-    "qwen2.5-coder-1.5b": ("fp8", "int8", "int4", "int4-tiles"),
+    "qwen2.5-coder-1.5b": ("fp8", "int8", "int4", "int4-tiles", "fp8-tiles"),
     "odd16": ("fp8", "int8"),
     "odd32": ("int4",),
-    "odd64": ("int4-tiles",),
+    "odd64": ("int4-tiles", "fp8-tiles"),
 }
 
 
 def layout(fmt: str) -> tuple[str, str]:
-    """A case's --quantize method and its MONOKERNEL_INT4_LAYOUT."""
-    return ("int4", "tiles") if fmt == "int4-tiles" else (fmt, "auto")
+    """A case's --quantize method and its MONOKERNEL_WEIGHT_LAYOUT."""
+    return (fmt.removesuffix("-tiles"), "tiles") if fmt.endswith("-tiles") else (fmt, "auto")
 
 
 def _needs(shape: str) -> pytest.MarkDecorator:
@@ -101,17 +102,17 @@ def test_teacher_forced_logits(shape: str, fmt: str) -> None:
     cfg, dev = CONFIGS[shape], torch.device("cuda")
     weights = random_weights(cfg, device=dev, seed=31)
     seq = random_ids(PROMPT + STEPS, cfg.vocab_size, seed=32)
-    fmt, int4_layout = layout(fmt)
+    fmt, weight_layout = layout(fmt)
     # int4's values (a * q + b) are not bf16 numbers, as fp8's and int8's stored values are:
     # the bf16 prefill would multiply the prompt by them rounded, so it runs in fp32 here and
     # what is compared is the kernel's arithmetic (weights/formats/int4.py says so).
     precision = "fp32" if fmt == "int4" else None
-    with envs.overridden(MONOKERNEL_INT4_LAYOUT=int4_layout):
+    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT=weight_layout):
         mk = MonokernelBackend(
             cfg, weights, PROMPT + STEPS, dev, quantize=fmt, prefill_precision=precision
         )
     assert mk.kernel.packed.format == fmt and mk.kernel.packed.head_format == "bf16"
-    tiled = fmt == "int4" and (int4_layout == "tiles" or shape == "llama-3.1-8b")
+    tiled = fmt in ("int4", "fp8") and (weight_layout == "tiles" or shape == "llama-3.1-8b")
     assert bool(mk.kernel.dims.weight_tiles) == tiled  # the 8B shape: tiles by default
     got = mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])  # [STEPS, V]
     mk.close()
@@ -134,7 +135,7 @@ def test_teacher_forced_logits_from_groups_of_32(int4_layout: str) -> None:
     weights = random_weights(cfg, device=dev, seed=35)
     seq = random_ids(PROMPT + STEPS, cfg.vocab_size, seed=36)
     groups = {k: quantize_rtn(v, 32) for k, v in weights.items() if is_quantized(k)}
-    with envs.overridden(MONOKERNEL_INT4_LAYOUT=int4_layout):
+    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT=int4_layout):
         mk = MonokernelBackend(
             cfg, weights, PROMPT + STEPS, dev, quantize="int4", groups=groups,
             prefill_precision="fp32",
@@ -161,12 +162,12 @@ def test_greedy_matches_reference(shape: str, fmt: str) -> None:
     cfg, dev = CONFIGS[shape], torch.device("cuda")
     weights = peaked(cfg, random_weights(cfg, device=dev, seed=33))
     prompt = random_ids(PROMPT, cfg.vocab_size, seed=34)
-    fmt, int4_layout = layout(fmt)
+    fmt, weight_layout = layout(fmt)
     # int4 with the fp32 prefill, as in test_teacher_forced_logits: the bf16 one multiplies
     # the prompt by the int4 values rounded to bf16, which the reference does not (on odd64
     # that alone flips step 2 by more than the oracle allows, in both int4 layouts).
     precision = "fp32" if fmt == "int4" else None
-    with envs.overridden(MONOKERNEL_INT4_LAYOUT=int4_layout):
+    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT=weight_layout):
         mk = MonokernelBackend(
             cfg, weights, PROMPT + STEPS, dev, quantize=fmt, prefill_precision=precision
         )
@@ -179,7 +180,7 @@ def test_greedy_matches_reference(shape: str, fmt: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4", "int4-tiles"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4", "int4-tiles", "fp8-tiles"])
 def test_default_model_greedy(fmt: str) -> None:
     """The real default model (SmolLM2-135M-Instruct, its Q4_1 GGUF dequantised) quantised
     at load: the kernel's greedy tokens are the reference's on the same dequantised values,
@@ -190,8 +191,8 @@ def test_default_model_greedy(fmt: str) -> None:
 
     cfg, weights, prompt = default_model_on_gpu("Write a Python function that adds.")
     dev = torch.device("cuda")
-    fmt, int4_layout = layout(fmt)
-    with envs.overridden(MONOKERNEL_INT4_LAYOUT=int4_layout):
+    fmt, weight_layout = layout(fmt)
+    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT=weight_layout):
         mk = MonokernelBackend(cfg, weights, len(prompt) + STEPS, dev, quantize=fmt)
     request = DecodeRequest(tuple(prompt), SamplingParams(temperature=0.0), STEPS, frozenset())
     got = list(mk.stream(request, CancelToken()))
@@ -237,7 +238,7 @@ def test_default_model_from_its_q4_1_blocks_is_hf_transformers(int4_layout: str)
         str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
     ).to(dev)
     weights = {k: v.to(device=dev, dtype=torch.bfloat16) for k, v in ckpt.weights.items()}
-    with envs.overridden(MONOKERNEL_INT4_LAYOUT=int4_layout):
+    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT=int4_layout):
         mk = MonokernelBackend(
             ckpt.config,
             weights,

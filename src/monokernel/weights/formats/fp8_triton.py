@@ -1,0 +1,49 @@
+"""fp8 tiles back to rows on the GPU in one Triton kernel: the stored E4M3 values as the bf16
+matrix the prefill's GEMMs multiply (fp8.py gemm_operands), made once a prompt for every
+matrix. torch's permute and cast take two passes (read 1 + write 1, read 1 + write 2 bytes a
+weight); this one reads each byte once and writes its bf16 (Llama-3.1-8B, a 64-token prompt:
+TTFT 54.6 ms against 30.4-30.9 for the same fp8 weights in rows, before it)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+BLOCK = 1024  # output columns a program writes
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def untile_fp8(data_ptr, out_ptr, cols, BLOCK: tl.constexpr):
+        # Program (row, column block): tiles.py's byte tiles read backwards. Row r is row
+        # 8 e1 + g of tile r // 16; column c is 16 i + 8 e2 + 2 t + e0 of load c // 32; the
+        # byte is 8 i + 4 e2 + 2 e1 + e0 of lane 4 g + t.
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        live = col < cols
+        tile = row // 16
+        g = row % 8
+        e1 = (row % 16) // 8
+        cc = col % 32
+        lane = 4 * g + (cc % 8) // 2
+        byte = 8 * (cc // 16) + 4 * ((cc % 16) // 8) + 2 * e1 + cc % 2
+        at = ((tile * (cols // 32) + col // 32) * 32 + lane) * 16 + byte
+        v = tl.load(data_ptr + at, mask=live, other=0.0)
+        tl.store(out_ptr + row * cols + col, v.to(tl.bfloat16), mask=live)
+
+    return untile_fp8
+
+
+def untile_bf16(data: torch.Tensor, cols: int) -> torch.Tensor:
+    """fp8 tiles (data float8_e4m3fn [rows / 16, cols / 32, 32, 16] on a CUDA device) as the
+    stored values in bf16 [rows, cols]: exact (E4M3's values are bf16 values)."""
+    rows = data.shape[0] * 16
+    out = torch.empty(rows, cols, dtype=torch.bfloat16, device=data.device)
+    _kernel()[(rows, -(-cols // BLOCK))](data, out, cols, BLOCK=BLOCK)
+    return out
