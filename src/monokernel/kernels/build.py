@@ -35,7 +35,13 @@ from monokernel.kernels.plan import head_units_fit
 from monokernel.models.config import ModelConfig
 from monokernel.weights.formats import FORMATS
 from monokernel.weights.formats.int4 import GROUPS as INT4_GROUPS
-from monokernel.weights.formats.tiles import TILE_COLS, TILE_FORMATS, TILE_ROWS, tiles_for
+from monokernel.weights.formats.tiles import (
+    TILE_COLS,
+    TILE_FORMATS,
+    TILE_ROWS,
+    block_fits,
+    tiles_for,
+)
 
 CSRC = Path(__file__).parent / "csrc"
 ENTRY = "decode.cu"
@@ -77,7 +83,8 @@ class KernelDims:
     group_units: bool = True
     weight_format: str = "bf16"  # the layers' matrices: a key of WEIGHT_FORMATS
     head_format: str = "bf16"  # the LM head's (the checkpoint's own under --quantize)
-    # int4's columns a group's scale pair covers (weights/formats/int4.py); 0 otherwise.
+    # The columns one scale covers where it is not a row's: int4's groups (weights/formats/
+    # int4.py), fp8's blocks (a checkpoint's block scales, fp8.py; tiles only); 0 otherwise.
     weight_group: int = 0
     # Whether the layers' format streams 16-row tiles on the tensor cores (int4 and fp8 where
     # weights/formats/tiles.py tiles_for says so; csrc/gemv_tiles.cuh) rather than rows on
@@ -152,6 +159,8 @@ class KernelDims:
     def kernel_format(self) -> str:
         """The layers' C++ format type: int4's is a template over its group."""
         cxx = WEIGHT_FORMATS[self.weight_format]
+        if self.weight_format == "fp8" and self.weight_group:
+            return f"Fp8BlockTiles<{self.weight_group}>"
         if self.weight_tiles:
             cxx = {"int4": "Int4Tiles", "fp8": "Fp8Tiles"}[self.weight_format]
         return f"{cxx}<{self.weight_group}>" if self.weight_format == "int4" else cxx
@@ -167,12 +176,21 @@ class KernelDims:
                 )
         if self.head_format == "int4":
             raise UnsupportedModelError("LM head format 'int4': the head streams bf16, fp8 or int8")
-        if (self.weight_format == "int4") != (self.weight_group > 0):
+        if (self.weight_format == "int4") and not self.weight_group:
+            raise UnsupportedModelError("weight format 'int4' needs a group size")
+        if self.weight_group and self.weight_format not in ("int4", "fp8"):
             raise UnsupportedModelError(
                 f"weight group {self.weight_group} with format {self.weight_format!r}: "
-                "a group size goes with int4 only, and int4 needs one"
+                "int4's groups and fp8's block scales have one, no other format"
             )
-        if self.weight_group and self.weight_group not in INT4_GROUPS:
+        fp8_blocks = self.weight_format == "fp8" and self.weight_group
+        if fp8_blocks and not (self.weight_tiles and block_fits(self.weight_group)):
+            raise UnsupportedModelError(
+                f"fp8 block scales of {self.weight_group} columns: the kernel reads them in "
+                f"16-row tiles (MONOKERNEL_WEIGHT_LAYOUT), blocks a power of two of at least "
+                f"{TILE_COLS} columns"
+            )
+        if self.weight_format == "int4" and self.weight_group not in INT4_GROUPS:
             raise UnsupportedModelError(
                 f"int4 groups of {self.weight_group} columns; the kernel reads {INT4_GROUPS}"
             )
@@ -272,7 +290,7 @@ class KernelDims:
         if self.weight_tiles:
             return self.tile_split(self.intermediate)
         chunks = self.intermediate // FORMATS[self.weight_format].weights_per_load
-        unit = 8 if self.weight_group else 1  # int4's slices: whole 8 chunks (csrc Split)
+        unit = 8 if self.weight_format == "int4" else 1  # int4's slices: whole 8 chunks
         for split in (1, 2, 4, 8, 16):
             loads = -(-chunks // split // 32)  # a lane's loads in one row slice
             if chunks % (split * unit) or loads > BATCH:
@@ -294,7 +312,7 @@ class KernelDims:
         shape (intermediate 5.4 x hidden) runs at 94% of the bandwidth with 5. int4: 2 in
         both builds (a load is 24 bytes of registers with its group's pair): 8B 3,288 ->
         2,887 µs/token against 4, the 1B and the 1.5B unchanged (1 or 3 no better)."""
-        if self.weight_group:
+        if self.weight_format == "int4":
             return 2
         if self.group_units:
             return 4

@@ -228,6 +228,9 @@ class Engine:
         groups = ckpt.groups
         if self.quantize != "int4":
             groups = None
+        # An FP8 checkpoint with block scales keeps them (on one GPU, where the layers stream
+        # as tiles): the checkpoint's own E4M3 values, not re-quantised a row.
+        fp8_blocks = ckpt.fp8_blocks if self.quantize == "fp8" else None
         auto = self.config.engine == "auto" and self.engine_name == "monokernel"
         self.backend: Backend = create_backend(
             self.config.engine if auto else self.engine_name,
@@ -240,6 +243,7 @@ class Engine:
             owned=owned,
             quantize=self.quantize,
             groups=groups,
+            fp8_blocks=fp8_blocks,
         )
         if self.speculative is not None:
             self.backend.set_speculative(self.speculative)  # type: ignore[attr-defined]

@@ -359,6 +359,31 @@ def check_scale_shape(
         )
 
 
+def factor(scale: torch.Tensor, quant: CheckpointQuant, device: torch.device) -> torch.Tensor:
+    """The float32 factor a stored scale tensor stands for: what q is multiplied by."""
+    s = scale.to(device=device, dtype=torch.float32)
+    return 1.0 / s if quant.scale_is_inverse else s
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Blocks:
+    """An FP8 checkpoint's block scales of its layer linear weights (``factor``'s float32
+    [ceil(out / rows), ceil(in / cols)] a weight, our names), kept beside the dequantised
+    weights so that the monokernel streams the checkpoint's own E4M3 values with them
+    (weights/formats/fp8.py's block scales) rather than re-quantising each row."""
+
+    rows: int  # a block's rows (bm) and columns (bn)
+    cols: int
+    scales: Mapping[str, torch.Tensor]
+
+    def row_scales(self, name: str, out: int) -> torch.Tensor:
+        """Weight ``name``'s scales a row and block of columns: [out, ceil(in / cols)]."""
+        return self.scales[name].repeat_interleave(self.rows, dim=0)[:out]
+
+    def to(self, device: torch.device) -> Fp8Blocks:
+        return Fp8Blocks(self.rows, self.cols, {k: v.to(device) for k, v in self.scales.items()})
+
+
 def dequantize(
     q: torch.Tensor, scale: torch.Tensor, quant: CheckpointQuant, name: str = "weight"
 ) -> torch.Tensor:
@@ -366,9 +391,7 @@ def dequantize(
     the tensor's or its block's scale (a partial last block uses the same scale). ``name``
     names the tensor in the error for a scale whose shape does not fit."""
     check_scale_shape(name, tuple(q.shape), tuple(scale.shape), quant)
-    s = scale.to(device=q.device, dtype=torch.float32)
-    if quant.scale_is_inverse:
-        s = 1.0 / s
+    s = factor(scale, quant, q.device)
     # In place on the one float32 copy: the working memory is a single matrix's float32,
     # not also a full-size expanded scale.
     w = q.to(torch.float32, copy=True)  # never the caller's tensor, whatever its dtype

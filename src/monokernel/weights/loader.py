@@ -20,6 +20,7 @@ import torch
 
 from monokernel.errors import ModelNotFoundError
 from monokernel.models.config import ModelConfig, load_hf_config
+from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.names import Weights
 
@@ -53,6 +54,10 @@ class Checkpoint:
     # zero may differ in sign). On the device the weights were read to (GGUF: the CPU).
     # None otherwise.
     groups: Mapping[str, GroupQuant] | None = None
+    # With quantization "fp8" and block scales (HF fine-grained FP8): each layer linear
+    # weight's block scales, so the monokernel streams the checkpoint's own E4M3 values with
+    # them (weights/formats/fp8.py). None otherwise.
+    fp8_blocks: Fp8Blocks | None = None
 
 
 def _local_hint(ref: str) -> str:
@@ -121,7 +126,7 @@ def _load_gguf(
     )
 
 
-def _every_layer_linear(groups: Mapping[str, GroupQuant], cfg: ModelConfig) -> bool:
+def _every_layer_linear(groups: Mapping[str, object], cfg: ModelConfig) -> bool:
     """Whether ``groups`` holds each of every layer's seven linear weights: the engine
     streams a model in 4 bits only whole (a GGUF Q4_K_M mixes in Q6_K matrices, an AWQ
     checkpoint may leave modules unquantised)."""
@@ -156,7 +161,7 @@ def _load_hf_dir(
         check_group_indices(model_dir, quant)
     if before_weights is not None:
         before_weights(cfg)
-    weights, groups = load_safetensors_tensors(
+    weights, groups, blocks = load_safetensors_tensors(
         model_dir, cfg, device=device, dtype=dtype, progress=progress, quant=quant
     )
     int4 = isinstance(quant, Int4Quant) and _every_layer_linear(groups, cfg)
@@ -170,6 +175,7 @@ def _load_hf_dir(
         source=str(model_dir),
         quantization=CHECKPOINT_INT4 if int4 else CHECKPOINT_FP8 if fp8 else None,
         groups=groups if int4 else None,
+        fp8_blocks=blocks if fp8 and blocks and _every_layer_linear(blocks.scales, cfg) else None,
     )
 
 

@@ -19,6 +19,7 @@ embedding is a table the kernel gathers one row of a token, not a matrix it stre
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,8 +29,11 @@ from monokernel.weights.formats import WeightFormat, get_format
 from monokernel.weights.formats.fp8 import Fp8Rows
 from monokernel.weights.formats.int4 import DEFAULT_GROUP, Int4Groups
 from monokernel.weights.formats.int4 import GROUPS as INT4_GROUPS
-from monokernel.weights.formats.tiles import tiles_for
+from monokernel.weights.formats.tiles import block_fits, tiles_for
 from monokernel.weights.group_quant import GroupQuant
+
+if TYPE_CHECKING:
+    from monokernel.weights.checkpoint_quant import Fp8Blocks
 
 QUANTIZE_METHODS: tuple[str, ...] = ("fp8", "int8", "int4")  # each also a weight format's name
 # A layer's linear weights, as weights/names.py spells them ("layers.{n}.wq", ...).
@@ -88,6 +92,16 @@ def config_format(method: str, cfg: ModelConfig) -> WeightFormat:
     if method == "fp8":
         return Fp8Rows(tiles=tiles)
     return get_format(method)
+
+
+def blocks_stream(cfg: ModelConfig, blocks: Fp8Blocks) -> bool:
+    """Whether the monokernel streams an FP8 checkpoint's block scales as they are: its
+    layers stream as fp8 tiles (tiles.py tiles_for) and every matrix's input is whole blocks
+    the kernel reads (tiles.py block_fits; csrc Fp8BlockTiles)."""
+    inputs = (cfg.hidden_size, cfg.q_size, cfg.intermediate_size)
+    if not block_fits(blocks.cols) or any(k % blocks.cols for k in inputs):
+        return False
+    return tiles_for("fp8", cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size)
 
 
 def is_quantized(name: str) -> bool:

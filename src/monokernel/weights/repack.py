@@ -25,7 +25,9 @@ import torch
 
 from monokernel.models.config import ModelConfig
 from monokernel.models.rope import rope_tables
+from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.formats import DEFAULT_FORMAT, PackedMatrix, get_format
+from monokernel.weights.formats.fp8 import Fp8Rows
 from monokernel.weights.formats.int4 import Int4Groups
 from monokernel.weights.formats.tiles import tiles_for
 from monokernel.weights.group_quant import GroupQuant
@@ -118,6 +120,28 @@ def _pack_groups(groups: Mapping[str, GroupQuant], p: str, tiles: bool) -> dict[
     }
 
 
+def _pack_fp8_blocks(w: Weights, blocks: Fp8Blocks, p: str) -> dict[str, PackedMatrix]:
+    """Layer ``p``'s matrices in fp8 tiles with a checkpoint's block scales, fused as
+    repack_layer fuses the others: each block's scale repeated over its rows, the rows fused
+    or interleaved with their matrices', so every weight keeps its own block's scale and
+    packing finds the checkpoint's E4M3 values again (weights/formats/fp8.py)."""
+    fmt = Fp8Rows(tiles=True, block=blocks.cols)
+
+    def s(name: str) -> torch.Tensor:
+        return blocks.row_scales(p + name, w[p + name].shape[0])
+
+    return {
+        "wqkv": fmt.pack(
+            fuse_rows(w[p + "wq"], w[p + "wk"], w[p + "wv"]), fuse_rows(s("wq"), s("wk"), s("wv"))
+        ),
+        "wo": fmt.pack(w[p + "wo"], s("wo")),
+        "wgu": fmt.pack(
+            interleave_rows(w[p + "w_gate"], w[p + "w_up"]), interleave_rows(s("w_gate"), s("w_up"))
+        ),
+        "wdown": fmt.pack(w[p + "w_down"], s("w_down")),
+    }
+
+
 def repack_layer(
     cfg: ModelConfig,
     w: Weights,
@@ -126,6 +150,7 @@ def repack_layer(
     fmt: str = DEFAULT_FORMAT,
     row_scales: Mapping[str, torch.Tensor] | None = None,
     groups: Mapping[str, GroupQuant] | None = None,
+    fp8_blocks: Fp8Blocks | None = None,
 ) -> LayerPack:
     p = f"layers.{n}."
     scales = row_scales or {}
@@ -142,6 +167,10 @@ def repack_layer(
             p,
             tiles_for("int4", cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size),
         )
+    elif fp8_blocks is not None:
+        if fold:
+            raise ValueError("a checkpoint's fp8 block scales cannot take a folded norm gain")
+        matrices = _pack_fp8_blocks(w, fp8_blocks, p)
     else:
         pack = config_format(fmt, cfg).pack
         matrices = {
@@ -171,6 +200,7 @@ def repack(
     head_fmt: str = DEFAULT_FORMAT,
     row_scales: Mapping[str, torch.Tensor] | None = None,
     groups: Mapping[str, GroupQuant] | None = None,
+    fp8_blocks: Fp8Blocks | None = None,
 ) -> Repacked:
     """All of the kernel's tensors, on the device of ``weights``: the layers' streamed
     matrices packed in the weight format ``fmt`` (weights/formats), the LM head in
@@ -183,6 +213,8 @@ def repack(
     the whole rows', weights/quantize.py whole_row_scales). ``groups``: a 4-bit
     checkpoint's own groups of each layer's seven matrices (Checkpoint.groups), packed in
     int4 with their bits unchanged instead of quantising ``weights``; needs ``fold=False``.
+    ``fp8_blocks``: an FP8 checkpoint's block scales (Checkpoint.fp8_blocks), with which the
+    layers pack in fp8 tiles as the checkpoint stored them; needs ``fold=False``.
     ``consume``: each layer's tensors are popped from ``weights`` once packed, so where the
     caller holds no other reference the repacking needs one layer's memory on top of the
     model, not a second copy (a 32B model's 65 GB fit an 80 GB GPU once, not twice).
@@ -193,7 +225,7 @@ def repack(
     pack_head = get_format(head_fmt).pack
     layers = []
     for n in range(cfg.num_layers):
-        layers.append(repack_layer(cfg, weights, n, fold, fmt, row_scales, groups))
+        layers.append(repack_layer(cfg, weights, n, fold, fmt, row_scales, groups, fp8_blocks))
         if consume:
             for name in [k for k in weights if k.startswith(f"layers.{n}.")]:
                 del weights[name]

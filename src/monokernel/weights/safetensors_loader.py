@@ -48,10 +48,12 @@ from monokernel.weights.checkpoint_quant import (
     REQUIRED_PARTS,
     SCALE_SUFFIX,
     CheckpointQuant,
+    Fp8Blocks,
     Int4Quant,
     check_scale_shape,
     decode_int4,
     dequantize,
+    factor,
     packed_shapes,
     scaled_weight,
 )
@@ -400,16 +402,22 @@ def _check_part(e: TensorEntry, part: str, shape: tuple[int, ...], method: str) 
 
 
 def _dequantize_ready(
-    pending: Weights, quant: CheckpointQuant, dtype: torch.dtype | None
+    pending: Weights,
+    quant: CheckpointQuant,
+    dtype: torch.dtype | None,
+    blocks: dict[str, torch.Tensor],
 ) -> Weights:
     """The float8 weights of ``pending`` whose scale is there too, each replaced by
     ``q * scale`` in ``dtype`` (bfloat16 when None); both leave ``pending``. One at a time,
-    so the extra memory is one matrix's float32 product."""
+    so the extra memory is one matrix's float32 product. With block scales, a layer linear
+    weight's (as the float32 factor) also goes to ``blocks``."""
     out: Weights = {}
     for name in [n for n in pending if not n.endswith(SCALE_SUFFIX)]:
         if name + SCALE_SUFFIX in pending:
             q, s = pending.pop(name), pending.pop(name + SCALE_SUFFIX)
             out[name] = dequantize(q, s, quant, name=name).to(dtype or torch.bfloat16)
+            if quant.strategy == "block" and is_quantized(name):
+                blocks[name] = factor(s, quant, q.device)
             del q, s
     return out
 
@@ -493,10 +501,11 @@ def load_safetensors_tensors(
     progress: bool = False,
     force_progress: bool = False,
     quant: CheckpointQuant | Int4Quant | None = None,
-) -> tuple[Weights, dict[str, GroupQuant]]:
+) -> tuple[Weights, dict[str, GroupQuant], Fp8Blocks | None]:
     """``load_safetensors_weights``'s weights, and with a 4-bit ``quant`` each layer linear
     weight stored in 4 bits as a GroupQuant of its bits (our names, on the device the
-    tensors were read to: ``device``, else the CPU); {} for any other checkpoint."""
+    tensors were read to: ``device``, else the CPU); {} for any other checkpoint. Third, an
+    FP8 checkpoint's block scales of its layer linear weights (None without block scales)."""
     source = str(model_dir)
     files = safetensors_files(model_dir)
     plan = _plan(files, cfg, source, quant)
@@ -519,6 +528,7 @@ def load_safetensors_tensors(
     done: Weights = {}
     pending: Weights = {}
     groups: dict[str, GroupQuant] = {}
+    block_scales: dict[str, torch.Tensor] = {}
     wanted = progress_wanted(progress, force_progress)
     with ByteProgress(total, f"loading {model_dir.name}", wanted) as bar:
         reader = None
@@ -534,7 +544,7 @@ def load_safetensors_tensors(
             pending |= {o: got.pop(o) for o in raw & got.keys()}
             done |= got
             if isinstance(quant, CheckpointQuant):
-                done |= _dequantize_ready(pending, quant, dtype)
+                done |= _dequantize_ready(pending, quant, dtype, block_scales)
             elif isinstance(quant, Int4Quant):
                 done |= _decode_ready(pending, quant, dtype, modules, groups, source)
         assert not pending, sorted(pending)  # _plan paired every weight with its scales
@@ -543,7 +553,10 @@ def load_safetensors_tensors(
             torch.cuda.synchronize(target)  # the copies are asynchronous: time them all
         checked = check_weights(weights, cfg, source=source)
         bar.finish(len(files))
-    return checked, groups
+    blocks = None
+    if block_scales and isinstance(quant, CheckpointQuant) and quant.block is not None:
+        blocks = Fp8Blocks(quant.block[0], quant.block[1], block_scales)
+    return checked, groups, blocks
 
 
 def check_group_indices(model_dir: Path, quant: Int4Quant) -> None:

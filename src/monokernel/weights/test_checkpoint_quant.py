@@ -558,3 +558,57 @@ def test_the_engine_runs_an_fp8_checkpoint_as_fp8(
         assert int8.quantize == "int8"
     finally:
         int8.close()
+
+
+@pytest.mark.parametrize("scheme", ["hf-block", "ct-block"])
+def test_block_scales_are_kept_beside_the_weights(
+    source: tuple[Path, Weights], tmp_path: Path, scheme: str
+) -> None:
+    """A block-scaled checkpoint's scales of every layer linear weight come back in
+    Checkpoint.fp8_blocks, the factor each weight's block multiplies by, so the monokernel
+    can stream the checkpoint's own E4M3 values (weights/formats/fp8.py block scales)."""
+    stored = write_fp8(source, tmp_path / "fp8", SCHEMES[scheme])
+    ckpt = load_checkpoint(tmp_path / "fp8", progress=False, dtype=torch.float32)
+    blocks = ckpt.fp8_blocks
+    assert ckpt.quantization == "fp8" and blocks is not None
+    assert (blocks.rows, blocks.cols) == SCHEMES[scheme].block
+    assert set(blocks.scales) == set(stored)
+    for name, (q, s) in stored.items():
+        assert torch.equal(blocks.scales[name], s.float()), name
+        out = q.shape[0]
+        assert torch.equal(
+            blocks.row_scales(name, out), s.float().repeat_interleave(blocks.rows, 0)[:out]
+        )
+
+
+def test_a_per_channel_checkpoint_has_no_blocks(
+    source: tuple[Path, Weights], tmp_path: Path
+) -> None:
+    write_fp8(source, tmp_path / "fp8", SCHEMES["ct-channel"])
+    assert load_checkpoint(tmp_path / "fp8", progress=False).fp8_blocks is None
+
+
+def test_the_engines_compute_a_block_checkpoint_as_stored(
+    source: tuple[Path, Weights], tmp_path: Path
+) -> None:
+    """With block scales the other engines compute with the checkpoint's own dequantised
+    values (not re-quantised a row): the same tokens as the same values loaded as a plain
+    checkpoint."""
+    from monokernel.runtime.engine import Engine, EngineConfig
+    from monokernel.runtime.sampling import SamplingParams
+
+    write_fp8(source, tmp_path / "fp8", SCHEMES["hf-block"])
+    config = EngineConfig(engine="reference", device="cpu", progress=False, max_model_len=64)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ckpt = load_checkpoint(tmp_path / "fp8", progress=False, dtype=torch.float32)
+    tokens = []
+    for c in (ckpt, dataclasses.replace(ckpt, quantization=None, fp8_blocks=None)):
+        engine = Engine(c, config)
+        try:
+            assert engine.quantize == c.quantization
+            tokens.append(engine.complete("def fib(n):", params).token_ids)
+            w = engine.backend.model.w["layers.0.w_up"]  # type: ignore[attr-defined]
+            assert torch.equal(w, ckpt.weights["layers.0.w_up"])
+        finally:
+            engine.close()
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6

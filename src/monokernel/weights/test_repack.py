@@ -123,3 +123,47 @@ def test_consume_packs_the_same_and_empties_the_layers(fold: bool) -> None:
         for name in MATRICES:
             assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert torch.equal(want.lm_head, got.lm_head)
+
+
+def test_a_checkpoints_fp8_blocks_keep_their_values() -> None:
+    """repack with an FP8 checkpoint's block scales (Checkpoint.fp8_blocks) packs each
+    layer's fused matrices in fp8 tiles with every weight's own block scale: the stored
+    values are the checkpoint's E4M3 values, fused and interleaved as the matrices are, and
+    the dense matrices its dequantised ones. Blocks of 48 rows cut the fused QKV rows and
+    the gate/up pairs anywhere."""
+    from monokernel.weights.checkpoint_quant import Fp8Blocks
+    from monokernel.weights.formats import get_format
+    from monokernel.weights.quantize import is_quantized
+
+    cfg = dataclasses.replace(
+        SHAPES["odd"], hidden_size=704, intermediate_size=1472, num_heads=5, num_kv_heads=1,
+        head_dim=128, num_layers=2,
+    )  # fmt: skip
+    w = random_weights(cfg, dtype=torch.float32, seed=4)
+    bm, bn = 48, 64
+    qs, scales = {}, {}
+    for name in [n for n in w if is_quantized(n)]:
+        m = w[name]
+        rows = m.shape[0]
+        amax = torch.cat((m, torch.zeros(-rows % bm, m.shape[1]))).abs()
+        s = amax.view(-1, bm, m.shape[1] // bn, bn).amax(dim=(1, 3)) / 448.0
+        full = s.repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)
+        qs[name] = (m / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scales[name] = s
+        w[name] = (qs[name].float() * full).bfloat16()  # the loader's dequantised weights
+    packed = repack(cfg, w, 64, fold=False, fmt="fp8", fp8_blocks=Fp8Blocks(bm, bn, scales))
+    fp8 = get_format("fp8")
+    layer = packed.layers[1]
+    p = "layers.1."
+    b = {k: v.view(torch.uint8) for k, v in qs.items()}
+    want = {
+        "wqkv": torch.cat([b[p + k] for k in ("wq", "wk", "wv")]),
+        "wo": b[p + "wo"],
+        "wgu": interleave_rows(b[p + "w_gate"], b[p + "w_up"]),
+        "wdown": b[p + "w_down"],
+    }
+    for key, q in want.items():
+        m = layer.matrices[key]
+        assert fp8.block_of(m) == bn and fp8.is_tiled(m), key
+        assert torch.equal(fp8.stored(m).view(torch.uint8), q), key
+    assert torch.equal(fp8.dense(layer.matrices["wo"], torch.bfloat16), w[p + "wo"])

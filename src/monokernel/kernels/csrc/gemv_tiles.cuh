@@ -132,6 +132,7 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
     float sc = 1.f;
     if constexpr (F::kScaled)
       sc = M.row_scale((size_t)(t < tiles ? t : tiles - 1) * 16 + (lane >> 2) + (upper ? 8 : 0));
+    float block = 0.f;  // a block-scaled format's current block scale (set by its first load)
 #pragma unroll 1
     for (int b = 0; b < NB; ++b) {
       const bool last = b + 1 == NB;
@@ -149,7 +150,7 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
         if constexpr (F::kGroups) {
           if (j < S::N) tile_load_dot<F>(cur[i], xl + 64 * j, sl + 2 * j, upper, acc);
         } else {
-          if (j < S::N) F::tile_dot(cur[i], xl + F::kLoadCols * j, upper, acc);
+          if (j < S::N) F::tile_dot(cur[i], xl + F::kLoadCols * j, upper, j, block, acc);
         }
       }
 #pragma unroll

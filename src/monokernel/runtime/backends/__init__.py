@@ -16,6 +16,7 @@ import torch
 from monokernel.errors import BackendUnavailableError, MonokernelError
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.backends.base import Backend
+from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.names import Weights
 
@@ -110,8 +111,10 @@ def construct_backend(
     owned: bool = False,
     quantize: str | None = None,
     groups: Mapping[str, GroupQuant] | None = None,
+    fp8_blocks: Fp8Blocks | None = None,
 ) -> Backend:
-    """Engine ``name``'s backend; ``owned``, ``quantize``, ``groups``: as in create_backend."""
+    """Engine ``name``'s backend; ``owned``, ``quantize``, ``groups``, ``fp8_blocks``: as in
+    create_backend."""
     module, cls = BACKEND_CLASSES[name]
     backend_cls = getattr(importlib.import_module(module), cls)
     extra: dict[str, object] = {}
@@ -121,7 +124,9 @@ def construct_backend(
             extra["quantize"] = quantize
         if groups is not None:
             extra["groups"] = groups
-    elif quantize is not None and groups is None:
+        if fp8_blocks is not None:
+            extra["fp8_blocks"] = fp8_blocks
+    elif quantize is not None and groups is None and fp8_blocks is None:
         # The other engines compute with the dequantised values the kernel multiplies by.
         from monokernel.weights.quantize import fake_quantize
 
@@ -149,6 +154,7 @@ def create_backend(
     owned: bool = False,
     quantize: str | None = None,
     groups: Mapping[str, GroupQuant] | None = None,
+    fp8_blocks: Fp8Blocks | None = None,
 ) -> Backend:
     """Build the backend for engine ``name``. For ``auto`` a monokernel that cannot serve
     this model (see FALLBACK_ERRORS) gives way to ``fallback_engine()``; ``on_fallback``
@@ -158,7 +164,10 @@ def create_backend(
     matrices quantised at load (weights/quantize.py), on every engine. ``groups``: a 4-bit
     checkpoint's own groups (Checkpoint.groups, with ``quantize`` "int4"): the monokernel
     streams them as they are; the other engines compute with ``weights``, already their
-    dequantised values."""
+    dequantised values. ``fp8_blocks``: an FP8 checkpoint's block scales (Checkpoint.
+    fp8_blocks, with ``quantize`` "fp8"), likewise: on one GPU the monokernel streams the
+    checkpoint's own values with them where its layers stream as tiles; at ``tp`` > 1 it
+    re-quantises each row (docs/cli.md)."""
     resolved = resolve_engine(name, device)
     if tp > 1:
         # Only the monokernel splits a request over GPUs (docs/tensor-parallel.md).
@@ -171,12 +180,12 @@ def create_backend(
         return MonokernelTPBackend(cfg, weights, max_seq_len, device, tp, quantize, groups)
     if name != "auto" or resolved != "monokernel":
         return construct_backend(
-            resolved, cfg, weights, max_seq_len, device, owned, quantize, groups
+            resolved, cfg, weights, max_seq_len, device, owned, quantize, groups, fp8_blocks
         )
     names = set(weights)
     try:
         return construct_backend(
-            resolved, cfg, weights, max_seq_len, device, owned, quantize, groups
+            resolved, cfg, weights, max_seq_len, device, owned, quantize, groups, fp8_blocks
         )
     except FALLBACK_ERRORS as e:
         if set(weights) != names:
@@ -189,5 +198,12 @@ def create_backend(
     if on_fallback is not None:
         max_seq_len = on_fallback(other, reason)
     return construct_backend(
-        other, cfg, weights, max_seq_len, device, quantize=quantize, groups=groups
+        other,
+        cfg,
+        weights,
+        max_seq_len,
+        device,
+        quantize=quantize,
+        groups=groups,
+        fp8_blocks=fp8_blocks,
     )

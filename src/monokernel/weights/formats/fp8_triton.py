@@ -20,7 +20,7 @@ def _kernel() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def untile_fp8(data_ptr, out_ptr, cols, BLOCK: tl.constexpr):
+    def untile_fp8(data_ptr, scales_ptr, out_ptr, cols, BN: tl.constexpr, BLOCK: tl.constexpr):
         # Program (row, column block): tiles.py's byte tiles read backwards. Row r is row
         # 8 e1 + g of tile r // 16; column c is 16 i + 8 e2 + 2 t + e0 of load c // 32; the
         # byte is 8 i + 4 e2 + 2 e1 + e0 of lane 4 g + t.
@@ -35,15 +35,21 @@ def _kernel() -> Any:
         byte = 8 * (cc // 16) + 4 * ((cc % 16) // 8) + 2 * e1 + cc % 2
         at = ((tile * (cols // 32) + col // 32) * 32 + lane) * 16 + byte
         v = tl.load(data_ptr + at, mask=live, other=0.0)
+        if BN:  # block scales [rows / 16, cols / BN, 16]: the weight's value, rounded once
+            s = tl.load(scales_ptr + (tile * (cols // BN) + col // BN) * 16 + row % 16, mask=live)
+            v = v.to(tl.float32) * s
         tl.store(out_ptr + row * cols + col, v.to(tl.bfloat16), mask=live)
 
     return untile_fp8
 
 
-def untile_bf16(data: torch.Tensor, cols: int) -> torch.Tensor:
+def untile_bf16(data: torch.Tensor, cols: int, blocks: torch.Tensor | None = None) -> torch.Tensor:
     """fp8 tiles (data float8_e4m3fn [rows / 16, cols / 32, 32, 16] on a CUDA device) as the
-    stored values in bf16 [rows, cols]: exact (E4M3's values are bf16 values)."""
+    stored values in bf16 [rows, cols]: exact (E4M3's values are bf16 values); with block
+    scales ``blocks`` [rows / 16, cols / bn, 16] (fp8.py), the values q * s rounded to bf16."""
     rows = data.shape[0] * 16
     out = torch.empty(rows, cols, dtype=torch.bfloat16, device=data.device)
-    _kernel()[(rows, -(-cols // BLOCK))](data, out, cols, BLOCK=BLOCK)
+    bn = 0 if blocks is None else cols // blocks.shape[1]
+    scales = data if blocks is None else blocks  # unread without block scales
+    _kernel()[(rows, -(-cols // BLOCK))](data, scales, out, cols, BN=bn, BLOCK=BLOCK)
     return out

@@ -151,8 +151,13 @@ for rows, cols in [(16, 64), (48, 576), (32, 1408)]:
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols))
     m = Fp8Rows(tiles=True).pack(w)
     out = torch.empty(rows, cols, dtype=torch.bfloat16)
-    _kernel()[(rows, -(-cols // BLOCK))](m.data, out, cols, BLOCK=BLOCK)
+    _kernel()[(rows, -(-cols // BLOCK))](m.data, m.data, out, cols, BN=0, BLOCK=BLOCK)
     assert torch.equal(out, Fp8Rows().pack(w).data.to(torch.bfloat16)), (rows, cols)
+    b = Fp8Rows(tiles=True, block=64).pack(w)
+    _kernel()[(rows, -(-cols // BLOCK))](b.data, b.scales[0], out, cols, BN=64, BLOCK=BLOCK)
+    dense = Fp8Rows().dense(b, torch.float32)
+    truncated = (dense.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+    assert torch.equal(out, truncated), (rows, cols)
 print("ok")
 """
 
@@ -177,7 +182,99 @@ def test_the_prefill_multiplies_the_stored_fp8_values() -> None:
     for rows, cols in [(16, 64), (304, 1408), (1024, 4096)]:
         w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols)).cuda()
         plain = Fp8Rows().pack(w)
-        for triton in (True, False):
+        for triton in ("1", "0"):
             with envs.overridden(MONOKERNEL_PREFILL_TRITON=triton):
                 a, s = get_format("fp8").gemm_operands(Fp8Rows(tiles=True).pack(w))
             assert torch.equal(a, plain.data.to(torch.bfloat16)) and torch.equal(s, plain.scales[0])
+            blocked = Fp8Rows(tiles=True, block=64).pack(w)
+            with envs.overridden(MONOKERNEL_PREFILL_TRITON=triton):
+                a, s = get_format("fp8").gemm_operands(blocked)
+            assert s is None
+            assert torch.equal(a, get_format("fp8").dense(blocked, torch.float32).bfloat16())
+
+
+# ---- block scales (csrc Fp8BlockTiles) --------------------------------------------------------
+
+
+def blocks_of(w: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A publisher's block quantisation of w: each bm x bn block's amax onto 448; returns
+    the E4M3 values and the scales [ceil(rows / bm), cols / bn]."""
+    rows, cols = w.shape
+    pad = -rows % bm
+    wp = torch.cat((w, torch.zeros(pad, cols))) if pad else w
+    amax = wp.abs().view(-1, bm, cols // bn, bn).amax(dim=(1, 3))
+    s = amax / 448.0
+    full = s.repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)
+    return (w / full).clamp(-448, 448).to(torch.float8_e4m3fn), s
+
+
+def fp8_block_kernel_dot(data: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> np.ndarray:
+    """Fp8BlockTiles' arithmetic from the packed bytes: each load's 2 k-tiles as in
+    fp8_tile_kernel_dot, times the scale of its row and block (scales [T, blocks, 16])."""
+    tiles, loads = data.shape[:2]
+    vals = data.contiguous().view(torch.uint8).view(torch.float8_e4m3fn).float().double().numpy()
+    sc = scales.double().numpy()
+    bn = 32 * loads // sc.shape[1]
+    hi, lo = f16_hi_lo(x.float())
+    acc = np.zeros((tiles, 16))
+    for j in range(loads):
+        c = np.zeros((tiles, 16))
+        for i in range(2):
+            kt = 2 * j + i
+            a = np.zeros((tiles, 16, 16))
+            for lane in range(32):
+                for e in range(8):
+                    r, col = mma_a_position(lane, e)
+                    a[:, r, col] = vals[:, j, lane, 8 * i + e]
+            c += a @ hi[16 * kt : 16 * kt + 16] + a @ lo[16 * kt : 16 * kt + 16]
+        acc += sc[:, 32 * j // bn, :] * c
+    return acc.reshape(16 * tiles)
+
+
+@pytest.mark.parametrize(("rows", "cols", "bm", "bn"), [(48, 256, 48, 64), (64, 512, 128, 128)])
+def test_block_scales_are_what_the_tile_gemv_multiplies(
+    rows: int, cols: int, bm: int, bn: int
+) -> None:
+    """A checkpoint's blocks packed from its dequantised weights (bf16, as the loader hands
+    them over) keep the checkpoint's E4M3 values, and the kernel's arithmetic on the bytes is
+    the dequantised matrix times x."""
+    g = torch.Generator().manual_seed(rows + bn)
+    w = torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 3
+    q, s = blocks_of(w, bm, bn)
+    dense = q.float() * s.repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)
+    row_scales = s.repeat_interleave(bm, 0)[:rows]
+    m = Fp8Rows(tiles=True, block=bn).pack(dense.bfloat16(), row_scales)
+    fmt = get_format("fp8")
+    assert fmt.block_of(m) == bn and m.scales[0].shape == (rows // 16, cols // bn, 16)
+    assert torch.equal(fmt.stored(m).view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(fmt.scales_of(m), row_scales)
+    assert torch.equal(fmt.dense(m, torch.float32), dense)
+    assert fmt.gemm_operands(m)[1] is None  # block scales stay inside the matrix
+    assert fmt.matrix_bytes(rows, cols) == rows * cols + 4 * rows  # the registry's: rows
+    assert Fp8Rows(tiles=True, block=bn).matrix_bytes(rows, cols) == (
+        m.data.numel() + 4 * m.scales[0].numel()
+    )
+    x = torch.randn(cols, generator=g)
+    want = dense.double() @ x.double()
+    got = fp8_block_kernel_dot(m.data, m.scales[0], x)
+    assert np.linalg.norm(got - want.numpy()) <= 1e-5 * np.linalg.norm(want.numpy())
+
+
+def test_block_scaled_blocks_and_refusals() -> None:
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(5))
+    fmt = get_format("fp8")
+    m = Fp8Rows(tiles=True, block=64).pack(w)  # its own blocks: each row's block's amax
+    dense = fmt.dense(m, torch.float32)
+    rows = fmt.slice_rows(m, 16, 32)
+    assert torch.equal(fmt.dense(rows, torch.float32), dense[16:48])
+    cols = fmt.slice_cols(m, 64, 128)
+    assert fmt.block_of(cols) == 64
+    assert torch.equal(fmt.dense(cols, torch.float32), dense[:, 64:192])
+    with pytest.raises(ValueError, match="cut blocks of 64"):
+        fmt.slice_cols(m, 32, 64)
+    with pytest.raises(ValueError, match="block scales \\(48, 3\\)"):
+        Fp8Rows(tiles=True, block=64).pack(w, torch.ones(48, 3))
+    with pytest.raises(ValueError, match="reads them in tiles"):
+        Fp8Rows(block=128)
+    with pytest.raises(ValueError, match="a power of two of at least 64"):
+        Fp8Rows(tiles=True, block=192)

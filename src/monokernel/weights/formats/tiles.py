@@ -56,6 +56,12 @@ def tiles_for(fmt: str, hidden: int, q_size: int, kv_size: int, intermediate: in
     return layout == "tiles" or (not odd and hidden // TILE_ROWS >= SMS)
 
 
+def block_fits(cols: int) -> bool:
+    """Whether block scales of ``cols`` columns are a block the kernel reads (csrc
+    Fp8BlockTiles): a power of two of at least TILE_COLS (HF's fine-grained FP8: 128)."""
+    return cols >= TILE_COLS and cols & (cols - 1) == 0
+
+
 def check_tile_shape(what: str, rows: int, cols: int) -> None:
     """ValueError naming ``what`` unless a [rows, cols] matrix is whole tiles."""
     if rows % TILE_ROWS or cols % TILE_COLS:

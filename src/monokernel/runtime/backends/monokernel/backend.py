@@ -40,10 +40,11 @@ from monokernel.runtime.backends.monokernel.request import (
 )
 from monokernel.runtime.prefill_graphs import graphs_enabled
 from monokernel.runtime.prefix_cache import PrefixCache
+from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.formats import DEFAULT_FORMAT
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.names import Weights
-from monokernel.weights.quantize import check_method, groups_size, int4_group_of
+from monokernel.weights.quantize import blocks_stream, check_method, groups_size, int4_group_of
 from monokernel.weights.repack import repack
 
 
@@ -66,6 +67,7 @@ class MonokernelBackend:
         consume_weights: bool = False,
         quantize: str | None = None,
         groups: Mapping[str, GroupQuant] | None = None,
+        fp8_blocks: Fp8Blocks | None = None,
     ) -> None:
         """Knobs (docs/long-context.md; each ``None`` takes its setting in monokernel/envs.py):
 
@@ -85,6 +87,10 @@ class MonokernelBackend:
         they are (None: bf16 throughout). ``groups``: a 4-bit checkpoint's own groups
         (Checkpoint.groups), packed in int4 with their bits unchanged; needs ``quantize``
         "int4", and ``weights`` are then only read for what is not a layer's matrix.
+        ``fp8_blocks``: an FP8 checkpoint's block scales (Checkpoint.fp8_blocks), needs
+        ``quantize`` "fp8": where the layers stream as tiles (weights/quantize.py
+        blocks_stream), the checkpoint's own E4M3 values are packed with them; elsewhere each
+        row is re-quantised with one scale, as without them.
         """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -108,7 +114,11 @@ class MonokernelBackend:
             raise InvalidRequestError("fold_norms: not with a quantised weight format")
         if groups is not None and fmt != "int4":
             raise InvalidRequestError(f"a checkpoint's 4-bit groups stream as int4, not {fmt}")
-        group = 0
+        if fp8_blocks is not None and fmt != "fp8":
+            raise InvalidRequestError(f"a checkpoint's FP8 block scales stream as fp8, not {fmt}")
+        if fp8_blocks is not None and not blocks_stream(cfg, fp8_blocks):
+            fp8_blocks = None
+        group = fp8_blocks.cols if fp8_blocks is not None else 0
         if fmt == "int4":
             group = groups_size(groups) if groups is not None else int4_group_of(cfg)
         dims = kernel_dims(cfg, weight_format=fmt, weight_group=group)  # refuses bad shapes first
@@ -139,6 +149,8 @@ class MonokernelBackend:
         # checkpoint's own (fused-away) matrices alive.
         if groups is not None:
             groups = {k: v.to(device) for k, v in groups.items()}
+        if fp8_blocks is not None:
+            fp8_blocks = fp8_blocks.to(device)
         packed = repack(
             cfg,
             weights,
@@ -147,6 +159,7 @@ class MonokernelBackend:
             fmt=fmt,
             consume=consume_weights,
             groups=groups,
+            fp8_blocks=fp8_blocks,
         )
         del weights
         if snapshot_bytes is None:

@@ -24,6 +24,7 @@ from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.testing.gpu_models import default_model_on_gpu, hopper_with, random_ids
 from monokernel.testing.oracle import assert_greedy_matches, assert_logits_match, peaked
+from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.quantize import DequantizedView
 from monokernel.weights.random_weights import random_weights
 
@@ -147,6 +148,59 @@ def test_teacher_forced_logits_from_groups_of_32(int4_layout: str) -> None:
     del mk
     ref = {k: groups[k].dense() if k in groups else v for k, v in weights.items()}
     assert_logits_match(cfg, ref, seq, PROMPT, got, f"groups of 32, {int4_layout}")
+
+
+def fp8_blocks_of(
+    weights: dict[str, torch.Tensor], bm: int, bn: int
+) -> tuple[dict[str, torch.Tensor], Fp8Blocks]:
+    """An FP8 block checkpoint made of ``weights`` as a publisher quantises it (each bm x bn
+    block's amax onto 448): the dequantised weights in float32 (what the loader hands over)
+    and its block scales."""
+    from monokernel.weights.checkpoint_quant import Fp8Blocks
+    from monokernel.weights.quantize import is_quantized
+
+    dense, scales = dict(weights), {}
+    for name in [n for n in weights if is_quantized(n)]:
+        w = weights[name].float()
+        rows, cols = w.shape
+        pad = torch.zeros(-rows % bm, cols, device=w.device)
+        amax = torch.cat((w, pad)).abs().view(-1, bm, cols // bn, bn).amax(dim=(1, 3))
+        s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        full = s.repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)
+        q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        dense[name], scales[name] = q.float() * full, s
+    return dense, Fp8Blocks(bm, bn, scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("shape", "bm", "bn"),
+    [
+        pytest.param("llama-3.1-8b", 128, 128, marks=_needs("llama-3.1-8b")),
+        pytest.param("qwen2.5-coder-1.5b", 128, 128, marks=_needs("qwen2.5-coder-1.5b")),
+        pytest.param("odd64", 48, 64, marks=_needs("odd64")),
+    ],
+)
+def test_teacher_forced_logits_from_fp8_blocks(shape: str, bm: int, bn: int) -> None:
+    """A checkpoint's FP8 block scales streamed as they are (Fp8BlockTiles; forced tiles
+    below the 8B shape): rel L2 <= 1e-2 against the reference on the checkpoint's own
+    dequantised values, the prefill in fp32 (its bf16 one would round q * s)."""
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+
+    cfg, dev = CONFIGS[shape], torch.device("cuda")
+    weights, blocks = fp8_blocks_of(random_weights(cfg, device=dev, seed=37), bm, bn)
+    seq = random_ids(PROMPT + STEPS, cfg.vocab_size, seed=38)
+    bf16 = {k: v.bfloat16() for k, v in weights.items()}
+    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="tiles"):
+        mk = MonokernelBackend(
+            cfg, bf16, PROMPT + STEPS, dev, quantize="fp8", fp8_blocks=blocks,
+            prefill_precision="fp32",
+        )  # fmt: skip
+    assert mk.kernel.dims.kernel_format() == f"Fp8BlockTiles<{bn}>"
+    got = mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
+    mk.close()
+    del mk, bf16
+    assert_logits_match(cfg, weights, seq, PROMPT, got, f"{shape} fp8 blocks {bm}x{bn}")
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ import functools
 import pytest
 import torch
 
+from monokernel import envs
 from monokernel.errors import BackendUnavailableError
 from monokernel.models.shapes import SHAPES
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
@@ -57,28 +58,35 @@ def test_tp2_teacher_forced_logits() -> None:
 
 @pytest.mark.gpu
 @needs_hopper_pair
-@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
-def test_tp2_quantized_teacher_forced_logits(fmt: str) -> None:
+@pytest.mark.parametrize("case", ["fp8", "int8", "int4", "fp8-tiles", "int4-tiles"])
+def test_tp2_quantized_teacher_forced_logits(case: str) -> None:
     """--quantize at TP=2: each rank packs its blocks with TP=1's scales (int4: its whole
-    groups), so the reference on the dequantised whole weights is the oracle, as at TP=1."""
+    groups), so the reference on the dequantised whole weights is the oracle, as at TP=1.
+    "-tiles": the ranks' blocks in 16-row tiles (MONOKERNEL_WEIGHT_LAYOUT=tiles; a rank of
+    this shape streams rows by default)."""
     from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
     from monokernel.weights.quantize import DequantizedView
 
+    fmt = case.removesuffix("-tiles")
+    layout = "tiles" if case.endswith("-tiles") else "auto"
     cfg = SHAPES["llama-3.2-1b"]
     weights = random_weights(cfg, device=torch.device("cuda", 0), seed=12)
     # int4's prefill would multiply the prompt by its weights rounded to bf16: fp32 here, as
     # in the single-GPU int4 test.
     precision = "fp32" if fmt == "int4" else None
-    tp = MonokernelTPBackend(
-        cfg, weights, 512, torch.device("cuda", 0), 2, quantize=fmt, prefill_precision=precision
-    )
+    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT=layout):
+        tp = MonokernelTPBackend(
+            cfg, weights, 512, torch.device("cuda", 0), 2, quantize=fmt,
+            prefill_precision=precision,
+        )  # fmt: skip
+    assert all(bool(r.kernel.dims.weight_tiles) == (layout == "tiles") for r in tp.ranks)
     seq = _tokens(PROMPT + STEPS, cfg.vocab_size, seed=3)
     got = tp.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
     tp.close()
     assert_logits_match(
         cfg, DequantizedView(weights, fmt), seq, PROMPT, got, f"TP=2 llama-3.2-1b {fmt}"
     )
-    if fmt == "int4":
+    if case == "int4":
         # A 4-bit checkpoint's own groups (here the same rounding, as a checkpoint would hold
         # it), split over the ranks by shard_groups: the very logits --quantize int4 gave.
         from monokernel.weights.group_quant import quantize_rtn
