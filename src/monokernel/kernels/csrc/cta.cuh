@@ -31,10 +31,20 @@ using HeadLoad = HeadFormat::Load;
 // A buffer issued on one path only would stay live through every layer and spill: the LM
 // head's first row goes into A's buffer (its first entries where its rows are shorter; the
 // buffer is the longer of the two where the head's format differs). Where the two formats'
-// loads differ in type (int4 layers, a bf16 head), each has its own.
+// loads differ in type (a tile format's side data, a bf16 head), the head's 16-byte loads
+// go into the entries' weight words (.w) and are copied out in the head (lm_head).
 constexpr bool kSharedPreAF = std::is_same_v<WeightLoad, HeadLoad>;
 constexpr int kPreAF = cmax(SA::Shape::B, SF::Shape::B);
-constexpr int kPreF = kSharedPreAF ? 1 : SF::Shape::B;
+static_assert(std::is_same_v<HeadLoad, uint4>, "a head format's load is its 16 bytes");
+
+// A load's 16 bytes of weights: the load itself, or a tile format's weight words.
+template <class L>
+__device__ __forceinline__ uint4& weight_words(L& u) {
+  if constexpr (std::is_same_v<L, uint4>)
+    return u;
+  else
+    return u.w;
+}
 
 // The sampler's scratch in this CTA's shared memory (layout.cuh's carve-up) and the grid's.
 __device__ __forceinline__ SampleScratch sample_scratch(float* smem, const Params& p) {
@@ -76,16 +86,15 @@ struct Cta {
   // First batches held in registers across hand-offs, one buffer per stage shape.
   WeightLoad preAF[kPreAF], preC[SC::Shape::B], preE[SE::Shape::B];
   WeightLoad preG[kPreG], preU[kPreU];
-  HeadLoad preF_[kPreF];  // unused where kSharedPreAF
 
   __device__ __forceinline__ WeightLoad (&preA())[SA::Shape::B] {
     return *reinterpret_cast<WeightLoad(*)[SA::Shape::B]>(&preAF);
   }
+  // The head's first batch where its loads are A's type (kSharedPreAF).
+  template <bool kShared = kSharedPreAF>
   __device__ __forceinline__ HeadLoad (&preF())[SF::Shape::B] {
-    if constexpr (kSharedPreAF)
-      return *reinterpret_cast<HeadLoad(*)[SF::Shape::B]>(&preAF);
-    else
-      return *reinterpret_cast<HeadLoad(*)[SF::Shape::B]>(&preF_);
+    static_assert(kShared, "the head's loads sit in A's weight words (head_first)");
+    return *reinterpret_cast<HeadLoad(*)[SF::Shape::B]>(&preAF);
   }
   // The split-K partial sums [WARPS, SLOTS]: the attention scratch is idle during the GEMVs.
   __device__ __forceinline__ float* part() const { return att; }

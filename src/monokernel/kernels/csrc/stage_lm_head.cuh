@@ -6,6 +6,17 @@
 #include "probes.cuh"
 #include "stage_attn_norm_qkv.cuh"
 
+// The head's first batch: A's buffer itself where the loads are one type, else `own` (the
+// weight words copied out of it).
+template <bool kShared>
+__device__ __forceinline__ HeadLoad (&head_first(Cta& c,
+                                                 HeadLoad (&own)[SF::Shape::B]))[SF::Shape::B] {
+  if constexpr (kShared)
+    return c.preF();
+  else
+    return own;
+}
+
 // Returns the step's draw key (sampling.cuh), which the sampler uses too.
 __device__ __forceinline__ uint32_t lm_head(const Params& p, Cta& c, const Step& s) {
   // The host's cancel word: one PCIe round trip a token, read before the LM head and used
@@ -38,8 +49,12 @@ __device__ __forceinline__ uint32_t lm_head(const Params& p, Cta& c, const Step&
     if (better(sc, id, best, best_id)) { best = sc; best_id = id; }
   };
   // The rows alternate between two register buffers (PINGPONG): two rows in flight a warp.
+  HeadLoad own[SF::Shape::B];  // dead where kSharedPreAF
+#pragma unroll
+  for (int i = 0; i < SF::Shape::B; ++i) own[i] = weight_words(c.preAF[i]);
   gemv_split<MK_H, kSplitF, true>(p.lm_head, f_static, c.xs, c.part(), c.warp, c.lane,
-                                  c.preF(), out, (int)blockIdx.x, nullptr, rf);
+                                  head_first<kSharedPreAF>(c, own), out, (int)blockIdx.x,
+                                  nullptr, rf);
   if (MK_F_DRAWN)
     gemv_drawn<MK_H>(p.lm_head, row_tickets(p.barrier, f_static, MK_V, s.index), f_got, c.xs,
                      c.lane, out, rf);

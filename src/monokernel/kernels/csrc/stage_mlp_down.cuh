@@ -38,10 +38,15 @@ __device__ __forceinline__ void mlp_down_hand_off(const Params& p, Cta& c, const
     const auto next_f = split_first<MK_H, kSplitF>(p.lm_head, MK_V, c.warp);
     hand_off(p, c, s, l, kMarkMlpDownWork, kMarkMlpDownWait, [&] {
       stage_gain<MK_H>(c.gn, more ? p.layers[l.index + 1].attn_gain : p.norm_gain);
-      if (more)
+      if (more) {
         issue_first<WF, SA::KP, kBatch>(c.preA(), next_a, c.lane);
-      else
-        issue_first<HF, SF::KP, kBatch>(c.preF(), next_f, c.lane);
+      } else {
+        // Into A's buffer's weight words (cta.cuh kSharedPreAF): no buffer of its own.
+        typename HF::Load f[SF::Shape::B];
+        issue_first<HF, SF::KP, kBatch>(f, next_f, c.lane);
+#pragma unroll
+        for (int i = 0; i < SF::Shape::B; ++i) weight_words(c.preAF[i]) = f[i];
+      }
     });
   }
 }
