@@ -266,18 +266,18 @@ class KernelDims:
 
     def tile_batch(self) -> int:
         """A tile format's 16-byte loads a lane issues together, with the next batch in
-        flight behind them (csrc/gemv_tiles.cuh): 5, or 4 with groups of 32 (a load then
-        carries two group pairs: 8 registers against 6). Llama-3.1-8B int4, one backend
-        (perf-notes steps 77-78): 2,655 µs/token at 5 against 2,743 / 2,761 at 4 / 6 (with a
-        pair of 8 bytes a load: at 16 bytes, 4 was best and 5, 6, 8 spilled). Groups of 32
-        are unmeasured at speed. fp8 (a load is its 16 bytes alone): 4, Llama-3.1-8B fp8 on
-        one backend (perf-notes step 79) 3,206.7 µs/token against 3,252.2 / 3,210.3 at 6 / 8.
-        1 where the format is not tiled (unused)."""
+        flight behind them (csrc/gemv_tiles.cuh). int4: 4 where a batch holds whole groups
+        of 128 or 256 columns (then only a group's first load reads its pair: 8B int4 on one
+        backend, perf-notes step 82, 2,477.8 µs/token against 2,651.7 / 2,596.3 at 5 / 6);
+        5 with groups of 64 (a pair a load; steps 77-78: 2,655 at 5 against 2,743 / 2,761
+        at 4 / 6); 4 with groups of 32 (two pairs a load; unmeasured at speed). fp8: 4
+        (step 79: 3,206.7 against 3,252.2 / 3,210.3 at 6 / 8). 1 where the format is not
+        tiled (unused)."""
         if not self.weight_tiles:
             return 1
-        if self.weight_format == "fp8":
-            return 4
-        return 4 if self.weight_group == 32 else 5
+        if self.weight_format == "int4" and self.weight_group == 64:
+            return 5
+        return 4
 
     def down_split(self) -> int:
         """Warps per row of the down projection (a tile format: per tile, tile_split of

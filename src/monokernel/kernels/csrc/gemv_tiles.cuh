@@ -63,12 +63,14 @@ __device__ __forceinline__ void tile_inputs(float* xs, float* sums) {
 // One load's 64 columns (4 k-tiles) of the lane's tile row (g for lanes t < 2, g + 8 for the
 // others) into acc: per segment (F::kSegCols columns under one group pair) the tensor cores
 // sum C = sum (128 + q) x, and the pair adds a C + (b - 128 a) s. xl: the lane's B fragments
-// of the load's first k-tile; sl: the sums of its 32-column blocks; upper: t >= 2.
+// of the load's first k-tile; sl: the sums of its 32-column blocks; upper: t >= 2. A group
+// wider than a load (F::kGroupLoads > 1) keeps its pair in `pair` from its first load j on:
+// the later loads' pairs are dead, and with batches of whole groups the compiler drops them.
 template <class F>
 __device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
                                               const float* __restrict__ xl,
-                                              const float* __restrict__ sl, bool upper,
-                                              float& acc) {
+                                              const float* __restrict__ sl, bool upper, int j,
+                                              float2& pair, float& acc) {
   const uint32_t wd[4] = {u.w.x, u.w.y, u.w.z, u.w.w};
   constexpr int kPerSeg = 4 / F::kSegs;  // k-tiles a segment
 #pragma unroll
@@ -89,7 +91,12 @@ __device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
       mma_bf16(c, a, x.y, x.w);
     }
     const float s = F::kSegCols == 32 ? sl[h] : sl[0] + sl[1];
-    acc = fmaf(u.ab[h].x, upper ? c[2] : c[0], fmaf(u.ab[h].y, s, acc));
+    float2 ab = u.ab[h];
+    if constexpr (F::kGroupLoads > 1) {
+      if ((j & (F::kGroupLoads - 1)) == 0) pair = ab;
+      ab = pair;
+    }
+    acc = fmaf(ab.x, upper ? c[2] : c[0], fmaf(ab.y, s, acc));
   }
 }
 
@@ -133,6 +140,7 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
     if constexpr (F::kScaled)
       sc = M.row_scale((size_t)(t < tiles ? t : tiles - 1) * 16 + (lane >> 2) + (upper ? 8 : 0));
     float block = 0.f;  // a block-scaled format's current block scale (set by its first load)
+    float2 pair = make_float2(0.f, 0.f);  // a wide group's pair (tile_load_dot)
 #pragma unroll 1
     for (int b = 0; b < NB; ++b) {
       const bool last = b + 1 == NB;
@@ -148,7 +156,7 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
       for (int i = 0; i < S::B; ++i) {
         const int j = b * S::B + i;
         if constexpr (F::kGroups) {
-          if (j < S::N) tile_load_dot<F>(cur[i], xl + 64 * j, sl + 2 * j, upper, acc);
+          if (j < S::N) tile_load_dot<F>(cur[i], xl + 64 * j, sl + 2 * j, upper, j, pair, acc);
         } else {
           if (j < S::N) F::tile_dot(cur[i], xl + F::kLoadCols * j, upper, j, block, acc);
         }

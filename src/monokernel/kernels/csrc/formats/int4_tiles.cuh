@@ -32,6 +32,7 @@ struct Int4Tiles {
   static constexpr bool kF16 = false;      // inputs as bf16 hi + lo (128 + q is a bf16)
   static constexpr int kSegCols = G < 64 ? G : 64;  // columns under one pair in a load
   static constexpr int kSegs = 64 / kSegCols;
+  static constexpr int kGroupLoads = G > 64 ? G / 64 : 1;  // a lane's loads a group
 
   struct Ptr {
     const uint4* w;     // a tile slice's first load (lane 0's)
