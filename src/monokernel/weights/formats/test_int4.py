@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from monokernel.testing.triton_interpreter import run_interpreted
 from monokernel.weights.formats import FORMATS, get_format
 from monokernel.weights.formats.int4 import (
     GROUPS,
@@ -183,16 +184,7 @@ print("ok")
 
 
 def test_the_triton_dequantisation_reads_the_layout() -> None:
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert run_interpreted(_INTERPRETED, timeout_s=600) == "ok"
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from monokernel import envs
+from monokernel.testing.triton_interpreter import run_interpreted
 from monokernel.weights.formats import get_format
 from monokernel.weights.formats.fp8 import Fp8Rows
 from monokernel.weights.formats.int8 import Int8Rows
@@ -163,16 +164,7 @@ print("ok")
 
 
 def test_the_triton_untiling_reads_the_layout() -> None:
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert run_interpreted(_INTERPRETED, timeout_s=600) == "ok"
 
 
 @pytest.mark.gpu
