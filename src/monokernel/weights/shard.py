@@ -42,6 +42,7 @@ import torch
 
 from monokernel.errors import UnsupportedModelError
 from monokernel.models.config import ModelConfig
+from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.names import Weights, check_weights
 
@@ -258,16 +259,53 @@ def shard_groups(
     return out
 
 
-def check_tp_groups(cfg: ModelConfig, tp: int, group: int) -> None:
-    """4-bit groups of ``group`` columns split over ``tp`` ranks only whole: each rank's
-    columns of the O and down projections (q_size / tp, intermediate / tp) must be whole
-    groups."""
+def shard_fp8_blocks(cfg: ModelConfig, blocks: Fp8Blocks, rank: int, tp: int) -> Fp8Blocks:
+    """Rank ``rank``'s scales of an FP8 checkpoint's block-scaled layer matrices, split as
+    ``shard_weights`` splits the matrices: each block's scale repeated over its rows (so a
+    rank's rows need not start on a block), the O and down projections' column blocks whole
+    blocks (check_tp_groups with the block's columns says so first). One row a block."""
+    sc = shard_config(cfg, rank, tp)
+    check_tp_groups(cfg, tp, blocks.cols, "FP8 block scales")
+    q0, kv0, i0 = rank * sc.q_size, rank * sc.kv_size, rank * sc.intermediate
+    bn = blocks.cols
+    rows = {"wq": (q0, sc.q_size), "wk": (kv0, sc.kv_size), "wv": (kv0, sc.kv_size)}
+    rows |= {"w_gate": (i0, sc.intermediate), "w_up": (i0, sc.intermediate)}
+    cols = {"wo": (q0, sc.q_size), "w_down": (i0, sc.intermediate)}
+    out: dict[str, torch.Tensor] = {}
+    for n in range(cfg.num_layers):
+        p = f"layers.{n}."
+        for name, (start, size) in rows.items():
+            full = blocks.row_scales(p + name, start + size)
+            out[p + name] = full[start : start + size].contiguous()
+        for name, (start, size) in cols.items():  # both project onto the hidden size
+            full = blocks.row_scales(p + name, cfg.hidden_size)
+            out[p + name] = full[:, start // bn : (start + size) // bn].contiguous()
+    return Fp8Blocks(1, bn, out)
+
+
+def tp_blocks_stream(cfg: ModelConfig, tp: int, blocks: Fp8Blocks) -> bool:
+    """Whether each of ``tp`` ranks streams its blocks of an FP8 checkpoint's block-scaled
+    matrices as they are: its layers stream as fp8 tiles with whole blocks
+    (quantize.blocks_stream on its sizes) and its column blocks of the O and down projections
+    are whole blocks."""
+    from monokernel.weights.quantize import blocks_stream
+
+    sc = shard_config(cfg, 0, tp)
+    if sc.q_size % blocks.cols or sc.intermediate % blocks.cols:
+        return False
+    return blocks_stream(rank_config(sc), blocks)
+
+
+def check_tp_groups(cfg: ModelConfig, tp: int, group: int, what: str = "4-bit groups") -> None:
+    """4-bit groups (or FP8 block scales) of ``group`` columns split over ``tp`` ranks only
+    whole: each rank's columns of the O and down projections (q_size / tp, intermediate /
+    tp) must be whole groups."""
     sc = shard_config(cfg, 0, tp)
     blocks = (("q heads x head_dim / tp", sc.q_size), ("intermediate / tp", sc.intermediate))
-    cut = [f"{what} {cols}" for what, cols in blocks if cols % group]
+    cut = [f"{name} {cols}" for name, cols in blocks if cols % group]
     if cut:
         raise TensorParallelError(
-            f"4-bit groups of {group} columns cannot split over --tp {tp}: a rank's "
+            f"{what} of {group} columns cannot split over --tp {tp}: a rank's "
             f"{', '.join(cut)} is not a multiple of {group}"
         )
 

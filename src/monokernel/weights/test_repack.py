@@ -131,7 +131,7 @@ def test_a_checkpoints_fp8_blocks_keep_their_values() -> None:
     values are the checkpoint's E4M3 values, fused and interleaved as the matrices are, and
     the dense matrices its dequantised ones. Blocks of 48 rows cut the fused QKV rows and
     the gate/up pairs anywhere."""
-    from monokernel.weights.checkpoint_quant import Fp8Blocks
+    from monokernel.testing.fp8_blocks import block_quantize, fp8_blocks_of
     from monokernel.weights.formats import get_format
     from monokernel.weights.quantize import is_quantized
 
@@ -141,17 +141,10 @@ def test_a_checkpoints_fp8_blocks_keep_their_values() -> None:
     )  # fmt: skip
     w = random_weights(cfg, dtype=torch.float32, seed=4)
     bm, bn = 48, 64
-    qs, scales = {}, {}
-    for name in [n for n in w if is_quantized(n)]:
-        m = w[name]
-        rows = m.shape[0]
-        amax = torch.cat((m, torch.zeros(-rows % bm, m.shape[1]))).abs()
-        s = amax.view(-1, bm, m.shape[1] // bn, bn).amax(dim=(1, 3)) / 448.0
-        full = s.repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)
-        qs[name] = (m / full).clamp(-448, 448).to(torch.float8_e4m3fn)
-        scales[name] = s
-        w[name] = (qs[name].float() * full).bfloat16()  # the loader's dequantised weights
-    packed = repack(cfg, w, 64, fold=False, fmt="fp8", fp8_blocks=Fp8Blocks(bm, bn, scales))
+    qs = {k: block_quantize(v, bm, bn)[0] for k, v in w.items() if is_quantized(k)}
+    dense, blocks = fp8_blocks_of(w, bm, bn)
+    w = {k: v.bfloat16() if k in qs else v for k, v in dense.items()}  # as the loader gives
+    packed = repack(cfg, w, 64, fold=False, fmt="fp8", fp8_blocks=blocks)
     fp8 = get_format("fp8")
     layer = packed.layers[1]
     p = "layers.1."

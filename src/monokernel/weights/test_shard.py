@@ -28,8 +28,10 @@ from monokernel.weights.shard import (
     check_tp_groups,
     expected_shard_shapes,
     shard_config,
+    shard_fp8_blocks,
     shard_groups,
     shard_weights,
+    tp_blocks_stream,
     valid_tp_sizes,
 )
 
@@ -207,6 +209,35 @@ def test_4bit_groups_a_rank_would_cut_are_refused() -> None:
     groups = {k: quantize_rtn(v, 64) for k, v in w.items() if is_quantized(k)}
     with pytest.raises(TensorParallelError, match="cannot split over --tp 2"):
         shard_groups(cfg, groups, 0, 2)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fp8_block_scales_split_like_the_dense_matrices(tp: int) -> None:
+    """shard_fp8_blocks gives each rank the scales of its blocks of the matrices (blocks of
+    48 rows that rank boundaries cut, of 64 columns that they do not): packed with them, a
+    rank's shard of the dequantised weights is its shard of the checkpoint's values."""
+    from monokernel.testing.fp8_blocks import fp8_blocks_of
+    from monokernel.weights.checkpoint_quant import Fp8Blocks
+    from monokernel.weights.formats.fp8 import Fp8Rows
+
+    cfg = dataclasses.replace(
+        _tiny("llama3", wide=True), hidden_size=256, num_heads=8, head_dim=32, intermediate_size=512
+    )
+    w = random_weights(cfg, dtype=torch.float32, seed=3)
+    bm, bn = 48, 64
+    dense, blocks = fp8_blocks_of(w, bm, bn)
+    dense = {k: v for k, v in dense.items() if is_quantized(k)}
+    fmt = Fp8Rows(tiles=True, block=bn)
+    for r in range(tp):
+        mine = shard_fp8_blocks(cfg, blocks, r, tp)
+        want = shard_weights(cfg, w | dense, r, tp)
+        assert (mine.rows, mine.cols) == (1, bn) and set(mine.scales) == set(dense)
+        for k in mine.scales:
+            packed = fmt.pack(want[k], mine.row_scales(k, want[k].shape[0]))
+            assert torch.equal(fmt.dense(packed, torch.float32), want[k]), k
+    assert tp_blocks_stream(cfg, 2, blocks) is False  # these ranks stream rows, not tiles
+    with pytest.raises(TensorParallelError, match=r"FP8 block scales of 128 columns.*tp 64"):
+        shard_fp8_blocks(cfg, Fp8Blocks(bm, 128, blocks.scales), 0, 4)
 
 
 def test_tied_head_is_sliced_from_the_embedding() -> None:

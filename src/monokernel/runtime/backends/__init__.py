@@ -165,8 +165,8 @@ def create_backend(
     checkpoint's own groups (Checkpoint.groups, with ``quantize`` "int4"): the monokernel
     streams them as they are; the other engines compute with ``weights``, already their
     dequantised values. ``fp8_blocks``: an FP8 checkpoint's block scales (Checkpoint.
-    fp8_blocks, with ``quantize`` "fp8"), likewise: on one GPU the monokernel streams the
-    checkpoint's own values with them where its layers stream as tiles; at ``tp`` > 1 it
+    fp8_blocks, with ``quantize`` "fp8"), likewise: the monokernel streams the checkpoint's
+    own values with them where its layers (a rank's, at ``tp`` > 1) stream as tiles, else
     re-quantises each row (docs/cli.md)."""
     resolved = resolve_engine(name, device)
     if tp > 1:
@@ -177,7 +177,9 @@ def create_backend(
             )
         from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
 
-        return MonokernelTPBackend(cfg, weights, max_seq_len, device, tp, quantize, groups)
+        return MonokernelTPBackend(
+            cfg, weights, max_seq_len, device, tp, quantize, groups, fp8_blocks=fp8_blocks
+        )
     if name != "auto" or resolved != "monokernel":
         return construct_backend(
             resolved, cfg, weights, max_seq_len, device, owned, quantize, groups, fp8_blocks

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from monokernel import envs
+from monokernel.testing.fp8_blocks import block_quantize, dequantized
 from monokernel.testing.triton_interpreter import run_interpreted
 from monokernel.weights.formats import get_format
 from monokernel.weights.formats.fp8 import Fp8Rows
@@ -188,18 +189,6 @@ def test_the_prefill_multiplies_the_stored_fp8_values() -> None:
 # ---- block scales (csrc Fp8BlockTiles) --------------------------------------------------------
 
 
-def blocks_of(w: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A publisher's block quantisation of w: each bm x bn block's amax onto 448; returns
-    the E4M3 values and the scales [ceil(rows / bm), cols / bn]."""
-    rows, cols = w.shape
-    pad = -rows % bm
-    wp = torch.cat((w, torch.zeros(pad, cols))) if pad else w
-    amax = wp.abs().view(-1, bm, cols // bn, bn).amax(dim=(1, 3))
-    s = amax / 448.0
-    full = s.repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)
-    return (w / full).clamp(-448, 448).to(torch.float8_e4m3fn), s
-
-
 def fp8_block_kernel_dot(data: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> np.ndarray:
     """Fp8BlockTiles' arithmetic from the packed bytes: each load's 2 k-tiles as in
     fp8_tile_kernel_dot, times the scale of its row and block (scales [T, blocks, 16])."""
@@ -232,8 +221,8 @@ def test_block_scales_are_what_the_tile_gemv_multiplies(
     the dequantised matrix times x."""
     g = torch.Generator().manual_seed(rows + bn)
     w = torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 3
-    q, s = blocks_of(w, bm, bn)
-    dense = q.float() * s.repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)
+    q, s = block_quantize(w, bm, bn)
+    dense = dequantized(q, s, bm, bn)
     row_scales = s.repeat_interleave(bm, 0)[:rows]
     m = Fp8Rows(tiles=True, block=bn).pack(dense.bfloat16(), row_scales)
     fmt = get_format("fp8")

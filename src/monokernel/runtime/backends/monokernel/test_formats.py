@@ -22,9 +22,9 @@ from monokernel.models.config import ModelConfig
 from monokernel.models.shapes import SHAPES
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.testing.fp8_blocks import fp8_blocks_of
 from monokernel.testing.gpu_models import default_model_on_gpu, hopper_with, random_ids
 from monokernel.testing.oracle import assert_greedy_matches, assert_logits_match, peaked
-from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.quantize import DequantizedView
 from monokernel.weights.random_weights import random_weights
 
@@ -148,28 +148,6 @@ def test_teacher_forced_logits_from_groups_of_32(int4_layout: str) -> None:
     del mk
     ref = {k: groups[k].dense() if k in groups else v for k, v in weights.items()}
     assert_logits_match(cfg, ref, seq, PROMPT, got, f"groups of 32, {int4_layout}")
-
-
-def fp8_blocks_of(
-    weights: dict[str, torch.Tensor], bm: int, bn: int
-) -> tuple[dict[str, torch.Tensor], Fp8Blocks]:
-    """An FP8 block checkpoint made of ``weights`` as a publisher quantises it (each bm x bn
-    block's amax onto 448): the dequantised weights in float32 (what the loader hands over)
-    and its block scales."""
-    from monokernel.weights.checkpoint_quant import Fp8Blocks
-    from monokernel.weights.quantize import is_quantized
-
-    dense, scales = dict(weights), {}
-    for name in [n for n in weights if is_quantized(n)]:
-        w = weights[name].float()
-        rows, cols = w.shape
-        pad = torch.zeros(-rows % bm, cols, device=w.device)
-        amax = torch.cat((w, pad)).abs().view(-1, bm, cols // bn, bn).amax(dim=(1, 3))
-        s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-        full = s.repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)
-        q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
-        dense[name], scales[name] = q.float() * full, s
-    return dense, Fp8Blocks(bm, bn, scales)
 
 
 @pytest.mark.gpu

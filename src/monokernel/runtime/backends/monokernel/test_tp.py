@@ -102,6 +102,32 @@ def test_tp2_quantized_teacher_forced_logits(case: str) -> None:
         assert torch.equal(again, got)
 
 
+@pytest.mark.gpu
+@needs_hopper_pair
+def test_tp2_fp8_blocks_teacher_forced_logits() -> None:
+    """An FP8 checkpoint's 128 x 128 block scales at TP=2, each rank streaming its blocks of
+    the checkpoint's values (ranks forced to tiles: this shape's ranks stream rows by
+    default, where the blocks are re-quantised a row): the reference on the checkpoint's
+    dequantised values is the oracle."""
+    from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
+    from monokernel.testing.fp8_blocks import fp8_blocks_of
+
+    cfg = SHAPES["llama-3.2-1b"]
+    weights = random_weights(cfg, device=torch.device("cuda", 0), seed=13)
+    dense, blocks = fp8_blocks_of(weights, 128, 128)
+    bf16 = {k: v.bfloat16() for k, v in dense.items()}
+    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="tiles"):
+        tp = MonokernelTPBackend(
+            cfg, bf16, 512, torch.device("cuda", 0), 2, "fp8", prefill_precision="fp32",
+            fp8_blocks=blocks,
+        )  # fmt: skip
+    assert all(r.kernel.dims.kernel_format() == "Fp8BlockTiles<128>" for r in tp.ranks)
+    seq = _tokens(PROMPT + STEPS, cfg.vocab_size, seed=4)
+    got = tp.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
+    tp.close()
+    assert_logits_match(cfg, dense, seq, PROMPT, got, "TP=2 llama-3.2-1b fp8 blocks 128x128")
+
+
 GREEDY_CASES = [
     SamplingParams(temperature=0.0),
     # The penalties in every rank's LM head (sampling.cuh penalize), ids global.

@@ -62,6 +62,7 @@ from monokernel.runtime.logprobs import TokenLogprobs
 from monokernel.runtime.prefill import Prefiller
 from monokernel.runtime.prefill_tp import ShardedPrefill
 from monokernel.runtime.sampling import SamplingParams, check_bias_ids
+from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.formats import DEFAULT_FORMAT
 from monokernel.weights.group_quant import GroupQuant, quantize_rtn
 from monokernel.weights.names import Weights
@@ -79,8 +80,10 @@ from monokernel.weights.shard import (
     check_tp_groups,
     rank_config,
     shard_config,
+    shard_fp8_blocks,
     shard_groups,
     shard_weights,
+    tp_blocks_stream,
 )
 
 _TAG_LIMIT = 2**32 - 1  # tags are u32 and never 0 (the zeroed buffers' value)
@@ -111,15 +114,19 @@ class Rank:
         row_scales: Mapping[str, torch.Tensor] | None = None,
         groups: Mapping[str, GroupQuant] | None = None,
         precision: str | None = None,
+        fp8_blocks: Fp8Blocks | None = None,
     ) -> None:
         """``weights``: the rank's shard on ``device``, consumed (repacked layer by layer);
         ``fmt``: the layers' weight format; ``row_scales``: the column-split matrices' whole
         rows' scales (a quantised format's, weights/quantize.py whole_row_scales);
         ``groups``: in int4, the rank's blocks of the layers' 4-bit matrices; ``precision``:
-        the prefill's (runtime/prefill.py; default MONOKERNEL_PREFILL_PRECISION)."""
+        the prefill's (runtime/prefill.py; default MONOKERNEL_PREFILL_PRECISION);
+        ``fp8_blocks``: in fp8, the rank's block scales (shard_fp8_blocks)."""
         cfg = rank_config(sc)
         self.sc, self.cfg, self.device = sc, cfg, device
         group = groups_size(groups) if groups is not None else 0
+        if fp8_blocks is not None:
+            group = fp8_blocks.cols
         dims = kernel_dims(cfg, sc.tp, fmt, group, vocab_all=sc.base.vocab_size)
         with torch.cuda.device(device):
             self.cache = KVCache.allocate(cfg, max_seq_len, torch.bfloat16, device)
@@ -132,6 +139,7 @@ class Rank:
                 row_scales=row_scales,
                 consume=True,
                 groups=groups,
+                fp8_blocks=fp8_blocks,
             )
             self.kernel = DecodeKernel(cfg, dims, packed, self.cache, max_seq_len, device)
             # No whole-prompt graphs: one could not hold the exchanges between the ranks
@@ -168,11 +176,15 @@ class MonokernelTPBackend:
         quantize: str | None = None,
         groups: Mapping[str, GroupQuant] | None = None,
         prefill_precision: str | None = None,
+        fp8_blocks: Fp8Blocks | None = None,
     ) -> None:
         """``quantize``: the layers' matrices in that format (--quantize), packed per rank
         with TP=1's scales (int4: TP=1's groups, whole on each rank), so every rank count
         computes the same quantised model. ``groups``: a 4-bit checkpoint's own groups
-        (with ``quantize`` "int4"), each rank streaming its blocks of them.
+        (with ``quantize`` "int4"), each rank streaming its blocks of them. ``fp8_blocks``:
+        an FP8 checkpoint's block scales (with ``quantize`` "fp8"), each rank streaming its
+        blocks of the checkpoint's values with them where its layers stream as tiles and its
+        column blocks are whole blocks; else re-quantised a row, as without them.
         ``prefill_precision``: as the single-GPU backend's (runtime/prefill.py)."""
         multicast_off()  # nothing here uses NVLS; keep any library we load off it too
         check_tp(cfg, tp)  # TensorParallelError naming the numbers and the valid sizes
@@ -196,6 +208,10 @@ class MonokernelTPBackend:
         fmt = DEFAULT_FORMAT if quantize is None else check_method(quantize)
         if groups is not None and fmt != "int4":
             raise InvalidRequestError(f"a checkpoint's 4-bit groups stream as int4, not {fmt}")
+        if fp8_blocks is not None and fmt != "fp8":
+            raise InvalidRequestError(f"a checkpoint's FP8 block scales stream as fp8, not {fmt}")
+        if fp8_blocks is not None and not tp_blocks_stream(cfg, tp, fp8_blocks):
+            fp8_blocks = None
         group = 0
         if fmt == "int4":  # TP=1's group, which every rank's column blocks must hold whole
             group = groups_size(groups) if groups is not None else int4_group_of(cfg)
@@ -203,7 +219,7 @@ class MonokernelTPBackend:
         # The weights stay where they are (the engine loads them to the host for --tp): each
         # rank's shard goes to its GPU, in bf16, one at a time.
         scales = None
-        if quantize is not None and fmt != "int4":
+        if quantize is not None and fmt != "int4" and fp8_blocks is None:
             scales = whole_row_scales(weights, fmt, cfg.num_layers)
         self.ranks: list[Rank] = []
         with _keeps_device():  # DeviceBuffer and the kernels make their GPU current
@@ -224,7 +240,10 @@ class MonokernelTPBackend:
                 del dense
                 rows = None if scales is None else {k: v.to(dev) for k, v in scales.items()}
                 sc = shard_config(cfg, r, tp)
-                rank = Rank(sc, shard, max_seq_len, dev, fmt, rows, mine, prefill_precision)
+                blocks = None
+                if fp8_blocks is not None:
+                    blocks = shard_fp8_blocks(cfg, fp8_blocks, r, tp).to(dev)
+                rank = Rank(sc, shard, max_seq_len, dev, fmt, rows, mine, prefill_precision, blocks)
                 self.ranks.append(rank)
                 del shard, mine
         self.prefill = ShardedPrefill([rk.prefill for rk in self.ranks])
