@@ -67,8 +67,17 @@ def test_a_one_byte_format_needs_rows_of_whole_loads() -> None:
     # int4: rows of whole groups, and a group of the kernel's.
     with pytest.raises(UnsupportedModelError, match=r"hidden 528.* not a multiple of 32"):
         kernel_dims(cfg, weight_format="int4", weight_group=32)
-    with pytest.raises(UnsupportedModelError, match="a group size goes with int4 only"):
+    with pytest.raises(UnsupportedModelError, match="weight format 'int4' needs a group size"):
         kernel_dims(SHAPES["llama-3.2-1b"], weight_format="int4")
+    with pytest.raises(UnsupportedModelError, match="int4's groups and fp8's block scales"):
+        kernel_dims(SHAPES["llama-3.2-1b"], weight_format="int8", weight_group=128)
+    # fp8 block scales: tiles only (the 1B streams rows), blocks a power of two >= 64.
+    with pytest.raises(UnsupportedModelError, match="fp8 block scales of 128 columns"):
+        kernel_dims(SHAPES["llama-3.2-1b"], weight_format="fp8", weight_group=128)
+    with pytest.raises(UnsupportedModelError, match="a power of two of at least 64"):
+        kernel_dims(SHAPES["llama-3.1-8b"], weight_format="fp8", weight_group=192)
+    blocks = kernel_dims(SHAPES["llama-3.1-8b"], weight_format="fp8", weight_group=128)
+    assert "-DMK_WEIGHT_FORMAT=Fp8BlockTiles<128>" in blocks.defines()
     with pytest.raises(UnsupportedModelError, match="the kernel reads"):
         kernel_dims(SHAPES["llama-3.2-1b"], weight_format="int4", weight_group=96)
     dims = kernel_dims(SHAPES["llama-3.2-1b"], weight_format="int4", weight_group=128)
