@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from monokernel.bench.measure import (
+    BLOCK_SIZE,
+    FP8_BLOCK,
     RunTiming,
     engine_grammar,
     engine_tp,
@@ -27,6 +29,7 @@ from monokernel.bench.measure import (
 )
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.backends import BACKEND_CLASSES, construct_backend
+from monokernel.weights.checkpoint_quant import fp8_block_checkpoint
 from monokernel.weights.names import Weights
 
 if TYPE_CHECKING:
@@ -89,12 +92,20 @@ class BackendRunner:
         self._grammar = grammar
         engine, quantize = split_engine(name)
         tp = engine_tp(name)
+        blocks = None
+        if quantize == FP8_BLOCK:  # the weights as a block-scaled FP8 checkpoint holds them
+            weights, blocks = fp8_block_checkpoint(weights, BLOCK_SIZE, BLOCK_SIZE, dtype=None)
+            quantize, owned = "fp8", True
         if tp > 1:
             from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
 
-            self.backend: Any = MonokernelTPBackend(cfg, weights, max_len, device, tp, quantize)
+            self.backend: Any = MonokernelTPBackend(
+                cfg, weights, max_len, device, tp, quantize, fp8_blocks=blocks
+            )
         else:
-            self.backend = construct_backend(engine, cfg, weights, max_len, device, owned, quantize)
+            self.backend = construct_backend(
+                engine, cfg, weights, max_len, device, owned, quantize, fp8_blocks=blocks
+            )
 
     @property
     def info(self) -> dict[str, Any]:
@@ -185,10 +196,10 @@ def check_engine_label(label: str) -> str | None:
     if quantize is not None:
         from monokernel.weights.quantize import QUANTIZE_METHODS
 
-        if engine not in BACKENDS or quantize not in QUANTIZE_METHODS:
+        if engine not in BACKENDS or quantize not in (*QUANTIZE_METHODS, FP8_BLOCK):
             return (
                 f"engine {label!r}: a format suffix goes on {', '.join(BACKENDS)} and is one of "
-                f"{', '.join(QUANTIZE_METHODS)} (e.g. monokernel:fp8)"
+                f"{', '.join(QUANTIZE_METHODS)} or {FP8_BLOCK} (e.g. monokernel:fp8)"
             )
     return None
 

@@ -13,6 +13,7 @@ import torch
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.backends.base import Backend, CancelToken, DecodeRequest, planned_reuse
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.weights.formats.fp8 import Fp8Rows
 from monokernel.weights.quantize import config_format
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ def bytes_per_token(
     kv = cfg.num_layers * 2 * cfg.kv_size * context * weight_bytes
     if fmt is None:
         return params * weight_bytes + kv
-    f = config_format(fmt, cfg)
+    f = config_format(fmt, cfg) if fmt != FP8_BLOCK else Fp8Rows(tiles=True, block=BLOCK_SIZE)
     shapes = layer_matrix_shapes(cfg)
     matrices = cfg.num_layers * sum(r * c for r, c in shapes)
     stored = cfg.num_layers * sum(f.matrix_bytes(r, c) for r, c in shapes)
@@ -121,6 +122,13 @@ def time_tokens(
         if n == limit:
             break
     return RunTiming(first - t0, (last - first) / max(n - 1, 1), n, reused)
+
+
+# ``monokernel:fp8-block``: the weights as an FP8 checkpoint with BLOCK_SIZE x BLOCK_SIZE
+# block scales would hold them (weights/checkpoint_quant.py fp8_block_checkpoint), run as
+# the engine runs such a checkpoint: the monokernel streams them with their block scales.
+FP8_BLOCK = "fp8-block"
+BLOCK_SIZE = 128  # HF's fine-grained FP8 (Qwen3-*-FP8, DeepSeek-V3)
 
 
 def split_engine(label: str) -> tuple[str, str | None]:

@@ -66,6 +66,29 @@ def test_engine_labels_name_the_format_and_the_gpus() -> None:
     assert (engine_tp("monokernel:fp8@tp2"), engine_tp("monokernel@tp4")) == (2, 4)
     assert engine_tp("monokernel:int8") == 1
     assert check_engine_label("monokernel:int8@tp2") is None
+    assert check_engine_label("monokernel:fp8-block@tp2") is None
+    assert "or fp8-block" in str(check_engine_label("monokernel:fp8-blocks"))
+
+
+def test_fp8_block_engines_run_a_block_checkpoint_of_the_weights(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    """``reference:fp8-block``: the weights as a 128 x 128 block FP8 checkpoint holds them,
+    counted at fp8's bytes and a scale a row and block."""
+    from monokernel.bench.measure import bytes_per_token
+    from monokernel.models.shapes import SHAPES
+
+    cfg = SHAPES["llama-3.1-8b"]
+    fp8, blocks = bytes_per_token(cfg, 0, fmt="fp8"), bytes_per_token(cfg, 0, fmt="fp8-block")
+    shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # QKV, O, gate/up, down
+    per_layer = sum(4 * r * c // 128 - 4 * r for r, c in shapes)  # block scales, not row ones
+    assert blocks - fp8 == cfg.num_layers * per_layer
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(tiny_dir), "--device", "cpu", "--engines", "reference:fp8-block"]
+    argv += ["--prompt-tokens", "8", "--gen-tokens", "4", "--repeats", "1"]
+    assert main([*argv, "--json", str(out)]) == 0
+    (cell,) = validate(json.loads(out.read_text()))["cells"]
+    assert cell["engine"] == "reference:fp8-block" and cell["gen_tokens_run"] == 4
 
 
 def test_limits_parse_over_the_defaults() -> None:

@@ -67,7 +67,7 @@ from monokernel.weights.group_quant import (
     from_awq,
     from_gptq,
 )
-from monokernel.weights.quantize import UnsupportedQuantizationError
+from monokernel.weights.quantize import UnsupportedQuantizationError, is_quantized
 
 # What Checkpoint.quantization says for every scheme read here: the weights are E4M3 bytes,
 # which the monokernel's fp8 format streams.
@@ -382,6 +382,45 @@ class Fp8Blocks:
 
     def to(self, device: torch.device) -> Fp8Blocks:
         return Fp8Blocks(self.rows, self.cols, {k: v.to(device) for k, v in self.scales.items()})
+
+
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def quantize_blocks(w: torch.Tensor, bm: int, bn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [rows, cols] as a fine-grained FP8 publisher stores it: the E4M3 values and the
+    float32 scales [ceil(rows / bm), ceil(cols / bn)], each bm x bn block's largest
+    magnitude onto 448 (partial last blocks their own; a block of zeros scale 1)."""
+    rows, cols = w.shape
+    wf = torch.nn.functional.pad(w.float(), (0, -cols % bn, 0, -rows % bm))
+    amax = wf.abs().view(wf.shape[0] // bm, bm, wf.shape[1] // bn, bn).amax(dim=(1, 3))
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = (w.float() / block_scales(s, bm, bn, rows, cols)).clamp(-E4M3_MAX, E4M3_MAX)
+    return q.to(torch.float8_e4m3fn), s
+
+
+def block_scales(s: torch.Tensor, bm: int, bn: int, rows: int, cols: int) -> torch.Tensor:
+    """Block scales [ceil(rows / bm), ceil(cols / bn)] as one a weight, [rows, cols]."""
+    return s.repeat_interleave(bm, 0)[:rows].repeat_interleave(bn, 1)[:, :cols]
+
+
+def fp8_block_checkpoint(
+    weights: Mapping[str, torch.Tensor],
+    bm: int,
+    bn: int,
+    dtype: torch.dtype | None = torch.float32,
+) -> tuple[dict[str, torch.Tensor], Fp8Blocks]:
+    """What loading a fine-grained FP8 checkpoint of ``weights`` gives: each layer linear
+    weight quantised in bm x bn blocks (quantize_blocks) and handed over dequantised in
+    ``dtype`` (None: each weight's own), the rest as they are, and the block scales. For
+    tests and the bench's ``fp8-block`` engines (random weights as an FP8 checkpoint would
+    hold them)."""
+    dense, scales = dict(weights), {}
+    for name in [n for n in weights if is_quantized(n)]:
+        q, scales[name] = quantize_blocks(weights[name], bm, bn)
+        full = q.float() * block_scales(scales[name], bm, bn, *q.shape)
+        dense[name] = full.to(dtype or weights[name].dtype)
+    return dense, Fp8Blocks(bm, bn, scales)
 
 
 def dequantize(

@@ -131,7 +131,7 @@ def test_a_checkpoints_fp8_blocks_keep_their_values() -> None:
     values are the checkpoint's E4M3 values, fused and interleaved as the matrices are, and
     the dense matrices its dequantised ones. Blocks of 48 rows cut the fused QKV rows and
     the gate/up pairs anywhere."""
-    from monokernel.testing.fp8_blocks import block_quantize, fp8_blocks_of
+    from monokernel.weights.checkpoint_quant import fp8_block_checkpoint, quantize_blocks
     from monokernel.weights.formats import get_format
     from monokernel.weights.quantize import is_quantized
 
@@ -141,8 +141,8 @@ def test_a_checkpoints_fp8_blocks_keep_their_values() -> None:
     )  # fmt: skip
     w = random_weights(cfg, dtype=torch.float32, seed=4)
     bm, bn = 48, 64
-    qs = {k: block_quantize(v, bm, bn)[0] for k, v in w.items() if is_quantized(k)}
-    dense, blocks = fp8_blocks_of(w, bm, bn)
+    qs = {k: quantize_blocks(v, bm, bn)[0] for k, v in w.items() if is_quantized(k)}
+    dense, blocks = fp8_block_checkpoint(w, bm, bn)
     w = {k: v.bfloat16() if k in qs else v for k, v in dense.items()}  # as the loader gives
     packed = repack(cfg, w, 64, fold=False, fmt="fp8", fp8_blocks=blocks)
     fp8 = get_format("fp8")

@@ -216,8 +216,7 @@ def test_fp8_block_scales_split_like_the_dense_matrices(tp: int) -> None:
     """shard_fp8_blocks gives each rank the scales of its blocks of the matrices (blocks of
     48 rows that rank boundaries cut, of 64 columns that they do not): packed with them, a
     rank's shard of the dequantised weights is its shard of the checkpoint's values."""
-    from monokernel.testing.fp8_blocks import fp8_blocks_of
-    from monokernel.weights.checkpoint_quant import Fp8Blocks
+    from monokernel.weights.checkpoint_quant import Fp8Blocks, fp8_block_checkpoint
     from monokernel.weights.formats.fp8 import Fp8Rows
 
     cfg = dataclasses.replace(
@@ -225,7 +224,7 @@ def test_fp8_block_scales_split_like_the_dense_matrices(tp: int) -> None:
     )
     w = random_weights(cfg, dtype=torch.float32, seed=3)
     bm, bn = 48, 64
-    dense, blocks = fp8_blocks_of(w, bm, bn)
+    dense, blocks = fp8_block_checkpoint(w, bm, bn)
     dense = {k: v for k, v in dense.items() if is_quantized(k)}
     fmt = Fp8Rows(tiles=True, block=bn)
     for r in range(tp):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from monokernel import envs
-from monokernel.testing.fp8_blocks import block_quantize, dequantized
 from monokernel.testing.triton_interpreter import run_interpreted
+from monokernel.weights.checkpoint_quant import block_scales, quantize_blocks
 from monokernel.weights.formats import get_format
 from monokernel.weights.formats.fp8 import Fp8Rows
 from monokernel.weights.formats.int8 import Int8Rows
@@ -221,8 +221,8 @@ def test_block_scales_are_what_the_tile_gemv_multiplies(
     the dequantised matrix times x."""
     g = torch.Generator().manual_seed(rows + bn)
     w = torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 3
-    q, s = block_quantize(w, bm, bn)
-    dense = dequantized(q, s, bm, bn)
+    q, s = quantize_blocks(w, bm, bn)
+    dense = q.float() * block_scales(s, bm, bn, rows, cols)
     row_scales = s.repeat_interleave(bm, 0)[:rows]
     m = Fp8Rows(tiles=True, block=bn).pack(dense.bfloat16(), row_scales)
     fmt = get_format("fp8")

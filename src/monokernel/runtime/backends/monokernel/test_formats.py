@@ -22,9 +22,9 @@ from monokernel.models.config import ModelConfig
 from monokernel.models.shapes import SHAPES
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import SamplingParams
-from monokernel.testing.fp8_blocks import fp8_blocks_of
 from monokernel.testing.gpu_models import default_model_on_gpu, hopper_with, random_ids
 from monokernel.testing.oracle import assert_greedy_matches, assert_logits_match, peaked
+from monokernel.weights.checkpoint_quant import fp8_block_checkpoint
 from monokernel.weights.quantize import DequantizedView
 from monokernel.weights.random_weights import random_weights
 
@@ -166,7 +166,7 @@ def test_teacher_forced_logits_from_fp8_blocks(shape: str, bm: int, bn: int) -> 
     from monokernel.runtime.backends.monokernel import MonokernelBackend
 
     cfg, dev = CONFIGS[shape], torch.device("cuda")
-    weights, blocks = fp8_blocks_of(random_weights(cfg, device=dev, seed=37), bm, bn)
+    weights, blocks = fp8_block_checkpoint(random_weights(cfg, device=dev, seed=37), bm, bn)
     seq = random_ids(PROMPT + STEPS, cfg.vocab_size, seed=38)
     bf16 = {k: v.bfloat16() for k, v in weights.items()}
     with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="tiles"):

@@ -110,11 +110,11 @@ def test_tp2_fp8_blocks_teacher_forced_logits() -> None:
     default, where the blocks are re-quantised a row): the reference on the checkpoint's
     dequantised values is the oracle."""
     from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
-    from monokernel.testing.fp8_blocks import fp8_blocks_of
+    from monokernel.weights.checkpoint_quant import fp8_block_checkpoint
 
     cfg = SHAPES["llama-3.2-1b"]
     weights = random_weights(cfg, device=torch.device("cuda", 0), seed=13)
-    dense, blocks = fp8_blocks_of(weights, 128, 128)
+    dense, blocks = fp8_block_checkpoint(weights, 128, 128)
     bf16 = {k: v.bfloat16() for k, v in dense.items()}
     with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="tiles"):
         tp = MonokernelTPBackend(
