@@ -270,13 +270,14 @@ class KernelDims:
         of 128 or 256 columns (then only a group's first load reads its pair: 8B int4 on one
         backend, perf-notes step 82, 2,477.8 µs/token against 2,651.7 / 2,596.3 at 5 / 6);
         5 with groups of 64 (a pair a load; steps 77-78: 2,655 at 5 against 2,743 / 2,761
-        at 4 / 6); 4 with groups of 32 (two pairs a load; unmeasured at speed). fp8: 4
-        (step 79: 3,206.7 against 3,252.2 / 3,210.3 at 6 / 8). 1 where the format is not
-        tiled (unused)."""
+        at 4 / 6); 3 with groups of 32 (two pairs a load, a GGUF Q4_0/Q4_1/Q4_K's; step 83,
+        one backend each: 3,189.0 against 3,261.4 / 3,464.9 at 4 / 5). fp8: 4 (step 79:
+        3,206.7 against 3,252.2 / 3,210.3 at 6 / 8). 1 where the format is not tiled
+        (unused)."""
         if not self.weight_tiles:
             return 1
-        if self.weight_format == "int4" and self.weight_group == 64:
-            return 5
+        if self.weight_format == "int4" and self.weight_group in (32, 64):
+            return 3 if self.weight_group == 32 else 5
         return 4
 
     def down_split(self) -> int:
