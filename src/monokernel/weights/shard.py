@@ -285,15 +285,12 @@ def shard_fp8_blocks(cfg: ModelConfig, blocks: Fp8Blocks, rank: int, tp: int) ->
 
 def tp_blocks_stream(cfg: ModelConfig, tp: int, blocks: Fp8Blocks) -> bool:
     """Whether each of ``tp`` ranks streams its blocks of an FP8 checkpoint's block-scaled
-    matrices as they are: its layers stream as fp8 tiles with whole blocks
-    (quantize.blocks_stream on its sizes) and its column blocks of the O and down projections
-    are whole blocks."""
+    matrices as they are: quantize.blocks_stream on a rank's sizes (its layers stream as fp8
+    tiles, and its inputs, the O and down projections' column blocks among them, are whole
+    blocks)."""
     from monokernel.weights.quantize import blocks_stream
 
-    sc = shard_config(cfg, 0, tp)
-    if sc.q_size % blocks.cols or sc.intermediate % blocks.cols:
-        return False
-    return blocks_stream(rank_config(sc), blocks)
+    return blocks_stream(rank_config(shard_config(cfg, 0, tp)), blocks)
 
 
 def check_tp_groups(cfg: ModelConfig, tp: int, group: int, what: str = "4-bit groups") -> None:

@@ -95,9 +95,7 @@ class RowScaled(WeightFormat):
 
     def stored(self, m: PackedMatrix) -> torch.Tensor:
         """m's stored values as a [rows, cols] matrix, in either layout."""
-        if not self.is_tiled(m):
-            return m.data
-        return unpack_byte_tiles(m.data.view(torch.uint8)).view(m.data.dtype)
+        return unpack_byte_tiles(m.data) if self.is_tiled(m) else m.data
 
     @abstractmethod
     def _round(self, scaled: torch.Tensor) -> torch.Tensor:
@@ -125,7 +123,7 @@ class RowScaled(WeightFormat):
         q = self._round(wf / s[:, None])  # [rows, cols]
         if self.tiles:
             check_tile_shape(self.name, rows, cols)
-            q = pack_byte_tiles(q.view(torch.uint8)).view(q.dtype)
+            q = pack_byte_tiles(q)
         return PackedMatrix(self.name, rows, cols, q.contiguous(), (s.contiguous(),))
 
     def _pack_blocks(self, wf: torch.Tensor, scales: torch.Tensor | None) -> PackedMatrix:
@@ -147,7 +145,7 @@ class RowScaled(WeightFormat):
         else:
             s = scales.float().to(wf.device)
         q = self._round(wf / s.repeat_interleave(self.block, dim=1))
-        data = pack_byte_tiles(q.view(torch.uint8)).view(q.dtype)
+        data = pack_byte_tiles(q)
         tiled = s.view(rows // TILE_ROWS, TILE_ROWS, nb).permute(0, 2, 1).contiguous()
         return PackedMatrix(self.name, rows, cols, data, (tiled,))
 
@@ -210,7 +208,7 @@ class RowScaled(WeightFormat):
             scales = (m.scales[0][:, start // bn : (start + size) // bn].contiguous(),)
         if self.is_tiled(m):
             check_tile_shape(self.name, m.rows, size)
-            cols = pack_byte_tiles(cols.view(torch.uint8)).view(cols.dtype)
+            cols = pack_byte_tiles(cols)
         return dataclasses.replace(m, cols=size, data=cols, scales=scales)
 
 

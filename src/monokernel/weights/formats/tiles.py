@@ -78,16 +78,16 @@ _FROM_TILES = tuple(_TO_TILES.index(k) for k in range(8))
 
 
 def pack_byte_tiles(q: torch.Tensor) -> torch.Tensor:
-    """A matrix of one byte a weight [rows, cols] (whole tiles) -> the tile layout
-    [rows / 16, cols / 32, 32, 16], same dtype."""
+    """A matrix of one byte a weight [rows, cols] (whole tiles; any one-byte dtype, moved as
+    bytes) -> the tile layout [rows / 16, cols / 32, 32, 16], same dtype."""
     rows, cols = q.shape
-    v = q.reshape(rows // TILE_ROWS, 2, 8, cols // BYTE_TILE_COLS, 2, 2, 4, 2)
+    v = q.view(torch.uint8).reshape(rows // TILE_ROWS, 2, 8, cols // BYTE_TILE_COLS, 2, 2, 4, 2)
     out = v.permute(_TO_TILES).contiguous()
-    return out.view(rows // TILE_ROWS, cols // BYTE_TILE_COLS, 32, 16)
+    return out.view(rows // TILE_ROWS, cols // BYTE_TILE_COLS, 32, 16).view(q.dtype)
 
 
 def unpack_byte_tiles(data: torch.Tensor) -> torch.Tensor:
-    """pack_byte_tiles' inverse: [rows, cols]."""
+    """pack_byte_tiles' inverse: [rows, cols], same dtype."""
     tiles, loads = data.shape[:2]
-    v = data.reshape(tiles, loads, 8, 4, 2, 2, 2, 2).permute(_FROM_TILES)
-    return v.reshape(tiles * TILE_ROWS, loads * BYTE_TILE_COLS)
+    v = data.view(torch.uint8).reshape(tiles, loads, 8, 4, 2, 2, 2, 2).permute(_FROM_TILES)
+    return v.reshape(tiles * TILE_ROWS, loads * BYTE_TILE_COLS).view(data.dtype)
