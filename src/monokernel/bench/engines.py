@@ -21,6 +21,7 @@ import torch
 from monokernel.bench.measure import (
     BLOCK_SIZE,
     FP8_BLOCK,
+    INT8_GROUP_LABELS,
     RunTiming,
     engine_grammar,
     engine_tp,
@@ -30,7 +31,9 @@ from monokernel.bench.measure import (
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.backends import BACKEND_CLASSES, construct_backend
 from monokernel.weights.checkpoint_quant import fp8_block_checkpoint
+from monokernel.weights.gguf_8bit import quantize_groups8
 from monokernel.weights.names import Weights
+from monokernel.weights.quantize import is_quantized
 
 if TYPE_CHECKING:
     from monokernel.runtime.constrained import TokenMatcher
@@ -93,18 +96,26 @@ class BackendRunner:
         engine, quantize = split_engine(name)
         tp = engine_tp(name)
         blocks = None
+        groups = None
         if quantize == FP8_BLOCK:  # the weights as a block-scaled FP8 checkpoint holds them
             weights, blocks = fp8_block_checkpoint(weights, BLOCK_SIZE, BLOCK_SIZE, dtype=None)
             quantize, owned = "fp8", True
+        elif quantize in INT8_GROUP_LABELS:  # as a GGUF file of 5- to 8-bit blocks loads
+            group = INT8_GROUP_LABELS[quantize]
+            groups = {k: quantize_groups8(w, group) for k, w in weights.items() if is_quantized(k)}
+            weights = {k: g.dense(weights[k].dtype) for k, g in groups.items()} | {
+                k: w for k, w in weights.items() if k not in groups
+            }
+            quantize, owned = "int8", True
         if tp > 1:
             from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
 
             self.backend: Any = MonokernelTPBackend(
-                cfg, weights, max_len, device, tp, quantize, fp8_blocks=blocks
+                cfg, weights, max_len, device, tp, quantize, groups, fp8_blocks=blocks
             )
         else:
             self.backend = construct_backend(
-                engine, cfg, weights, max_len, device, owned, quantize, fp8_blocks=blocks
+                engine, cfg, weights, max_len, device, owned, quantize, groups, blocks
             )
 
     @property
@@ -196,10 +207,11 @@ def check_engine_label(label: str) -> str | None:
     if quantize is not None:
         from monokernel.weights.quantize import QUANTIZE_METHODS
 
-        if engine not in BACKENDS or quantize not in (*QUANTIZE_METHODS, FP8_BLOCK):
+        labels = (*QUANTIZE_METHODS, FP8_BLOCK, *INT8_GROUP_LABELS)
+        if engine not in BACKENDS or quantize not in labels:
             return (
                 f"engine {label!r}: a format suffix goes on {', '.join(BACKENDS)} and is one of "
-                f"{', '.join(QUANTIZE_METHODS)} or {FP8_BLOCK} (e.g. monokernel:fp8)"
+                f"{', '.join(labels)} (e.g. monokernel:fp8)"
             )
     return None
 

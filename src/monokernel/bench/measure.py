@@ -13,7 +13,9 @@ import torch
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.backends.base import Backend, CancelToken, DecodeRequest, planned_reuse
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.weights.formats import WeightFormat
 from monokernel.weights.formats.fp8 import Fp8Rows
+from monokernel.weights.formats.int8 import Int8Rows
 from monokernel.weights.quantize import config_format
 
 if TYPE_CHECKING:
@@ -79,7 +81,12 @@ def bytes_per_token(
     kv = cfg.num_layers * 2 * cfg.kv_size * context * weight_bytes
     if fmt is None:
         return params * weight_bytes + kv
-    f = config_format(fmt, cfg) if fmt != FP8_BLOCK else Fp8Rows(tiles=True, block=BLOCK_SIZE)
+    if fmt == FP8_BLOCK:
+        f: WeightFormat = Fp8Rows(tiles=True, block=BLOCK_SIZE)
+    elif fmt in INT8_GROUP_LABELS:
+        f = Int8Rows(group=INT8_GROUP_LABELS[fmt])
+    else:
+        f = config_format(fmt, cfg)
     shapes = layer_matrix_shapes(cfg)
     matrices = cfg.num_layers * sum(r * c for r, c in shapes)
     stored = cfg.num_layers * sum(f.matrix_bytes(r, c) for r, c in shapes)
@@ -129,6 +136,10 @@ def time_tokens(
 # the engine runs such a checkpoint: the monokernel streams them with their block scales.
 FP8_BLOCK = "fp8-block"
 BLOCK_SIZE = 128  # HF's fine-grained FP8 (Qwen3-*-FP8, DeepSeek-V3)
+# ``monokernel:int8-g16`` / ``int8-g32``: the weights in 8 bits a group of 16 / 32 columns
+# (weights/gguf_8bit.py quantize_groups8), run as the engine runs a GGUF file of 5- to 8-bit
+# blocks: int8 groups of 16 (Q6_K, Q4_K_M, Q5_K_M) or 32 (Q8_0, Q5_K, Q5_0, Q5_1).
+INT8_GROUP_LABELS: dict[str, int] = {"int8-g16": 16, "int8-g32": 32}
 
 
 def split_engine(label: str) -> tuple[str, str | None]:

@@ -67,7 +67,8 @@ def test_engine_labels_name_the_format_and_the_gpus() -> None:
     assert engine_tp("monokernel:int8") == 1
     assert check_engine_label("monokernel:int8@tp2") is None
     assert check_engine_label("monokernel:fp8-block@tp2") is None
-    assert "or fp8-block" in str(check_engine_label("monokernel:fp8-blocks"))
+    assert "fp8-block, int8-g16" in str(check_engine_label("monokernel:fp8-blocks"))
+    assert check_engine_label("monokernel:int8-g16") is None
 
 
 def test_fp8_block_engines_run_a_block_checkpoint_of_the_weights(

@@ -35,6 +35,7 @@ from monokernel.kernels.plan import head_units_fit
 from monokernel.models.config import ModelConfig
 from monokernel.weights.formats import FORMATS
 from monokernel.weights.formats.int4 import GROUPS as INT4_GROUPS
+from monokernel.weights.formats.int8 import GROUPS as INT8_GROUPS
 from monokernel.weights.formats.tiles import (
     TILE_COLS,
     TILE_FORMATS,
@@ -84,7 +85,8 @@ class KernelDims:
     weight_format: str = "bf16"  # the layers' matrices: a key of WEIGHT_FORMATS
     head_format: str = "bf16"  # the LM head's (the checkpoint's own under --quantize)
     # The columns one scale covers where it is not a row's: int4's groups (weights/formats/
-    # int4.py), fp8's blocks (a checkpoint's block scales, fp8.py; tiles only); 0 otherwise.
+    # int4.py), fp8's blocks (a checkpoint's block scales, fp8.py; tiles only), int8's
+    # groups (a GGUF file's 5- to 8-bit blocks, int8.py; tiles only); 0 otherwise.
     weight_group: int = 0
     # Whether the layers' format streams 16-row tiles on the tensor cores (int4 and fp8 where
     # weights/formats/tiles.py tiles_for says so; csrc/gemv_tiles.cuh) rather than rows on
@@ -97,6 +99,8 @@ class KernelDims:
     vocab_all: int = 0
 
     def __post_init__(self) -> None:
+        if self.weight_tiles is None and self.weight_format == "int8" and self.weight_group:
+            object.__setattr__(self, "weight_tiles", True)  # int8 groups exist only in tiles
         if self.weight_tiles is None and self.weight_format in TILE_FORMATS:
             tiles = tiles_for(
                 self.weight_format, self.hidden, self.q_size, self.kv_size, self.intermediate
@@ -151,6 +155,7 @@ class KernelDims:
             "MK_WEIGHT_FORMAT": self.kernel_format(),
             "MK_HEAD_FORMAT": WEIGHT_FORMATS[self.head_format],
             "MK_TILES": int(bool(self.weight_tiles)),
+            "MK_SUM_SPLIT": layout.sum_split(self),
             **(choices := self.choices(flags)),
             "MK_SMEM_BYTES": layout.smem_bytes(self, choices["MK_ATTN_CHUNK"]),
         }
@@ -161,6 +166,8 @@ class KernelDims:
         cxx = WEIGHT_FORMATS[self.weight_format]
         if self.weight_format == "fp8" and self.weight_group:
             return f"Fp8BlockTiles<{self.weight_group}>"
+        if self.weight_format == "int8" and self.weight_group:
+            return f"Int8GroupTiles<{self.weight_group}>"
         if self.weight_tiles:
             cxx = {"int4": "Int4Tiles", "fp8": "Fp8Tiles"}[self.weight_format]
         return f"{cxx}<{self.weight_group}>" if self.weight_format == "int4" else cxx
@@ -178,10 +185,16 @@ class KernelDims:
             raise UnsupportedModelError("LM head format 'int4': the head streams bf16, fp8 or int8")
         if (self.weight_format == "int4") and not self.weight_group:
             raise UnsupportedModelError("weight format 'int4' needs a group size")
-        if self.weight_group and self.weight_format not in ("int4", "fp8"):
+        if self.weight_group and self.weight_format not in ("int4", "fp8", "int8"):
             raise UnsupportedModelError(
                 f"weight group {self.weight_group} with format {self.weight_format!r}: "
-                "int4's groups and fp8's block scales have one, no other format"
+                "int4's and int8's groups and fp8's block scales have one, no other format"
+            )
+        int8_groups = self.weight_format == "int8" and self.weight_group
+        if int8_groups and (self.weight_group not in INT8_GROUPS or not self.weight_tiles):
+            raise UnsupportedModelError(
+                f"int8 groups of {self.weight_group} columns: the kernel reads groups of "
+                f"{INT8_GROUPS} in 16-row tiles"
             )
         fp8_blocks = self.weight_format == "fp8" and self.weight_group
         if fp8_blocks and not (self.weight_tiles and block_fits(self.weight_group)):

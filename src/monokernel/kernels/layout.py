@@ -135,6 +135,9 @@ NH = sym("heads", "MK_NH")
 NKV = sym("kv_heads", "MK_NKV")
 ATTN_CHUNK = sym("attn_chunk", "MK_ATTN_CHUNK")
 TILES = sym("tiles", "MK_TILES")  # 1: the layers' format streams 16-row tiles (gemv_tiles.cuh)
+# A tile GEMV's input sums a 32 columns: 2 where its groups are 16 columns (int8 groups of a
+# GGUF Q6_K), else 1.
+SUM_SPLIT = sym("sum_split", "MK_SUM_SPLIT")
 T = Expr("kThreads", lambda e: THREADS)
 W = Expr("kWarps", lambda e: WARPS)
 SLOTS = Expr("kSplitSlots", lambda e: SPLIT_SLOTS)
@@ -154,6 +157,8 @@ class Shape(Protocol):
     heads: int
     kv_heads: int
     weight_tiles: bool | None
+    weight_format: str
+    weight_group: int
 
 
 def env(shape: Shape, attn_chunk: int = 0) -> dict[str, int]:
@@ -168,7 +173,13 @@ def env(shape: Shape, attn_chunk: int = 0) -> dict[str, int]:
         "kv_heads": shape.kv_heads,
         "attn_chunk": attn_chunk,
         "tiles": int(bool(shape.weight_tiles)),
+        "sum_split": sum_split(shape),
     }
+
+
+def sum_split(shape: Shape) -> int:
+    """SUM_SPLIT for a build: 2 for int8 groups of 16 (csrc Int8GroupTiles<16>), else 1."""
+    return 2 if (shape.weight_format, shape.weight_group) == ("int8", 16) else 1
 
 
 # ---- shared memory, in floats ---------------------------------------------------------------
@@ -190,8 +201,8 @@ ATTN_SCRATCH_GROUP = named(
 # A warp's split-K partials: SLOTS rows, or a tile GEMV's 8 tiles of 16 (gemv_tiles.cuh).
 PART = named("kPartFloats", SLOTS + TILES * (8 * 16 - SPLIT_SLOTS))
 # Stage D borrows the scratch: the split-K partials [WARPS, PART] | its normalised input [H] |
-# the next norm's staged gain [H] | a tile GEMV's input sums [XS / 32].
-D_INPUT = named("kDInputFloats", W * PART + 2 * H + TILES * XS // 32)
+# the next norm's staged gain [H] | a tile GEMV's input sums [XS / 32 per SUM_SPLIT].
+D_INPUT = named("kDInputFloats", W * PART + 2 * H + TILES * SUM_SPLIT * XS // 32)
 ATTN_SCRATCH = named("kAttnScratch", emax(emax(ATTN_SCRATCH_HEAD, ATTN_SCRATCH_GROUP), D_INPUT))
 RED_FLOATS = 64
 # The K/V window: K and V rows [CHUNK, D] bf16 | the RoPE row [D] | per ring stage an mbarrier
@@ -732,7 +743,7 @@ def header() -> str:
         "constexpr int kAttXd = kWarps * kPartFloats;",
         "constexpr int kAttGain = kAttXd + MK_H;",
         "constexpr int kAttSums = kAttGain + MK_H;",
-        "static_assert(kAttSums + MK_TILES * kXsFloats / 32 == kDInputFloats,",
+        "static_assert(kAttSums + MK_TILES * MK_SUM_SPLIT * kXsFloats / 32 == kDInputFloats,",
         '              "layout.py: D_INPUT");',
         "// build.py computed the same total from layout.py.",
         'static_assert(4 * kSmemFloats == MK_SMEM_BYTES, "layout.py: shared memory");',

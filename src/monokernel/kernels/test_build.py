@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from monokernel.errors import UnsupportedModelError
 from monokernel.kernels import build as kbuild
 from monokernel.models.shapes import SHAPES
 from monokernel.weights.shard import rank_config, shard_config
@@ -203,6 +204,24 @@ def test_tp2_kernel_compiles(shape: str, flags: tuple[str, ...], fmt: str, tmp_p
     dims = _tp_dims(shape, fmt=fmt, group=128 if fmt == "int4" else 0)
     proc = kbuild.compile_check(dims, tmp_path / "decode.o", flags)
     assert proc.returncode == 0, proc.stderr
+
+
+@needs_nvcc
+@pytest.mark.parametrize(("shape", "group"), [("llama-3.1-8b", 16), ("smollm2-135m", 32)])
+def test_int8_group_kernel_compiles(shape: str, group: int, tmp_path: Path) -> None:
+    """A GGUF's 5- to 8-bit layers (csrc Int8GroupTiles): tiles whatever the shape."""
+    dims = _dims(shape, weight_format="int8", weight_group=group, weight_tiles=None)
+    assert dims.weight_tiles and dims.kernel_format() == f"Int8GroupTiles<{group}>"
+    assert f"-DMK_SUM_SPLIT={2 if group == 16 else 1}" in dims.defines()
+    proc = kbuild.compile_check(dims, tmp_path / "decode.o")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_int8_groups_refused_where_the_kernel_has_none() -> None:
+    with pytest.raises(UnsupportedModelError, match="int8 groups of 64"):
+        _dims("llama-3.1-8b", weight_format="int8", weight_group=64, weight_tiles=None).defines()
+    with pytest.raises(UnsupportedModelError, match="16-row tiles"):
+        _dims("llama-3.1-8b", weight_format="int8", weight_group=16, weight_tiles=False).defines()
 
 
 @needs_nvcc

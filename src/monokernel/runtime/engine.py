@@ -223,11 +223,10 @@ class Engine:
         self.quantize: str | None = (
             self.config.quantize if self.config.quantize is not None else ckpt.quantization
         )
-        # A 4-bit checkpoint (GGUF Q4_0/Q4_1/Q4_K, AWQ, GPTQ) streams its own groups as int4, on
-        # one GPU or split over --tp GPUs.
-        groups = ckpt.groups
-        if self.quantize != "int4":
-            groups = None
+        # A 4-bit checkpoint (GGUF Q4_0/Q4_1/Q4_K, AWQ, GPTQ) streams its own groups as int4,
+        # a GGUF file of 5- to 8-bit blocks (Q8_0, Q6_K, Q5_K, a Q4_K_M's mix) as int8 groups,
+        # on one GPU or split over --tp GPUs; --quantize of another method re-quantises.
+        groups = ckpt.groups if self.quantize == ckpt.quantization else None
         # An FP8 checkpoint with block scales keeps them (on one GPU, where the layers stream
         # as tiles): the checkpoint's own E4M3 values, not re-quantised a row.
         fp8_blocks = ckpt.fp8_blocks if self.quantize == "fp8" else None

@@ -4,7 +4,8 @@ GGUF metadata is turned into an HF-config-shaped dict and sent through
 ``config_from_hf_dict`` so GGUF and safetensors checkpoints meet the same refusals.
 Tensors are dequantised to float32 and renamed through one explicit table into our names.
 Each layer's linear weights stored as Q4_0, Q4_1 or Q4_K also come back as their blocks' bits
-(``GroupQuant``, weights/group_quant.py), for the kernel to stream as they are.
+(``GroupQuant``, weights/group_quant.py), and those stored as Q8_0, Q6_K, Q5_K, Q5_0 or Q5_1
+as their values in 8 bits (weights/gguf_8bit.py), for the kernel to stream as they are.
 
 ``gguf`` is imported inside functions only: the GPU machines need not have it installed.
 """
@@ -21,6 +22,7 @@ import torch
 
 from monokernel.errors import UnexpectedTensorError, UnsupportedModelError, WeightLoadError
 from monokernel.models.config import SUPPORTED_MODEL_TYPES, ModelConfig, config_from_hf_dict
+from monokernel.weights.gguf_8bit import GGUF_8BIT_BLOCK_BYTES, from_gguf_8bit
 from monokernel.weights.gguf_file import GGUFFile, TensorInfo, read_gguf
 from monokernel.weights.group_quant import (
     GGUF_BLOCK_BYTES,
@@ -38,10 +40,15 @@ SUPPORTED_TENSOR_TYPES: tuple[str, ...] = (
     "F16",
     "BF16",
     "Q8_0",
+    "Q6_K",
+    "Q5_K",
+    "Q5_0",
+    "Q5_1",
+    "Q4_K",
     "Q4_0",
     "Q4_1",
-    "Q4_K",
-    "Q6_K",
+    "Q3_K",  # dequantised only: its layers run in bf16
+    "Q2_K",
 )
 
 GGUF_GLOBAL_NAMES: dict[str, str] = {
@@ -334,8 +341,9 @@ def load_gguf_weights(path: Path, cfg: ModelConfig) -> Weights:
 
 def load_gguf_tensors(path: Path, cfg: ModelConfig) -> tuple[Weights, dict[str, GroupQuant]]:
     """``load_gguf_weights``'s weights, and in the same pass over the file each layer
-    linear weight stored as Q4_0, Q4_1 or Q4_K as a GroupQuant of its blocks' bits (our names, HF
-    row order; its ``dense()`` is the weight, up to the sign of a Q4_0 zero)."""
+    linear weight stored as Q4_0, Q4_1 or Q4_K as a GroupQuant of its blocks' bits, or as Q8_0,
+    Q6_K, Q5_K, Q5_0 or Q5_1 as an 8-bit one (our names, HF row order; its ``dense()`` is the
+    weight, up to the sign of a Q4_0 zero and an fp32 rounding of a Q6_K value)."""
     path = Path(path)
     reader = _reader(path)
     arch = _meta(reader, "general.architecture")
@@ -348,11 +356,12 @@ def load_gguf_tensors(path: Path, cfg: ModelConfig) -> tuple[Weights, dict[str, 
         if ours is None:
             raise UnexpectedTensorError(f"{path}: tensor {tensor.name!r} is not one we know")
         gq = _group_quant(reader, tensor, ours)
-        if gq is None:
+        if gq is None or gq.bits == 8:
             weights[ours] = torch.from_numpy(_dequantize(reader, tensor))
         else:
-            groups[ours] = gq
             weights[ours] = _dense_4bit(gq, tensor)
+        if gq is not None:
+            groups[ours] = gq
     if arch in PERMUTED_QK_ARCHS:
         for name in list(weights):
             heads = _permuted_heads(name, cfg)
@@ -375,16 +384,20 @@ def _permuted_heads(name: str, cfg: ModelConfig) -> int | None:
 
 
 def _group_quant(reader: GGUFFile, tensor: TensorInfo, ours: str) -> GroupQuant | None:
-    """A layer linear weight's Q4_0/Q4_1/Q4_K blocks as a GroupQuant; None for any other
-    tensor (another type, the embedding, the LM head, a norm)."""
+    """A layer linear weight's Q4_0/Q4_1/Q4_K blocks as a GroupQuant, its Q8_0/Q6_K/Q5_K/
+    Q5_0/Q5_1 blocks as an 8-bit one; None for any other tensor (another type, the embedding,
+    the LM head, a norm)."""
     from gguf import GGMLQuantizationType
 
     kind = GGMLQuantizationType(tensor.tensor_type).name
-    if kind not in GGUF_BLOCK_BYTES or not is_quantized(ours) or len(tensor.shape) != 2:
+    known = kind in GGUF_BLOCK_BYTES or kind in GGUF_8BIT_BLOCK_BYTES
+    if not known or not is_quantized(ours) or len(tensor.shape) != 2:
         return None
     # The memory map's bytes are read-only: copy, as _dequantize does.
-    raw = torch.from_numpy(np.array(reader.tensor_bytes(tensor)))
-    return from_gguf_blocks(raw.reshape(-1), kind, tensor.shape)
+    raw = torch.from_numpy(np.array(reader.tensor_bytes(tensor))).reshape(-1)
+    if kind in GGUF_8BIT_BLOCK_BYTES:
+        return from_gguf_8bit(raw, kind, tensor.shape)
+    return from_gguf_blocks(raw, kind, tensor.shape)
 
 
 def _dense_4bit(gq: GroupQuant, tensor: TensorInfo) -> torch.Tensor:

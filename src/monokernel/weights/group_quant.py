@@ -28,6 +28,10 @@ from monokernel.errors import WeightLoadError
 
 QMAX = 15  # 4-bit unsigned
 GROUP_MULTIPLE = 32  # the kernel reads a row in 32-weight steps: a group never splits one
+# 8 bits (gguf_groups.py: Q8_0, Q6_K, Q5_K, ...) stream as byte tiles, a k-tile of 16
+# columns at a time: Q6_K's groups of 16 are whole k-tiles.
+GROUP_MULTIPLE_8 = 16
+BITS = (4, 8)
 GGUF_GROUP = 32  # a Q4_0/Q4_1 block, a Q4_K sub-block
 # Bytes of a block: Q4_0/Q4_1 fp16 d, [fp16 m,] 16 bytes of quants (32 weights); Q4_K fp16 d
 # and dmin, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of quants (256 weights).
@@ -52,13 +56,14 @@ class GroupQuant:
     consecutive columns of a row. All three tensors are on one device; construction checks
     their shapes and dtypes (``check`` also the values, which reads them all)."""
 
-    q: torch.Tensor  # uint8 [rows, cols], 0..15
+    q: torch.Tensor  # uint8 [rows, cols], 0..2**bits - 1
     scale: torch.Tensor  # float32 [rows, cols // group]
     offset: torch.Tensor  # float32 [rows, cols // group]
-    group: int  # a multiple of 32 dividing cols
+    group: int  # a multiple of 32 (bits 4) or 16 (bits 8) dividing cols
+    bits: int = 4  # 4: streamed as int4; 8: as int8 groups (weights/formats/int8.py)
 
     def __post_init__(self) -> None:
-        _check_layout(self.q, self.scale, self.offset, self.group)
+        _check_layout(self.q, self.scale, self.offset, self.group, self.bits)
 
     @property
     def rows(self) -> int:
@@ -84,23 +89,41 @@ class GroupQuant:
     def check(self) -> GroupQuant:
         """``self`` when q is in 0..15 and every scale and offset is finite; else
         GroupQuantError saying which."""
-        _check_layout(self.q, self.scale, self.offset, self.group)
-        if self.q.numel() and int(self.q.max()) > QMAX:
-            raise GroupQuantError(f"4-bit quants must be 0..{QMAX}; found {int(self.q.max())}")
+        _check_layout(self.q, self.scale, self.offset, self.group, self.bits)
+        top = (1 << self.bits) - 1
+        if self.q.numel() and int(self.q.max()) > top:
+            raise GroupQuantError(
+                f"{self.bits}-bit quants must be 0..{top}; found {int(self.q.max())}"
+            )
         for name in ("scale", "offset"):
             if not bool(torch.isfinite(getattr(self, name)).all()):
-                raise GroupQuantError(f"a 4-bit matrix has a non-finite {name}")
+                raise GroupQuantError(f"a {self.bits}-bit matrix has a non-finite {name}")
         return self
 
     def to(self, device: torch.device | str) -> GroupQuant:
         return GroupQuant(
-            self.q.to(device), self.scale.to(device), self.offset.to(device), self.group
+            self.q.to(device), self.scale.to(device), self.offset.to(device), self.group, self.bits
         )
 
     def row_block(self, start: int, size: int) -> GroupQuant:
         """Rows [start, start + size), views (a tensor-parallel rank's output features)."""
         rows = slice(start, start + size)
-        return GroupQuant(self.q[rows], self.scale[rows], self.offset[rows], self.group)
+        return GroupQuant(self.q[rows], self.scale[rows], self.offset[rows], self.group, self.bits)
+
+    def widened(self, group: int) -> GroupQuant:
+        """The same values as 8 bits in groups of ``group`` (a divisor of this one's): each
+        group's scale and offset repeated over its parts, q unchanged. A file that mixes 4-
+        and 8-bit matrices (a GGUF Q4_K_M's Q4_K with Q6_K) streams them all alike."""
+        if group <= 0 or self.group % group:
+            raise GroupQuantError(f"groups of {self.group} do not split into groups of {group}")
+        k = self.group // group
+        return GroupQuant(
+            self.q,
+            self.scale.repeat_interleave(k, dim=1),
+            self.offset.repeat_interleave(k, dim=1),
+            group,
+            8,
+        )
 
     def col_block(self, start: int, size: int) -> GroupQuant:
         """Columns [start, start + size), copies (a rank's input features): whole groups
@@ -116,17 +139,22 @@ class GroupQuant:
             self.scale[:, g0 : g0 + gs].contiguous(),
             self.offset[:, g0 : g0 + gs].contiguous(),
             self.group,
+            self.bits,
         )
 
 
-def _check_layout(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int) -> None:
+def _check_layout(
+    q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int, bits: int
+) -> None:
+    if bits not in BITS:
+        raise GroupQuantError(f"bits {bits!r}: a GroupQuant holds {BITS} bits a weight")
     if q.dtype != torch.uint8 or q.dim() != 2:
         raise GroupQuantError(f"q must be a 2-D uint8 tensor; got {q.dtype} {tuple(q.shape)}")
     rows, cols = q.shape
-    if not isinstance(group, int) or group <= 0 or group % GROUP_MULTIPLE or cols % group:
+    unit = GROUP_MULTIPLE if bits == 4 else GROUP_MULTIPLE_8
+    if not isinstance(group, int) or group <= 0 or group % unit or cols % group:
         raise GroupQuantError(
-            f"group {group!r} must be a positive multiple of {GROUP_MULTIPLE} dividing the "
-            f"{cols} columns"
+            f"group {group!r} must be a positive multiple of {unit} dividing the {cols} columns"
         )
     want = (rows, cols // group)
     for name, t in (("scale", scale), ("offset", offset)):
@@ -149,30 +177,35 @@ def fuse_rows(*gqs: GroupQuant) -> GroupQuant:
         raise GroupQuantError("fuse_rows needs at least one matrix")
     first = gqs[0]
     for g in gqs[1:]:
-        if (g.cols, g.group) != (first.cols, first.group):
+        if (g.cols, g.group, g.bits) != (first.cols, first.group, first.bits):
             raise GroupQuantError(
                 f"cannot fuse rows of {g.cols} columns in groups of {g.group} onto rows of "
-                f"{first.cols} columns in groups of {first.group}"
+                f"{first.cols} columns in groups of {first.group} ({g.bits} and {first.bits} "
+                "bits a weight)"
             )
     return GroupQuant(
         torch.cat([g.q for g in gqs]).contiguous(),
         torch.cat([g.scale for g in gqs]).contiguous(),
         torch.cat([g.offset for g in gqs]).contiguous(),
         first.group,
+        first.bits,
     )
 
 
 def interleave_rows(a: GroupQuant, b: GroupQuant) -> GroupQuant:
     """Rows a0, b0, a1, b1, ... (gate and up -> wgu), as repack.interleave_rows does."""
-    if (a.shape, a.group) != (b.shape, b.group):
+    if (a.shape, a.group, a.bits) != (b.shape, b.group, b.bits):
         raise GroupQuantError(
-            f"cannot interleave {a.shape} (group {a.group}) with {b.shape} (group {b.group})"
+            f"cannot interleave {a.shape} (group {a.group}, {a.bits} bits) with {b.shape} "
+            f"(group {b.group}, {b.bits} bits)"
         )
 
     def mix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return torch.stack((x, y), dim=1).reshape(2 * x.shape[0], x.shape[1]).contiguous()
 
-    return GroupQuant(mix(a.q, b.q), mix(a.scale, b.scale), mix(a.offset, b.offset), a.group)
+    return GroupQuant(
+        mix(a.q, b.q), mix(a.scale, b.scale), mix(a.offset, b.offset), a.group, a.bits
+    )
 
 
 def permute_rows(gq: GroupQuant, index: torch.Tensor) -> GroupQuant:
@@ -185,7 +218,11 @@ def permute_rows(gq: GroupQuant, index: torch.Tensor) -> GroupQuant:
         raise GroupQuantError(f"a row index is out of range for {gq.rows} rows")
     # index_select, not q[i]: advanced indexing of uint8 rows is ~50x slower on the CPU.
     return GroupQuant(
-        gq.q.index_select(0, i), gq.scale.index_select(0, i), gq.offset.index_select(0, i), gq.group
+        gq.q.index_select(0, i),
+        gq.scale.index_select(0, i),
+        gq.offset.index_select(0, i),
+        gq.group,
+        gq.bits,
     )
 
 
@@ -295,18 +332,24 @@ def from_gguf_blocks(raw: torch.Tensor, kind: str, shape: tuple[int, ...]) -> Gr
     )
 
 
-def _q4_k_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K blocks [n, 144] -> each sub-block's scale d sc and offset -dmin m [n, 8] and the
-    quants [n, 256]. Sub-block j's 6-bit sc and m (ggml's get_scale_min_k4): for j < 4 the
-    low 6 bits of bytes j and j + 4 of the 12; for j >= 4 the nibbles of byte j + 4 with the
-    top 2 bits of bytes j - 4 and j above them. The 128 quant bytes are 4 runs of 32: run i's
-    low nibbles are sub-block 2i, its high nibbles sub-block 2i + 1."""
-    d = blocks[:, 0:2].contiguous().view(torch.float16).to(torch.float32)
-    dmin = blocks[:, 2:4].contiguous().view(torch.float16).to(torch.float32)
-    k = blocks[:, 4:16].to(torch.int32)
+def q4_k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 bytes [n, 12] of a Q4_K or Q5_K block's 6-bit sub-block scales and mins ->
+    sc, m int32 [n, 8]: for sub-block j < 4 the low 6 bits of bytes j and j + 4; for j >= 4
+    the nibbles of byte j + 4 with the top 2 bits of bytes j - 4 and j above them."""
+    k = packed.to(torch.int32)
     lo, mid, hi = k[:, 0:4], k[:, 4:8], k[:, 8:12]
     sc = torch.cat((lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)), dim=1)
     mn = torch.cat((mid & 63, (hi >> 4) | ((mid >> 6) << 4)), dim=1)
+    return sc, mn
+
+
+def _q4_k_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K blocks [n, 144] -> each sub-block's scale d sc and offset -dmin m [n, 8] and the
+    quants [n, 256] (q4_k_scales_mins: sub-block j's 6-bit sc and m). The 128 quant bytes
+    are 4 runs of 32: run i's low nibbles are sub-block 2i, its high nibbles 2i + 1."""
+    d = blocks[:, 0:2].contiguous().view(torch.float16).to(torch.float32)
+    dmin = blocks[:, 2:4].contiguous().view(torch.float16).to(torch.float32)
+    sc, mn = q4_k_scales_mins(blocks[:, 4:16])
     # d sc and dmin m: an fp16 value times a 6-bit integer, exact in float32; ggml's
     # d1 * q - m1 is then q * scale + offset bit for bit.
     scale = d * sc.to(torch.float32)

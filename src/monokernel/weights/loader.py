@@ -46,13 +46,16 @@ class Checkpoint:
     # "fp8" when the checkpoint stored its weights as FP8 (weights/checkpoint_quant.py; they
     # are dequantised in ``weights``): the engine then quantises to fp8 by default. "int4"
     # when every layer linear weight is stored in 4 bits (GGUF Q4_0/Q4_1/Q4_K, AWQ, GPTQ; then
-    # in ``groups``). Other GGUF files and unquantised checkpoints: None.
+    # in ``groups``); "int8" when every one is stored in GGUF blocks and some in 5 to 8 bits
+    # (Q8_0, Q6_K, Q5_K, Q5_0, Q5_1, alone or mixed with 4-bit ones as in Q4_K_M; then all in
+    # ``groups`` as 8 bits, weights/gguf_8bit.py). Other GGUF files and unquantised
+    # checkpoints: None.
     quantization: str | None = None
-    # With quantization "int4": each layer linear weight ("layers.{n}.wq", ... w_down) as
-    # the checkpoint's own 4-bit values (weights/group_quant.py), in HF row order; its
+    # With quantization "int4" or "int8": each layer linear weight ("layers.{n}.wq", ...
+    # w_down) as the checkpoint's own values (weights/group_quant.py), in HF row order; its
     # dense() is what ``weights`` holds for it (cast to the weights' dtype; a GGUF Q4_0
-    # zero may differ in sign). On the device the weights were read to (GGUF: the CPU).
-    # None otherwise.
+    # zero may differ in sign, a Q6_K value by an fp32 rounding). On the device the weights
+    # were read to (GGUF: the CPU). None otherwise.
     groups: Mapping[str, GroupQuant] | None = None
     # With quantization "fp8" and block scales (HF fine-grained FP8): each layer linear
     # weight's block scales, so the monokernel streams the checkpoint's own E4M3 values with
@@ -113,7 +116,13 @@ def _load_gguf(
     size = format_bytes(path.stat().st_size)
     with slow_step(f"loading weights: dequantising {path.name} ({size}) to float32", progress):
         weights, groups = load_gguf_tensors(path, cfg)
-    int4 = _every_layer_linear(groups, cfg)
+    whole = _every_layer_linear(groups, cfg)
+    streamed = None
+    if whole:
+        from monokernel.weights.gguf_8bit import uniform_groups
+        from monokernel.weights.quantize import groups_method
+
+        streamed = uniform_groups(groups)
     return Checkpoint(
         config=cfg,
         weights=weights,
@@ -121,8 +130,8 @@ def _load_gguf(
         gguf_file=path.name,
         eos_token_ids=eos,
         source=str(path),
-        quantization=CHECKPOINT_INT4 if int4 else None,
-        groups=groups if int4 else None,
+        quantization=None if streamed is None else groups_method(streamed),
+        groups=streamed,
     )
 
 

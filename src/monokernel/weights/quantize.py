@@ -10,6 +10,9 @@ matrix replaced by the dequantised values the kernel multiplies by, in the check
 dtype, so every engine computes the same model and the monokernel's tokens can still be
 checked against the reference's.
 
+A checkpoint stored in 4 or 8 bits with its own groups (GGUF, AWQ, GPTQ: Checkpoint.groups)
+streams those groups as they are (``groups_format``: int4, or int8's grouped tiles).
+
 Only the seven matrices of every layer are quantised. The LM head and the embedding keep the
 checkpoint's format, as vLLM's ``--quantize`` does: they are the most sensitive matrices
 (every logit goes through the head, every token through its embedding row), and the
@@ -29,7 +32,8 @@ from monokernel.weights.formats import WeightFormat, get_format
 from monokernel.weights.formats.fp8 import Fp8Rows
 from monokernel.weights.formats.int4 import DEFAULT_GROUP, Int4Groups
 from monokernel.weights.formats.int4 import GROUPS as INT4_GROUPS
-from monokernel.weights.formats.tiles import block_fits, tiles_for
+from monokernel.weights.formats.int8 import Int8Rows
+from monokernel.weights.formats.tiles import block_fits, tile_misfits, tiles_for
 from monokernel.weights.group_quant import GroupQuant
 
 if TYPE_CHECKING:
@@ -130,6 +134,35 @@ def fake_quantize(
         w = weights.pop(name) if consume else weights[name]  # type: ignore[attr-defined]
         out[name] = fmt.dense(fmt.pack(w), dtype=w.dtype) if is_quantized(name) else w
     return out
+
+
+def groups_method(groups: Mapping[str, GroupQuant]) -> str:
+    """The weight format a checkpoint's own groups stream in: int4 for 4 bits, int8 (its
+    grouped tiles) for 8 (weights/gguf_8bit.py uniform_groups makes them one width)."""
+    widths = {gq.bits for gq in groups.values()}
+    if len(widths) != 1:
+        raise UnsupportedQuantizationError(
+            f"a checkpoint's groups of {sorted(widths)} bits: the kernel streams one width"
+        )
+    return "int4" if widths == {4} else "int8"
+
+
+def groups_format(groups: Mapping[str, GroupQuant], tiles: bool) -> WeightFormat:
+    """The format instance that packs ``groups`` (int4 in the tile layout if ``tiles``; int8
+    groups exist only in tiles)."""
+    group = groups_size(groups)
+    if groups_method(groups) == "int4":
+        return Int4Groups(group, tiles=tiles)
+    return Int8Rows(group=group)
+
+
+def groups_stream(cfg: ModelConfig, groups: Mapping[str, GroupQuant]) -> bool:
+    """Whether the monokernel streams a checkpoint's own groups as they are: always for 4
+    bits; for 8 (int8 groups, tiles only) where the model's (a rank's) sizes are whole tiles
+    (tiles.py tile_misfits). Elsewhere the layers stream their dequantised values in bf16."""
+    if groups_method(groups) == "int4":
+        return True
+    return not tile_misfits(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size)
 
 
 def groups_size(groups: Mapping[str, GroupQuant]) -> int:

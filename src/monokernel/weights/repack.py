@@ -28,13 +28,12 @@ from monokernel.models.rope import rope_tables
 from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.formats import DEFAULT_FORMAT, PackedMatrix, get_format
 from monokernel.weights.formats.fp8 import Fp8Rows
-from monokernel.weights.formats.int4 import Int4Groups
 from monokernel.weights.formats.tiles import tiles_for
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.group_quant import fuse_rows as gq_fuse_rows
 from monokernel.weights.group_quant import interleave_rows as gq_interleave_rows
 from monokernel.weights.names import Weights
-from monokernel.weights.quantize import config_format
+from monokernel.weights.quantize import config_format, groups_format
 
 MATRICES: tuple[str, ...] = ("wqkv", "wo", "wgu", "wdown")  # a layer's streamed matrices
 
@@ -103,10 +102,10 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _pack_groups(groups: Mapping[str, GroupQuant], p: str, tiles: bool) -> dict[str, PackedMatrix]:
-    """Layer ``p``'s matrices in int4 from the checkpoint's own 4-bit groups, fused as
-    repack_layer fuses the dense ones, their bits unchanged (in the tile layout if
-    ``tiles``: tiles.py tiles_for)."""
-    fmt = Int4Groups(groups[p + "wq"].group, tiles=tiles)
+    """Layer ``p``'s matrices from the checkpoint's own groups (int4, or int8's grouped
+    tiles: quantize.py groups_format), fused as repack_layer fuses the dense ones, their bits
+    unchanged (int4 in the tile layout if ``tiles``: tiles.py tiles_for)."""
+    fmt = groups_format(groups, tiles)
 
     def pack(gq: GroupQuant) -> PackedMatrix:
         return fmt.pack_groups(gq.q, gq.scale, gq.offset)
@@ -161,7 +160,7 @@ def repack_layer(
         bqkv = torch.cat((w[p + "bq"], w[p + "bk"], w[p + "bv"])).float().contiguous()
     if groups is not None:
         if fold:
-            raise ValueError("a checkpoint's 4-bit groups cannot take a folded norm gain")
+            raise ValueError("a checkpoint's own groups cannot take a folded norm gain")
         matrices = _pack_groups(
             groups,
             p,
@@ -210,9 +209,10 @@ def repack(
     ``fold=False`` keeps the norm gains as fp32 vectors the kernel applies itself: the same
     bytes per token (a gain is h floats), without rounding W*g to the weights' dtype.
     ``row_scales``: the scales to pack the named matrices with (a rank's column blocks get
-    the whole rows', weights/quantize.py whole_row_scales). ``groups``: a 4-bit
+    the whole rows', weights/quantize.py whole_row_scales). ``groups``: a 4- or 8-bit
     checkpoint's own groups of each layer's seven matrices (Checkpoint.groups), packed in
-    int4 with their bits unchanged instead of quantising ``weights``; needs ``fold=False``.
+    int4 or int8 groups with their bits unchanged instead of quantising ``weights``; needs
+    ``fold=False``.
     ``fp8_blocks``: an FP8 checkpoint's block scales (Checkpoint.fp8_blocks), with which the
     layers pack in fp8 tiles as the checkpoint stored them; needs ``fold=False``.
     ``consume``: each layer's tensors are popped from ``weights`` once packed, so where the

@@ -359,14 +359,83 @@ def test_q4_k_layer_matrices_keep_their_bits(tmp_path: Path, arch: str) -> None:
     assert np.array_equal(got.view(np.int32), want.astype(np.float32).view(np.int32))
 
 
-def test_a_gguf_not_all_4bit_is_not_int4(tmp_path: Path) -> None:
+def test_4bit_blocks_mixed_with_q8_0_stream_as_int8_groups(tmp_path: Path) -> None:
+    """Q4_1 layers with one Q8_0 matrix (as a Q4_K_M mixes Q6_K into its Q4_K): every layer
+    matrix in 8 bits, groups of 32, each value the file's."""
     from monokernel.weights.loader import load_checkpoint
 
     _, state = tiny_hf("llama", tied=True, sizes=SIZES_4BIT)
     types = _all_4bit(QT.Q4_1, state) | {"blk.1.ffn_down.weight": QT.Q8_0}
     path = write_gguf(tmp_path / "mixed.gguf", "llama", state, types=types, sizes=SIZES_4BIT)
     ckpt = load_checkpoint(path, progress=False)
+    assert ckpt.quantization == "int8" and ckpt.groups is not None
+    assert len(ckpt.groups) == 7 * SIZES_4BIT["num_hidden_layers"]
+    for name, gq in ckpt.groups.items():
+        assert (gq.bits, gq.group) == (8, 32), name
+        assert torch.equal(gq.dense(), ckpt.weights[name]), name
+    assert int(ckpt.groups["layers.1.w_down"].q.max()) > 15  # Q8_0's bytes, not nibbles
+
+
+def test_a_gguf_with_an_unquantised_layer_matrix_streams_dequantised(tmp_path: Path) -> None:
+    from monokernel.weights.loader import load_checkpoint
+
+    _, state = tiny_hf("llama", tied=True, sizes=SIZES_4BIT)
+    types = _all_4bit(QT.Q4_1, state) | {"blk.1.ffn_down.weight": QT.F16}
+    path = write_gguf(tmp_path / "mixed.gguf", "llama", state, types=types, sizes=SIZES_4BIT)
+    ckpt = load_checkpoint(path, progress=False)
     assert ckpt.quantization is None and ckpt.groups is None
+
+
+def kquant_bytes(kind: Any, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Q6_K or Q5_K blocks [rows, cols / 256 * size] with random quants and scales and small
+    finite fp16 fields (gguf cannot quantise either)."""
+    from monokernel.weights.test_gguf_8bit import random_blocks
+
+    return random_blocks(kind.name, rows, cols, seed).reshape(rows, -1)
+
+
+@pytest.mark.parametrize(
+    ("kinds", "group"),
+    [((QT.Q6_K,), 16), ((QT.Q5_K,), 32), ((QT.Q4_K, QT.Q6_K), 16), ((QT.Q5_K, QT.Q6_K), 16)],
+    ids=["Q6_K", "Q5_K", "Q4_K_M", "Q5_K_M"],
+)
+def test_k_quant_layers_keep_their_values(
+    tmp_path: Path, kinds: tuple[Any, ...], group: int
+) -> None:
+    """A GGUF of Q6_K or Q5_K layers, or a Q4_K_M / Q5_K_M mix (attn_v and ffn_down in
+    Q6_K): int8 groups, each value gguf's own dequantisation, rows unpermuted as the
+    weights are."""
+    from monokernel.weights.loader import load_checkpoint
+
+    _, state = tiny_hf("llama", tied=False, sizes=SIZES_Q4_K)
+    raw = {}
+    for i, k in enumerate(sorted(state)):
+        name = hf_to_gguf(k)
+        parts = name.split(".")
+        if parts[0] == "blk" and parts[2] in LAYER_LINEARS and parts[3] == "weight":
+            kind = kinds[-1] if parts[2] in ("attn_v", "ffn_down") else kinds[0]
+            make = (
+                q4_k_bytes
+                if kind == QT.Q4_K
+                else lambda r, c, seed, k=kind: kquant_bytes(k, r, c, seed)
+            )
+            raw[name] = (make(*state[k].shape, seed=i), kind)
+    path = write_gguf(
+        tmp_path / "k.gguf", "llama", state, types={"output.weight": QT.Q8_0}, sizes=SIZES_Q4_K,
+        raw_tensors=raw,
+    )  # fmt: skip
+    ckpt = load_checkpoint(path, progress=False)
+    assert ckpt.quantization == "int8" and ckpt.groups is not None
+    assert len(ckpt.groups) == 7 * SIZES_Q4_K["num_hidden_layers"]
+    for name, gq in ckpt.groups.items():
+        assert (gq.bits, gq.group) == (8, group), name
+        torch.testing.assert_close(gq.dense(), ckpt.weights[name], rtol=2**-22, atol=0)
+    t = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}["blk.0.ffn_down.weight"]
+    want = gguf.quants.dequantize(np.array(t.data), kinds[-1]).reshape(
+        SIZES_Q4_K["hidden_size"], -1
+    )
+    got = ckpt.groups["layers.0.w_down"].dense().numpy()
+    np.testing.assert_allclose(got, want, rtol=2**-22, atol=0)
 
 
 @pytest.mark.slow
@@ -489,9 +558,11 @@ def test_unsupported_architecture(tmp_path: Path, llama: Any) -> None:
 
 
 def test_unsupported_tensor_type(tmp_path: Path, llama: Any) -> None:
-    types = {"blk.0.ffn_down.weight": QT.Q5_0}
-    path = write_gguf(tmp_path / "t.gguf", "llama", llama[1], types=types)
-    with pytest.raises(WeightLoadError, match="Q5_0") as err:
+    shape = tuple(llama[1]["model.layers.0.mlp.down_proj.weight"].shape)
+    stored = np.zeros((shape[0], shape[1] // 32 * 18), dtype=np.uint8)  # IQ4_NL's blocks
+    raw = {"blk.0.ffn_down.weight": (stored, QT.IQ4_NL)}
+    path = write_gguf(tmp_path / "t.gguf", "llama", llama[1], raw_tensors=raw)
+    with pytest.raises(WeightLoadError, match="IQ4_NL") as err:
         load_gguf_weights(path, load_gguf_config(path))
     assert "Q4_K" in str(err.value) and "Q8_0" in str(err.value)
 

@@ -20,12 +20,24 @@
 // Tiles a warp's partials hold per round: part is [kWarps][kTileRound][16] floats.
 constexpr int kTileRound = kPartFloats / 16;
 
+// hi + lo of an input pair (split_pair's), summed in the order int4's offsets always used.
+template <bool F16>
+__device__ __forceinline__ float pair_sum(uint32_t hi, uint32_t lo) {
+  if constexpr (F16) {
+    const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&hi));
+    const float2 l = __half22float2(*reinterpret_cast<const __half2*>(&lo));
+    return (h.x + l.x) + (h.y + l.y);
+  } else {
+    return (bf_lo(hi) + bf_lo(lo)) + (bf_hi(hi) + bf_hi(lo));
+  }
+}
+
 // xs [K], fp32 and swizzled (common.cuh), rewritten in place as the tile GEMV's input: each
 // k-tile of 16 inputs (64 bytes) holds its 8 pairs (2w, 2w + 1) as {hi, lo} 16-bit pairs
 // (F::kF16: f16, else bf16) in pair order 0 4 1 5 2 6 3 7, so lane t's B fragments (pairs t
-// and t + 4) are one 16-byte load; in a group format, sums[k / 32] <- the sum of hi + lo over
-// inputs k .. k + 31 (an int4 group's offset term). A thread rewrites only the 64 bytes it
-// read: no barrier between reads and writes.
+// and t + 4) are one 16-byte load; in a group format, sums[k / n] <- the sum of hi + lo over
+// inputs k .. k + n - 1, n = F::kSumCols (a group's offset term). A thread rewrites only the
+// 64 bytes it read: no barrier between reads and writes.
 template <int K, class F>
 __device__ __forceinline__ void tile_inputs(float* xs, float* sums) {
   static_assert(K % 64 == 0, "a tile GEMV's input is whole 64-column loads (build.py checks)");
@@ -45,16 +57,17 @@ __device__ __forceinline__ void tile_inputs(float* xs, float* sums) {
 #pragma unroll
       for (int w = 0; w < 8; ++w) {
         split_pair<F::kF16>(make_float2(v[2 * w], v[2 * w + 1]), hi[w], lo[w]);
-        if constexpr (F::kGroups)
-          s += (bf_lo(hi[w]) + bf_lo(lo[w])) + (bf_hi(hi[w]) + bf_hi(lo[w]));
+        if constexpr (F::kSumCols) s += pair_sum<F::kF16>(hi[w], lo[w]);
       }
 #pragma unroll
       for (int t = 0; t < 4; ++t)
         *reinterpret_cast<uint4*>(blk + 4 * t) = make_uint4(hi[t], lo[t], hi[t + 4], lo[t + 4]);
     }
-    if constexpr (F::kGroups) {
+    if constexpr (F::kSumCols == 32) {
       s += __shfl_xor_sync(0xffffffffu, s, 1);
       if (kt < kKt && !(kt & 1)) sums[kt / 2] = s;
+    } else if constexpr (F::kSumCols == 16) {
+      if (kt < kKt) sums[kt] = s;
     }
   }
   __syncthreads();
@@ -103,7 +116,7 @@ __device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
 // Tiles of W [rows, K] (rows a multiple of 16) times xs: unit u = (warp / S) * grid + cta owns
 // tiles u, u + units, ... (numbered across CTAs first, so every CTA owns a tile wherever there
 // are as many tiles as CTAs: flow.cuh flow_possible); pre holds its first tile's first batch
-// (issue_split_first). sums: K / 32 floats of scratch. All threads of the CTA must call.
+// (issue_split_first). sums: K / F::kSumCols floats of scratch. All threads of the CTA must call.
 template <int K, int SPLIT, class F, class Out2>
 __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, float* sums,
                                            float* part, int warp, int lane,
@@ -121,7 +134,7 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
   const int u0 = tile_unit(warp / P::S, cta);
   const int iters = (tiles - cta + units - 1) / units;  // max over the groups (group 0's)
   const float* xl = xs + c0 + 4 * (lane & 3);
-  const float* sl = sums + c0 / 32;
+  const float* sl = sums + c0 / (F::kSumCols ? F::kSumCols : 32);
   const bool upper = lane & 2;  // this lane's row: g + 8, else g
   // One stream of batches over the warp's tiles: while batch b is multiplied, the next is in
   // flight (the tile's next batch, or after its last the next tile's first, across rounds).
@@ -157,6 +170,8 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
         const int j = b * S::B + i;
         if constexpr (F::kGroups) {
           if (j < S::N) tile_load_dot<F>(cur[i], xl + 64 * j, sl + 2 * j, upper, j, pair, acc);
+        } else if constexpr (F::kSumCols) {
+          if (j < S::N) F::tile_dot(cur[i], xl + 32 * j, sl + F::kSegs * j, upper, acc);
         } else {
           if (j < S::N) F::tile_dot(cur[i], xl + F::kLoadCols * j, upper, j, block, acc);
         }

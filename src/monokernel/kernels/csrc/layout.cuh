@@ -247,7 +247,8 @@ constexpr int kAttnScratchHead =
 constexpr int kAttnScratchGroup =
     4 * kGroup + 2 * MK_D + (kThreads / kAttnCh + 3) / 4 * 4 + cmax(kGroup * (5 * MK_D / 2 + kAttnPmax), 8 * kThreads);
 constexpr int kPartFloats = kSplitSlots + MK_TILES * 96;
-constexpr int kDInputFloats = kWarps * kPartFloats + 2 * MK_H + MK_TILES * kXsFloats / 32;
+constexpr int kDInputFloats =
+    kWarps * kPartFloats + 2 * MK_H + MK_TILES * MK_SUM_SPLIT * kXsFloats / 32;
 constexpr int kAttnScratch = cmax(cmax(kAttnScratchHead, kAttnScratchGroup), kDInputFloats);
 constexpr int kWindowFloats = MK_ATTN_CHUNK * MK_D + MK_D + 4 * kAttnStages;
 constexpr int kMergeNs = cmin(kXsFloats / MK_Q, kAttnScratch / (4 * MK_NH));
@@ -270,7 +271,7 @@ constexpr int kAttPart = 0;
 constexpr int kAttXd = kWarps * kPartFloats;
 constexpr int kAttGain = kAttXd + MK_H;
 constexpr int kAttSums = kAttGain + MK_H;
-static_assert(kAttSums + MK_TILES * kXsFloats / 32 == kDInputFloats,
+static_assert(kAttSums + MK_TILES * MK_SUM_SPLIT * kXsFloats / 32 == kDInputFloats,
               "layout.py: D_INPUT");
 // build.py computed the same total from layout.py.
 static_assert(4 * kSmemFloats == MK_SMEM_BYTES, "layout.py: shared memory");

@@ -137,7 +137,7 @@ def construct_backend(
         # TorchBackend's own default stays the float32 step that the tests compare the
         # engines with.
         extra["cpu_packed"] = True
-        if groups is not None:
+        if groups is not None and all(g.bits == 4 for g in groups.values()):
             extra["groups"] = groups
     backend: Backend = backend_cls(cfg, weights, max_seq_len, device, **extra)
     return backend
@@ -161,8 +161,9 @@ def create_backend(
     hears why and picks that engine's context. A named engine fails with its own error.
     ``owned``: the caller holds no other reference to ``weights``, so the monokernel repacks
     them in place (a model the GPU holds once but not twice). ``quantize``: the layers'
-    matrices quantised at load (weights/quantize.py), on every engine. ``groups``: a 4-bit
-    checkpoint's own groups (Checkpoint.groups, with ``quantize`` "int4"): the monokernel
+    matrices quantised at load (weights/quantize.py), on every engine. ``groups``: a 4- or
+    8-bit checkpoint's own groups (Checkpoint.groups, with ``quantize`` "int4" or "int8",
+    weights/quantize.py groups_method): the monokernel
     streams them as they are; the other engines compute with ``weights``, already their
     dequantised values. ``fp8_blocks``: an FP8 checkpoint's block scales (Checkpoint.
     fp8_blocks, with ``quantize`` "fp8"), likewise: the monokernel streams the checkpoint's

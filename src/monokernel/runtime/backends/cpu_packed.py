@@ -139,7 +139,7 @@ def _groups_grid(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """int4_grid's (q, scale, zero) from a matrix's own groups: w = a q + b is
     (q - 8) a + (b + 8 a)."""
-    if gq.group != GROUP or gq.rows % 16:
+    if gq.bits != 4 or gq.group != GROUP or gq.rows % 16:
         return None
     a = gq.scale.float()
     return gq.q.to(torch.int32), a, gq.offset.float() + 8 * a

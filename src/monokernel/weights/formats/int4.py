@@ -122,12 +122,13 @@ def unpack_tiles(data: torch.Tensor) -> torch.Tensor:
     return out.permute(0, 2, 1, 3).reshape(tiles * TILE_ROWS, blocks * TILE_COLS)
 
 
-def tile_pairs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def tile_pairs(a: torch.Tensor, b: torch.Tensor, base: float = 128.0) -> torch.Tensor:
     """a, b [rows, groups] -> the tile layout's pairs [rows / 16, groups, 8, 4]: rows g and
-    g + 8 of each tile as (a, b - 128 a)."""
+    g + 8 of each tile as (a, b - base a), for a kernel that multiplies base + q (int4: 128;
+    int8 groups, int8.py: 1024)."""
     rows, groups = a.shape
     a, b = a.float(), b.float()
-    ab = torch.stack((a, b - 128.0 * a), dim=2)  # [rows, groups, 2]
+    ab = torch.stack((a, b - base * a), dim=2)  # [rows, groups, 2]
     ab = ab.view(rows // TILE_ROWS, 2, 8, groups, 2).permute(0, 3, 2, 1, 4)  # [T, G', 8, 2, 2]
     return ab.reshape(rows // TILE_ROWS, groups, 8, 4).contiguous()
 

@@ -37,7 +37,20 @@ def tiles_for(fmt: str, hidden: int, q_size: int, kv_size: int, intermediate: in
     layout = envs.MONOKERNEL_WEIGHT_LAYOUT
     if layout == "rows" or fmt not in TILE_FORMATS:
         return False
-    odd = [
+    odd = tile_misfits(hidden, q_size, kv_size, intermediate)
+    if layout == "tiles" and odd:
+        raise ValueError(
+            f"MONOKERNEL_WEIGHT_LAYOUT=tiles: tiles take inputs in multiples of {TILE_COLS} "
+            f"columns and outputs of {TILE_ROWS} rows; this shape has {', '.join(odd)} "
+            "(set it to auto or rows)"
+        )
+    return layout == "tiles" or (not odd and hidden // TILE_ROWS >= SMS)
+
+
+def tile_misfits(hidden: int, q_size: int, kv_size: int, intermediate: int) -> list[str]:
+    """The sizes of a model (a rank's) that are not whole tiles, named: [] where its layers
+    can stream as tiles."""
+    return [
         f"{name} {v}"
         for name, v, unit in (
             ("hidden", hidden, TILE_COLS),
@@ -47,13 +60,6 @@ def tiles_for(fmt: str, hidden: int, q_size: int, kv_size: int, intermediate: in
         )
         if v % unit
     ]
-    if layout == "tiles" and odd:
-        raise ValueError(
-            f"MONOKERNEL_WEIGHT_LAYOUT=tiles: tiles take inputs in multiples of {TILE_COLS} "
-            f"columns and outputs of {TILE_ROWS} rows; this shape has {', '.join(odd)} "
-            "(set it to auto or rows)"
-        )
-    return layout == "tiles" or (not odd and hidden // TILE_ROWS >= SMS)
 
 
 def block_fits(cols: int) -> bool:

@@ -19,6 +19,7 @@
 #include "int4.cuh"
 #include "int4_tiles.cuh"
 #include "int8.cuh"
+#include "int8_tiles.cuh"
 
 // A row-major weight matrix [rows, K] in format F, as the kernel's LayerWeights hold it.
 // scales: [rows] fp32 for a scaled format, else null.

@@ -76,6 +76,7 @@ struct Fp8BlockTiles {
   static constexpr bool kScaled = false;  // the blocks' scales, not a row's
   static constexpr float kUnit = 1.f;
   static constexpr bool kGroups = false;
+  static constexpr int kSumCols = 0;
   static constexpr bool kF16 = true;
 
   struct Ptr {

@@ -29,6 +29,7 @@ struct Int4Tiles {
   static constexpr bool kScaled = false;   // the groups' scales, not a row's
   static constexpr float kUnit = 1.f;
   static constexpr bool kGroups = true;
+  static constexpr int kSumCols = 32;      // tile_inputs' sums: one a 32 columns
   static constexpr bool kF16 = false;      // inputs as bf16 hi + lo (128 + q is a bf16)
   static constexpr int kSegCols = G < 64 ? G : 64;  // columns under one pair in a load
   static constexpr int kSegs = 64 / kSegCols;

@@ -12,6 +12,7 @@ struct PlainRows {
   using Ptr = const E*;   // a position in a matrix
   using Load = uint4;     // what one lane's load of a row brings
   static constexpr bool kGroups = false;  // group scales beside the weights (int4.cuh)
+  static constexpr int kSumCols = 0;      // a tile GEMV's input sums a group (gemv_tiles.cuh)
   static constexpr bool kTiles = false;   // a GEMV unit is one row (int4.cuh: 16-row tiles)
   static constexpr int kTileRows = 1;
 

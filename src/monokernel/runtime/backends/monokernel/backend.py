@@ -44,7 +44,14 @@ from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.formats import DEFAULT_FORMAT
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.names import Weights
-from monokernel.weights.quantize import blocks_stream, check_method, groups_size, int4_group_of
+from monokernel.weights.quantize import (
+    blocks_stream,
+    check_method,
+    groups_method,
+    groups_size,
+    groups_stream,
+    int4_group_of,
+)
 from monokernel.weights.repack import repack
 
 
@@ -85,8 +92,10 @@ class MonokernelBackend:
         weight format the layers' matrices are packed in (weights/quantize.py: fp8, int8,
         int4), quantised from the checkpoint at load; the LM head and the embedding stay as
         they are (None: bf16 throughout). ``groups``: a 4-bit checkpoint's own groups
-        (Checkpoint.groups), packed in int4 with their bits unchanged; needs ``quantize``
-        "int4", and ``weights`` are then only read for what is not a layer's matrix.
+        (Checkpoint.groups), or 8-bit ones (a GGUF file's 5- to 8-bit blocks), packed in
+        int4 or int8 groups with their bits unchanged; needs ``quantize`` "int4" or "int8"
+        (quantize.py groups_method), and ``weights`` are then only read for what is not a
+        layer's matrix.
         ``fp8_blocks``: an FP8 checkpoint's block scales (Checkpoint.fp8_blocks), needs
         ``quantize`` "fp8": where the layers stream as tiles (weights/quantize.py
         blocks_stream), the checkpoint's own E4M3 values are packed with them; elsewhere each
@@ -112,15 +121,21 @@ class MonokernelBackend:
         if fold_norms and fmt != DEFAULT_FORMAT:
             # Folding would quantise W * g, not the checkpoint's W that the other engines use.
             raise InvalidRequestError("fold_norms: not with a quantised weight format")
-        if groups is not None and fmt != "int4":
-            raise InvalidRequestError(f"a checkpoint's 4-bit groups stream as int4, not {fmt}")
+        if groups is not None and not groups_stream(cfg, groups):
+            groups, fmt = None, DEFAULT_FORMAT  # their values, dequantised, in bf16
+        if groups is not None and fmt != groups_method(groups):
+            raise InvalidRequestError(
+                f"a checkpoint's own groups stream as {groups_method(groups)}, not {fmt}"
+            )
         if fp8_blocks is not None and fmt != "fp8":
             raise InvalidRequestError(f"a checkpoint's FP8 block scales stream as fp8, not {fmt}")
         if fp8_blocks is not None and not blocks_stream(cfg, fp8_blocks):
             fp8_blocks = None
         group = fp8_blocks.cols if fp8_blocks is not None else 0
-        if fmt == "int4":
-            group = groups_size(groups) if groups is not None else int4_group_of(cfg)
+        if groups is not None:
+            group = groups_size(groups)
+        elif fmt == "int4":
+            group = int4_group_of(cfg)
         dims = kernel_dims(cfg, weight_format=fmt, weight_group=group)  # refuses bad shapes first
         # Compiled (or found cached) before the weights are touched: a failed build leaves
         # them whole, for the engine `auto` falls back to, even when repacking consumes them.

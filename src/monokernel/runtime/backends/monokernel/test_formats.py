@@ -25,6 +25,7 @@ from monokernel.runtime.sampling import SamplingParams
 from monokernel.testing.gpu_models import default_model_on_gpu, hopper_with, random_ids
 from monokernel.testing.oracle import assert_greedy_matches, assert_logits_match, peaked
 from monokernel.weights.checkpoint_quant import fp8_block_checkpoint
+from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.quantize import DequantizedView
 from monokernel.weights.random_weights import random_weights
 
@@ -152,6 +153,40 @@ def test_teacher_forced_logits_from_groups_of_32(int4_layout: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
+    ("shape", "group"),
+    [
+        pytest.param("llama-3.1-8b", 16, marks=_needs("llama-3.1-8b")),
+        pytest.param("qwen2.5-coder-1.5b", 32, marks=_needs("qwen2.5-coder-1.5b")),
+        pytest.param("odd64", 16, marks=_needs("odd64")),
+    ],
+)
+def test_teacher_forced_logits_from_int8_groups(shape: str, group: int) -> None:
+    """A GGUF file's 5- to 8-bit layers (int8 groups of 16, Q6_K's, or 32, Q8_0's and
+    Q5_K's; csrc Int8GroupTiles): rel L2 <= 1e-2 against the reference on the groups' own
+    values at every one of 256 steps."""
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+    from monokernel.weights.gguf_8bit import quantize_groups8
+    from monokernel.weights.quantize import is_quantized
+
+    cfg, dev = CONFIGS[shape], torch.device("cuda")
+    weights = random_weights(cfg, device=dev, seed=37)
+    seq = random_ids(PROMPT + STEPS, cfg.vocab_size, seed=38)
+    groups = {k: quantize_groups8(v, group) for k, v in weights.items() if is_quantized(k)}
+    mk = MonokernelBackend(
+        cfg, weights, PROMPT + STEPS, dev, quantize="int8", groups=groups,
+        prefill_precision="fp32",
+    )  # fmt: skip
+    dims = mk.kernel.dims
+    assert (dims.weight_format, dims.weight_group, dims.weight_tiles) == ("int8", group, True)
+    got = mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
+    mk.close()
+    del mk
+    ref = {k: groups[k].dense() if k in groups else v for k, v in weights.items()}
+    assert_logits_match(cfg, ref, seq, PROMPT, got, f"{shape} int8 groups of {group}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
     ("shape", "bm", "bn"),
     [
         pytest.param("llama-3.1-8b", 128, 128, marks=_needs("llama-3.1-8b")),
@@ -232,6 +267,60 @@ def test_default_model_greedy(fmt: str) -> None:
     del mk
     assert len(got) == STEPS
     assert_greedy_matches(cfg, DequantizedView(weights, fmt), prompt, got, f"default model {fmt}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mix", ["q8_0", "q4_1+q8_0", "16"])
+def test_default_model_from_8bit_blocks(mix: str) -> None:
+    """The real default model's layers as a GGUF file of 8-bit blocks would load them
+    (weights/gguf_8bit.py): every matrix re-encoded as Q8_0 by the gguf package's own
+    quantiser ("q8_0"); its Q4_1 blocks with Q8_0 for V and the down projection, as a
+    Q4_K_M mixes Q6_K into its Q4_K ("q4_1+q8_0": int8 groups of 32); its Q4_1 blocks as
+    int8 groups of 16 (Q6_K's width, "16"). Greedy tokens equal the reference's on the same
+    values for 256 steps."""
+    if not hopper_with(8):
+        pytest.skip("needs a Hopper GPU")
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+    from monokernel.weights.gguf_8bit import from_gguf_8bit, uniform_groups
+
+    cfg, weights, prompt = default_model_on_gpu("Write a Python function that adds.")
+    ckpt_groups = default_model_groups()
+    groups: dict[str, GroupQuant] = {}
+    for name, gq in ckpt_groups.items():
+        q8 = mix == "q8_0" or (mix == "q4_1+q8_0" and name.endswith((".wv", ".w_down")))
+        if q8:
+            w = gq.dense().numpy()
+            raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+            groups[name] = from_gguf_8bit(torch.from_numpy(np.ascontiguousarray(raw).reshape(-1)),
+                                          "Q8_0", tuple(w.shape))  # fmt: skip
+        else:
+            groups[name] = gq.widened(16) if mix == "16" else gq
+    groups = {k: v.to("cuda") for k, v in uniform_groups(groups).items()}
+    dev = torch.device("cuda")
+    mk = MonokernelBackend(
+        cfg, weights, len(prompt) + STEPS, dev, quantize="int8", groups=groups,
+        prefill_precision="fp32",
+    )  # fmt: skip
+    assert mk.kernel.dims.weight_group == (16 if mix == "16" else 32)
+    request = DecodeRequest(tuple(prompt), SamplingParams(temperature=0.0), STEPS, frozenset())
+    got = list(mk.stream(request, CancelToken()))
+    mk.close()
+    del mk
+    ref = {k: groups[k].dense() if k in groups else v.float() for k, v in weights.items()}
+    assert_greedy_matches(cfg, ref, prompt, got, f"default model, 8-bit blocks {mix}")
+
+
+def default_model_groups() -> dict[str, GroupQuant]:
+    """The default model's own Q4_1 groups (Checkpoint.groups), on the CPU."""
+    from monokernel.weights.default_model import default_model_path
+    from monokernel.weights.loader import load_checkpoint
+
+    ckpt = load_checkpoint(str(default_model_path(progress=False)))
+    assert ckpt.groups is not None
+    return dict(ckpt.groups)
 
 
 CHAT_PROMPTS = (

@@ -69,8 +69,13 @@ def test_a_one_byte_format_needs_rows_of_whole_loads() -> None:
         kernel_dims(cfg, weight_format="int4", weight_group=32)
     with pytest.raises(UnsupportedModelError, match="weight format 'int4' needs a group size"):
         kernel_dims(SHAPES["llama-3.2-1b"], weight_format="int4")
-    with pytest.raises(UnsupportedModelError, match="int4's groups and fp8's block scales"):
+    with pytest.raises(UnsupportedModelError, match="int4's and int8's groups and fp8's"):
+        kernel_dims(SHAPES["llama-3.2-1b"], weight_format="bf16", weight_group=128)
+    # int8 groups (a GGUF's 5- to 8-bit blocks): 16 or 32 columns, tiles whatever the size.
+    with pytest.raises(UnsupportedModelError, match=r"int8 groups of 128 .* \(16, 32\)"):
         kernel_dims(SHAPES["llama-3.2-1b"], weight_format="int8", weight_group=128)
+    grouped = kernel_dims(SHAPES["llama-3.2-1b"], weight_format="int8", weight_group=16)
+    assert grouped.weight_tiles and "-DMK_WEIGHT_FORMAT=Int8GroupTiles<16>" in grouped.defines()
     # fp8 block scales: tiles only (the 1B streams rows), blocks a power of two >= 64.
     with pytest.raises(UnsupportedModelError, match="fp8 block scales of 128 columns"):
         kernel_dims(SHAPES["llama-3.2-1b"], weight_format="fp8", weight_group=128)

@@ -68,7 +68,9 @@ from monokernel.weights.group_quant import GroupQuant, quantize_rtn
 from monokernel.weights.names import Weights
 from monokernel.weights.quantize import (
     check_method,
+    groups_method,
     groups_size,
+    groups_stream,
     int4_group_of,
     is_quantized,
     whole_row_scales,
@@ -119,7 +121,7 @@ class Rank:
         """``weights``: the rank's shard on ``device``, consumed (repacked layer by layer);
         ``fmt``: the layers' weight format; ``row_scales``: the column-split matrices' whole
         rows' scales (a quantised format's, weights/quantize.py whole_row_scales);
-        ``groups``: in int4, the rank's blocks of the layers' 4-bit matrices; ``precision``:
+        ``groups``: the rank's blocks of the layers' 4- or 8-bit matrices; ``precision``:
         the prefill's (runtime/prefill.py; default MONOKERNEL_PREFILL_PRECISION);
         ``fp8_blocks``: in fp8, the rank's block scales (shard_fp8_blocks)."""
         cfg = rank_config(sc)
@@ -180,11 +182,12 @@ class MonokernelTPBackend:
     ) -> None:
         """``quantize``: the layers' matrices in that format (--quantize), packed per rank
         with TP=1's scales (int4: TP=1's groups, whole on each rank), so every rank count
-        computes the same quantised model. ``groups``: a 4-bit checkpoint's own groups
-        (with ``quantize`` "int4"), each rank streaming its blocks of them. ``fp8_blocks``:
-        an FP8 checkpoint's block scales (with ``quantize`` "fp8"), each rank streaming its
-        blocks of the checkpoint's values with them where its layers stream as tiles and its
-        column blocks are whole blocks; else re-quantised a row, as without them.
+        computes the same quantised model. ``groups``: a 4- or 8-bit checkpoint's own groups
+        (with ``quantize`` "int4" or "int8"), each rank streaming its blocks of them.
+        ``fp8_blocks``: an FP8 checkpoint's block scales (with ``quantize`` "fp8"), each rank
+        streaming its blocks of the checkpoint's values with them where its layers stream as
+        tiles and its column blocks are whole blocks; else re-quantised a row, as without
+        them.
         ``prefill_precision``: as the single-GPU backend's (runtime/prefill.py)."""
         multicast_off()  # nothing here uses NVLS; keep any library we load off it too
         check_tp(cfg, tp)  # TensorParallelError naming the numbers and the valid sizes
@@ -206,20 +209,24 @@ class MonokernelTPBackend:
         enable_peer_access([d.index for d in self.devices])
         self.cfg, self.tp, self.max_seq_len = cfg, tp, max_seq_len
         fmt = DEFAULT_FORMAT if quantize is None else check_method(quantize)
-        if groups is not None and fmt != "int4":
-            raise InvalidRequestError(f"a checkpoint's 4-bit groups stream as int4, not {fmt}")
+        if groups is not None and not groups_stream(rank_config(shard_config(cfg, 0, tp)), groups):
+            groups, fmt, quantize = None, DEFAULT_FORMAT, None  # dequantised values, in bf16
+        if groups is not None and fmt != groups_method(groups):
+            raise InvalidRequestError(
+                f"a checkpoint's own groups stream as {groups_method(groups)}, not {fmt}"
+            )
         if fp8_blocks is not None and fmt != "fp8":
             raise InvalidRequestError(f"a checkpoint's FP8 block scales stream as fp8, not {fmt}")
         if fp8_blocks is not None and not tp_blocks_stream(cfg, tp, fp8_blocks):
             fp8_blocks = None
         group = 0
-        if fmt == "int4":  # TP=1's group, which every rank's column blocks must hold whole
+        if groups is not None or fmt == "int4":  # TP=1's group, whole in every rank's columns
             group = groups_size(groups) if groups is not None else int4_group_of(cfg)
             check_tp_groups(cfg, tp, group)
         # The weights stay where they are (the engine loads them to the host for --tp): each
         # rank's shard goes to its GPU, in bf16, one at a time.
         scales = None
-        if quantize is not None and fmt != "int4" and fp8_blocks is None:
+        if quantize is not None and fmt != "int4" and groups is None and fp8_blocks is None:
             scales = whole_row_scales(weights, fmt, cfg.num_layers)
         self.ranks: list[Rank] = []
         with _keeps_device():  # DeviceBuffer and the kernels make their GPU current
