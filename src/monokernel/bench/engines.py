@@ -22,6 +22,7 @@ from monokernel.bench.measure import (
     BLOCK_SIZE,
     FP8_BLOCK,
     INT8_GROUP_LABELS,
+    Q4_K_M,
     RunTiming,
     engine_grammar,
     engine_tp,
@@ -31,7 +32,7 @@ from monokernel.bench.measure import (
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.backends import BACKEND_CLASSES, construct_backend
 from monokernel.weights.checkpoint_quant import fp8_block_checkpoint
-from monokernel.weights.gguf_8bit import quantize_groups8
+from monokernel.weights.gguf_8bit import q4_k_m_groups, quantize_groups8
 from monokernel.weights.names import Weights
 from monokernel.weights.quantize import is_quantized
 
@@ -100,9 +101,14 @@ class BackendRunner:
         if quantize == FP8_BLOCK:  # the weights as a block-scaled FP8 checkpoint holds them
             weights, blocks = fp8_block_checkpoint(weights, BLOCK_SIZE, BLOCK_SIZE, dtype=None)
             quantize, owned = "fp8", True
-        elif quantize in INT8_GROUP_LABELS:  # as a GGUF file of 5- to 8-bit blocks loads
-            group = INT8_GROUP_LABELS[quantize]
-            groups = {k: quantize_groups8(w, group) for k, w in weights.items() if is_quantized(k)}
+        elif quantize in (*INT8_GROUP_LABELS, Q4_K_M):  # as a GGUF of such blocks loads
+            if quantize == Q4_K_M:
+                groups = q4_k_m_groups(weights)
+            else:
+                group = INT8_GROUP_LABELS[quantize]
+                groups = {
+                    k: quantize_groups8(w, group) for k, w in weights.items() if is_quantized(k)
+                }
             weights = {k: g.dense(weights[k].dtype) for k, g in groups.items()} | {
                 k: w for k, w in weights.items() if k not in groups
             }
@@ -207,7 +213,7 @@ def check_engine_label(label: str) -> str | None:
     if quantize is not None:
         from monokernel.weights.quantize import QUANTIZE_METHODS
 
-        labels = (*QUANTIZE_METHODS, FP8_BLOCK, *INT8_GROUP_LABELS)
+        labels = (*QUANTIZE_METHODS, FP8_BLOCK, *INT8_GROUP_LABELS, Q4_K_M)
         if engine not in BACKENDS or quantize not in labels:
             return (
                 f"engine {label!r}: a format suffix goes on {', '.join(BACKENDS)} and is one of "

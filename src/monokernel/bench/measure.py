@@ -15,6 +15,7 @@ from monokernel.runtime.backends.base import Backend, CancelToken, DecodeRequest
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.weights.formats import WeightFormat
 from monokernel.weights.formats.fp8 import Fp8Rows
+from monokernel.weights.formats.int4 import Int4Groups
 from monokernel.weights.formats.int8 import Int8Rows
 from monokernel.weights.quantize import config_format
 
@@ -81,15 +82,19 @@ def bytes_per_token(
     kv = cfg.num_layers * 2 * cfg.kv_size * context * weight_bytes
     if fmt is None:
         return params * weight_bytes + kv
+    shapes = layer_matrix_shapes(cfg)  # QKV, O, gate/up, down
     if fmt == FP8_BLOCK:
-        f: WeightFormat = Fp8Rows(tiles=True, block=BLOCK_SIZE)
+        stages: list[WeightFormat] = [Fp8Rows(tiles=True, block=BLOCK_SIZE)] * 4
     elif fmt in INT8_GROUP_LABELS:
-        f = Int8Rows(group=INT8_GROUP_LABELS[fmt])
+        stages = [Int8Rows(group=INT8_GROUP_LABELS[fmt])] * 4
+    elif fmt == Q4_K_M:
+        stages = [Int8Rows(group=16), Int4Groups(32), Int4Groups(32), Int8Rows(group=16)]
     else:
-        f = config_format(fmt, cfg)
-    shapes = layer_matrix_shapes(cfg)
+        stages = [config_format(fmt, cfg)] * 4
     matrices = cfg.num_layers * sum(r * c for r, c in shapes)
-    stored = cfg.num_layers * sum(f.matrix_bytes(r, c) for r, c in shapes)
+    stored = cfg.num_layers * sum(
+        f.matrix_bytes(r, c) for f, (r, c) in zip(stages, shapes, strict=True)
+    )
     return (params - matrices) * weight_bytes + stored + kv
 
 
@@ -140,6 +145,10 @@ BLOCK_SIZE = 128  # HF's fine-grained FP8 (Qwen3-*-FP8, DeepSeek-V3)
 # (weights/gguf_8bit.py quantize_groups8), run as the engine runs a GGUF file of 5- to 8-bit
 # blocks: int8 groups of 16 (Q6_K, Q4_K_M, Q5_K_M) or 32 (Q8_0, Q5_K, Q5_0, Q5_1).
 INT8_GROUP_LABELS: dict[str, int] = {"int8-g16": 16, "int8-g32": 32}
+# ``monokernel:q4_k_m``: the layers as a GGUF Q4_K_M loads them, V and the down projection in
+# 6 bits (here 8-bit groups of 16, as its Q6_K), the rest in 4 bits (int4 groups of 32, as
+# its Q4_K): the QKV and down stages in int8 groups of 16 beside int4 tiles (GroupsPlan).
+Q4_K_M = "q4_k_m"
 
 
 def split_engine(label: str) -> tuple[str, str | None]:

@@ -97,6 +97,13 @@ class KernelDims:
     # The whole vocabulary under tensor parallelism (``vocab`` is then a rank's rows): top-k /
     # top-p draw over all of it. 0: ``vocab``.
     vocab_all: int = 0
+    # The fused QKV's and the down projection's format and group where they differ from the
+    # other layer matrices' ("": as those): a GGUF Q4_K_M's V and down projections in 6 bits
+    # (int8 groups) beside int4 tiles. Tile formats only (check_formats).
+    qkv_format: str = ""
+    qkv_group: int = 0
+    down_format: str = ""
+    down_group: int = 0
 
     def __post_init__(self) -> None:
         if self.weight_tiles is None and self.weight_format == "int8" and self.weight_group:
@@ -153,6 +160,11 @@ class KernelDims:
             "MK_O_BIAS": int(self.o_bias),
             "MK_QK_NORM": int(self.qk_norm),
             "MK_WEIGHT_FORMAT": self.kernel_format(),
+            **{
+                f"MK_{stage.upper()}_FORMAT": self.kernel_format(stage)
+                for stage in ("qkv", "down")
+                if getattr(self, f"{stage}_format")
+            },
             "MK_HEAD_FORMAT": WEIGHT_FORMATS[self.head_format],
             "MK_TILES": int(bool(self.weight_tiles)),
             "MK_SUM_SPLIT": layout.sum_split(self),
@@ -161,16 +173,29 @@ class KernelDims:
         }
         return [f"-D{k}={v}" for k, v in vals.items()]
 
-    def kernel_format(self) -> str:
-        """The layers' C++ format type: int4's is a template over its group."""
-        cxx = WEIGHT_FORMATS[self.weight_format]
-        if self.weight_format == "fp8" and self.weight_group:
-            return f"Fp8BlockTiles<{self.weight_group}>"
-        if self.weight_format == "int8" and self.weight_group:
-            return f"Int8GroupTiles<{self.weight_group}>"
+    def stage_format(self, stage: str = "") -> tuple[str, int]:
+        """(format, group) of the layers' matrices, or of stage ``qkv`` / ``down``'s."""
+        own = getattr(self, f"{stage}_format") if stage else ""
+        if own:
+            return own, getattr(self, f"{stage}_group")
+        return self.weight_format, self.weight_group
+
+    def stage_formats(self) -> list[tuple[str, int]]:
+        """(format, group) of every layer stage: the layers', then QKV's and down's own."""
+        return [self.stage_format(s) for s in ("", "qkv", "down")]
+
+    def kernel_format(self, stage: str = "") -> str:
+        """The layers' C++ format type (or stage ``qkv`` / ``down``'s): int4's is a template
+        over its group."""
+        fmt, group = self.stage_format(stage)
+        cxx = WEIGHT_FORMATS[fmt]
+        if fmt == "fp8" and group:
+            return f"Fp8BlockTiles<{group}>"
+        if fmt == "int8" and group:
+            return f"Int8GroupTiles<{group}>"
         if self.weight_tiles:
-            cxx = {"int4": "Int4Tiles", "fp8": "Fp8Tiles"}[self.weight_format]
-        return f"{cxx}<{self.weight_group}>" if self.weight_format == "int4" else cxx
+            cxx = {"int4": "Int4Tiles", "fp8": "Fp8Tiles"}[fmt]
+        return f"{cxx}<{group}>" if fmt == "int4" else cxx
 
     def check_formats(self) -> None:
         """Refuse a format the kernel has no type for, or a shape whose rows are not whole
@@ -227,6 +252,19 @@ class KernelDims:
                 f"weight format {self.weight_format!r} streams tiles of {TILE_ROWS} rows; this "
                 f"shape's fused QKV projection has {qkv} (q + 2 kv heads x head_dim)"
             )
+        for stage in ("qkv", "down"):
+            fmt, group = getattr(self, f"{stage}_format"), getattr(self, f"{stage}_group")
+            if not fmt:
+                continue
+            ok = self.weight_tiles and (
+                (fmt == "int8" and group in INT8_GROUPS) or (fmt == "int4" and group in INT4_GROUPS)
+            )
+            if not ok:
+                raise UnsupportedModelError(
+                    f"stage {stage} in {fmt} (group {group}) beside layers in "
+                    f"{self.weight_format}: a stage of its own format needs tiles throughout "
+                    f"(int4 groups of {INT4_GROUPS} or int8 groups of {INT8_GROUPS})"
+                )
         if self.hidden % FORMATS[self.head_format].weights_per_load:
             raise UnsupportedModelError(
                 f"LM head format {self.head_format!r}: hidden {self.hidden} is not a multiple "
@@ -256,7 +294,7 @@ class KernelDims:
         Llama-3.1-8B int4 (perf-notes step 77): 16 everywhere 2,774 µs/token; the gate/up
         projection at 1, 2 or 4 warps a tile 2,826-2,970 (batches of 3: 2,981 at 16), the
         down projection at 8 2,959, QKV at 4 and O at 8 3,006."""
-        unit = max(64, self.weight_group)
+        unit = max(64, *(g for _, g in self.stage_formats()))
         for split in (16, 8, 4, 2):
             if k % (split * unit) == 0:
                 return split
@@ -289,8 +327,10 @@ class KernelDims:
         (unused)."""
         if not self.weight_tiles:
             return 1
-        if self.weight_format == "int4" and self.weight_group in (32, 64):
-            return 3 if self.weight_group == 32 else 5
+        if ("int4", 32) in self.stage_formats():
+            return 3
+        if self.weight_format == "int4" and self.weight_group == 64:
+            return 5
         return 4
 
     def down_split(self) -> int:

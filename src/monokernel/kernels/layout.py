@@ -157,8 +157,8 @@ class Shape(Protocol):
     heads: int
     kv_heads: int
     weight_tiles: bool | None
-    weight_format: str
-    weight_group: int
+
+    def stage_formats(self) -> list[tuple[str, int]]: ...
 
 
 def env(shape: Shape, attn_chunk: int = 0) -> dict[str, int]:
@@ -179,7 +179,7 @@ def env(shape: Shape, attn_chunk: int = 0) -> dict[str, int]:
 
 def sum_split(shape: Shape) -> int:
     """SUM_SPLIT for a build: 2 for int8 groups of 16 (csrc Int8GroupTiles<16>), else 1."""
-    return 2 if (shape.weight_format, shape.weight_group) == ("int8", 16) else 1
+    return 2 if ("int8", 16) in shape.stage_formats() else 1
 
 
 # ---- shared memory, in floats ---------------------------------------------------------------
@@ -295,14 +295,14 @@ def matrix_view(m: PackedMatrix) -> MatrixView:
 
 
 LAYER_WEIGHTS: tuple[Field, ...] = (
-    _m("wqkv", "WeightMatrix", "[Q + 2KV, H] q heads, k heads, v heads; attn_norm folded"),
+    _m("wqkv", "QkvMatrix", "[Q + 2KV, H] q heads, k heads, v heads; attn_norm folded"),
     _p("bqkv", "const float*", "[Q + 2KV] or null"),
     _p("q_norm", "const float*", "[D] or null"),
     _p("k_norm", "const float*", "[D] or null"),
     _m("wo", "WeightMatrix", "[H, Q]"),
     _p("bo", "const float*", "[H] or null"),
     _m("wgu", "WeightMatrix", "[2I, H] row 2r = gate r, 2r+1 = up r; ffn_norm folded"),
-    _m("wdown", "WeightMatrix", "[H, I]"),
+    _m("wdown", "DownMatrix", "[H, I]"),
     _p("attn_gain", "const float*", "[H] or null (null: folded into wqkv)"),
     _p("ffn_gain", "const float*", "[H] or null (null: folded into wgu)"),
 )
@@ -664,7 +664,7 @@ def header() -> str:
         "// A weight matrix's view is its rows and its scales (layout.py MatrixView).",
         *(
             f'static_assert(sizeof({t}) == {ctypes.sizeof(MatrixView)}, "layout.py: MatrixView");'
-            for t in ("WeightMatrix", "HeadMatrix")
+            for t in ("WeightMatrix", "QkvMatrix", "DownMatrix", "HeadMatrix")
         ),
         "",
         "// ---- the kernel's argument; launcher.py's ctypes structs come from the same table ----",

@@ -217,6 +217,22 @@ def test_int8_group_kernel_compiles(shape: str, group: int, tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr
 
 
+@needs_nvcc
+def test_mixed_stage_kernel_compiles(tmp_path: Path) -> None:
+    """A GGUF Q4_K_M's plan (weights/quantize.py GroupsPlan): int4 tiles in groups of 32,
+    the fused QKV and the down projection in int8 groups of 16."""
+    dims = _dims("llama-3.1-8b", weight_format="int4", weight_group=32, weight_tiles=None,
+                 qkv_format="int8", qkv_group=16, down_format="int8", down_group=16)  # fmt: skip
+    defines = dims.defines()
+    want = ["-DMK_WEIGHT_FORMAT=Int4Tiles<32>", "-DMK_QKV_FORMAT=Int8GroupTiles<16>"]
+    want += ["-DMK_DOWN_FORMAT=Int8GroupTiles<16>", "-DMK_SUM_SPLIT=2", "-DMK_TILE_BATCH=3"]
+    assert set(want) <= set(defines), defines
+    proc = kbuild.compile_check(dims, tmp_path / "decode.o")
+    assert proc.returncode == 0, proc.stderr
+    with pytest.raises(UnsupportedModelError, match="needs tiles throughout"):
+        dataclasses.replace(dims, weight_tiles=False, weight_format="fp8", weight_group=0).defines()
+
+
 def test_int8_groups_refused_where_the_kernel_has_none() -> None:
     with pytest.raises(UnsupportedModelError, match="int8 groups of 64"):
         _dims("llama-3.1-8b", weight_format="int8", weight_group=64, weight_tiles=None).defines()

@@ -136,15 +136,29 @@ def _q5_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def uniform_groups(groups: Mapping[str, GroupQuant]) -> dict[str, GroupQuant]:
-    """The layer matrices of one file at one width and group, as the kernel streams a model:
-    unchanged where all are 4 bits in one group; otherwise all 8 bits, in the largest group
-    dividing every one's (a Q4_K_M's Q4_K groups of 32 beside its Q6_K 16s: 16)."""
-    if all(g.bits == 4 for g in groups.values()) and len({g.group for g in groups.values()}) <= 1:
-        return dict(groups)
-    group = math.gcd(*(g.group for g in groups.values()))
-    return {
-        k: g if (g.bits, g.group) == (8, group) else g.widened(group) for k, g in groups.items()
-    }
+    """The layer matrices of one file at one width and group a stage, as the kernel streams
+    them (weights/quantize.py STAGE_MATRICES: the fused QKV, the down projection, the rest):
+    a stage whose matrices are all 4 bits in one group as they are; any other in 8 bits, in
+    the largest group dividing every one's (a Q4_K_M's V matrices, Q4_K's groups of 32 in
+    some layers and Q6_K's 16s in others: the whole QKV stage in 8 bits, groups of 16)."""
+    from monokernel.weights.quantize import STAGE_MATRICES
+
+    out: dict[str, GroupQuant] = {}
+    for names in STAGE_MATRICES.values():
+        stage = {k: g for k, g in groups.items() if k.rsplit(".", 1)[-1] in names}
+        if not stage:
+            continue
+        if all(g.bits == 4 for g in stage.values()) and len({g.group for g in stage.values()}) == 1:
+            out.update(stage)
+            continue
+        group = math.gcd(*(g.group for g in stage.values()))
+        out.update(
+            {
+                k: g if (g.bits, g.group) == (8, group) else g.widened(group)
+                for k, g in stage.items()
+            }
+        )
+    return out
 
 
 def quantize_groups8(w: torch.Tensor, group: int) -> GroupQuant:
@@ -157,3 +171,19 @@ def quantize_groups8(w: torch.Tensor, group: int) -> GroupQuant:
     a = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(lo))
     q = torch.round((x - lo[:, :, None]) / a[:, :, None]).clamp_(0, 255)
     return GroupQuant(q.to(torch.uint8).reshape(w.shape), a, lo.contiguous(), group, 8)
+
+
+def q4_k_m_groups(weights: Mapping[str, torch.Tensor]) -> dict[str, GroupQuant]:
+    """Each layer matrix of ``weights`` as a GGUF Q4_K_M holds it, for benchmarks and tests on
+    weights no such file holds (bench's ``q4_k_m``): V and the down projection in 6 bits (here
+    8-bit groups of 16, Q6_K's width), the rest in 4 (int4 groups of 32, Q4_K's), each stage
+    at one width as uniform_groups makes a file's."""
+    from monokernel.weights.group_quant import quantize_rtn
+    from monokernel.weights.quantize import is_quantized
+
+    groups = {
+        k: quantize_groups8(w, 16) if k.endswith((".wv", ".w_down")) else quantize_rtn(w, 32)
+        for k, w in weights.items()
+        if is_quantized(k)
+    }
+    return uniform_groups(groups)

@@ -11,7 +11,8 @@ dtype, so every engine computes the same model and the monokernel's tokens can s
 checked against the reference's.
 
 A checkpoint stored in 4 or 8 bits with its own groups (GGUF, AWQ, GPTQ: Checkpoint.groups)
-streams those groups as they are (``groups_format``: int4, or int8's grouped tiles).
+streams those groups as they are (``groups_plan``: int4, int8's grouped tiles, or the two
+side by side, a stage each).
 
 Only the seven matrices of every layer are quantised. The LM head and the embedding keep the
 checkpoint's format, as vLLM's ``--quantize`` does: they are the most sensitive matrices
@@ -21,7 +22,9 @@ embedding is a table the kernel gathers one row of a token, not a matrix it stre
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -137,43 +140,86 @@ def fake_quantize(
 
 
 def groups_method(groups: Mapping[str, GroupQuant]) -> str:
-    """The weight format a checkpoint's own groups stream in: int4 for 4 bits, int8 (its
-    grouped tiles) for 8 (weights/gguf_8bit.py uniform_groups makes them one width)."""
-    widths = {gq.bits for gq in groups.values()}
+    """The --quantize method a checkpoint's own groups stand for: int4 where every matrix
+    is 4 bits, else int8 (some or all in int8 groups: GroupsPlan)."""
+    return "int4" if all(gq.bits == 4 for gq in groups.values()) else "int8"
+
+
+def group_format(gq: GroupQuant, tiles: bool) -> Int4Groups | Int8Rows:
+    """The format instance that packs ``gq`` (int4 in the tile layout if ``tiles``; int8
+    groups exist only in tiles)."""
+    return Int4Groups(gq.group, tiles=tiles) if gq.bits == 4 else Int8Rows(group=gq.group)
+
+
+# The layer stages a checkpoint's groups may stream in formats of their own (the kernel's
+# MK_QKV_FORMAT / MK_DOWN_FORMAT), and the matrices of each; "layers": the O and gate/up
+# projections, in the layers' format.
+STAGE_MATRICES: dict[str, tuple[str, ...]] = {
+    "layers": ("wo", "w_gate", "w_up"),
+    "qkv": ("wq", "wk", "wv"),
+    "down": ("w_down",),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GroupsPlan:
+    """How the monokernel streams a checkpoint's own groups: (format, group) of the layers'
+    matrices, and of the fused QKV and the down projection where theirs differ (("", 0)
+    where not): a GGUF Q4_K_M's V and down projections, kept in 6 bits, in int8 groups of
+    16 beside int4 tiles in groups of 32."""
+
+    layers: tuple[str, int]
+    qkv: tuple[str, int] = ("", 0)
+    down: tuple[str, int] = ("", 0)
+
+
+def _stage_width(groups: Mapping[str, GroupQuant], stage: str) -> tuple[int, int]:
+    widths = {
+        (gq.bits, gq.group)
+        for name, gq in groups.items()
+        if name.rsplit(".", 1)[-1] in STAGE_MATRICES[stage]
+    }
     if len(widths) != 1:
         raise UnsupportedQuantizationError(
-            f"a checkpoint's groups of {sorted(widths)} bits: the kernel streams one width"
+            f"a checkpoint's {stage} matrices in {sorted(widths)} (bits, group): the kernel "
+            "streams a stage in one (weights/gguf_8bit.py uniform_groups makes them so)"
         )
-    return "int4" if widths == {4} else "int8"
+    return widths.pop()
 
 
-def groups_format(groups: Mapping[str, GroupQuant], tiles: bool) -> WeightFormat:
-    """The format instance that packs ``groups`` (int4 in the tile layout if ``tiles``; int8
-    groups exist only in tiles)."""
-    group = groups_size(groups)
-    if groups_method(groups) == "int4":
-        return Int4Groups(group, tiles=tiles)
-    return Int8Rows(group=group)
+def groups_plan(
+    cfg: ModelConfig, groups: Mapping[str, GroupQuant]
+) -> tuple[GroupsPlan, dict[str, GroupQuant]]:
+    """The plan for ``groups`` on a model of ``cfg``'s sizes (a rank's), and the groups as it
+    streams them: each stage in its own width where every stage streams tiles (int8 groups
+    always, int4 where tiles.py tiles_for says so), else every matrix in int8 groups of the
+    finest group (int4 rows cannot sit beside int8 tiles; widened, their values unchanged)."""
+    width = {stage: _stage_width(groups, stage) for stage in STAGE_MATRICES}
+    if len(set(width.values())) > 1:
+        tiles = tiles_for("int4", cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size)
+        if not tiles and any(bits == 4 for bits, _ in width.values()):
+            finest = math.gcd(*(g for _, g in width.values()))
+            groups = {k: gq.widened(finest) for k, gq in groups.items()}
+            width = dict.fromkeys(STAGE_MATRICES, (8, finest))
+    method = {4: "int4", 8: "int8"}
+    bits, group = width["layers"]
+    own = {
+        stage: (method[width[stage][0]], width[stage][1])
+        if width[stage] != width["layers"]
+        else ("", 0)
+        for stage in ("qkv", "down")
+    }
+    return GroupsPlan((method[bits], group), own["qkv"], own["down"]), dict(groups)
 
 
 def groups_stream(cfg: ModelConfig, groups: Mapping[str, GroupQuant]) -> bool:
     """Whether the monokernel streams a checkpoint's own groups as they are: always for 4
-    bits; for 8 (int8 groups, tiles only) where the model's (a rank's) sizes are whole tiles
-    (tiles.py tile_misfits). Elsewhere the layers stream their dequantised values in bf16."""
+    bits; with 8-bit ones (int8 groups, tiles only) where the model's (a rank's) sizes are
+    whole tiles (tiles.py tile_misfits). Elsewhere the layers stream their dequantised values
+    in bf16."""
     if groups_method(groups) == "int4":
         return True
     return not tile_misfits(cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size)
-
-
-def groups_size(groups: Mapping[str, GroupQuant]) -> int:
-    """The one group size of a 4-bit checkpoint's matrices (the kernel's int4 build reads
-    one); UnsupportedQuantizationError naming them where they differ."""
-    sizes = sorted({gq.group for gq in groups.values()})
-    if len(sizes) != 1:
-        raise UnsupportedQuantizationError(
-            f"4-bit matrices in groups of {sizes} columns; the kernel reads one group size"
-        )
-    return sizes[0]
 
 
 class DequantizedView(Mapping[str, torch.Tensor]):

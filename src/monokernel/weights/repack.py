@@ -33,7 +33,7 @@ from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.group_quant import fuse_rows as gq_fuse_rows
 from monokernel.weights.group_quant import interleave_rows as gq_interleave_rows
 from monokernel.weights.names import Weights
-from monokernel.weights.quantize import config_format, groups_format
+from monokernel.weights.quantize import config_format, group_format
 
 MATRICES: tuple[str, ...] = ("wqkv", "wo", "wgu", "wdown")  # a layer's streamed matrices
 
@@ -102,13 +102,13 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _pack_groups(groups: Mapping[str, GroupQuant], p: str, tiles: bool) -> dict[str, PackedMatrix]:
-    """Layer ``p``'s matrices from the checkpoint's own groups (int4, or int8's grouped
-    tiles: quantize.py groups_format), fused as repack_layer fuses the dense ones, their bits
-    unchanged (int4 in the tile layout if ``tiles``: tiles.py tiles_for)."""
-    fmt = groups_format(groups, tiles)
+    """Layer ``p``'s matrices from the checkpoint's own groups, each in int4 or int8's grouped
+    tiles as its width says (quantize.py group_format; a stage may differ from the others:
+    GroupsPlan), fused as repack_layer fuses the dense ones, their bits unchanged (int4 in the
+    tile layout if ``tiles``: tiles.py tiles_for)."""
 
     def pack(gq: GroupQuant) -> PackedMatrix:
-        return fmt.pack_groups(gq.q, gq.scale, gq.offset)
+        return group_format(gq, tiles).pack_groups(gq.q, gq.scale, gq.offset)
 
     g = {name: groups[p + name] for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
     return {

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from monokernel.models.config import ModelConfig
 from monokernel.weights.gguf_8bit import (
     GGUF_8BIT_BLOCK_BYTES,
     GGUF_8BIT_GROUP,
@@ -73,19 +74,53 @@ def _gq4(rows: int, cols: int, group: int, seed: int) -> GroupQuant:
     return quantize_rtn(w, group)
 
 
-def test_one_width_for_a_mixed_file() -> None:
-    four = {"a": _gq4(4, 256, 32, 0), "b": _gq4(4, 256, 32, 1)}
+def test_one_width_a_stage_for_a_mixed_file() -> None:
+    four = {f"layers.0.{m}": _gq4(4, 256, 32, i) for i, m in enumerate(("wq", "wv", "wo"))}
     assert uniform_groups(four) == four  # all 4 bits in one group: as they are
-    raw = random_blocks("Q6_K", 4, 256, seed=2)
-    mixed = {**four, "c": from_gguf_8bit(torch.from_numpy(raw), "Q6_K", (4, 256))}
+    q6 = from_gguf_8bit(torch.from_numpy(random_blocks("Q6_K", 4, 256, seed=2)), "Q6_K", (4, 256))
+    # A Q4_K_M: V and the down projection in Q6_K. The whole QKV stage and the down
+    # projection go to 8 bits in groups of 16; the O projection stays as it is.
+    mixed = {**four, "layers.0.wv": q6, "layers.0.w_down": q6}
     out = uniform_groups(mixed)
-    assert {(g.bits, g.group) for g in out.values()} == {(8, 16)}
+    widths = {k.rsplit(".", 1)[1]: (g.bits, g.group) for k, g in out.items()}
+    assert widths == {"wq": (8, 16), "wv": (8, 16), "w_down": (8, 16), "wo": (4, 32)}
     for k, g in mixed.items():
-        assert torch.equal(out[k].dense(), g.dense()), k  # the same values
-        assert torch.equal(out[k].q, g.q), k
-    # 4-bit groups of 128 and 32 side by side: 8 bits in groups of 32.
-    two = uniform_groups({"a": _gq4(4, 256, 128, 3), "b": _gq4(4, 256, 32, 4)})
+        assert torch.equal(out[k].dense(), g.dense()) and torch.equal(out[k].q, g.q), k
+    # 4-bit groups of 128 and 32 in one stage: 8 bits in groups of 32.
+    two = uniform_groups(
+        {"layers.0.wo": _gq4(4, 256, 128, 3), "layers.0.w_up": _gq4(4, 256, 32, 4)}
+    )
     assert {(g.bits, g.group) for g in two.values()} == {(8, 32)}
+
+
+def test_groups_plan_streams_a_stage_in_its_own_width_where_int4_is_tiled() -> None:
+    from monokernel.models.shapes import SHAPES
+    from monokernel.weights.quantize import GroupsPlan, groups_plan
+
+    def model(cfg: ModelConfig, down_bits: int) -> dict[str, GroupQuant]:
+        g: dict[str, GroupQuant] = {}
+        h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        shapes = {"wq": (q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q),
+                  "w_gate": (i, h), "w_up": (i, h), "w_down": (h, i)}  # fmt: skip
+        for m, (r, c) in shapes.items():
+            eight = m == "wv" or (m == "w_down" and down_bits == 8)
+            qq = torch.zeros(r, c, dtype=torch.uint8)
+            ones = torch.ones(r, c // (16 if eight else 32))
+            g[f"layers.0.{m}"] = GroupQuant(qq, ones, ones, 16 if eight else 32, 8 if eight else 4)
+        return uniform_groups(g)
+
+    big = SHAPES["llama-3.1-8b"]  # int4 in tiles
+    plan, groups = groups_plan(big, model(big, 8))
+    assert plan == GroupsPlan(("int4", 32), ("int8", 16), ("int8", 16))
+    plan, _ = groups_plan(big, model(big, 4))
+    assert plan == GroupsPlan(("int4", 32), ("int8", 16), ("", 0))
+    eights = {k: g.widened(g.group) if g.bits == 4 else g for k, g in model(big, 8).items()}
+    plan, _ = groups_plan(big, eights)  # a Q5_K_M: int8 groups of 32 beside 16s
+    assert plan == GroupsPlan(("int8", 32), ("int8", 16), ("int8", 16))
+    small = SHAPES["smollm2-135m"]  # int4 in rows: everything in int8 groups of 16
+    plan, groups = groups_plan(small, model(small, 8))
+    assert plan == GroupsPlan(("int8", 16))
+    assert {(g.bits, g.group) for g in groups.values()} == {(8, 16)}
 
 
 def test_group_quant_widths() -> None:

@@ -360,8 +360,9 @@ def test_q4_k_layer_matrices_keep_their_bits(tmp_path: Path, arch: str) -> None:
 
 
 def test_4bit_blocks_mixed_with_q8_0_stream_as_int8_groups(tmp_path: Path) -> None:
-    """Q4_1 layers with one Q8_0 matrix (as a Q4_K_M mixes Q6_K into its Q4_K): every layer
-    matrix in 8 bits, groups of 32, each value the file's."""
+    """Q4_1 layers with one Q8_0 down projection (as a Q4_K_M mixes Q6_K into its Q4_K):
+    the down projections in 8 bits, groups of 32, the other matrices as their Q4_1 blocks;
+    each value the file's."""
     from monokernel.weights.loader import load_checkpoint
 
     _, state = tiny_hf("llama", tied=True, sizes=SIZES_4BIT)
@@ -371,7 +372,7 @@ def test_4bit_blocks_mixed_with_q8_0_stream_as_int8_groups(tmp_path: Path) -> No
     assert ckpt.quantization == "int8" and ckpt.groups is not None
     assert len(ckpt.groups) == 7 * SIZES_4BIT["num_hidden_layers"]
     for name, gq in ckpt.groups.items():
-        assert (gq.bits, gq.group) == (8, 32), name
+        assert (gq.bits, gq.group) == (8 if name.endswith("w_down") else 4, 32), name
         assert torch.equal(gq.dense(), ckpt.weights[name]), name
     assert int(ckpt.groups["layers.1.w_down"].q.max()) > 15  # Q8_0's bytes, not nibbles
 
@@ -428,7 +429,10 @@ def test_k_quant_layers_keep_their_values(
     assert ckpt.quantization == "int8" and ckpt.groups is not None
     assert len(ckpt.groups) == 7 * SIZES_Q4_K["num_hidden_layers"]
     for name, gq in ckpt.groups.items():
-        assert (gq.bits, gq.group) == (8, group), name
+        # A mix: QKV (V in Q6_K) and down in 8 bits, the rest as the first kind's blocks.
+        mixed = len(kinds) > 1 and name.rsplit(".", 1)[1] in ("wo", "w_gate", "w_up")
+        first = (4, 32) if kinds[0] == QT.Q4_K else (8, 32)
+        assert (gq.bits, gq.group) == (first if mixed else (8, group)), name
         torch.testing.assert_close(gq.dense(), ckpt.weights[name], rtol=2**-22, atol=0)
     t = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}["blk.0.ffn_down.weight"]
     want = gguf.quants.dequantize(np.array(t.data), kinds[-1]).reshape(

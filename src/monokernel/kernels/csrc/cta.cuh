@@ -12,14 +12,14 @@
 
 // Warps sharing a unit of stages A, C and D: a row (tunables.cuh), or in a tile format a
 // tile of 16 rows (build.py's per-shape tile splits; D then runs as a split GEMV too).
-constexpr int kSplitQkv = WeightFormat::kTiles ? MK_TILE_SPLIT_A : kSplitA;
+constexpr int kSplitQkv = QkvFormat::kTiles ? MK_TILE_SPLIT_A : kSplitA;
 constexpr int kSplitO = WeightFormat::kTiles ? MK_TILE_SPLIT_C : kSplitC;
 constexpr int kSplitD = MK_TILE_SPLIT_D;
 
 // The split GEMVs' shapes, one register buffer each (F's shares A's).
-using SA = Split<WeightFormat, MK_H, kSplitQkv>;   // A: QKV
+using SA = Split<QkvFormat, MK_H, kSplitQkv>;      // A: QKV
 using SC = Split<WeightFormat, MK_Q, kSplitO>;     // C: O projection
-using SE = Split<WeightFormat, MK_I, MK_SPLIT_E>;  // E: down projection
+using SE = Split<DownFormat, MK_I, MK_SPLIT_E>;    // E: down projection
 using SF = Split<HeadFormat, MK_H, kSplitF>;       // F: the LM head (its own format)
 using SD = Split<WeightFormat, MK_H, kSplitD>;     // D in a tile format: a tile of pairs
 using GateUp = RowShape<WeightFormat, MK_H, MK_BATCH2>;  // D: one gate or up row
@@ -27,13 +27,15 @@ using GateUp = RowShape<WeightFormat, MK_H, MK_BATCH2>;  // D: one gate or up ro
 constexpr int kPreG = WeightFormat::kTiles ? SD::Shape::B : GateUp::B;
 constexpr int kPreU = WeightFormat::kTiles ? 1 : GateUp::B;
 using WeightLoad = WeightFormat::Load;
+using QkvLoad = QkvFormat::Load;
+using DownLoad = DownFormat::Load;
 using HeadLoad = HeadFormat::Load;
 // A buffer issued on one path only would stay live through every layer and spill: the LM
 // head's first row goes into A's buffer (its first entries where its rows are shorter; the
 // buffer is the longer of the two where the head's format differs). Where the two formats'
 // loads differ in type (a tile format's side data, a bf16 head), the head's 16-byte loads
 // go into the entries' weight words (.w) and are copied out in the head (lm_head).
-constexpr bool kSharedPreAF = std::is_same_v<WeightLoad, HeadLoad>;
+constexpr bool kSharedPreAF = std::is_same_v<QkvLoad, HeadLoad>;
 constexpr int kPreAF = cmax(SA::Shape::B, SF::Shape::B);
 static_assert(std::is_same_v<HeadLoad, uint4>, "a head format's load is its 16 bytes");
 
@@ -84,11 +86,13 @@ struct Cta {
   unsigned attn_done;  // attention ranges finished so far, per head and per KV head group
   unsigned attn_done_g;
   // First batches held in registers across hand-offs, one buffer per stage shape.
-  WeightLoad preAF[kPreAF], preC[SC::Shape::B], preE[SE::Shape::B];
+  QkvLoad preAF[kPreAF];
+  WeightLoad preC[SC::Shape::B];
+  DownLoad preE[SE::Shape::B];
   WeightLoad preG[kPreG], preU[kPreU];
 
-  __device__ __forceinline__ WeightLoad (&preA())[SA::Shape::B] {
-    return *reinterpret_cast<WeightLoad(*)[SA::Shape::B]>(&preAF);
+  __device__ __forceinline__ QkvLoad (&preA())[SA::Shape::B] {
+    return *reinterpret_cast<QkvLoad(*)[SA::Shape::B]>(&preAF);
   }
   // The head's first batch where its loads are A's type (kSharedPreAF).
   template <bool kShared = kSharedPreAF>

@@ -17,18 +17,20 @@ static_assert(kAttnPmax == 256, "layout.py: kAttnPmax");
 static_assert(MK_TP_MAX == 8, "layout.py: TP_MAX_RANKS");
 // A weight matrix's view is its rows and its scales (layout.py MatrixView).
 static_assert(sizeof(WeightMatrix) == 16, "layout.py: MatrixView");
+static_assert(sizeof(QkvMatrix) == 16, "layout.py: MatrixView");
+static_assert(sizeof(DownMatrix) == 16, "layout.py: MatrixView");
 static_assert(sizeof(HeadMatrix) == 16, "layout.py: MatrixView");
 
 // ---- the kernel's argument; launcher.py's ctypes structs come from the same table ----
 struct LayerWeights {  // one a layer, in a device array
-  WeightMatrix wqkv;       // [Q + 2KV, H] q heads, k heads, v heads; attn_norm folded
+  QkvMatrix wqkv;          // [Q + 2KV, H] q heads, k heads, v heads; attn_norm folded
   const float* bqkv;       // [Q + 2KV] or null
   const float* q_norm;     // [D] or null
   const float* k_norm;     // [D] or null
   WeightMatrix wo;         // [H, Q]
   const float* bo;         // [H] or null
   WeightMatrix wgu;        // [2I, H] row 2r = gate r, 2r+1 = up r; ffn_norm folded
-  WeightMatrix wdown;      // [H, I]
+  DownMatrix wdown;        // [H, I]
   const float* attn_gain;  // [H] or null (null: folded into wqkv)
   const float* ffn_gain;   // [H] or null (null: folded into wgu)
 };

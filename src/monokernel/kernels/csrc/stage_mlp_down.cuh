@@ -62,5 +62,5 @@ __device__ __forceinline__ void mlp_down(const Params& p, Cta& c, const Step& s,
   // The next stage's first loads: the next layer's stage A (attn_norm_qkv_first) or, after
   // the last layer, the LM head's, into A's buffer. The row's address is read before the
   // arrival, off the way from the hand-off's barrier to the loads.
-  mlp_down_hand_off<WeightFormat, HeadFormat>(p, c, s, l);
+  mlp_down_hand_off<QkvFormat, HeadFormat>(p, c, s, l);
 }

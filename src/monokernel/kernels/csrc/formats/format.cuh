@@ -8,7 +8,8 @@
 //   dot(u, x)   one load's weights dotted with kPerLoad fp32 inputs x, fp32 accumulation,
 // and the GEMVs (gemv.cuh, drawn_rows.cuh) are templates over it, reached through the type
 // of the matrix view they are given: the stages never name a format. MK_WEIGHT_FORMAT picks
-// the layers' format and MK_HEAD_FORMAT the LM head's (build.py's WEIGHT_FORMATS table). A
+// the layers' format (MK_QKV_FORMAT / MK_DOWN_FORMAT those two stages' where they differ) and
+// MK_HEAD_FORMAT the LM head's (build.py's WEIGHT_FORMATS table). A
 // new format adds its header here, its row in that table and its packing on the host.
 #pragma once
 #include <type_traits>
@@ -68,7 +69,24 @@ struct RowScales {
 
 using WeightFormat = MK_WEIGHT_FORMAT;
 using HeadFormat = MK_HEAD_FORMAT;
+// The fused QKV and the down projection may stream another format than the other layers'
+// matrices (MK_QKV_FORMAT, MK_DOWN_FORMAT): a GGUF Q4_K_M keeps V and the down projection in
+// 6 bits (int8 groups) and the rest in 4 (int4 tiles). Both tile formats where they differ.
+#ifdef MK_QKV_FORMAT
+using QkvFormat = MK_QKV_FORMAT;
+#else
+using QkvFormat = WeightFormat;
+#endif
+#ifdef MK_DOWN_FORMAT
+using DownFormat = MK_DOWN_FORMAT;
+#else
+using DownFormat = WeightFormat;
+#endif
+static_assert(QkvFormat::kTiles == WeightFormat::kTiles && DownFormat::kTiles == WeightFormat::kTiles,
+              "a stage of its own format streams tiles as the others do (build.py checks)");
 using WeightMatrix = Matrix<WeightFormat>;
+using QkvMatrix = Matrix<QkvFormat>;
+using DownMatrix = Matrix<DownFormat>;
 using HeadMatrix = Matrix<HeadFormat>;
 
 // The kPerLoad inputs of one load: 8-float units of the swizzled vector (common.cuh) at q,

@@ -45,10 +45,11 @@ from monokernel.weights.formats import DEFAULT_FORMAT
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.names import Weights
 from monokernel.weights.quantize import (
+    GroupsPlan,
     blocks_stream,
     check_method,
     groups_method,
-    groups_size,
+    groups_plan,
     groups_stream,
     int4_group_of,
 )
@@ -93,9 +94,9 @@ class MonokernelBackend:
         int4), quantised from the checkpoint at load; the LM head and the embedding stay as
         they are (None: bf16 throughout). ``groups``: a 4-bit checkpoint's own groups
         (Checkpoint.groups), or 8-bit ones (a GGUF file's 5- to 8-bit blocks), packed in
-        int4 or int8 groups with their bits unchanged; needs ``quantize`` "int4" or "int8"
-        (quantize.py groups_method), and ``weights`` are then only read for what is not a
-        layer's matrix.
+        int4 or int8 groups with their bits unchanged (a stage may stream its own width:
+        quantize.py GroupsPlan); needs ``quantize`` "int4" or "int8" (quantize.py
+        groups_method), and ``weights`` are then only read for what is not a layer's matrix.
         ``fp8_blocks``: an FP8 checkpoint's block scales (Checkpoint.fp8_blocks), needs
         ``quantize`` "fp8": where the layers stream as tiles (weights/quantize.py
         blocks_stream), the checkpoint's own E4M3 values are packed with them; elsewhere each
@@ -132,11 +133,13 @@ class MonokernelBackend:
         if fp8_blocks is not None and not blocks_stream(cfg, fp8_blocks):
             fp8_blocks = None
         group = fp8_blocks.cols if fp8_blocks is not None else 0
+        plan = GroupsPlan((fmt, group))
         if groups is not None:
-            group = groups_size(groups)
+            plan, groups = groups_plan(cfg, groups)
         elif fmt == "int4":
-            group = int4_group_of(cfg)
-        dims = kernel_dims(cfg, weight_format=fmt, weight_group=group)  # refuses bad shapes first
+            plan = GroupsPlan((fmt, int4_group_of(cfg)))
+        # Refuses bad shapes first.
+        dims = kernel_dims(cfg, 1, *plan.layers, qkv=plan.qkv, down=plan.down)
         # Compiled (or found cached) before the weights are touched: a failed build leaves
         # them whole, for the engine `auto` falls back to, even when repacking consumes them.
         for d in (dims, dataclasses.replace(dims, group_units=False)):

@@ -83,17 +83,24 @@ def kernel_dims(
     weight_format: str = "bf16",
     weight_group: int = 0,
     vocab_all: int = 0,
+    qkv: tuple[str, int] = ("", 0),
+    down: tuple[str, int] = ("", 0),
 ) -> kbuild.KernelDims:
     """The build's dimensions for ``cfg`` (one rank's config under tensor parallelism, of a
     model of ``vocab_all`` ids), the layers' matrices in ``weight_format`` (int4: in groups
-    of ``weight_group`` columns); refuses a shape the kernel cannot run, before anything is
-    allocated for it."""
+    of ``weight_group`` columns), the fused QKV and the down projection in their own
+    (format, group) where ``qkv`` / ``down`` name one (weights/quantize.py GroupsPlan);
+    refuses a shape the kernel cannot run, before anything is allocated for it."""
     dims = dataclasses.replace(
         kbuild.KernelDims.from_config(cfg),
         tp=tp,
         weight_format=weight_format,
         weight_group=weight_group,
         vocab_all=vocab_all if tp > 1 else 0,
+        qkv_format=qkv[0],
+        qkv_group=qkv[1],
+        down_format=down[0],
+        down_group=down[1],
     )
     dims.check_formats()
     return dims

@@ -158,26 +158,34 @@ def test_teacher_forced_logits_from_groups_of_32(int4_layout: str) -> None:
         pytest.param("llama-3.1-8b", 16, marks=_needs("llama-3.1-8b")),
         pytest.param("qwen2.5-coder-1.5b", 32, marks=_needs("qwen2.5-coder-1.5b")),
         pytest.param("odd64", 16, marks=_needs("odd64")),
+        pytest.param("llama-3.1-8b", 0, marks=_needs("llama-3.1-8b"), id="llama-3.1-8b-q4_k_m"),
     ],
 )
 def test_teacher_forced_logits_from_int8_groups(shape: str, group: int) -> None:
     """A GGUF file's 5- to 8-bit layers (int8 groups of 16, Q6_K's, or 32, Q8_0's and
-    Q5_K's; csrc Int8GroupTiles): rel L2 <= 1e-2 against the reference on the groups' own
-    values at every one of 256 steps."""
+    Q5_K's; csrc Int8GroupTiles), and a Q4_K_M's mix (group 0 here: int4 tiles in groups of
+    32, QKV and down in int8 groups of 16, a stage format each): rel L2 <= 1e-2 against the
+    reference on the groups' own values at every one of 256 steps."""
     from monokernel.runtime.backends.monokernel import MonokernelBackend
-    from monokernel.weights.gguf_8bit import quantize_groups8
+    from monokernel.weights.gguf_8bit import q4_k_m_groups, quantize_groups8
     from monokernel.weights.quantize import is_quantized
 
     cfg, dev = CONFIGS[shape], torch.device("cuda")
     weights = random_weights(cfg, device=dev, seed=37)
     seq = random_ids(PROMPT + STEPS, cfg.vocab_size, seed=38)
-    groups = {k: quantize_groups8(v, group) for k, v in weights.items() if is_quantized(k)}
+    if group:
+        groups = {k: quantize_groups8(v, group) for k, v in weights.items() if is_quantized(k)}
+    else:
+        groups = q4_k_m_groups(weights)
     mk = MonokernelBackend(
         cfg, weights, PROMPT + STEPS, dev, quantize="int8", groups=groups,
         prefill_precision="fp32",
     )  # fmt: skip
-    dims = mk.kernel.dims
-    assert (dims.weight_format, dims.weight_group, dims.weight_tiles) == ("int8", group, True)
+    d = mk.kernel.dims
+    if group:
+        assert (d.weight_format, d.weight_group, d.weight_tiles) == ("int8", group, True)
+    else:
+        assert d.stage_formats() == [("int4", 32), ("int8", 16), ("int8", 16)] and d.weight_tiles
     got = mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
     mk.close()
     del mk
@@ -270,13 +278,15 @@ def test_default_model_greedy(fmt: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mix", ["q8_0", "q4_1+q8_0", "16"])
+@pytest.mark.parametrize("mix", ["q8_0", "q4_1+q8_0", "q4_1+q8_0-tiles", "16"])
 def test_default_model_from_8bit_blocks(mix: str) -> None:
     """The real default model's layers as a GGUF file of 8-bit blocks would load them
     (weights/gguf_8bit.py): every matrix re-encoded as Q8_0 by the gguf package's own
     quantiser ("q8_0"); its Q4_1 blocks with Q8_0 for V and the down projection, as a
-    Q4_K_M mixes Q6_K into its Q4_K ("q4_1+q8_0": int8 groups of 32); its Q4_1 blocks as
-    int8 groups of 16 (Q6_K's width, "16"). Greedy tokens equal the reference's on the same
+    Q4_K_M mixes Q6_K into its Q4_K ("q4_1+q8_0": int8 groups of 32, as int4 streams rows
+    here; "-tiles": int4 forced to tiles, so the O and gate/up projections stream their
+    Q4_1 blocks as int4 tiles beside QKV and down in int8 groups); its Q4_1 blocks as int8
+    groups of 16 (Q6_K's width, "16"). Greedy tokens equal the reference's on the same
     values for 256 steps."""
     if not hopper_with(8):
         pytest.skip("needs a Hopper GPU")
@@ -290,7 +300,7 @@ def test_default_model_from_8bit_blocks(mix: str) -> None:
     ckpt_groups = default_model_groups()
     groups: dict[str, GroupQuant] = {}
     for name, gq in ckpt_groups.items():
-        q8 = mix == "q8_0" or (mix == "q4_1+q8_0" and name.endswith((".wv", ".w_down")))
+        q8 = mix == "q8_0" or (mix.startswith("q4_1") and name.endswith((".wv", ".w_down")))
         if q8:
             w = gq.dense().numpy()
             raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
@@ -300,11 +310,16 @@ def test_default_model_from_8bit_blocks(mix: str) -> None:
             groups[name] = gq.widened(16) if mix == "16" else gq
     groups = {k: v.to("cuda") for k, v in uniform_groups(groups).items()}
     dev = torch.device("cuda")
-    mk = MonokernelBackend(
-        cfg, weights, len(prompt) + STEPS, dev, quantize="int8", groups=groups,
-        prefill_precision="fp32",
-    )  # fmt: skip
-    assert mk.kernel.dims.weight_group == (16 if mix == "16" else 32)
+    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="tiles" if mix.endswith("tiles") else "auto"):
+        mk = MonokernelBackend(
+            cfg, weights, len(prompt) + STEPS, dev, quantize="int8", groups=groups,
+            prefill_precision="fp32",
+        )  # fmt: skip
+    formats = mk.kernel.dims.stage_formats()
+    if mix.endswith("tiles"):
+        assert formats == [("int4", 32), ("int8", 32), ("int8", 32)]
+    else:
+        assert formats == [("int8", 16 if mix == "16" else 32)] * 3
     request = DecodeRequest(tuple(prompt), SamplingParams(temperature=0.0), STEPS, frozenset())
     got = list(mk.stream(request, CancelToken()))
     mk.close()

@@ -67,9 +67,10 @@ from monokernel.weights.formats import DEFAULT_FORMAT
 from monokernel.weights.group_quant import GroupQuant, quantize_rtn
 from monokernel.weights.names import Weights
 from monokernel.weights.quantize import (
+    GroupsPlan,
     check_method,
     groups_method,
-    groups_size,
+    groups_plan,
     groups_stream,
     int4_group_of,
     is_quantized,
@@ -126,10 +127,12 @@ class Rank:
         ``fp8_blocks``: in fp8, the rank's block scales (shard_fp8_blocks)."""
         cfg = rank_config(sc)
         self.sc, self.cfg, self.device = sc, cfg, device
-        group = groups_size(groups) if groups is not None else 0
-        if fp8_blocks is not None:
-            group = fp8_blocks.cols
-        dims = kernel_dims(cfg, sc.tp, fmt, group, vocab_all=sc.base.vocab_size)
+        plan = GroupsPlan((fmt, fp8_blocks.cols if fp8_blocks is not None else 0))
+        if groups is not None:
+            plan, groups = groups_plan(cfg, groups)
+        dims = kernel_dims(
+            cfg, sc.tp, *plan.layers, sc.base.vocab_size, qkv=plan.qkv, down=plan.down
+        )
         with torch.cuda.device(device):
             self.cache = KVCache.allocate(cfg, max_seq_len, torch.bfloat16, device)
             packed = repack(
@@ -220,8 +223,10 @@ class MonokernelTPBackend:
         if fp8_blocks is not None and not tp_blocks_stream(cfg, tp, fp8_blocks):
             fp8_blocks = None
         group = 0
-        if groups is not None or fmt == "int4":  # TP=1's group, whole in every rank's columns
-            group = groups_size(groups) if groups is not None else int4_group_of(cfg)
+        if groups is not None or fmt == "int4":  # TP=1's groups, whole in every rank's columns
+            group = int4_group_of(cfg)
+            if groups is not None:
+                group = max(g.group for g in groups.values())
             check_tp_groups(cfg, tp, group)
         # The weights stay where they are (the engine loads them to the host for --tp): each
         # rank's shard goes to its GPU, in bf16, one at a time.
