@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from monokernel.weights import repack
+from monokernel.weights import group_quant, repack
 from monokernel.weights.gguf_loader import _dequantize_blocks
 from monokernel.weights.group_quant import (
+    _ANCHORS,
+    _REFITS,
+    _SHRINKS,
     GroupQuant,
     GroupQuantError,
     from_awq,
@@ -360,35 +363,135 @@ def test_construction_and_check_refuse_bad_tensors() -> None:
 # --------------------------------------------------------------------------- quantize_rtn
 
 
-def test_rtn_is_within_half_a_step_and_zero_exact() -> None:
-    torch.manual_seed(0)
-    w = torch.randn(33, 384) * torch.rand(33, 1) * 3
+def group_errors(gq: GroupQuant, w: torch.Tensor) -> torch.Tensor:
+    """Each group's squared error sum (dense - w)^2, in float64 [rows, groups]."""
+    d = gq.dense().double() - w.double()
+    return (d * d).view(gq.rows, -1, gq.group).sum(dim=2)
+
+
+def minmax_errors(w: torch.Tensor, group: int) -> torch.Tensor:
+    """Each group's squared error under plain min/max rounding (scale = range / 15, offset
+    = min, nearest step), in float64 [rows, groups]."""
+    x = w.double().view(w.shape[0], -1, group)
+    lo, hi = x.amin(dim=2, keepdim=True), x.amax(dim=2, keepdim=True)
+    s = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(lo))
+    d = ((x - lo) / s).round().clamp(0, 15) * s + lo - x
+    return (d * d).sum(dim=2)
+
+
+def reference_search(v: torch.Tensor) -> float:
+    """The least squared error the search reaches on one group v, written apart from
+    quantize_rtn's: in float64, from the weights themselves (no closed forms), one group
+    and one start at a time."""
+    lo, hi = float(v.min()), float(v.max())
+    span = hi - lo
+    if span == 0:
+        return 0.0
+
+    def nearest(scale: float, offset: float) -> torch.Tensor:
+        return ((v - offset) / scale).round().clamp(0, 15)
+
+    best = (float("inf"), 0.0, 0.0)
+    starts = [(1.0, 0.0)] + [(f, a) for f in _SHRINKS for a in _ANCHORS]
+    for f, a in starts:
+        scale = f * span / 15
+        offset = lo + (span - f * span) * (1 + a) / 2
+        for _ in range(_REFITS):
+            q = nearest(scale, offset)
+            if q.min() < q.max():
+                # Least squares v ~ scale * q + offset, as numpy's polyfit gives it.
+                scale, offset = (float(c) for c in np.polyfit(q.numpy(), v.numpy(), 1))
+            best = min(best, (float(((scale * q + offset - v) ** 2).sum()), scale, offset))
+    _, scale, offset = best
+    return float(((scale * nearest(scale, offset) + offset - v) ** 2).sum())
+
+
+def q4_1_like(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Weights as a GGUF Q4_1 file holds them: each block of 32 on its own 16-step grid (a
+    random scale and min), the quants bell-shaped around the middle."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = rows * cols // 32
+    d = torch.rand(blocks, 1, generator=g) * 0.01 + 0.002
+    m = -7.5 * d * (1 + 0.3 * torch.randn(blocks, 1, generator=g))
+    q = (torch.randn(blocks, 32, generator=g) * 3 + 7.5).round().clamp(0, 15)
+    q[:, 0], q[:, 1] = 0, 15  # each block uses its whole grid
+    return (d * q + m).reshape(rows, cols)
+
+
+@pytest.mark.parametrize(("rows", "cols", "group"), [(1, 576, 64), (3, 96, 32), (33, 384, 128)])
+def test_rtn_never_loses_to_min_max_rounding(rows: int, cols: int, group: int) -> None:
+    torch.manual_seed(rows)
+    w = torch.randn(rows, cols) * torch.rand(rows, 1) * 3
     w[:, 5] = 0.0
-    gq = quantize_rtn(w.bfloat16(), 128)
-    assert gq.group == 128 and gq.shape == (33, 384)
-    dense = gq.dense()
-    step = gq.scale.repeat_interleave(128, dim=1)
-    assert bool(((dense - w.bfloat16().float()).abs() <= step * (0.5 + 1e-5)).all())
-    assert bool((dense[:, 5] == 0.0).all())
-    zero = (-gq.offset / gq.scale).round()
-    assert torch.equal(gq.offset, -zero * gq.scale)  # an integer zero point times the scale
-    assert int(zero.min()) >= 0 and int(zero.max()) <= 15
-    # Each group spans the range: its extremes land on the end steps (the zero point's
-    # rounding can move the far end in by one).
-    groups = gq.q.view(33, 3, 128)
-    assert int(groups.amin(dim=2).max()) <= 1 and int(groups.amax(dim=2).min()) >= 14
+    w[0, : group // 2] += 4.0  # a lopsided group
+    gq = quantize_rtn(w, group)
+    assert gq.group == group and gq.shape == (rows, cols) and gq.check() is gq
+    assert gq.q.dtype == torch.uint8 and int(gq.q.max()) <= 15
+    ours, minmax = group_errors(gq, w), minmax_errors(w, group)
+    assert bool((ours <= minmax * (1 + 1e-5)).all())
+    # And by more than a little: the search's point.
+    assert float(ours.sum()) < 0.9 * float(minmax.sum())
 
 
-def test_rtn_constant_and_one_signed_groups() -> None:
-    w = torch.zeros(3, 64)
-    w[1, 32:] = 2.5  # positive only: the range is [0, 2.5], zero point 0
-    w[2, :32] = -1e-42  # subnormal: the smallest normal scale instead
+def test_rtn_rounds_each_weight_to_its_nearest_step() -> None:
+    w = torch.randn(16, 256, generator=torch.Generator().manual_seed(1)) * 0.05
+    gq = quantize_rtn(w, 64)
+    steps = torch.arange(16, dtype=torch.float64)
+    s = gq.scale.double().repeat_interleave(64, dim=1)[..., None]
+    o = gq.offset.double().repeat_interleave(64, dim=1)[..., None]
+    dist = (steps * s + o - w.double()[..., None]).abs()  # [16, 256, 16 steps]
+    chosen = dist.gather(2, gq.q.long()[..., None])[..., 0]
+    assert bool((chosen <= dist.amin(dim=2) + 1e-6 * s[..., 0]).all())
+
+
+def test_rtn_reaches_the_references_error() -> None:
+    """The vectorised search against a per-group float64 one (reference_search): the same
+    error, up to float32 flipping a rounding on the way in a rare group."""
+    w = torch.cat((q4_1_like(6, 256, seed=2), torch.randn(6, 256) * 0.02))
+    ours = group_errors(quantize_rtn(w, 64), w).view(-1)
+    ref = torch.tensor([reference_search(v) for v in w.double().view(-1, 64)])
+    close = (ours - ref).abs() <= 1e-4 * ref + 1e-12
+    assert float(close.double().mean()) >= 0.95
+    assert abs(float(ours.sum()) / float(ref.sum()) - 1) < 1e-3
+
+
+def test_rtn_on_4_bit_blocks() -> None:
+    """Q4_1 blocks (the default model's): in groups of 32, each block's own grid, given
+    back; in groups of 64, two blocks on one grid, well under min/max rounding's error."""
+    w = q4_1_like(24, 576, seed=3)
+    back = quantize_rtn(w, 32).dense()
+    assert bool(((back - w).abs() <= 1e-6 * w.abs().amax()).all())
+    ours, minmax = group_errors(quantize_rtn(w, 64), w), minmax_errors(w, 64)
+    assert float(ours.sum()) < 0.8 * float(minmax.sum())
+
+
+def test_rtn_is_deterministic_in_dtype_and_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.randn(40, 384, generator=torch.Generator().manual_seed(4)).bfloat16()
+    a, b = quantize_rtn(w, 128), quantize_rtn(w.float(), 128)  # bf16 widens exactly
+    monkeypatch.setattr(group_quant, "_CHUNK", 3 * 384)  # 14 chunks, the last of 1 row
+    c = quantize_rtn(w, 128)
+    for x in (b, c):
+        assert torch.equal(a.q, x.q) and torch.equal(bits(a.scale), bits(x.scale))
+        assert torch.equal(bits(a.offset), bits(x.offset))
+
+
+def test_rtn_constant_and_tiny_groups() -> None:
+    tiny = torch.finfo(torch.float32).tiny
+    w = torch.zeros(4, 64)
+    w[1, 32:] = 2.5  # constant: offset 2.5 and q 0, exact, scale 2.5 / 15
+    w[2, :32] = -1e-42  # constant and subnormal
+    w[3, :32] = torch.linspace(0, 1e-37, 32)  # a range too small for a normal scale / 15
+    w[3, 32:] = torch.linspace(-1, 1, 32)  # beside a plain one
     gq = quantize_rtn(w, 32)
+    assert gq.check() is gq and bool((gq.scale >= tiny).all())
     assert gq.scale[0].tolist() == [1.0, 1.0] and bool((gq.dense()[0] == 0).all())
-    assert float(gq.offset[1, 1]) == 0.0 and bool((gq.q[1, 32:] == 15).all())
-    assert torch.allclose(gq.dense()[1, 32:], torch.full((32,), 2.5))
-    assert float(gq.scale[2, 0]) == torch.finfo(torch.float32).tiny
-    assert bool((gq.scale > 0).all()) and gq.check() is gq
+    assert float(gq.scale[1, 1]) == float(torch.tensor(2.5) / 15)
+    assert bool((gq.q[1, 32:] == 0).all()) and float(gq.offset[1, 1]) == 2.5
+    assert bool((gq.dense()[1, 32:] == 2.5).all()) and bool((gq.dense()[2, :32] == -1e-42).all())
+    assert float(gq.scale[3, 0]) == tiny
+    assert bool(((gq.dense()[3, :32] - w[3, :32]).abs() <= tiny).all())
+    # (Min/max rounding's own step, 1e-37 / 15, would be subnormal: not comparable there.)
+    assert float(group_errors(gq, w)[3, 1]) <= float(minmax_errors(w, 32)[3, 1])
 
 
 def test_rtn_refusals_and_pick_group() -> None:

@@ -67,8 +67,8 @@ def dequantize_bf16(data: torch.Tensor, pairs: torch.Tensor, cols: int) -> torch
     or the tile layout's: int4.py) as bf16 [rows, cols], on data's CUDA device: a * q + b
     (tiles: a (128 + q) + (b - 128 a)), which Triton may fuse into one multiply-add, rounded
     to bf16. So each weight is within one bf16 rounding of dense()'s
-    float32 value; where that is 0 (q at the group's zero point) a fused residue of the
-    scale's own rounding, ~1e-8 of the step, may stand in for it."""
+    float32 value; where that is 0 a fused residue of the scale's own rounding, ~1e-8 of the
+    step, may stand in for it."""
     tiled = data.dim() == 4  # the tile layout (int4.py)
     rows = data.shape[0] * (16 if tiled else 1)
     out = torch.empty(rows, cols, dtype=torch.bfloat16, device=data.device)

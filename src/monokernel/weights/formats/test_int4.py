@@ -112,14 +112,21 @@ def test_a_checkpoints_groups_keep_their_bits() -> None:
     assert torch.equal(fmt.dense(m, torch.float32), want.reshape(6, 256))
 
 
-def test_pack_is_round_to_nearest_in_groups() -> None:
+def test_pack_is_quantize_rtn_in_groups() -> None:
+    """pack rounds each group onto the grid quantize_rtn searched for it: within half a
+    step of the grid inside its range, and clipped to its end steps outside it."""
     w = random_matrix(4, 256, seed=2)
     fmt = Int4Groups(128)
     m = fmt.pack(w)
     assert m.scales[0].shape == (4, 2, 2)
-    step = m.scales[0][:, :, 0].repeat_interleave(128, dim=1)
-    err = (fmt.dense(m, torch.float32) - w).abs()
-    assert bool((err <= step / 2 + 1e-6).all())
+    gq = quantize_rtn(w, 128)
+    assert torch.equal(fmt.dense(m, torch.float32), gq.dense())
+    step = gq.scale.repeat_interleave(128, dim=1)
+    low = gq.offset.repeat_interleave(128, dim=1)
+    inside = (w >= low - step / 2) & (w <= low + 15.5 * step)
+    err = (gq.dense() - w).abs()
+    assert bool((err[inside] <= step[inside] / 2 + 1e-6).all())
+    assert bool(((gq.q == 0) | (gq.q == 15))[~inside].all())
 
 
 @pytest.mark.parametrize(("start", "size"), [(0, 256), (256, 128), (128, 384)])

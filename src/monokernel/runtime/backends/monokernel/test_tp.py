@@ -104,23 +104,33 @@ def test_tp2_quantized_teacher_forced_logits(case: str) -> None:
 
 @pytest.mark.gpu
 @needs_hopper_pair
-def test_tp2_int8_groups_teacher_forced_logits() -> None:
+@pytest.mark.parametrize("case", ["g16", "q4_k_m"])
+def test_tp2_int8_groups_teacher_forced_logits(case: str) -> None:
     """A GGUF file's 5- to 8-bit layers at TP=2 (int8 groups of 16, each rank its blocks by
-    shard_groups): rel L2 <= 1e-2 against the reference on the groups' own values."""
+    shard_groups), and a Q4_K_M's mix (int4 tiles forced, QKV and down in int8 groups of 16:
+    a stage format each on every rank): rel L2 <= 1e-2 against the reference on the groups'
+    own values."""
     from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
-    from monokernel.weights.gguf_8bit import quantize_groups8
+    from monokernel.weights.gguf_8bit import q4_k_m_groups, quantize_groups8
     from monokernel.weights.quantize import is_quantized
 
     cfg = SHAPES["llama-3.2-1b"]
     weights = random_weights(cfg, device=torch.device("cuda", 0), seed=14)
-    groups = {k: quantize_groups8(v, 16) for k, v in weights.items() if is_quantized(k)}
-    tp = MonokernelTPBackend(cfg, weights, 512, torch.device("cuda", 0), 2, "int8", groups, "fp32")
-    assert all(r.kernel.dims.kernel_format() == "Int8GroupTiles<16>" for r in tp.ranks)
+    if case == "g16":
+        groups = {k: quantize_groups8(v, 16) for k, v in weights.items() if is_quantized(k)}
+    else:
+        groups = q4_k_m_groups(weights)
+    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="tiles" if case == "q4_k_m" else "auto"):
+        tp = MonokernelTPBackend(
+            cfg, weights, 512, torch.device("cuda", 0), 2, "int8", groups, "fp32"
+        )
+    want = [("int8", 16)] * 3 if case == "g16" else [("int4", 32), ("int8", 16), ("int8", 16)]
+    assert all(r.kernel.dims.stage_formats() == want for r in tp.ranks)
     seq = _tokens(PROMPT + STEPS, cfg.vocab_size, seed=5)
     got = tp.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
     tp.close()
     ref = {k: groups[k].dense() if k in groups else v for k, v in weights.items()}
-    assert_logits_match(cfg, ref, seq, PROMPT, got, "TP=2 llama-3.2-1b int8 groups of 16")
+    assert_logits_match(cfg, ref, seq, PROMPT, got, f"TP=2 llama-3.2-1b {case}")
 
 
 @pytest.mark.gpu
