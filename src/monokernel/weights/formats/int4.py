@@ -122,6 +122,44 @@ def unpack_tiles(data: torch.Tensor) -> torch.Tensor:
     return out.permute(0, 2, 1, 3).reshape(tiles * TILE_ROWS, blocks * TILE_COLS)
 
 
+def check_groups(
+    what: str, q: torch.Tensor, a: torch.Tensor, b: torch.Tensor, groups: tuple[int, ...]
+) -> int:
+    """The group of a matrix's quants q uint8 [rows, cols] and pairs a, b [rows, groups]
+    (``what``'s pack_groups: int4 here, int8 groups in int8.py), or ValueError naming what
+    does not fit and the ``groups`` accepted."""
+    rows, cols = q.shape
+    group = cols // a.shape[1] if a.dim() == 2 and a.shape[1] else 0
+    if group not in groups or a.shape != (rows, cols // group) or b.shape != a.shape:
+        raise ValueError(
+            f"{what}: groups {tuple(a.shape)} and {tuple(b.shape)} for a [{rows}, {cols}] "
+            f"matrix; accepted groups of {groups} columns"
+        )
+    if q.dtype != torch.uint8:
+        raise ValueError(f"{what}: quants are uint8; got {q.dtype}")
+    return group
+
+
+def group_cols(
+    what: str,
+    groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    g: int,
+    start: int,
+    size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Columns [start, start + size) of a matrix's (q, a, b) in groups of g, copies: whole
+    groups only, or ValueError naming the cut (``what``'s slice_cols)."""
+    if start % g or size % g:
+        raise ValueError(f"{what}: columns [{start}, {start + size}) cut groups of {g}")
+    q, a, b = groups
+    block = slice(start // g, (start + size) // g)
+    return (
+        q[:, start : start + size].contiguous(),
+        a[:, block].contiguous(),
+        b[:, block].contiguous(),
+    )
+
+
 def tile_pairs(a: torch.Tensor, b: torch.Tensor, base: float = 128.0) -> torch.Tensor:
     """a, b [rows, groups] -> the tile layout's pairs [rows / 16, groups, 8, 4]: rows g and
     g + 8 of each tile as (a, b - base a), for a kernel that multiplies base + q (int4: 128;
@@ -167,14 +205,7 @@ class Int4Groups(WeightFormat):
         """q uint8 [rows, cols] (0..15), a and b [rows, cols / group] -> the packed matrix,
         its bits unchanged (a checkpoint's own 4-bit groups)."""
         rows, cols = q.shape
-        group = cols // a.shape[1] if a.dim() == 2 and a.shape[1] else 0
-        if group not in GROUPS or a.shape != (rows, cols // group) or b.shape != a.shape:
-            raise ValueError(
-                f"int4: groups {tuple(a.shape)} and {tuple(b.shape)} for a [{rows}, {cols}] "
-                f"matrix; accepted groups of {GROUPS} columns"
-            )
-        if q.dtype != torch.uint8:
-            raise ValueError(f"int4: quants are uint8 0..15; got {q.dtype}")
+        check_groups("int4", q, a, b, GROUPS)
         if self.tiles:
             check_tile_shape("int4", rows, cols)
             return PackedMatrix(self.name, rows, cols, pack_tiles(q), (tile_pairs(a, b),))
@@ -241,13 +272,6 @@ class Int4Groups(WeightFormat):
         # Repacked: a block's chunks are numbered from its own first column (the rotation).
         check_block(m, start, size, "cols")
         g = self.group_of(m)
-        if start % g or size % g:
-            raise ValueError(f"int4: columns [{start}, {start + size}) cut groups of {g}")
-        q, a, b = self.groups_of(m)
-        block = slice(start // g, (start + size) // g)
-        fmt = Int4Groups(g, tiles=self.is_tiled(m))
-        return fmt.pack_groups(
-            q[:, start : start + size].contiguous(),
-            a[:, block].contiguous(),
-            b[:, block].contiguous(),
+        return Int4Groups(g, tiles=self.is_tiled(m)).pack_groups(
+            *group_cols("int4", self.groups_of(m), g, start, size)
         )

@@ -31,7 +31,7 @@ import torch
 from monokernel import envs
 from monokernel.weights.formats.base import PackedMatrix, check_block
 from monokernel.weights.formats.fp8 import RowScaled
-from monokernel.weights.formats.int4 import tile_pairs, untile_pairs
+from monokernel.weights.formats.int4 import check_groups, group_cols, tile_pairs, untile_pairs
 from monokernel.weights.formats.tiles import (
     TILE_ROWS,
     check_tile_shape,
@@ -76,14 +76,7 @@ class Int8Rows(RowScaled):
         """q uint8 [rows, cols], a and b float32 [rows, cols / group] -> the grouped tiles,
         the values unchanged (w = a q + b)."""
         rows, cols = q.shape
-        group = cols // a.shape[1] if a.dim() == 2 and a.shape[1] else 0
-        if group not in GROUPS or a.shape != (rows, cols // group) or b.shape != a.shape:
-            raise ValueError(
-                f"int8: groups {tuple(a.shape)} and {tuple(b.shape)} for a [{rows}, {cols}] "
-                f"matrix; accepted groups of {GROUPS} columns"
-            )
-        if q.dtype != torch.uint8:
-            raise ValueError(f"int8 groups: quants are uint8; got {q.dtype}")
+        check_groups("int8", q, a, b, GROUPS)
         check_tile_shape("int8", rows, cols)
         pairs = tile_pairs(a, b, BASE)
         return PackedMatrix(self.name, rows, cols, pack_byte_tiles(q), (pairs,))
@@ -132,12 +125,4 @@ class Int8Rows(RowScaled):
             return super().slice_cols(m, start, size)
         check_block(m, start, size, "cols")
         g = self.group_of(m)
-        if start % g or size % g:
-            raise ValueError(f"int8: columns [{start}, {start + size}) cut groups of {g}")
-        q, a, b = self.groups_of(m)
-        block = slice(start // g, (start + size) // g)
-        return Int8Rows(group=g).pack_groups(
-            q[:, start : start + size].contiguous(),
-            a[:, block].contiguous(),
-            b[:, block].contiguous(),
-        )
+        return Int8Rows(group=g).pack_groups(*group_cols("int8", self.groups_of(m), g, start, size))

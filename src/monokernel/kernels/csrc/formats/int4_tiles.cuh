@@ -15,10 +15,10 @@
 // cores sum C = sum (128 + q) x over a group and the lane adds a C + (b - 128 a) s, s the group's sum of x (gemv_tiles.cuh tile_inputs). A load of 64
 // columns meets one group (G >= 64, "segment" of 64 columns) or two (G = 32): kSegs pairs.
 #pragma once
-#include "../common.cuh"
+#include "group_pairs.cuh"
 
 template <int G>
-struct Int4Tiles {
+struct Int4Tiles : GroupPairTiles<64, G> {
   static_assert(G % 32 == 0 && 256 % G == 0, "a group is 32, 64, 128 or 256 columns");
   using Elem = uint8_t;  // two weights a byte: a row of K weights is K / 2 of them
   static constexpr bool kTiles = true;
@@ -31,41 +31,14 @@ struct Int4Tiles {
   static constexpr bool kGroups = true;
   static constexpr int kSumCols = 32;      // tile_inputs' sums: one a 32 columns
   static constexpr bool kF16 = false;      // inputs as bf16 hi + lo (128 + q is a bf16)
-  static constexpr int kSegCols = G < 64 ? G : 64;  // columns under one pair in a load
-  static constexpr int kSegs = 64 / kSegCols;
   static constexpr int kGroupLoads = G > 64 ? G / 64 : 1;  // a lane's loads a group
-
-  struct Ptr {
-    const uint4* w;     // a tile slice's first load (lane 0's)
-    const float4* ab;   // its first group's pairs (lane group 0's)
-  };
-  struct Load {
-    uint4 w;
-    float2 ab[kSegs];  // (a, b') of the lane's row, g (t < 2) or g + 8, for each segment
-  };
+  using Ptr = typename GroupPairTiles<64, G>::Ptr;
+  using Load = typename GroupPairTiles<64, G>::Load;
 
   // Tile `tile`'s columns from c0 (a multiple of kSliceCols) of a matrix of K columns.
   __device__ static __forceinline__ Ptr tile_at(const uint8_t* rows, const float* pairs,
                                                 size_t tile, int c0, int K) {
     return {reinterpret_cast<const uint4*>(rows) + (tile * (K / 64) + c0 / 64) * 32,
             reinterpret_cast<const float4*>(pairs) + (tile * (K / G) + c0 / G) * 8};
-  }
-  // Chunk c = 32 j + lane of a slice: lane's load j (gemv.cuh's chunk numbering).
-  __device__ static __forceinline__ Load load(Ptr p, int c) {
-    Load u;
-    const int j = c >> 5, g = (c & 31) >> 2, half = (c >> 1) & 1;
-    u.w = ld_stream(p.w + c);
-    const float2* ab = reinterpret_cast<const float2*>(p.ab);
-#pragma unroll
-    for (int h = 0; h < kSegs; ++h)
-      u.ab[h] = __ldg(ab + (((64 * j + kSegCols * h) / G) * 8 + g) * 2 + half);
-    return u;
-  }
-  __device__ static __forceinline__ Load zero() {
-    Load u;
-    u.w = make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-    for (int h = 0; h < kSegs; ++h) u.ab[h] = make_float2(0.f, 0.f);
-    return u;
   }
 };

@@ -12,10 +12,10 @@
 // A load of 32 columns meets two groups of 16 (a GGUF Q6_K's) or one of 32: kSegs pairs.
 #pragma once
 #include "../mma.cuh"
-#include "plain_rows.cuh"
+#include "group_pairs.cuh"
 
 template <int G>
-struct Int8GroupTiles {
+struct Int8GroupTiles : GroupPairTiles<32, G> {
   static_assert(G == 16 || G == 32, "groups of 16 or 32 columns (build.py checks)");
   using Elem = uint8_t;
   static constexpr bool kTiles = true;
@@ -28,40 +28,15 @@ struct Int8GroupTiles {
   static constexpr bool kGroups = false;  // int4's nibble path (tile_load_dot) is not ours
   static constexpr bool kF16 = true;      // 1024 + u is an f16: inputs as f16 hi + lo
   static constexpr int kSumCols = G;      // tile_inputs' sums: one a group
-  static constexpr int kSegs = 32 / G;    // groups a load meets
-
-  struct Ptr {
-    const uint4* w;     // a tile slice's first load (lane 0's)
-    const float4* ab;   // its first group's pairs (lane group 0's)
-  };
-  struct Load {
-    uint4 w;
-    float2 ab[kSegs];  // (a, b') of the lane's row, g (t < 2) or g + 8, for each group
-  };
+  using GroupPairTiles<32, G>::kSegs;     // groups a load meets
+  using Ptr = typename GroupPairTiles<32, G>::Ptr;
+  using Load = typename GroupPairTiles<32, G>::Load;
 
   __device__ static __forceinline__ Ptr tile_at(const uint8_t* rows, const float* pairs,
                                                 size_t tile, int c0, int K) {
     return {reinterpret_cast<const uint4*>(rows + (tile * (size_t)K + c0) * kTileRows),
             reinterpret_cast<const float4*>(pairs) + (tile * (K / G) + c0 / G) * 8};
   }
-  // Chunk c = 32 j + lane of a slice: lane's load j.
-  __device__ static __forceinline__ Load load(Ptr p, int c) {
-    Load u;
-    const int j = c >> 5, g = (c & 31) >> 2, half = (c >> 1) & 1;
-    u.w = ld_stream(p.w + c);
-    const float2* ab = reinterpret_cast<const float2*>(p.ab);
-#pragma unroll
-    for (int h = 0; h < kSegs; ++h) u.ab[h] = __ldg(ab + ((kSegs * j + h) * 8 + g) * 2 + half);
-    return u;
-  }
-  __device__ static __forceinline__ Load zero() {
-    Load u;
-    u.w = make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-    for (int h = 0; h < kSegs; ++h) u.ab[h] = make_float2(0.f, 0.f);
-    return u;
-  }
-
   // Bytes 2r, 2r + 1 of w's half r (0 or 1) as the f16 pair 1024 + u.
   __device__ static __forceinline__ uint32_t widen(uint32_t w, int r) {
     return __byte_perm(w, 0x64646464u, r ? 0x4342 : 0x4140);
