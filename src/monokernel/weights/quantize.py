@@ -3,12 +3,12 @@
 The monokernel packs each layer's matrices in the asked-for weight format
 (``weights/formats``): fp8 and int8 one byte a weight and a float32 scale a row, half the
 bytes of bf16; int4 four bits a weight and a float32 scale and offset a group of 128
-columns (int4_group: fewer where 128 does not divide the model's sizes; asymmetric
-round-to-nearest), 28% of bf16's bytes. The other engines (the reference, torch-compiled)
-cannot read those bytes; they get ``fake_quantize``'s weights instead: each quantised
-matrix replaced by the dequantised values the kernel multiplies by, in the checkpoint's
-dtype, so every engine computes the same model and the monokernel's tokens can still be
-checked against the reference's.
+columns (int4_group: fewer where 128 does not divide the model's sizes; each group's pair
+searched for its least squared error, group_quant.quantize_rtn), 28% of bf16's bytes. The
+other engines (the reference, torch-compiled) cannot read those bytes; they get
+``fake_quantize``'s weights instead: each quantised matrix replaced by the dequantised values
+the kernel multiplies by, in the checkpoint's dtype, so every engine computes the same model
+and the monokernel's tokens can still be checked against the reference's.
 
 A checkpoint stored in 4 or 8 bits with its own groups (GGUF, AWQ, GPTQ: Checkpoint.groups)
 streams those groups as they are (``groups_plan``: int4, int8's grouped tiles, or the two

@@ -3,8 +3,8 @@ float32 scale a and one float32 offset b; the weight is ``a * q + b`` with q in 
 
 That one form holds every 4-bit format we read with its bits unchanged: GGUF Q4_0 (a = d,
 b = -8d) and Q4_1 (a = d, b = m) in groups of 32, AWQ and GPTQ (a = s, b = -z * s) in groups
-of 128 (weights/group_quant.py decodes them), and ``--quantize int4`` (asymmetric
-round-to-nearest in groups of 128).
+of 128 (weights/group_quant.py decodes them), and ``--quantize int4`` (groups of 128, each
+group's pair searched for its least squared error: group_quant.quantize_rtn).
 
 Two layouts, told apart by ``data``'s rank:
 
@@ -191,7 +191,7 @@ class Int4Groups(WeightFormat):
         self.tiles = tiles  # pack in the tile layout (instances differ; the class says rows)
 
     def pack(self, w: torch.Tensor, scales: torch.Tensor | None = None) -> PackedMatrix:
-        """Round-to-nearest in groups of ``self.group`` (weights/group_quant.py)."""
+        """``w`` in groups of ``self.group``, each on the grid group_quant.quantize_rtn finds."""
         if scales is not None:
             raise ValueError("int4 packs with its groups' own scales (pack_groups)")
         if w.dim() != 2 or not w.is_floating_point():
