@@ -141,11 +141,11 @@ def uniform_groups(groups: Mapping[str, GroupQuant]) -> dict[str, GroupQuant]:
     a stage whose matrices are all 4 bits in one group as they are; any other in 8 bits, in
     the largest group dividing every one's (a Q4_K_M's V matrices, Q4_K's groups of 32 in
     some layers and Q6_K's 16s in others: the whole QKV stage in 8 bits, groups of 16)."""
-    from monokernel.weights.quantize import STAGE_MATRICES
+    from monokernel.weights.quantize import STAGE_MATRICES, stage_groups
 
     out: dict[str, GroupQuant] = {}
-    for names in STAGE_MATRICES.values():
-        stage = {k: g for k, g in groups.items() if k.rsplit(".", 1)[-1] in names}
+    for name in STAGE_MATRICES:
+        stage = stage_groups(groups, name)
         if not stage:
             continue
         if all(g.bits == 4 for g in stage.values()) and len({g.group for g in stage.values()}) == 1:

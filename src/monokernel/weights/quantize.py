@@ -173,12 +173,14 @@ class GroupsPlan:
     down: tuple[str, int] = ("", 0)
 
 
+def stage_groups(groups: Mapping[str, GroupQuant], stage: str) -> dict[str, GroupQuant]:
+    """The groups of stage ``stage``'s matrices (STAGE_MATRICES), by weight name."""
+    names = STAGE_MATRICES[stage]
+    return {k: gq for k, gq in groups.items() if k.rsplit(".", 1)[-1] in names}
+
+
 def _stage_width(groups: Mapping[str, GroupQuant], stage: str) -> tuple[int, int]:
-    widths = {
-        (gq.bits, gq.group)
-        for name, gq in groups.items()
-        if name.rsplit(".", 1)[-1] in STAGE_MATRICES[stage]
-    }
+    widths = {(gq.bits, gq.group) for gq in stage_groups(groups, stage).values()}
     if len(widths) != 1:
         raise UnsupportedQuantizationError(
             f"a checkpoint's {stage} matrices in {sorted(widths)} (bits, group): the kernel "

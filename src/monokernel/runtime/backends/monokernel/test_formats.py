@@ -13,11 +13,13 @@ quantised copy and one float32 matrix at a time.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import pytest
 import torch
 
 from monokernel import envs
+from monokernel.kernels.build import KernelDims
 from monokernel.models.config import ModelConfig
 from monokernel.models.shapes import SHAPES
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
@@ -26,6 +28,7 @@ from monokernel.testing.gpu_models import default_model_on_gpu, hopper_with, ran
 from monokernel.testing.oracle import assert_greedy_matches, assert_logits_match, peaked
 from monokernel.weights.checkpoint_quant import fp8_block_checkpoint
 from monokernel.weights.group_quant import GroupQuant
+from monokernel.weights.names import Weights
 from monokernel.weights.quantize import DequantizedView
 from monokernel.weights.random_weights import random_weights
 
@@ -129,26 +132,43 @@ def test_teacher_forced_logits_from_groups_of_32(int4_layout: str) -> None:
     """A 4-bit checkpoint's groups of 32 (GGUF Q4_0/Q4_1/Q4_K's; --quantize never picks 32
     where the sizes are whole 64-column tiles), in both layouts: rel L2 <= 1e-2 against the
     reference on the groups' own values. In tiles a load then carries two group pairs."""
-    from monokernel.runtime.backends.monokernel import MonokernelBackend
     from monokernel.weights.group_quant import quantize_rtn
     from monokernel.weights.quantize import is_quantized
 
-    cfg, dev = CONFIGS["qwen2.5-coder-1.5b"], torch.device("cuda")
-    weights = random_weights(cfg, device=dev, seed=35)
+    cfg = CONFIGS["qwen2.5-coder-1.5b"]
+    weights = random_weights(cfg, device=torch.device("cuda"), seed=35)
     seq = random_ids(PROMPT + STEPS, cfg.vocab_size, seed=36)
     groups = {k: quantize_rtn(v, 32) for k, v in weights.items() if is_quantized(k)}
-    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT=int4_layout):
+    dims, got, ref = logits_from_groups(cfg, weights, groups, "int4", seq, int4_layout)
+    assert dims.weight_group == 32
+    assert bool(dims.weight_tiles) == (int4_layout == "tiles")
+    assert_logits_match(cfg, ref, seq, PROMPT, got, f"groups of 32, {int4_layout}")
+
+
+def logits_from_groups(
+    cfg: ModelConfig,
+    weights: Weights,
+    groups: Mapping[str, GroupQuant],
+    quantize: str,
+    seq: list[int],
+    weight_layout: str = "auto",
+) -> tuple[KernelDims, torch.Tensor, Weights]:
+    """The monokernel streaming a checkpoint's own ``groups`` (as ``quantize``), its prefill
+    in fp32 (the groups' values are not bf16 numbers): its build's dims, its teacher-forced
+    logits over ``seq`` after PROMPT tokens, and the weights with the groups' values that
+    the reference computes with."""
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+
+    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT=weight_layout):
         mk = MonokernelBackend(
-            cfg, weights, PROMPT + STEPS, dev, quantize="int4", groups=groups,
-            prefill_precision="fp32",
+            cfg, weights, PROMPT + STEPS, torch.device("cuda"), quantize=quantize,
+            groups=groups, prefill_precision="fp32",
         )  # fmt: skip
-    assert mk.kernel.dims.weight_group == 32
-    assert bool(mk.kernel.dims.weight_tiles) == (int4_layout == "tiles")
+    dims = mk.kernel.dims
     got = mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
     mk.close()
     del mk
-    ref = {k: groups[k].dense() if k in groups else v for k, v in weights.items()}
-    assert_logits_match(cfg, ref, seq, PROMPT, got, f"groups of 32, {int4_layout}")
+    return dims, got, {k: groups[k].dense() if k in groups else v for k, v in weights.items()}
 
 
 @pytest.mark.gpu
@@ -166,31 +186,23 @@ def test_teacher_forced_logits_from_int8_groups(shape: str, group: int) -> None:
     Q5_K's; csrc Int8GroupTiles), and a Q4_K_M's mix (group 0 here: int4 tiles in groups of
     32, QKV and down in int8 groups of 16, a stage format each): rel L2 <= 1e-2 against the
     reference on the groups' own values at every one of 256 steps."""
-    from monokernel.runtime.backends.monokernel import MonokernelBackend
     from monokernel.weights.gguf_8bit import q4_k_m_groups, quantize_groups8
     from monokernel.weights.quantize import is_quantized
 
-    cfg, dev = CONFIGS[shape], torch.device("cuda")
-    weights = random_weights(cfg, device=dev, seed=37)
+    cfg = CONFIGS[shape]
+    weights = random_weights(cfg, device=torch.device("cuda"), seed=37)
     seq = random_ids(PROMPT + STEPS, cfg.vocab_size, seed=38)
     if group:
         groups = {k: quantize_groups8(v, group) for k, v in weights.items() if is_quantized(k)}
     else:
         groups = q4_k_m_groups(weights)
-    mk = MonokernelBackend(
-        cfg, weights, PROMPT + STEPS, dev, quantize="int8", groups=groups,
-        prefill_precision="fp32",
-    )  # fmt: skip
-    d = mk.kernel.dims
+    d, got, ref = logits_from_groups(cfg, weights, groups, "int8", seq)
     if group:
         assert (d.weight_format, d.weight_group, d.weight_tiles) == ("int8", group, True)
     else:
         assert d.stage_formats() == [("int4", 32), ("int8", 16), ("int8", 16)] and d.weight_tiles
-    got = mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
-    mk.close()
-    del mk
-    ref = {k: groups[k].dense() if k in groups else v for k, v in weights.items()}
-    assert_logits_match(cfg, ref, seq, PROMPT, got, f"{shape} int8 groups of {group}")
+    label = f"int8 groups of {group}" if group else "q4_k_m"
+    assert_logits_match(cfg, ref, seq, PROMPT, got, f"{shape} {label}")
 
 
 @pytest.mark.gpu
