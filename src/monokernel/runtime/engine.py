@@ -53,6 +53,7 @@ from monokernel.runtime.speculative import SpeculativeConfig
 from monokernel.tokenizer.detokenize import IncrementalDetokenizer
 from monokernel.tokenizer.stop_strings import StopStringMatcher
 from monokernel.tokenizer.tokenizer import Prompt, Tokenizer
+from monokernel.weights.lazy_weights import cast_mapping
 from monokernel.weights.loader import Checkpoint, load_checkpoint
 from monokernel.weights.names import expected_shapes
 from monokernel.weights.quantize import check_method
@@ -210,10 +211,11 @@ class Engine:
         self.tokenizer = Tokenizer.load(
             ckpt.tokenizer_dir, ckpt.gguf_file, progress=self.config.progress
         )
-        # cast_weights empties the dict it is given: the checkpoint's own when owned, so no
-        # second reference keeps a tensor alive once the monokernel has repacked it.
+        # cast_weights empties the mapping it is given: the checkpoint's own when owned, so no
+        # second reference keeps a tensor alive once the monokernel has repacked it; else a
+        # copy that leaves a GGUF's unread layer matrices unread (weights/lazy_weights.py).
         weights = cast_weights(
-            ckpt.weights if owned else dict(ckpt.weights), self.dtype, load_device
+            ckpt.weights if owned else cast_mapping(ckpt.weights), self.dtype, load_device
         )
         # An FP8 checkpoint (its weights dequantised at load) runs fp8 unless --quantize says
         # otherwise: re-quantised one scale a row. For per-channel scales of each row's
@@ -230,6 +232,15 @@ class Engine:
         # An FP8 checkpoint with block scales keeps them (on one GPU, where the layers stream
         # as tiles): the checkpoint's own E4M3 values, not re-quantised a row.
         fp8_blocks = ckpt.fp8_blocks if self.quantize == "fp8" else None
+        # --quantize int4 of float weights: the inputs' statistics over the calibration text,
+        # once, for whichever engine (or rank) packs them, so all make the same int4 model.
+        act_stats = None
+        if self.quantize == "int4" and groups is None:
+            from monokernel.runtime.calibration import calibration_stats
+
+            act_stats = calibration_stats(
+                ckpt.config, weights, self.tokenizer, self.device, self.config.progress
+            )
         auto = self.config.engine == "auto" and self.engine_name == "monokernel"
         self.backend: Backend = create_backend(
             self.config.engine if auto else self.engine_name,
@@ -243,6 +254,7 @@ class Engine:
             quantize=self.quantize,
             groups=groups,
             fp8_blocks=fp8_blocks,
+            act_stats=act_stats,
         )
         if self.speculative is not None:
             self.backend.set_speculative(self.speculative)  # type: ignore[attr-defined]

@@ -15,7 +15,10 @@ from monokernel.errors import InvalidRequestError
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.prefill import workspace_bytes
 from monokernel.runtime.prefill_graphs import MAX_SUFFIX_BUCKET
-from monokernel.weights.formats import DEFAULT_FORMAT, get_format
+from monokernel.weights.formats import DEFAULT_FORMAT, WeightFormat, get_format
+from monokernel.weights.formats.int4 import Int4Groups
+from monokernel.weights.formats.int8 import Int8Rows
+from monokernel.weights.quantize import GroupsPlan
 
 # Left free for what is allocated later and not counted here: cuBLAS and attention
 # workspaces, the kernel's module and buffers, allocator fragmentation.
@@ -23,6 +26,8 @@ RESERVE_BYTES = 512 * 1024 * 1024
 # The backend's bf16 copy of a checkpoint that arrives in another dtype (every tensor: the
 # embedding and the norms too, not only a format's matrices).
 _CONVERT_BYTES = torch.bfloat16.itemsize
+# A GroupQuant's float32 scale and offset, a group.
+_GROUP_PAIR_BYTES = 8
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
@@ -37,14 +42,24 @@ def rope_bytes_per_token(cfg: ModelConfig) -> int:
 
 
 def repack_bytes(
-    cfg: ModelConfig, fold: bool, convert: bool, fmt: str = DEFAULT_FORMAT, consume: bool = False
+    cfg: ModelConfig,
+    fold: bool,
+    convert: bool,
+    fmt: str = DEFAULT_FORMAT,
+    consume: bool = False,
+    groups: GroupsPlan | None = None,
 ) -> int:
     """What ``weights.repack.repack`` allocates beyond the weights it is given (bf16) and the
     RoPE tables, its matrices packed in the weight format ``fmt``: the fused QKV and gate/up
     matrices, a folded LM head, and the other matrices where the format does not pack in
     place; plus a bf16 copy of everything when the weights arrive in another dtype.
     ``consume`` (repack's): each layer's sources are freed once packed, so one layer's
-    matrices are the most held twice."""
+    matrices are the most held twice.
+
+    ``groups``: the layers are packed from a checkpoint's own groups in this plan (``fmt``
+    and ``consume`` then do not apply; ``fold`` cannot be): see ``group_repack_bytes``."""
+    if groups is not None:
+        return group_repack_bytes(cfg, groups, convert)
     f = get_format(fmt)
     h, i, q = cfg.hidden_size, cfg.intermediate_size, cfg.q_size
     per_layer = f.matrix_bytes(q + 2 * cfg.kv_size, h) + f.matrix_bytes(2 * i, h)
@@ -55,6 +70,56 @@ def repack_bytes(
         total += f.matrix_bytes(cfg.vocab_size, h)
     if convert:
         total += _CONVERT_BYTES * cfg.num_parameters()
+    return total
+
+
+def _stage_format(width: tuple[str, int]) -> WeightFormat:
+    method, group = width
+    return Int4Groups(group) if method == "int4" else Int8Rows(group=group)
+
+
+def group_pack_bytes(cfg: ModelConfig, plan: GroupsPlan) -> int:
+    """Every layer's packed matrices (scales included) from a checkpoint's own groups, each
+    stage in its plan's format (weights/quantize.py GroupsPlan)."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    layers = _stage_format(plan.layers)
+    qkv = _stage_format(plan.qkv if plan.qkv[0] else plan.layers)
+    down = _stage_format(plan.down if plan.down[0] else plan.layers)
+    per_layer = (
+        qkv.matrix_bytes(q + 2 * kv, h)
+        + layers.matrix_bytes(h, q)
+        + layers.matrix_bytes(2 * i, h)
+        + down.matrix_bytes(h, i)
+    )
+    return cfg.num_layers * per_layer
+
+
+def group_repack_bytes(cfg: ModelConfig, plan: GroupsPlan, convert: bool) -> int:
+    """``repack_bytes`` for layers packed from a checkpoint's own groups in ``plan``: the
+    groups stay on the host and the layer matrices are not among the weights on the device
+    (nor made at all: weights/lazy_weights.py), so every layer's packed matrices are new
+    (``group_pack_bytes``), and one layer's groups are on the device at a time while it is
+    packed (a byte a weight and a float32 pair a group; QKV and gate/up twice: fused copies).
+    ``convert``: a bf16 copy of what the device holds besides them (embedding, LM head, norms,
+    biases)."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    qkv_g = (plan.qkv if plan.qkv[0] else plan.layers)[1]
+    down_g = (plan.down if plan.down[0] else plan.layers)[1]
+    layers_g = plan.layers[1]
+
+    def unpacked(rows: int, cols: int, group: int) -> int:
+        return rows * cols + _GROUP_PAIR_BYTES * rows * (cols // group)
+
+    one_layer = (
+        2 * unpacked(q + 2 * kv, h, qkv_g)
+        + unpacked(h, q, layers_g)
+        + 2 * unpacked(2 * i, h, layers_g)
+        + unpacked(h, i, down_g)
+    )
+    total = group_pack_bytes(cfg, plan) + one_layer
+    if convert:
+        matrices = cfg.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i)
+        total += _CONVERT_BYTES * (cfg.num_parameters() - matrices)
     return total
 
 

@@ -49,10 +49,11 @@ class TextEncoder(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
 
-def read_text() -> str:
-    """The packaged text, as written."""
+def read_text(parts: Sequence[str] = TEXT_PARTS) -> str:
+    """The packaged text (or another under ``TEXT_PACKAGE``: ``parts`` its path there), as
+    written."""
     node = resources.files(TEXT_PACKAGE)
-    for part in TEXT_PARTS:
+    for part in parts:
         node = node / part
     return node.read_text(encoding="utf-8")
 

@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Perplexity of a model on a fixed text shipped with monokernel (~10k tokens of "
             "design prose, code, README, changelog and narrative), computed with the float32 "
-            "reference forward; with --quantize, of its fp8 or int8 weights, to compare."
+            "reference forward; with --quantize, of its fp8, int8 or int4 weights, to compare "
+            "(int4 searched with input statistics from a separate calibration text)."
         ),
     )
     p.add_argument(
@@ -104,11 +105,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # float32: the reference's precision, so the unquantised run is the checkpoint's own
     # values (bf16 and dequantised GGUF weights are exact in float32).
     weights = cast_weights(ckpt.weights, torch.float32, device)
+    tokenizer = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file, progress=progress)
     if args.quantize is not None:
         from monokernel.weights.quantize import fake_quantize
 
-        weights = fake_quantize(weights, args.quantize)
-    tokenizer = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file, progress=progress)
+        stats = None
+        if args.quantize == "int4":  # weighted by the inputs, as the engines' int4 is
+            from monokernel.runtime.calibration import calibration_stats
+
+            stats = calibration_stats(ckpt.config, weights, tokenizer, device, progress)
+        weights = fake_quantize(weights, args.quantize, stats=stats)
     ids = text_ids(tokenizer, args.max_tokens)
     if progress:
         print(

@@ -100,6 +100,36 @@ def test_repack_bytes_is_what_repack_allocates(name: str, fold: bool) -> None:
     assert kv_memory.repack_bytes(cfg, fold=fold, convert=False) == new
 
 
+@pytest.mark.parametrize("layout", ["auto", "tiles"])
+def test_group_repack_bytes_counts_every_packed_layer(layout: str) -> None:
+    """From a checkpoint's own groups (a Q4_K_M's, kept on the host) every layer's packed
+    matrices are new on the device: the dense layer matrices never reach it. ``auto``: the
+    small shape's int4 rows cannot sit beside int8 tiles, so all stream as int8 groups of
+    16; ``tiles``: O and gate/up in int4 tiles beside them (the plan a 32B takes)."""
+    from monokernel import envs
+    from monokernel.weights.gguf_8bit import q4_k_m_groups
+    from monokernel.weights.quantize import groups_plan, is_quantized
+
+    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=2)
+    weights = random_weights(cfg, seed=5)
+    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT=layout):
+        plan, groups = groups_plan(cfg, q4_k_m_groups(weights))
+        rest = {k: v for k, v in weights.items() if not is_quantized(k)}  # on the device
+        packed = repack(cfg, rest, 4, fold=False, groups=groups)
+    assert (plan.layers[0], plan.qkv) == (
+        ("int8", ("", 0)) if layout == "auto" else ("int4", ("int8", 16))
+    )
+    mats = [m for lp in packed.layers for m in lp.matrices.values()]
+    new = sum(t.nbytes for m in mats for t in (m.data, *m.scales))
+    assert kv_memory.group_pack_bytes(cfg, plan) == new
+    extra = kv_memory.repack_bytes(cfg, fold=False, convert=False, groups=plan)
+    one_layer = sum(g.q.nbytes + 2 * g.scale.nbytes for g in groups.values()) // cfg.num_layers
+    assert new + one_layer < extra < new + 2 * one_layer  # a layer's groups, fused copies
+    # A bf16 copy of what is on the device: the embedding, norms and biases, no matrix.
+    converted = kv_memory.repack_bytes(cfg, fold=False, convert=True, groups=plan)
+    assert converted - extra == 2 * sum(v.numel() for v in rest.values())
+
+
 @pytest.mark.parametrize(("edge", "limit"), [(0, 10), (1, 10), (7, 10), (10, 10), (33, 1 << 40)])
 def test_longest_fitting_finds_the_edge_within_the_limit(edge: int, limit: int) -> None:
     calls: list[int] = []

@@ -175,9 +175,10 @@ def test_default_model_perplexity_on_a_slice(default_slice_ppl: Perplexity) -> N
 
 # Most a method may raise the slice's perplexity. The whole text's targets are tighter
 # (fp8 +1%, int8 +0.5%); 255 tokens are noisier. Observed on the slice: fp8 +0.58%
-# (33.85), int8 +0.44% (33.80); on the whole text (window 1024): 21.14, fp8 21.34 (+0.98%),
-# int8 21.20 (+0.31%).
-QUANTIZE_SLICE_BOUNDS = {"fp8": 1.03, "int8": 1.015}
+# (33.85), int8 +0.44% (33.80), int4 +5.7% (35.58, with the calibration text's input
+# statistics; +21.6% without them); on the whole text (window 1024): 21.14, fp8 21.34
+# (+0.98%), int8 21.20 (+0.31%), int4 22.63 (+7.1%; the target +8%).
+QUANTIZE_SLICE_BOUNDS = {"fp8": 1.03, "int8": 1.015, "int4": 1.08}
 
 
 @pytest.mark.slow
@@ -188,7 +189,14 @@ def test_quantized_perplexity_on_a_slice(
     quantize = _quantize_module()
     if quantize is None:
         pytest.skip("monokernel.weights.quantize is not in this tree yet")
-    weights = quantize.fake_quantize(default_model.weights, method)
+    stats = None
+    if method == "int4":  # searched with the inputs' statistics, as the engines' int4 is
+        from monokernel.runtime.calibration import calibration_stats
+        from monokernel.tokenizer.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.load(default_model.tokenizer_dir, default_model.gguf_file)
+        stats = calibration_stats(default_model.config, default_model.weights, tokenizer)
+    weights = quantize.fake_quantize(default_model.weights, method, stats=stats)
     got = perplexity(default_model.config, weights, default_ids[:SLICE_TOKENS], window=SLICE_TOKENS)
     assert got.tokens == default_slice_ppl.tokens
     assert got.ppl <= default_slice_ppl.ppl * QUANTIZE_SLICE_BOUNDS[method], (

@@ -51,11 +51,18 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).to(torch.float32)
 
 
+# The decoders below work in uint8 with scalar shifts, a slice of the output at a time: a
+# shift by a tensor of int64 amounts promotes the whole block to int64, 8 bytes a weight
+# (a 32B model's Q6_K matrices took minutes so).
+
+
 def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
-    """Q5_0/Q5_1's 4 bytes of fifth bits [n, 4] -> bit j of the little-endian word [n, 32]."""
-    j = torch.arange(32, device=qh.device)
-    byte = qh.to(torch.int32)[:, j // 8]
-    return ((byte >> (j % 8)) & 1).to(torch.uint8)
+    """Q5_0/Q5_1's 4 bytes of fifth bits [n, 4] -> bit j of the little-endian word [n, 32]
+    (bit j % 8 of byte j // 8)."""
+    out = torch.empty(qh.shape[0], 4, 8, dtype=torch.uint8, device=qh.device)
+    for bit in range(8):
+        torch.bitwise_and(qh >> bit, 1, out=out[:, :, bit])
+    return out.view(-1, 32)
 
 
 def from_gguf_8bit(raw: torch.Tensor, kind: str, shape: tuple[int, ...]) -> GroupQuant:
@@ -110,14 +117,15 @@ def _q6_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (r < 4, l < 32) is nibble (r >= 2) of L[l + 32 (r % 2)] with bits 2r, 2r + 1 of H[l] above."""
     n = blocks.shape[0]
     low = blocks[:, 0:128].reshape(n, 2, 2, 32)  # [n, half, r % 2, l]
-    high = blocks[:, 128:192].reshape(n, 2, 1, 32).to(torch.int32)  # [n, half, 1, l]
-    nib = torch.stack((low & 0x0F, low >> 4), dim=2).to(torch.int32)  # [n, half, r // 2, r % 2, l]
-    r = torch.arange(4, device=blocks.device).view(1, 1, 4, 1)
-    pairs = (high >> (2 * r)) & 3  # [n, half, r, l]
-    q = nib.reshape(n, 2, 4, 32) | (pairs << 4)
+    high = blocks[:, 128:192].reshape(n, 2, 32)  # [n, half, l]
+    q = torch.empty(n, 2, 4, 32, dtype=torch.uint8, device=blocks.device)  # [n, half, r, l]
+    for r in range(4):
+        nib = low[:, :, r % 2]
+        nib = nib & 0x0F if r < 2 else nib >> 4
+        torch.bitwise_or(nib, ((high >> (2 * r)) & 3) << 4, out=q[:, :, r])
     sc = blocks[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
     d = _f16(blocks[:, 208:210])
-    return q.to(torch.uint8).reshape(n, 256), d * sc
+    return q.view(n, 256), d * sc
 
 
 def _q5_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -127,12 +135,14 @@ def _q5_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     n = blocks.shape[0]
     d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
     sc, mn = q4_k_scales_mins(blocks[:, 4:16])
-    runs = blocks[:, 48:176].reshape(n, 4, 1, 32)
-    nib = torch.cat((runs & 0x0F, runs >> 4), dim=2).reshape(n, 8, 32).to(torch.int32)
-    s = torch.arange(8, device=blocks.device).view(1, 8, 1)
-    fifth = (blocks[:, 16:48].to(torch.int32).view(n, 1, 32) >> s) & 1
-    q = (nib | (fifth << 4)).to(torch.uint8).reshape(n, 256)
-    return q, d * sc.to(torch.float32), -(dmin * mn.to(torch.float32))
+    fifths = blocks[:, 16:48]  # [n, l]
+    runs = blocks[:, 48:176].reshape(n, 4, 32)  # [n, run, l]
+    q = torch.empty(n, 8, 32, dtype=torch.uint8, device=blocks.device)  # [n, sub-block, l]
+    for s in range(8):
+        nib = runs[:, s // 2]
+        nib = nib & 0x0F if s % 2 == 0 else nib >> 4
+        torch.bitwise_or(nib, ((fifths >> s) & 1) << 4, out=q[:, s])
+    return q.view(n, 256), d * sc.to(torch.float32), -(dmin * mn.to(torch.float32))
 
 
 def uniform_groups(groups: Mapping[str, GroupQuant]) -> dict[str, GroupQuant]:

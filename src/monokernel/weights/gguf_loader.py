@@ -1,17 +1,22 @@
-"""Load a GGUF file (llama.cpp's format) into a ModelConfig and a dict of float32 tensors.
+"""Load a GGUF file (llama.cpp's format) into a ModelConfig and a mapping of float32 tensors.
 
 GGUF metadata is turned into an HF-config-shaped dict and sent through
 ``config_from_hf_dict`` so GGUF and safetensors checkpoints meet the same refusals.
 Tensors are dequantised to float32 and renamed through one explicit table into our names.
-Each layer's linear weights stored as Q4_0, Q4_1 or Q4_K also come back as their blocks' bits
+Each layer's linear weights stored as Q4_0, Q4_1 or Q4_K come back as their blocks' bits
 (``GroupQuant``, weights/group_quant.py), and those stored as Q8_0, Q6_K, Q5_K, Q5_0 or Q5_1
-as their values in 8 bits (weights/gguf_8bit.py), for the kernel to stream as they are.
+as their values in 8 bits (weights/gguf_8bit.py), for the kernel to stream as they are; their
+float32 values are made from those groups only when read (weights/lazy_weights.py), so a
+model that streams its groups never holds them (a 32B Q4_K_M: 130 GB in float32). Every
+block is decoded once, by our decoders where they read the type (the same bits as gguf's
+dequantisation, which test_gguf_loader and test_gguf_8bit check against).
 
 ``gguf`` is imported inside functions only: the GPU machines need not have it installed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -30,6 +35,7 @@ from monokernel.weights.group_quant import (
     from_gguf_blocks,
     permute_rows,
 )
+from monokernel.weights.lazy_weights import DenseSource, LazyWeights
 from monokernel.weights.names import Weights, check_weights
 from monokernel.weights.quantize import is_quantized
 
@@ -283,16 +289,12 @@ def _dequantize(reader: GGUFFile, tensor: TensorInfo) -> np.ndarray:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    qtype = GGMLQuantizationType(tensor.tensor_type)
-    if qtype.name not in SUPPORTED_TENSOR_TYPES:
-        raise WeightLoadError(
-            f"tensor {tensor.name} has type {qtype.name}; supported GGUF tensor types: "
-            f"{', '.join(SUPPORTED_TENSOR_TYPES)}"
-        )
+    kind = _type_name(tensor)
     # The stored bytes view a read-only memory map; copy so torch owns writable memory.
     data = np.array(reader.tensor_bytes(tensor))
-    if qtype.name in _TORCH_BLOCKS:
-        return _dequantize_blocks(torch.from_numpy(data), qtype.name, tensor.shape).numpy()
+    if kind in _TORCH_BLOCKS:
+        return _dequantize_blocks(torch.from_numpy(data), kind, tensor.shape).numpy()
+    qtype = GGMLQuantizationType[kind]
     return np.array(dequantize(data, qtype), dtype=np.float32).reshape(tensor.shape)
 
 
@@ -336,18 +338,30 @@ def _unpermute_rows(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tenso
 
 def load_gguf_weights(path: Path, cfg: ModelConfig) -> Weights:
     """All tensors of a GGUF file as float32, in our names and HF layout, checked vs ``cfg``."""
-    return load_gguf_tensors(path, cfg)[0]
+    return dict(load_gguf_tensors(path, cfg)[0])
 
 
-def load_gguf_tensors(path: Path, cfg: ModelConfig) -> tuple[Weights, dict[str, GroupQuant]]:
-    """``load_gguf_weights``'s weights, and in the same pass over the file each layer
+# Block types our decoders read (weights/group_quant.py, weights/gguf_8bit.py).
+_OUR_BLOCKS: tuple[str, ...] = (*GGUF_BLOCK_BYTES, *GGUF_8BIT_BLOCK_BYTES)
+# The block types GGUF dequantises as d (q - zero): their float32 values subtract the zero
+# first, as gguf's do (GroupQuant.zero_point_dense), so they are gguf's bits; the others'
+# (Q4_1, Q4_K, Q5_1, Q5_K: d q + m) are dense()'s.
+GGUF_ZERO_POINTS: dict[str, int] = {"Q4_0": 8, "Q8_0": 128, "Q5_0": 16, "Q6_K": 32}
+
+
+def load_gguf_tensors(path: Path, cfg: ModelConfig) -> tuple[LazyWeights, dict[str, GroupQuant]]:
+    """``load_gguf_weights``'s tensors, and in the same pass over the file each layer
     linear weight stored as Q4_0, Q4_1 or Q4_K as a GroupQuant of its blocks' bits, or as Q8_0,
     Q6_K, Q5_K, Q5_0 or Q5_1 as an 8-bit one (our names, HF row order; its ``dense()`` is the
-    weight, up to the sign of a Q4_0 zero and an fp32 rounding of a Q6_K value)."""
+    weight, up to the sign of a Q4_0 zero and an fp32 rounding of a Q6_K value).
+
+    The tensors come as a LazyWeights: a weight with a GroupQuant is made from it when first
+    read (never at load: the monokernel streams the groups), the others are read now. Each
+    block is decoded once, and the float32 values are gguf's dequantisation, bit for bit."""
     path = Path(path)
     reader = _reader(path)
     arch = _meta(reader, "general.architecture")
-    weights: Weights = {}
+    entries: dict[str, torch.Tensor | DenseSource] = {}
     groups: dict[str, GroupQuant] = {}
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:
@@ -355,21 +369,34 @@ def load_gguf_tensors(path: Path, cfg: ModelConfig) -> tuple[Weights, dict[str, 
         ours = gguf_to_ours(tensor.name)
         if ours is None:
             raise UnexpectedTensorError(f"{path}: tensor {tensor.name!r} is not one we know")
-        gq = _group_quant(reader, tensor, ours)
-        if gq is None or gq.bits == 8:
-            weights[ours] = torch.from_numpy(_dequantize(reader, tensor))
-        else:
-            weights[ours] = _dense_4bit(gq, tensor)
-        if gq is not None:
+        kind = _type_name(tensor)
+        if kind not in _OUR_BLOCKS or len(tensor.shape) != 2:
+            entries[ours] = torch.from_numpy(_dequantize(reader, tensor))
+            continue
+        gq = _decode_blocks(reader, tensor, kind)
+        source = DenseSource(gq, GGUF_ZERO_POINTS.get(kind))
+        if is_quantized(ours):
             groups[ours] = gq
+            entries[ours] = source
+        else:  # the embedding or the LM head: every engine reads them
+            entries[ours] = source.dense()
     if arch in PERMUTED_QK_ARCHS:
-        for name in list(weights):
+        for name, value in entries.items():
             heads = _permuted_heads(name, cfg)
-            if heads is not None:
-                weights[name] = _unpermute_rows(weights[name], heads, cfg.head_dim)
-                if name in groups:
-                    groups[name] = _unpermute_group_rows(groups[name], heads, cfg.head_dim)
-    return check_weights(weights, cfg, source=str(path)), groups
+            if heads is None:
+                continue
+            if isinstance(value, DenseSource):
+                groups[name] = _unpermute_group_rows(groups[name], heads, cfg.head_dim)
+                entries[name] = dataclasses.replace(value, gq=groups[name])
+            else:
+                entries[name] = _unpermute_rows(value, heads, cfg.head_dim)
+    # Names and shapes are checked without making a matrix: a meta tensor stands in for each.
+    stand_ins = {
+        k: torch.empty(v.shape, device="meta") if isinstance(v, DenseSource) else v
+        for k, v in entries.items()
+    }
+    checked = check_weights(stand_ins, cfg, source=str(path))  # drops a tied lm_head
+    return LazyWeights({k: entries[k] for k in checked}), groups
 
 
 def _permuted_heads(name: str, cfg: ModelConfig) -> int | None:
@@ -383,33 +410,27 @@ def _permuted_heads(name: str, cfg: ModelConfig) -> int | None:
     return None
 
 
-def _group_quant(reader: GGUFFile, tensor: TensorInfo, ours: str) -> GroupQuant | None:
-    """A layer linear weight's Q4_0/Q4_1/Q4_K blocks as a GroupQuant, its Q8_0/Q6_K/Q5_K/
-    Q5_0/Q5_1 blocks as an 8-bit one; None for any other tensor (another type, the embedding,
-    the LM head, a norm)."""
+def _type_name(tensor: TensorInfo) -> str:
+    """The tensor's GGUF type name, or WeightLoadError naming the supported ones."""
     from gguf import GGMLQuantizationType
 
-    kind = GGMLQuantizationType(tensor.tensor_type).name
-    known = kind in GGUF_BLOCK_BYTES or kind in GGUF_8BIT_BLOCK_BYTES
-    if not known or not is_quantized(ours) or len(tensor.shape) != 2:
-        return None
+    name = GGMLQuantizationType(tensor.tensor_type).name
+    if name not in SUPPORTED_TENSOR_TYPES:
+        raise WeightLoadError(
+            f"tensor {tensor.name} has type {name}; supported GGUF tensor types: "
+            f"{', '.join(SUPPORTED_TENSOR_TYPES)}"
+        )
+    return name
+
+
+def _decode_blocks(reader: GGUFFile, tensor: TensorInfo, kind: str) -> GroupQuant:
+    """A 2-D tensor of Q4_0/Q4_1/Q4_K blocks as a 4-bit GroupQuant, of Q8_0/Q6_K/Q5_K/Q5_0/
+    Q5_1 blocks as an 8-bit one."""
     # The memory map's bytes are read-only: copy, as _dequantize does.
     raw = torch.from_numpy(np.array(reader.tensor_bytes(tensor))).reshape(-1)
     if kind in GGUF_8BIT_BLOCK_BYTES:
         return from_gguf_8bit(raw, kind, tensor.shape)
     return from_gguf_blocks(raw, kind, tensor.shape)
-
-
-def _dense_4bit(gq: GroupQuant, tensor: TensorInfo) -> torch.Tensor:
-    """``_dequantize_blocks`` of the tensor, from its GroupQuant's unpacked quants: the same
-    float32 operations on the same values, so the same bits (the nibbles are split once)."""
-    from gguf import GGMLQuantizationType
-
-    if GGMLQuantizationType(tensor.tensor_type).name in ("Q4_1", "Q4_K"):
-        return gq.dense()  # q * d + m (Q4_K: q * d sc - dmin m), as GGUF dequantises
-    # Q4_0's (q - 8) * d, not the scale form q * d - 8d: that gives +0.0 where this -0.0.
-    out = gq.q.to(torch.float32).view(gq.rows, -1, gq.group).sub_(8.0)
-    return out.mul_(gq.scale[:, :, None]).view(gq.rows, gq.cols)
 
 
 def _unpermute_group_rows(gq: GroupQuant, n_heads: int, head_dim: int) -> GroupQuant:

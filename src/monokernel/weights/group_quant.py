@@ -10,7 +10,9 @@ q in 0..15. Each source maps onto it without changing a bit:
   value and a 6-bit integer: exact in float32), group 32;
 - AutoAWQ GEMM and AutoGPTQ / GPTQModel (w = s * (q - z)): scale s, offset -z * s, exact
   in float32 (s is fp16, z at most 16: the product needs 16 bits of mantissa);
-- ``quantize_rtn``: ``--quantize int4``'s asymmetric round-to-nearest.
+- ``quantize_rtn``: ``--quantize int4``'s asymmetric round-to-nearest, each group's grid
+  searched for its least squared error, weighted by the inputs' statistics where given
+  (runtime/calibration.py).
 
 ``q`` is one weight a byte, unpacked: the kernel's packer lays the nibbles out as the kernel
 streams them. Rows are output features and columns input features ([out, in], as every
@@ -85,6 +87,15 @@ class GroupQuant:
         # every device, and the same bits as GGUF's own Q4_1 dequantisation.
         w.mul_(self.scale[:, :, None]).add_(self.offset[:, :, None])
         return w.view(self.rows, self.cols).to(dtype)
+
+    def zero_point_dense(self, zero: int) -> torch.Tensor:
+        """The [rows, cols] float32 matrix as scale * (q - zero), for one whose offset is
+        -zero * scale (GGUF Q4_0, Q8_0, Q5_0, Q6_K): the same value as dense() up to one
+        rounding, and the bits GGUF's own dequantisation gives, which subtracts the zero
+        point (exact: small integers) before it scales; dense() rounds the product and then
+        the sum (a Q6_K product d sc q can take 25 bits)."""
+        w = self.q.to(torch.float32).view(self.rows, -1, self.group).sub_(zero)
+        return w.mul_(self.scale[:, :, None]).view(self.rows, self.cols)
 
     def check(self) -> GroupQuant:
         """``self`` when q is in 0..15 and every scale and offset is finite; else
@@ -244,7 +255,7 @@ def pick_group(cols: int, preferred: int = 128) -> int:
     )
 
 
-def quantize_rtn(w: torch.Tensor, group: int = 128) -> GroupQuant:
+def quantize_rtn(w: torch.Tensor, group: int = 128, act: torch.Tensor | None = None) -> GroupQuant:
     """``w`` [rows, cols] to 4 bits in groups of ``group`` columns, each group's grid
     (scale and a float offset) chosen to minimise its squared error, then each weight
     rounded to the nearest of its group's 16 steps.
@@ -256,7 +267,19 @@ def quantize_rtn(w: torch.Tensor, group: int = 128) -> GroupQuant:
     keep the grid of least squared error. The first refit starts from min/max rounding's
     quants, so no group has more squared error than min/max rounding gives it (up to the
     float rounding of its sums); a grid that holds a group exactly (a GGUF Q4_1 block's own)
-    gives it back. The offset is any float: 0 is not a step of its own.
+    gives it back (weighted, up to the rounding of the float32 products in its sums, ~1e-6
+    of the group's range). The offset is any float: 0 is not a step of its own.
+
+    ``act``: float [cols], the matrix's input statistics (mean x^2 of each input column
+    over a calibration text: runtime/calibration.py). The error is then activation-weighted,
+    sum_j s_j (w_j - v_j)^2 over each group's columns j (v: the dequantised weights) with
+    s_j = act_j / (the group's mean act) + ``_DAMP``: for inputs whose columns are
+    uncorrelated, the squared error the layer's output gets from that group (AWQ's
+    observation, in GPTQ's terms the Hessian's diagonal). The search and its least-squares
+    refits are weighted alike; rounding to the nearest step stays optimal weight by weight.
+    Without it every weight counts the same. A group's weights depend only on its own
+    columns' statistics, so a column block at group boundaries with the matching slice of
+    ``act`` quantises as the whole matrix does.
 
     Deterministic; on w's device, in float32 whatever w's dtype, a chunk of rows at a time.
     A constant group is exact: offset the constant, q 0, scale |constant| / 15 (1 for
@@ -272,6 +295,7 @@ def quantize_rtn(w: torch.Tensor, group: int = 128) -> GroupQuant:
             f"(pick_group chooses {_group_hint(cols, group)})"
         )
     ngroups = cols // group
+    weights = None if act is None else group_weights(act.to(w.device), cols, group)
     q = torch.empty(rows, cols, dtype=torch.uint8, device=w.device)
     scale = torch.empty(rows, ngroups, dtype=torch.float32, device=w.device)
     offset = torch.empty_like(scale)
@@ -280,11 +304,34 @@ def quantize_rtn(w: torch.Tensor, group: int = 128) -> GroupQuant:
         x = w[r : r + step].to(torch.float32).reshape(-1, group)
         if not bool(torch.isfinite(x).all()):
             raise GroupQuantError("cannot quantise a matrix with an infinite or NaN weight")
-        s, o, qc = _search_grid(x)
+        sw = None
+        if weights is not None:  # every row of the chunk weighs its columns alike
+            sw = weights.expand(x.shape[0] // ngroups, ngroups, group).reshape(-1, group)
+        s, o, qc = _search_grid(x, sw)
         scale[r : r + step] = s.view(-1, ngroups)
         offset[r : r + step] = o.view(-1, ngroups)
         q[r : r + step] = qc.view(-1, cols)
     return GroupQuant(q, scale, offset, group)
+
+
+def group_weights(act: torch.Tensor, cols: int, group: int) -> torch.Tensor:
+    """The search's weights [cols / group, group] float32 from input statistics ``act``
+    [cols] (quantize_rtn): each group's act over its mean, plus ``_DAMP``. A group whose
+    statistics are all zero weighs its columns alike. GroupQuantError for a wrong shape or
+    a negative or non-finite value."""
+    if act.dim() != 1 or act.shape[0] != cols or not act.dtype.is_floating_point:
+        raise GroupQuantError(
+            f"input statistics for {cols} columns must be a float vector [{cols}]; got "
+            f"{act.dtype} {tuple(act.shape)}"
+        )
+    a = act.to(torch.float32).reshape(cols // group, group)
+    if not bool(torch.isfinite(a).all()) or bool((a < 0).any()):
+        raise GroupQuantError("input statistics must be finite and non-negative")
+    # Only a group's own columns: the weights are the same bits in any column block.
+    mean = (_rowsum(a) / group).float()
+    ones = torch.ones_like(a)
+    rel = torch.where(mean[:, None] > 0, a / mean.clamp_min(_TINY)[:, None], ones)
+    return rel.add_(_DAMP)
 
 
 # The starts besides [min, max]: ranges shrunk to these fractions of it, placed at these
@@ -294,22 +341,31 @@ def quantize_rtn(w: torch.Tensor, group: int = 128) -> GroupQuant:
 _SHRINKS: tuple[float, ...] = (0.9, 0.75)
 _ANCHORS: tuple[float, ...] = (-0.5, 0.0, 0.5)
 _REFITS = 3
+# Added to each column's weight (its group's mean is 1): no column counts for nothing, as
+# the calibration text cannot have shown every input the model will meet.
+_DAMP = 0.01
 # Weights a chunk: the working memory is a few chunks of float32. The CPU is fastest at
 # 4M; a GPU takes 16M, as each round launches ~30 kernels a chunk (an 8B model's 7e9
 # weights in 4M chunks would take seconds of launches alone).
 _CHUNK = 1 << 22
 _CHUNK_GPU = 1 << 24
 _TINY = torch.finfo(torch.float32).tiny
+# A weighted refit's quants are all equal (its determinant zero but for rounding) below
+# this fraction of sum(s) sum(s q^2); unweighted, the determinant is an integer, >= 1 else.
+_FLAT = 1e-9
 
 
-def _search_grid(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _search_grid(
+    x: torch.Tensor, s: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Groups x [n, group] float32 -> scale [n], offset [n] and quants [n, group] (uint8),
-    as quantize_rtn describes.
+    as quantize_rtn describes; ``s`` [n, group] float32: each weight's weight in the error
+    (None: 1 each).
 
     The search runs in units of each group's min/max step (u = (x - min) / step, 0..15), so
     its sums are of like size whatever the group's scale. A grid f q + c there is refitted
-    from three sums (of q, q u and q^2), and its squared error comes from the same sums in
-    float64, not from another pass over the weights."""
+    from three sums (of s q, s q u and s q^2), and its squared error comes from the same
+    sums in float64, not from another pass over the weights."""
     n, g = x.shape
     lo, hi = x.amin(dim=1), x.amax(dim=1)
     span = hi - lo
@@ -319,7 +375,12 @@ def _search_grid(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     unit = torch.where(span > 0, span / QMAX, flat).clamp_min(_TINY)
     u = (x - lo[:, None]).div_(unit[:, None])
     t = torch.empty_like(u)
-    su, suu = _rowsum(u), _dots(u, u)
+    st = None if s is None else torch.empty_like(u)
+    if s is None:
+        sw: torch.Tensor | float = float(g)
+        su, suu = _rowsum(u), _dots(u, u)
+    else:
+        sw, su, suu = _rowsum(s), _dots(s, u), _dots(s * u, u)
 
     best_e = torch.full((n,), float("inf"), dtype=torch.float64, device=x.device)
     best_f = torch.ones(n, dtype=torch.float64, device=x.device)
@@ -334,16 +395,21 @@ def _search_grid(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
             # t = clamp(round((u - c) / f), 0, 15), in place.
             torch.mul(u, (1.0 / f).float()[:, None], out=t).add_((-c / f).float()[:, None])
             t.round_().clamp_(0, QMAX)
-            # sq and sqq are sums of small integers (exact in any order); squ is _dots'.
-            sq, squ, sqq = t.sum(dim=1).double(), _dots(t, u), _dots(t, t)
+            if s is None or st is None:
+                # sq and sqq are sums of small integers (exact in any order); squ is _dots'.
+                sq, squ, sqq = t.sum(dim=1).double(), _dots(t, u), _dots(t, t)
+            else:
+                torch.mul(s, t, out=st)
+                sq, squ, sqq = _rowsum(st), _dots(st, u), _dots(st, t)
             # Least squares of u ~ f q + c over the group, for these quants: never more
             # error than (f, c) with them, which is never more than (f, c) with the last.
-            den = g * sqq - sq * sq
-            nf = (g * squ - sq * su) / den.clamp_min(1.0)
-            ok = (den > 0) & (nf > 0)  # else all the group's quants are equal: keep (f, c)
+            den = sw * sqq - sq * sq
+            nf = (sw * squ - sq * su) / den.clamp_min(1.0 if s is None else 1e-300)
+            # Else all the group's quants are equal: keep (f, c).
+            ok = (den > _FLAT * sw * sqq) & (nf > 0)
             f = torch.where(ok, nf, f)
-            c = torch.where(ok, (su - f * sq) / g, c)
-            e = f * (f * sqq + 2 * c * sq - 2 * squ) + c * (g * c - 2 * su) + suu
+            c = torch.where(ok, (su - f * sq) / sw, c)
+            e = f * (f * sqq + 2 * c * sq - 2 * squ) + c * (sw * c - 2 * su) + suu
             better = e < best_e
             best_e = torch.where(better, e, best_e)
             best_f = torch.where(better, f, best_f)
@@ -428,10 +494,10 @@ def from_gguf_blocks(raw: torch.Tensor, kind: str, shape: tuple[int, ...]) -> Gr
 
 def q4_k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The 12 bytes [n, 12] of a Q4_K or Q5_K block's 6-bit sub-block scales and mins ->
-    sc, m int32 [n, 8]: for sub-block j < 4 the low 6 bits of bytes j and j + 4; for j >= 4
+    sc, m uint8 [n, 8]: for sub-block j < 4 the low 6 bits of bytes j and j + 4; for j >= 4
     the nibbles of byte j + 4 with the top 2 bits of bytes j - 4 and j above them."""
-    k = packed.to(torch.int32)
-    lo, mid, hi = k[:, 0:4], k[:, 4:8], k[:, 8:12]
+    # In uint8 (every value fits 6 bits): a 32B model has 86M such blocks.
+    lo, mid, hi = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
     sc = torch.cat((lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)), dim=1)
     mn = torch.cat((mid & 63, (hi >> 4) | ((mid >> 6) << 4)), dim=1)
     return sc, mn
@@ -448,9 +514,11 @@ def _q4_k_groups(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     # d1 * q - m1 is then q * scale + offset bit for bit.
     scale = d * sc.to(torch.float32)
     offset = -(dmin * mn.to(torch.float32))
-    runs = blocks[:, 16:144].reshape(-1, 4, 1, 32)
-    q = torch.cat((runs & 0x0F, runs >> 4), dim=2)  # [n, 4 runs, low / high, 32]
-    return scale, offset, q.reshape(-1, 256)
+    runs = blocks[:, 16:144].reshape(-1, 4, 32)
+    q = torch.empty(runs.shape[0], 4, 2, 32, dtype=torch.uint8, device=blocks.device)
+    torch.bitwise_and(runs, 0x0F, out=q[:, :, 0])  # [n, 4 runs, low / high, 32]
+    torch.bitwise_right_shift(runs, 4, out=q[:, :, 1])
+    return scale, offset, q.view(-1, 256)
 
 
 # --------------------------------------------------------------------------- AWQ and GPTQ

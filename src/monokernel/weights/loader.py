@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +22,6 @@ from monokernel.errors import ModelNotFoundError
 from monokernel.models.config import ModelConfig, load_hf_config
 from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.group_quant import GroupQuant
-from monokernel.weights.names import Weights
 
 # Checkpoint.quantization of a checkpoint whose layer matrices are all 4-bit.
 CHECKPOINT_INT4 = "int4"
@@ -36,9 +35,13 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     config: ModelConfig
-    # Our names. Safetensors: on the device and in the dtype load_checkpoint was given, else
-    # the checkpoint's dtype on the CPU. GGUF: always float32 (dequantised) on the CPU.
-    weights: Weights
+    # Our names. Safetensors: a dict, on the device and in the dtype load_checkpoint was
+    # given, else the checkpoint's dtype on the CPU. GGUF: float32 (dequantised) on the CPU,
+    # in a LazyWeights (weights/lazy_weights.py) whose layer matrices that have ``groups``
+    # (all those stored in blocks, whatever ``quantization`` says) are made from them when
+    # first read: the monokernel, streaming the groups, never reads them. Code that casts
+    # the whole mapping keeps them unread through lazy_weights.cast_mapping.
+    weights: MutableMapping[str, torch.Tensor]
     tokenizer_dir: Path
     gguf_file: str | None  # set when the tokenizer lives inside a GGUF file
     eos_token_ids: tuple[int, ...]  # config's and generation_config's, deduplicated
@@ -54,8 +57,8 @@ class Checkpoint:
     # With quantization "int4" or "int8": each layer linear weight ("layers.{n}.wq", ...
     # w_down) as the checkpoint's own values (weights/group_quant.py), in HF row order; its
     # dense() is what ``weights`` holds for it (cast to the weights' dtype; a GGUF Q4_0
-    # zero may differ in sign, a Q6_K value by an fp32 rounding). On the device the weights
-    # were read to (GGUF: the CPU). None otherwise.
+    # zero may differ in sign, a Q6_K value by an fp32 rounding: ``weights`` has gguf's
+    # bits). On the device the weights were read to (GGUF: the CPU). None otherwise.
     groups: Mapping[str, GroupQuant] | None = None
     # With quantization "fp8" and block scales (HF fine-grained FP8): each layer linear
     # weight's block scales, so the monokernel streams the checkpoint's own E4M3 values with
@@ -111,10 +114,11 @@ def _load_gguf(
     if before_weights is not None:
         before_weights(cfg)
     eos = tuple(dict.fromkeys((*cfg.eos_token_ids, *gguf_generation_eos_ids(path))))
-    # Dequantising runs on the CPU: 0.6 s for the default model's 98 MB on 2 cores, so
-    # seconds for a GGUF of a few GB.
+    # Decoding the blocks runs on the CPU: 0.6 s for the default model's 98 MB on 2 cores,
+    # so seconds for a GGUF of a few GB. The layer matrices' float32 values are made only
+    # if an engine reads them (weights/lazy_weights.py).
     size = format_bytes(path.stat().st_size)
-    with slow_step(f"loading weights: dequantising {path.name} ({size}) to float32", progress):
+    with slow_step(f"loading weights: decoding {path.name} ({size})", progress):
         weights, groups = load_gguf_tensors(path, cfg)
     whole = _every_layer_linear(groups, cfg)
     streamed = None

@@ -4,11 +4,13 @@ The monokernel packs each layer's matrices in the asked-for weight format
 (``weights/formats``): fp8 and int8 one byte a weight and a float32 scale a row, half the
 bytes of bf16; int4 four bits a weight and a float32 scale and offset a group of 128
 columns (int4_group: fewer where 128 does not divide the model's sizes; each group's pair
-searched for its least squared error, group_quant.quantize_rtn), 28% of bf16's bytes. The
-other engines (the reference, torch-compiled) cannot read those bytes; they get
-``fake_quantize``'s weights instead: each quantised matrix replaced by the dequantised values
-the kernel multiplies by, in the checkpoint's dtype, so every engine computes the same model
-and the monokernel's tokens can still be checked against the reference's.
+searched for its least squared error, group_quant.quantize_rtn, weighted by the inputs'
+statistics over a calibration text where the engine has them: runtime/calibration.py), 28%
+of bf16's bytes. The other engines (the reference, torch-compiled) cannot read those bytes;
+they get ``fake_quantize``'s weights instead: each quantised matrix replaced by the
+dequantised values the kernel multiplies by, in the checkpoint's dtype, so every engine
+computes the same model and the monokernel's tokens can still be checked against the
+reference's (int4: with the same statistics, computed once per checkpoint).
 
 A checkpoint stored in 4 or 8 bits with its own groups (GGUF, AWQ, GPTQ: Checkpoint.groups)
 streams those groups as they are (``groups_plan``: int4, int8's grouped tiles, or the two
@@ -31,7 +33,7 @@ import torch
 
 from monokernel.errors import MonokernelError
 from monokernel.models.config import ModelConfig
-from monokernel.weights.formats import WeightFormat, get_format
+from monokernel.weights.formats import PackedMatrix, WeightFormat, get_format
 from monokernel.weights.formats.fp8 import Fp8Rows
 from monokernel.weights.formats.int4 import DEFAULT_GROUP, Int4Groups
 from monokernel.weights.formats.int4 import GROUPS as INT4_GROUPS
@@ -118,13 +120,31 @@ def is_quantized(name: str) -> bool:
     return len(parts) == 3 and parts[0] == "layers" and parts[2] in LINEAR_NAMES
 
 
+def pack_quantized(
+    fmt: WeightFormat,
+    name: str,
+    w: torch.Tensor,
+    stats: Mapping[str, torch.Tensor] | None = None,
+) -> PackedMatrix:
+    """The layer matrix ``name`` (w) packed in ``fmt``: int4 with the input statistics
+    ``stats[name]`` where given (runtime/calibration.py; group_quant.quantize_rtn weighs
+    its search with them), every other format as it packs alone."""
+    if stats is not None and isinstance(fmt, Int4Groups):
+        return fmt.pack(w, act=stats[name])
+    return fmt.pack(w)
+
+
 def fake_quantize(
-    weights: Mapping[str, torch.Tensor], method: str, consume: bool = False
+    weights: Mapping[str, torch.Tensor],
+    method: str,
+    consume: bool = False,
+    stats: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """A new dict of ``weights`` where each layer's linear weight w is what the kernel
     multiplies by once w is packed in format ``method``: ``dense(pack(w))`` in w's dtype
     (exact for float32, the reference's precision). Everything else (the embedding, the LM
-    head, norms, biases) is the same tensor object, untouched.
+    head, norms, biases) is the same tensor object, untouched. ``stats``: int4's input
+    statistics by weight name (pack_quantized), the ones the monokernel packs with.
 
     One matrix at a time, so the working memory is one matrix's float32 copy and its packed
     bytes on top of the dicts. ``weights`` is not changed, unless ``consume`` (a dict the
@@ -135,7 +155,9 @@ def fake_quantize(
     out: dict[str, torch.Tensor] = {}
     for name in list(weights):
         w = weights.pop(name) if consume else weights[name]  # type: ignore[attr-defined]
-        out[name] = fmt.dense(fmt.pack(w), dtype=w.dtype) if is_quantized(name) else w
+        if is_quantized(name):
+            w = fmt.dense(pack_quantized(fmt, name, w, stats), dtype=w.dtype)
+        out[name] = w
     return out
 
 
@@ -228,15 +250,22 @@ class DequantizedView(Mapping[str, torch.Tensor]):
     """``weights`` as the float32 reference reads them under ``--quantize method``: each
     layer's matrices through the format's pack and dense in float32 (exactly the values the
     kernel scales its dot products to), everything else in float32, one tensor at a time
-    when read (an 8B model's float32 copy would not fit beside the kernel's)."""
+    when read (an 8B model's float32 copy would not fit beside the kernel's). ``stats``:
+    int4's input statistics, as fake_quantize takes them."""
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], method: str) -> None:
+    def __init__(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        method: str,
+        stats: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
         self._w, self._fmt = weights, method_format(check_method(method), weights)
+        self._stats = stats
 
     def __getitem__(self, name: str) -> torch.Tensor:
         w = self._w[name]
         if is_quantized(name):
-            return self._fmt.dense(self._fmt.pack(w), torch.float32)
+            return self._fmt.dense(pack_quantized(self._fmt, name, w, self._stats), torch.float32)
         return w.float()
 
     def __iter__(self) -> Iterator[str]:

@@ -33,7 +33,7 @@ from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.group_quant import fuse_rows as gq_fuse_rows
 from monokernel.weights.group_quant import interleave_rows as gq_interleave_rows
 from monokernel.weights.names import Weights
-from monokernel.weights.quantize import config_format, group_format
+from monokernel.weights.quantize import config_format, group_format, pack_quantized
 
 MATRICES: tuple[str, ...] = ("wqkv", "wo", "wgu", "wdown")  # a layer's streamed matrices
 
@@ -101,16 +101,21 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float().contiguous()
 
 
-def _pack_groups(groups: Mapping[str, GroupQuant], p: str, tiles: bool) -> dict[str, PackedMatrix]:
+def _pack_groups(
+    groups: Mapping[str, GroupQuant], p: str, tiles: bool, device: torch.device
+) -> dict[str, PackedMatrix]:
     """Layer ``p``'s matrices from the checkpoint's own groups, each in int4 or int8's grouped
     tiles as its width says (quantize.py group_format; a stage may differ from the others:
     GroupsPlan), fused as repack_layer fuses the dense ones, their bits unchanged (int4 in the
-    tile layout if ``tiles``: tiles.py tiles_for)."""
+    tile layout if ``tiles``: tiles.py tiles_for), on ``device``."""
 
     def pack(gq: GroupQuant) -> PackedMatrix:
         return group_format(gq, tiles).pack_groups(gq.q, gq.scale, gq.offset)
 
-    g = {name: groups[p + name] for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+    # Copied here, a layer at a time: the device never holds the whole model's groups
+    # (1.3 bytes a weight unpacked) beside its packed matrices (a 32B Q4_K_M: 42 + 32 GB).
+    names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    g = {name: groups[p + name].to(device) for name in names}
     return {
         "wqkv": pack(gq_fuse_rows(g["wq"], g["wk"], g["wv"])),
         "wo": pack(g["wo"]),
@@ -150,6 +155,7 @@ def repack_layer(
     row_scales: Mapping[str, torch.Tensor] | None = None,
     groups: Mapping[str, GroupQuant] | None = None,
     fp8_blocks: Fp8Blocks | None = None,
+    act_stats: Mapping[str, torch.Tensor] | None = None,
 ) -> LayerPack:
     p = f"layers.{n}."
     scales = row_scales or {}
@@ -165,18 +171,33 @@ def repack_layer(
             groups,
             p,
             tiles_for("int4", cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size),
+            attn_g.device,
         )
     elif fp8_blocks is not None:
         if fold:
             raise ValueError("a checkpoint's fp8 block scales cannot take a folded norm gain")
         matrices = _pack_fp8_blocks(w, fp8_blocks, p)
     else:
-        pack = config_format(fmt, cfg).pack
+        if fold and act_stats is not None:
+            raise ValueError("input statistics are the unfolded matrices': not with fold")
+        layer_fmt = config_format(fmt, cfg)
+
+        def pack(m: torch.Tensor, name: str) -> PackedMatrix:
+            # A column block takes the whole rows' scales; int4, the statistics of the
+            # matrix's input (a fused matrix's inputs are one: its first matrix's).
+            if p + name in scales:
+                return layer_fmt.pack(m, scales[p + name])
+            return pack_quantized(layer_fmt, p + name, m, act_stats)
+
         matrices = {
-            "wqkv": pack(fold_or_keep(fuse_rows(w[p + "wq"], w[p + "wk"], w[p + "wv"]), attn_g)),
-            "wo": pack(w[p + "wo"], scales.get(p + "wo")),
-            "wgu": pack(fold_or_keep(interleave_rows(w[p + "w_gate"], w[p + "w_up"]), ffn_g)),
-            "wdown": pack(w[p + "w_down"], scales.get(p + "w_down")),
+            "wqkv": pack(
+                fold_or_keep(fuse_rows(w[p + "wq"], w[p + "wk"], w[p + "wv"]), attn_g), "wq"
+            ),
+            "wo": pack(w[p + "wo"], "wo"),
+            "wgu": pack(
+                fold_or_keep(interleave_rows(w[p + "w_gate"], w[p + "w_up"]), ffn_g), "w_gate"
+            ),
+            "wdown": pack(w[p + "w_down"], "w_down"),
         }
     return LayerPack(
         matrices=matrices,
@@ -200,6 +221,7 @@ def repack(
     row_scales: Mapping[str, torch.Tensor] | None = None,
     groups: Mapping[str, GroupQuant] | None = None,
     fp8_blocks: Fp8Blocks | None = None,
+    act_stats: Mapping[str, torch.Tensor] | None = None,
 ) -> Repacked:
     """All of the kernel's tensors, on the device of ``weights``: the layers' streamed
     matrices packed in the weight format ``fmt`` (weights/formats), the LM head in
@@ -212,9 +234,14 @@ def repack(
     the whole rows', weights/quantize.py whole_row_scales). ``groups``: a 4- or 8-bit
     checkpoint's own groups of each layer's seven matrices (Checkpoint.groups), packed in
     int4 or int8 groups with their bits unchanged instead of quantising ``weights``; needs
-    ``fold=False``.
+    ``fold=False``. They may lie on another device (the host): each layer's are copied to
+    that of ``weights`` as it is packed. ``weights``' layer matrices are then never read
+    (a GGUF's LazyWeights never makes them: weights/lazy_weights.py).
     ``fp8_blocks``: an FP8 checkpoint's block scales (Checkpoint.fp8_blocks), with which the
     layers pack in fp8 tiles as the checkpoint stored them; needs ``fold=False``.
+    ``act_stats``: with ``fmt`` int4, each layer matrix's input statistics by weight name
+    (runtime/calibration.py), which its groups' search is weighted by (quantize.py
+    pack_quantized: the same as the other engines' fake_quantize); needs ``fold=False``.
     ``consume``: each layer's tensors are popped from ``weights`` once packed, so where the
     caller holds no other reference the repacking needs one layer's memory on top of the
     model, not a second copy (a 32B model's 65 GB fit an 80 GB GPU once, not twice).
@@ -225,7 +252,9 @@ def repack(
     pack_head = get_format(head_fmt).pack
     layers = []
     for n in range(cfg.num_layers):
-        layers.append(repack_layer(cfg, weights, n, fold, fmt, row_scales, groups, fp8_blocks))
+        layers.append(
+            repack_layer(cfg, weights, n, fold, fmt, row_scales, groups, fp8_blocks, act_stats)
+        )
         if consume:
             for name in [k for k in weights if k.startswith(f"layers.{n}.")]:
                 del weights[name]

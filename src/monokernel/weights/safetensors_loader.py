@@ -58,6 +58,7 @@ from monokernel.weights.checkpoint_quant import (
     scaled_weight,
 )
 from monokernel.weights.group_quant import GroupQuant, GroupQuantError, gptq_trivial_g_idx
+from monokernel.weights.lazy_weights import cast_mapping
 from monokernel.weights.names import HF_IGNORED, Weights, check_weights, hf_to_ours
 from monokernel.weights.progress import ByteProgress, progress_wanted
 from monokernel.weights.quantize import UnsupportedQuantizationError, is_quantized
@@ -633,8 +634,7 @@ def _load_to(
 
 def cast_weights(weights: Weights, dtype: torch.dtype, device: torch.device | str) -> Weights:
     """Every tensor in ``dtype`` on ``device``; the input dict is emptied as it goes so a
-    large CPU copy is not held twice. Tensors already there are passed through as they are."""
-    out: Weights = {}
-    for name in list(weights):
-        out[name] = weights.pop(name).to(device=device, dtype=dtype)
-    return out
+    large CPU copy is not held twice. Tensors already there are passed through as they are.
+    A GGUF's LazyWeights stays one: its unread layer matrices are cast when read (the
+    monokernel, streaming their groups, never reads them; weights/lazy_weights.py)."""
+    return cast_mapping(weights, dtype, device, consume=True)  # type: ignore[return-value]

@@ -33,6 +33,7 @@ from monokernel.models.config import config_from_hf_dict
 from monokernel.weights import default_model
 from monokernel.weights.gguf_loader import (
     gguf_generation_eos_ids,
+    gguf_to_ours,
     load_gguf_config,
     load_gguf_weights,
 )
@@ -387,12 +388,41 @@ def test_a_gguf_with_an_unquantised_layer_matrix_streams_dequantised(tmp_path: P
     assert ckpt.quantization is None and ckpt.groups is None
 
 
-def kquant_bytes(kind: Any, rows: int, cols: int, seed: int) -> np.ndarray:
-    """Q6_K or Q5_K blocks [rows, cols / 256 * size] with random quants and scales and small
-    finite fp16 fields (gguf cannot quantise either)."""
+def block_bytes(kind: Any, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Stored bytes [rows, ...] of a ``kind`` matrix: random quants, small finite fp16 fields."""
+    if kind == QT.Q4_K:
+        return q4_k_bytes(rows, cols, seed)
     from monokernel.weights.test_gguf_8bit import random_blocks
 
+    if kind.name in ("Q4_0", "Q4_1"):  # gguf quantises these: random values of either sign
+        a = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+        return np.asarray(gguf.quants.quantize(a, kind)).reshape(rows, -1)
     return random_blocks(kind.name, rows, cols, seed).reshape(rows, -1)
+
+
+def k_quant_gguf(
+    path: Path,
+    kinds: tuple[Any, ...],
+    arch: str = "llama",
+    edge: dict[str, Any] | None = None,
+) -> Path:
+    """A SIZES_Q4_K model whose layer matrices are ``kinds[0]`` blocks, V and down
+    ``kinds[-1]`` ones (a Q4_K_M: (Q4_K, Q6_K)); ``edge``: the embedding's and the LM head's
+    block types by GGUF name (default: the head in Q8_0, the embedding in F32)."""
+    _, state = tiny_hf(arch, tied=False, sizes=SIZES_Q4_K)
+    raw = {}
+    for i, k in enumerate(sorted(state)):
+        name = hf_to_gguf(k)
+        parts = name.split(".")
+        if parts[0] == "blk" and parts[2] in LAYER_LINEARS and parts[3] == "weight":
+            kind = kinds[-1] if parts[2] in ("attn_v", "ffn_down") else kinds[0]
+            raw[name] = (block_bytes(kind, *state[k].shape, seed=i), kind)
+    for i, (name, kind) in enumerate((edge or {}).items()):
+        rows, cols = SIZES_Q4_K["vocab_size"], SIZES_Q4_K["hidden_size"]
+        raw[name] = (block_bytes(kind, rows, cols, seed=100 + i), kind)
+    return write_gguf(
+        path, arch, state, types={"output.weight": QT.Q8_0}, sizes=SIZES_Q4_K, raw_tensors=raw
+    )
 
 
 @pytest.mark.parametrize(
@@ -408,23 +438,7 @@ def test_k_quant_layers_keep_their_values(
     weights are."""
     from monokernel.weights.loader import load_checkpoint
 
-    _, state = tiny_hf("llama", tied=False, sizes=SIZES_Q4_K)
-    raw = {}
-    for i, k in enumerate(sorted(state)):
-        name = hf_to_gguf(k)
-        parts = name.split(".")
-        if parts[0] == "blk" and parts[2] in LAYER_LINEARS and parts[3] == "weight":
-            kind = kinds[-1] if parts[2] in ("attn_v", "ffn_down") else kinds[0]
-            make = (
-                q4_k_bytes
-                if kind == QT.Q4_K
-                else lambda r, c, seed, k=kind: kquant_bytes(k, r, c, seed)
-            )
-            raw[name] = (make(*state[k].shape, seed=i), kind)
-    path = write_gguf(
-        tmp_path / "k.gguf", "llama", state, types={"output.weight": QT.Q8_0}, sizes=SIZES_Q4_K,
-        raw_tensors=raw,
-    )  # fmt: skip
+    path = k_quant_gguf(tmp_path / "k.gguf", kinds)
     ckpt = load_checkpoint(path, progress=False)
     assert ckpt.quantization == "int8" and ckpt.groups is not None
     assert len(ckpt.groups) == 7 * SIZES_Q4_K["num_hidden_layers"]
@@ -440,6 +454,96 @@ def test_k_quant_layers_keep_their_values(
     )
     got = ckpt.groups["layers.0.w_down"].dense().numpy()
     np.testing.assert_allclose(got, want, rtol=2**-22, atol=0)
+
+
+BLOCK_KINDS = [QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q6_K, QT.Q8_0]
+
+
+@pytest.mark.parametrize("kind", BLOCK_KINDS, ids=[k.name for k in BLOCK_KINDS])
+def test_each_block_is_decoded_once_to_ggufs_bits(
+    tmp_path: Path, kind: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every block of a type our decoders read goes through them alone (gguf's own
+    dequantisation, and the torch copy of it, run only on the float tensors), and every
+    weight read back is gguf's dequantisation of its bytes, bit for bit: the layer
+    matrices (made from their groups when read), the embedding and the LM head."""
+    from monokernel.weights import gguf_loader
+    from monokernel.weights.loader import load_checkpoint
+
+    edge = {"token_embd.weight": kind, "output.weight": kind}
+    path = k_quant_gguf(tmp_path / "b.gguf", (kind,), arch="qwen2", edge=edge)
+    real = gguf.quants.dequantize
+    ran: list[str] = []
+
+    def counted(data: np.ndarray, qtype: Any) -> np.ndarray:
+        ran.append(QT(qtype).name)
+        return real(data, qtype)
+
+    monkeypatch.setattr(gguf.quants, "dequantize", counted)
+    monkeypatch.setattr(gguf_loader, "_dequantize_blocks", None)  # fails if called
+    ckpt = load_checkpoint(path, progress=False)
+    weights = dict(ckpt.weights)  # every matrix made, as the reference engine reads them
+    assert set(ran) == {"F32"}, ran  # the norms and biases
+    stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    for name, t in stored.items():
+        ours = gguf_to_ours(name)
+        if ours is None or QT(t.tensor_type) != kind:
+            continue
+        want = torch.from_numpy(real(np.array(t.data), kind).astype(np.float32))
+        got = weights[ours]
+        assert got.dtype == torch.float32 and got.shape == want.shape, name
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), name
+
+
+def test_the_monokernel_path_never_makes_a_layer_matrix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Q4_K_M loaded and repacked as the engine hands it to the monokernel (cast to the
+    device's bf16, its own groups packed, each layer's names consumed): no layer matrix is
+    ever made dense, so a 32B model never holds 130 GB of float32 on the host. Llama, so
+    the Q/K groups are also unpermuted."""
+    from monokernel.weights.group_quant import GroupQuant
+    from monokernel.weights.lazy_weights import DenseSource, cast_mapping
+    from monokernel.weights.loader import load_checkpoint
+    from monokernel.weights.quantize import groups_method, groups_plan, groups_stream
+    from monokernel.weights.repack import repack
+    from monokernel.weights.safetensors_loader import cast_weights
+
+    edge = {"token_embd.weight": QT.Q4_K, "output.weight": QT.Q6_K}
+    path = k_quant_gguf(tmp_path / "m.gguf", (QT.Q4_K, QT.Q6_K), edge=edge)
+    made: list[str] = []
+    for cls, attr in ((DenseSource, "dense"), (GroupQuant, "dense"),
+                      (GroupQuant, "zero_point_dense")):  # fmt: skip
+        real = getattr(cls, attr)
+
+        def counted(self: Any, *args: Any, _real: Any = real, _what: str = attr) -> Any:
+            made.append(f"{type(self).__name__}.{_what}{tuple(self.shape)}")
+            return _real(self, *args)
+
+        monkeypatch.setattr(cls, attr, counted)
+    ckpt = load_checkpoint(path, progress=False)
+    cfg = ckpt.config
+    assert ckpt.quantization == "int8" and ckpt.groups is not None
+    assert sorted(ckpt.weights.unread()) == sorted(ckpt.groups)  # type: ignore[attr-defined]
+    # Only the embedding and the LM head were made at load, once each.
+    assert made.count(f"DenseSource.dense{(97, 256)}") == 2
+    assert all(m.endswith(f"{(97, 256)}") for m in made), made
+    made.clear()
+    weights = cast_weights(ckpt.weights, torch.bfloat16, "cpu")  # Engine.__init__
+    assert len(ckpt.weights) == 0
+    weights = cast_mapping(weights, torch.bfloat16)  # the backend's convert, were it needed
+    probe = weights.copy()  # type: ignore[attr-defined]
+    _, groups = groups_plan(cfg, ckpt.groups)  # the backend's
+    assert groups_stream(cfg, groups)
+    packed = repack(
+        cfg, weights, 16, fold=False, fmt=groups_method(groups), consume=True, groups=groups
+    )
+    assert len(packed.layers) == cfg.num_layers
+    assert not any(k.startswith("layers.") for k in weights)  # consumed, not read
+    assert made == []
+    # The count sees a matrix made: reading one from the copy makes it.
+    assert probe["layers.1.wq"].dtype == torch.bfloat16
+    assert made[0] == f"DenseSource.dense{(256, 256)}"
 
 
 @pytest.mark.slow

@@ -503,3 +503,119 @@ def test_rtn_refusals_and_pick_group() -> None:
         pick_group(520)
     with pytest.raises(GroupQuantError, match="NaN"):
         quantize_rtn(torch.full((1, 32), float("nan")), 32)
+
+
+# --------------------------------------------------------------------------- weighted by inputs
+
+
+def weighted_errors(gq: GroupQuant, w: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    """Each group's activation-weighted squared error sum act_j (dense - w)_j^2, float64
+    [rows, groups]."""
+    d = gq.dense().double() - w.double()
+    return (d * d * act.double()).view(gq.rows, -1, gq.group).sum(dim=2)
+
+
+def skewed_case(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights and input statistics as a real layer's: most columns' mean x^2 small, a few
+    a hundred to a thousand times larger (AWQ's salient channels)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 0.02
+    act = torch.rand(cols, generator=g) * 0.1 + 0.01
+    salient = torch.randperm(cols, generator=g)[: cols // 32]
+    act[salient] = torch.rand(salient.numel(), generator=g) * 900 + 100
+    return w, act
+
+
+@pytest.mark.parametrize(("rows", "cols", "group"), [(48, 576, 64), (17, 384, 128), (5, 96, 32)])
+def test_weighted_search_lowers_the_weighted_error(rows: int, cols: int, group: int) -> None:
+    w, act = skewed_case(rows, cols, seed=rows)
+    plain, weighted = quantize_rtn(w, group), quantize_rtn(w, group, act)
+    assert weighted.check() is weighted and weighted.shape == (rows, cols)
+    ours, theirs = weighted_errors(weighted, w, act), weighted_errors(plain, w, act)
+    # In all by a good margin, and in nearly every group (the two searches refit from the
+    # same starts along other paths: a group may end in a worse local minimum); the
+    # unweighted error it gives up is the price.
+    assert float(ours.sum()) < 0.7 * float(theirs.sum())
+    assert float((ours <= theirs * (1 + 1e-4) + 1e-12).double().mean()) >= 0.9
+    assert float(group_errors(weighted, w).sum()) > float(group_errors(plain, w).sum())
+
+
+def test_weighted_search_keeps_what_the_plain_one_guarantees() -> None:
+    """Never more weighted error (in the search's weights) than min/max rounding; a grid
+    that holds a group exactly is given back (to float32 rounding); each weight rounds to
+    its nearest step; constant groups stay exact."""
+    w, act = skewed_case(24, 576, seed=7)
+    w[3, :64] = 0.5  # constant
+    w[4] = q4_1_like(1, 576, seed=5)[0]  # Q4_1 blocks: in groups of 32, their own grids
+    gq = quantize_rtn(w, 32, act)
+    d = gq.dense().double() - w.double()
+    x = w.double().view(24, -1, 32)
+    lo, hi = x.amin(dim=2, keepdim=True), x.amax(dim=2, keepdim=True)
+    s = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(lo))
+    dm = (((x - lo) / s).round().clamp(0, 15) * s + lo - x).view(24, 576)
+    # The weights the search minimises with: act relative to its group's mean, damped.
+    a = group_quant.group_weights(act, 576, 32).double()
+    ours, minmax = (d * d).view(24, -1, 32), (dm * dm).view(24, -1, 32)
+    assert bool(((ours * a).sum(2) <= (minmax * a).sum(2) * (1 + 1e-4) + 1e-12).all())
+    assert bool((gq.dense()[3, :64] == 0.5).all())
+    # Up to the float32 products in its sums (weights of very unequal size refit it with
+    # ~1e-6 of the row's range to spare; plain, the grid comes back exact).
+    assert bool(((gq.dense()[4] - w[4]).abs() <= 1e-5 * w[4].abs().amax()).all())
+    steps = torch.arange(16, dtype=torch.float64)
+    sc = gq.scale.double().repeat_interleave(32, dim=1)[..., None]
+    of = gq.offset.double().repeat_interleave(32, dim=1)[..., None]
+    dist = (steps * sc + of - w.double()[..., None]).abs()
+    chosen = dist.gather(2, gq.q.long()[..., None])[..., 0]
+    assert bool((chosen <= dist.amin(dim=2) + 1e-6 * sc[..., 0]).all())
+
+
+def assert_same(a: GroupQuant, b: GroupQuant) -> None:
+    assert torch.equal(a.q, b.q) and torch.equal(bits(a.scale), bits(b.scale))
+    assert torch.equal(bits(a.offset), bits(b.offset))
+
+
+def test_weighted_row_and_column_blocks_quantise_as_the_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tensor-parallel rank's block: rows [a, b) of the matrix, or whole groups of its
+    columns with the matching slice of the statistics, give the whole matrix's bits for
+    those rows or groups; and so do other chunkings and w's bf16 widened."""
+    w, act = skewed_case(40, 512, seed=11)
+    w = w.bfloat16()
+    whole = quantize_rtn(w, 128, act)
+    assert_same(quantize_rtn(w[8:24], 128, act), whole.row_block(8, 16))
+    assert_same(quantize_rtn(w[:, 256:512], 128, act[256:512]), whole.col_block(256, 256))
+    assert_same(quantize_rtn(w[:, 128:256], 128, act[128:256]), whole.col_block(128, 128))
+    assert_same(quantize_rtn(w.float(), 128, act), whole)
+    monkeypatch.setattr(group_quant, "_CHUNK", 3 * 512)  # 14 chunks, the last of 1 row
+    assert_same(quantize_rtn(w, 128, act), whole)
+
+
+def test_the_statistics_scale_and_damping() -> None:
+    """Only each group's act relative to its mean counts (a group's scale is its own), and
+    a group whose statistics are all zero weighs its columns alike."""
+    w, act = skewed_case(8, 256, seed=2)
+    assert_same(quantize_rtn(w, 64, act * 4), quantize_rtn(w, 64, act))
+    scaled = act.clone()
+    scaled[64:128] *= 1024  # one group's statistics only: the others' weights unchanged
+    assert_same(quantize_rtn(w, 64, scaled), quantize_rtn(w, 64, act))
+    zero = act.clone()
+    zero[:64] = 0
+    ws = group_quant.group_weights(zero, 256, 64)
+    assert ws.shape == (4, 64) and bool((ws[0] == ws[0, 0]).all())
+    assert_same(quantize_rtn(w[:, :64], 64, zero[:64]), quantize_rtn(w[:, :64], 64, zero[:64] + 1))
+
+
+@pytest.mark.parametrize(
+    ("act", "match"),
+    [
+        (torch.ones(128), r"float vector \[256\]"),
+        (torch.ones(256, 1), r"float vector \[256\]"),
+        (torch.ones(256, dtype=torch.int32), r"float vector \[256\]"),
+        (torch.full((256,), -1.0), "finite and non-negative"),
+        (torch.full((256,), float("nan")), "finite and non-negative"),
+    ],
+)
+def test_bad_statistics_are_refused(act: torch.Tensor, match: str) -> None:
+    with pytest.raises(GroupQuantError, match=match):
+        quantize_rtn(torch.randn(4, 256), 64, act)

@@ -112,9 +112,10 @@ def construct_backend(
     quantize: str | None = None,
     groups: Mapping[str, GroupQuant] | None = None,
     fp8_blocks: Fp8Blocks | None = None,
+    act_stats: Mapping[str, torch.Tensor] | None = None,
 ) -> Backend:
-    """Engine ``name``'s backend; ``owned``, ``quantize``, ``groups``, ``fp8_blocks``: as in
-    create_backend."""
+    """Engine ``name``'s backend; ``owned``, ``quantize``, ``groups``, ``fp8_blocks``,
+    ``act_stats``: as in create_backend."""
     module, cls = BACKEND_CLASSES[name]
     backend_cls = getattr(importlib.import_module(module), cls)
     extra: dict[str, object] = {}
@@ -126,11 +127,13 @@ def construct_backend(
             extra["groups"] = groups
         if fp8_blocks is not None:
             extra["fp8_blocks"] = fp8_blocks
+        if act_stats is not None:
+            extra["act_stats"] = act_stats
     elif quantize is not None and groups is None and fp8_blocks is None:
         # The other engines compute with the dequantised values the kernel multiplies by.
         from monokernel.weights.quantize import fake_quantize
 
-        weights = fake_quantize(weights, quantize, consume=owned)
+        weights = fake_quantize(weights, quantize, consume=owned, stats=act_stats)
     if name == "torch" and device.type == "cpu":
         # What a CPU user runs: 4- and 8-bit matrices, ~3x the float32 step's speed
         # (cpu_packed.py), from a 4-bit checkpoint's own groups where it has them.
@@ -155,6 +158,7 @@ def create_backend(
     quantize: str | None = None,
     groups: Mapping[str, GroupQuant] | None = None,
     fp8_blocks: Fp8Blocks | None = None,
+    act_stats: Mapping[str, torch.Tensor] | None = None,
 ) -> Backend:
     """Build the backend for engine ``name``. For ``auto`` a monokernel that cannot serve
     this model (see FALLBACK_ERRORS) gives way to ``fallback_engine()``; ``on_fallback``
@@ -168,7 +172,9 @@ def create_backend(
     dequantised values. ``fp8_blocks``: an FP8 checkpoint's block scales (Checkpoint.
     fp8_blocks, with ``quantize`` "fp8"), likewise: the monokernel streams the checkpoint's
     own values with them where its layers (a rank's, at ``tp`` > 1) stream as tiles, else
-    re-quantises each row (docs/cli.md)."""
+    re-quantises each row (docs/cli.md). ``act_stats``: with ``quantize`` "int4" (and no
+    ``groups``), each layer matrix's input statistics over the calibration text
+    (runtime/calibration.py), which every engine's int4 search is weighted by."""
     resolved = resolve_engine(name, device)
     if tp > 1:
         # Only the monokernel splits a request over GPUs (docs/tensor-parallel.md).
@@ -179,16 +185,42 @@ def create_backend(
         from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
 
         return MonokernelTPBackend(
-            cfg, weights, max_seq_len, device, tp, quantize, groups, fp8_blocks=fp8_blocks
+            cfg,
+            weights,
+            max_seq_len,
+            device,
+            tp,
+            quantize,
+            groups,
+            fp8_blocks=fp8_blocks,
+            act_stats=act_stats,
         )
     if name != "auto" or resolved != "monokernel":
         return construct_backend(
-            resolved, cfg, weights, max_seq_len, device, owned, quantize, groups, fp8_blocks
+            resolved,
+            cfg,
+            weights,
+            max_seq_len,
+            device,
+            owned,
+            quantize,
+            groups,
+            fp8_blocks,
+            act_stats,
         )
     names = set(weights)
     try:
         return construct_backend(
-            resolved, cfg, weights, max_seq_len, device, owned, quantize, groups, fp8_blocks
+            resolved,
+            cfg,
+            weights,
+            max_seq_len,
+            device,
+            owned,
+            quantize,
+            groups,
+            fp8_blocks,
+            act_stats,
         )
     except FALLBACK_ERRORS as e:
         if set(weights) != names:
@@ -209,4 +241,5 @@ def create_backend(
         quantize=quantize,
         groups=groups,
         fp8_blocks=fp8_blocks,
+        act_stats=act_stats,
     )

@@ -4,7 +4,8 @@ float32 scale a and one float32 offset b; the weight is ``a * q + b`` with q in 
 That one form holds every 4-bit format we read with its bits unchanged: GGUF Q4_0 (a = d,
 b = -8d) and Q4_1 (a = d, b = m) in groups of 32, AWQ and GPTQ (a = s, b = -z * s) in groups
 of 128 (weights/group_quant.py decodes them), and ``--quantize int4`` (groups of 128, each
-group's pair searched for its least squared error: group_quant.quantize_rtn).
+group's pair searched for its least activation-weighted squared error: group_quant.quantize_rtn
+with the input statistics of runtime/calibration.py).
 
 Two layouts, told apart by ``data``'s rank:
 
@@ -190,15 +191,18 @@ class Int4Groups(WeightFormat):
         self.group = group
         self.tiles = tiles  # pack in the tile layout (instances differ; the class says rows)
 
-    def pack(self, w: torch.Tensor, scales: torch.Tensor | None = None) -> PackedMatrix:
-        """``w`` in groups of ``self.group``, each on the grid group_quant.quantize_rtn finds."""
+    def pack(
+        self, w: torch.Tensor, scales: torch.Tensor | None = None, act: torch.Tensor | None = None
+    ) -> PackedMatrix:
+        """``w`` in groups of ``self.group``, each on the grid group_quant.quantize_rtn finds
+        (activation-weighted with ``act``, w's input statistics [cols]: runtime/calibration.py)."""
         if scales is not None:
             raise ValueError("int4 packs with its groups' own scales (pack_groups)")
         if w.dim() != 2 or not w.is_floating_point():
             raise ValueError(f"int4 packs a floating-point matrix; got {w.dtype} {tuple(w.shape)}")
         if w.shape[1] % self.group:
             raise ValueError(f"int4: {w.shape[1]} columns are not whole groups of {self.group}")
-        gq = quantize_rtn(w, self.group)
+        gq = quantize_rtn(w, self.group, act)
         return self.pack_groups(gq.q, gq.scale, gq.offset)
 
     def pack_groups(self, q: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> PackedMatrix:

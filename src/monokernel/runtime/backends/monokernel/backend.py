@@ -43,6 +43,7 @@ from monokernel.runtime.prefix_cache import PrefixCache
 from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.formats import DEFAULT_FORMAT
 from monokernel.weights.group_quant import GroupQuant
+from monokernel.weights.lazy_weights import cast_mapping
 from monokernel.weights.names import Weights
 from monokernel.weights.quantize import (
     GroupsPlan,
@@ -76,6 +77,7 @@ class MonokernelBackend:
         quantize: str | None = None,
         groups: Mapping[str, GroupQuant] | None = None,
         fp8_blocks: Fp8Blocks | None = None,
+        act_stats: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """Knobs (docs/long-context.md; each ``None`` takes its setting in monokernel/envs.py):
 
@@ -100,7 +102,9 @@ class MonokernelBackend:
         ``fp8_blocks``: an FP8 checkpoint's block scales (Checkpoint.fp8_blocks), needs
         ``quantize`` "fp8": where the layers stream as tiles (weights/quantize.py
         blocks_stream), the checkpoint's own E4M3 values are packed with them; elsewhere each
-        row is re-quantised with one scale, as without them.
+        row is re-quantised with one scale, as without them. ``act_stats``: with ``quantize``
+        "int4", each layer matrix's input statistics (runtime/calibration.py) that the int4
+        search is weighted by, the other engines' own (fake_quantize).
         """
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -149,7 +153,9 @@ class MonokernelBackend:
         # Refuse a context that cannot fit before allocating anything for it.
         convert = weights["embed"].dtype != torch.bfloat16
         free = kv_memory.free_device_bytes(device)
-        extra = kv_memory.repack_bytes(cfg, fold_norms, convert, fmt, consume=consume_weights)
+        extra = kv_memory.repack_bytes(
+            cfg, fold_norms, convert, fmt, consume_weights, plan if groups is not None else None
+        )
         need = kv_memory.check_fits(
             cfg,
             max_seq_len,
@@ -161,12 +167,11 @@ class MonokernelBackend:
             graphs_enabled(device),
             fmt,
         )
-        if convert:
-            weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+        if convert:  # a GGUF's unread layer matrices stay unread (weights/lazy_weights.py)
+            weights = cast_mapping(weights, torch.bfloat16)  # type: ignore[assignment]
         # Prefill and decode both run on the repacked tensors, so nothing here keeps the
-        # checkpoint's own (fused-away) matrices alive.
-        if groups is not None:
-            groups = {k: v.to(device) for k, v in groups.items()}
+        # checkpoint's own (fused-away) matrices alive; repack copies the groups to the
+        # device a layer at a time.
         if fp8_blocks is not None:
             fp8_blocks = fp8_blocks.to(device)
         packed = repack(
@@ -178,6 +183,7 @@ class MonokernelBackend:
             consume=consume_weights,
             groups=groups,
             fp8_blocks=fp8_blocks,
+            act_stats=act_stats if fmt == "int4" and groups is None else None,
         )
         del weights
         if snapshot_bytes is None:

@@ -100,6 +100,29 @@ def test_tp2_quantized_teacher_forced_logits(case: str) -> None:
         again = tp.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
         tp.close()
         assert torch.equal(again, got)
+        # With input statistics (runtime/calibration.py; random here, skewed per column):
+        # each rank's blocks, searched on the GPU with its slice of them, are the whole
+        # matrix's groups searched with the whole vectors.
+        gen = torch.Generator().manual_seed(5)
+        act = {
+            k: torch.rand(v.shape[1], generator=gen) ** 4 * 100
+            for k, v in weights.items()
+            if is_quantized(k)
+        }
+        tp = MonokernelTPBackend(
+            cfg, weights, 512, torch.device("cuda", 0), 2, quantize="int4",
+            prefill_precision=precision, act_stats=act,
+        )  # fmt: skip
+        weighted = tp.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
+        tp.close()
+        groups = {k: quantize_rtn(v, group, act[k]) for k, v in weights.items() if is_quantized(k)}
+        tp = MonokernelTPBackend(
+            cfg, weights, 512, torch.device("cuda", 0), 2, "int4", groups, precision
+        )
+        whole = tp.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
+        tp.close()
+        assert torch.equal(weighted, whole)
+        assert not torch.equal(weighted, got)  # the statistics changed the grids
 
 
 @pytest.mark.gpu

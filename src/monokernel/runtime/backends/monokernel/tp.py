@@ -57,6 +57,7 @@ from monokernel.runtime.backends.monokernel.request import (
     kernel_tokens,
 )
 from monokernel.runtime.backends.monokernel.token_reader import read_tokens
+from monokernel.runtime.calibration import shard_stats
 from monokernel.runtime.constrained import TokenMatcher
 from monokernel.runtime.logprobs import TokenLogprobs
 from monokernel.runtime.prefill import Prefiller
@@ -182,11 +183,14 @@ class MonokernelTPBackend:
         groups: Mapping[str, GroupQuant] | None = None,
         prefill_precision: str | None = None,
         fp8_blocks: Fp8Blocks | None = None,
+        act_stats: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """``quantize``: the layers' matrices in that format (--quantize), packed per rank
-        with TP=1's scales (int4: TP=1's groups, whole on each rank), so every rank count
-        computes the same quantised model. ``groups``: a 4- or 8-bit checkpoint's own groups
-        (with ``quantize`` "int4" or "int8"), each rank streaming its blocks of them.
+        with TP=1's scales (int4: TP=1's groups, whole on each rank, searched with the
+        slices of ``act_stats``, the input statistics of runtime/calibration.py, that match
+        the rank's columns), so every rank count computes the same quantised model.
+        ``groups``: a 4- or 8-bit checkpoint's own groups (with ``quantize`` "int4" or
+        "int8"), each rank streaming its blocks of them.
         ``fp8_blocks``: an FP8 checkpoint's block scales (with ``quantize`` "fp8"), each rank
         streaming its blocks of the checkpoint's values with them where its layers stream as
         tiles and its column blocks are whole blocks; else re-quantised a row, as without
@@ -241,8 +245,13 @@ class MonokernelTPBackend:
                 if groups is not None:
                     mine = {k: g.to(dev) for k, g in shard_groups(cfg, groups, r, tp).items()}
                 elif fmt == "int4":  # --quantize int4: its blocks rounded as TP=1 rounds them
+                    act = None if act_stats is None else shard_stats(cfg, act_stats, r, tp)
                     mine = {
-                        k: quantize_rtn(dense[k].to(device=dev, dtype=torch.bfloat16), group)
+                        k: quantize_rtn(
+                            dense[k].to(device=dev, dtype=torch.bfloat16),
+                            group,
+                            None if act is None else act[k],
+                        )
                         for k in dense
                         if is_quantized(k)
                     }

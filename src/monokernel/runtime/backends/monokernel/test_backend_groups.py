@@ -1,0 +1,96 @@
+"""The monokernel backend's load from a GGUF's own groups, on the CPU: up to the KV cache.
+
+The backend's checks, its bf16 copy of the weights and its repack run as they do on a GPU
+(the kernel build, the device's free memory and the cache are stood in for), so a change
+that made a layer matrix dense on that path (the 130 GB float32 copy of a 32B Q4_K_M)
+fails here, where the GPU tests cannot run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from monokernel.runtime import kv_memory
+from monokernel.runtime.backends.monokernel import backend
+from monokernel.weights.lazy_weights import DenseSource, LazyWeights
+from monokernel.weights.repack import Repacked
+
+gguf = pytest.importorskip("gguf")
+
+
+class _Repacked(Exception):
+    """Raised where the backend hands its repacked weights to the KV cache: the end here."""
+
+    def __init__(self, packed: Repacked) -> None:
+        super().__init__("repacked")
+        self.packed = packed
+
+
+@pytest.fixture()
+def stand_ins(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """A CPU the backend takes for a GPU until its repack is done; returns what the repack
+    was allowed (``extra``: kv_memory.repack_bytes's count)."""
+    seen: dict[str, int] = {}
+    real_repack_bytes = kv_memory.repack_bytes
+
+    def repack_bytes(*args: Any, **kwargs: Any) -> int:
+        seen["extra"] = real_repack_bytes(*args, **kwargs)
+        return seen["extra"]
+
+    def stop(cfg: Any, packed: Repacked, *args: Any) -> None:
+        raise _Repacked(packed)
+
+    monkeypatch.setattr(backend, "monokernel_supported", lambda device: (True, ""))
+    monkeypatch.setattr(backend.kbuild, "build", lambda dims: None)
+    monkeypatch.setattr(kv_memory, "free_device_bytes", lambda device: 1 << 40)
+    monkeypatch.setattr(kv_memory, "repack_bytes", repack_bytes)
+    monkeypatch.setattr(backend, "KVStore", stop)
+    return seen
+
+
+def test_a_q4_k_m_loads_without_making_a_layer_matrix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stand_ins: dict[str, int]
+) -> None:
+    from monokernel.weights.loader import load_checkpoint
+    from monokernel.weights.test_gguf_loader import QT, k_quant_gguf
+
+    edge = {"token_embd.weight": QT.Q4_K, "output.weight": QT.Q6_K}
+    path = k_quant_gguf(tmp_path / "m.gguf", (QT.Q4_K, QT.Q6_K), edge=edge)
+    ckpt = load_checkpoint(path, progress=False)
+    assert ckpt.quantization == "int8" and ckpt.groups is not None
+    assert isinstance(ckpt.weights, LazyWeights)
+    made: list[tuple[int, ...]] = []
+    real = DenseSource.dense
+
+    def counted(self: DenseSource) -> torch.Tensor:
+        made.append(tuple(self.shape))
+        return real(self)
+
+    monkeypatch.setattr(DenseSource, "dense", counted)
+    # float32, as a caller that did not cast them hands them over: the backend's bf16 copy.
+    weights = ckpt.weights
+    with pytest.raises(_Repacked) as stopped:
+        backend.MonokernelBackend(
+            ckpt.config,
+            weights,
+            64,
+            torch.device("cpu"),
+            snapshot_bytes=0,
+            consume_weights=True,
+            quantize=ckpt.quantization,
+            groups=ckpt.groups,
+        )
+    packed = stopped.value.packed
+    assert made == []  # no layer matrix made dense, and no copy of one
+    assert set(weights.unread()) == set(ckpt.groups)  # the caller's, left as they were
+    assert len(packed.layers) == ckpt.config.num_layers
+    assert packed.embed.dtype == torch.bfloat16
+    # What was allowed for the repack counted every packed layer (the layer matrices were
+    # never on the device to be consumed).
+    mats = [m for lp in packed.layers for m in lp.matrices.values()]
+    new = sum(t.nbytes for m in mats for t in (m.data, *m.scales))
+    assert new <= stand_ins["extra"]
