@@ -5,7 +5,8 @@ runs the same prompts in the same process; ``--prompt-tokens`` and ``--gen-token
 lists and sweep every combination; ``--turn-tokens N`` times an agent's next turn instead (the
 warm-up's prompt plus N new tokens, prefix reuse). MBU uses the copy bandwidth measured in
 this run. Prints a table; ``--json`` writes every number, ``--plot`` draws the figures
-(docs/benchmarks.md).
+(docs/benchmarks.md). ``--workload`` runs agent-shaped prompts without and with speculative
+decoding instead (bench/spec.py, docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from monokernel.bench.table import format_table
 from monokernel.models.config import ModelConfig
 from monokernel.models.shapes import SHAPES
 from monokernel.weights.random_weights import random_weights
+from monokernel.workloads.spec_workloads import WORKLOADS
 
 # The module docstring's words for --help, without the reST quoting a terminal would show.
 _DESCRIPTION = (
@@ -46,7 +48,8 @@ _DESCRIPTION = (
     "combination; --turn-tokens N times an agent's next turn instead (the warm-up's prompt "
     "plus N new tokens, prefix reuse). MBU uses the copy bandwidth measured in this run. "
     "Prints a table; --json writes every number, --plot draws the figures "
-    "(docs/benchmarks.md)."
+    "(docs/benchmarks.md). --workload runs agent-shaped prompts without and with speculative "
+    "decoding instead (docs/speculative.md)."
 )
 
 # The reference engine runs one eager op at a time: a short run tells its speed, and a
@@ -54,6 +57,28 @@ _DESCRIPTION = (
 DEFAULT_LIMITS = {"reference": EngineLimits(gen_cap=64, repeats=1)}
 _LIMIT_KEYS = {"max-prompt": "max_prompt", "max-gen": "max_gen", "gen-cap": "gen_cap"}
 _LIMIT_KEYS["repeats"] = "repeats"
+# The sweep's defaults, filled in after parsing so --workload can tell what was given.
+DEFAULT_SHAPE = "llama-3.2-1b"
+DEFAULT_ENGINES = "monokernel,torch"
+WORKLOAD_ENGINES = "torch"
+# Sweep-only flags and their unset values: --workload refuses them rather than ignore them.
+_SWEEP_ONLY = {
+    "shape": None,
+    "prompt_tokens": None,
+    "turn_tokens": 0,
+    "profile": False,
+    "plot": None,
+    "endpoint": None,
+    "llama_cpp": False,
+    "grammar": None,
+    "limit": [],
+    "hf_cache": "static",
+    "endpoint_model": None,
+    "endpoint_api_key": None,
+    "endpoint_prompt": "ids",
+    "llama_cpp_threads": None,
+    "seed": 0,
+}
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -72,6 +97,17 @@ def nonnegative_int(text: str) -> int:
     if not text.strip().isdecimal():  # refuses "-1" as well as "abc"
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return int(text)
+
+
+def workload_list(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload {', '.join(unknown) or repr(text)}; choose from "
+            f"{', '.join(WORKLOADS)}"
+        )
+    return names
 
 
 def parse_limits(specs: list[str]) -> dict[str, EngineLimits]:
@@ -98,17 +134,41 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="monokernel bench", description=_DESCRIPTION)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint (dir, .gguf or hub id); default: --shape")
-    src.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    src.add_argument("--shape", choices=sorted(SHAPES), help=f"default {DEFAULT_SHAPE}")
     ap.add_argument(
         "--engines",
-        default="monokernel,torch",
         help=f"comma-separated: {', '.join(ENGINES)}; ENGINE:fp8 or ENGINE:int8 (our engines) "
         "quantises the layers' weights at load (--quantize), e.g. monokernel,monokernel:fp8,torch; "
-        "monokernel@tp2 runs it over 2 GPUs (--tp 2)",
+        f"monokernel@tp2 runs it over 2 GPUs (--tp 2); default {DEFAULT_ENGINES} "
+        f"(--workload: {WORKLOAD_ENGINES})",
     )
-    ap.add_argument("--prompt-tokens", type=int_list, default=(64,), help="e.g. 128,512,2048")
-    ap.add_argument("--gen-tokens", type=int_list, default=(512,), help="e.g. 512,2048,8192")
-    ap.add_argument("--repeats", type=int, default=3, help="timed requests per engine and cell")
+    ap.add_argument("--prompt-tokens", type=int_list, help="e.g. 128,512,2048 (default 64)")
+    ap.add_argument(
+        "--gen-tokens",
+        type=int_list,
+        help="e.g. 512,2048,8192 (default 512); with --workload one value, every request's "
+        "cap (default: each workload's own)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        help="timed requests per engine and cell (default 3; --workload: 1)",
+    )
+    ap.add_argument(
+        "--workload",
+        type=workload_list,
+        metavar="NAMES",
+        help="instead of the sweep: greedy runs of agent-shaped prompts without and with "
+        f"--speculative ngram, comma-separated from {', '.join(WORKLOADS)} (needs a model "
+        "with a chat template: --model, default the default model; docs/speculative.md)",
+    )
+    ap.add_argument(
+        "--num-speculative-tokens",
+        type=int_list,
+        metavar="K",
+        help="with --workload: the drafts' K, comma-separated, each run against no drafts "
+        "(default 4, as run's)",
+    )
     ap.add_argument(
         "--turn-tokens",
         type=nonnegative_int,
@@ -231,8 +291,48 @@ def _profile_lines(doc: dict[str, Any]) -> list[str]:
     ]
 
 
+def _workload_main(args: argparse.Namespace) -> int:
+    """``--workload``: the speculative-decoding runs (bench/spec.py) instead of the sweep."""
+    from monokernel.bench.spec import engine_error, run_workloads
+
+    given = [
+        "--" + k.replace("_", "-") for k, unset in _SWEEP_ONLY.items() if getattr(args, k) != unset
+    ]
+    if given:
+        print(f"monokernel bench: --workload does not take {', '.join(given)}", file=sys.stderr)
+        return 2
+    if args.gen_tokens is not None and len(args.gen_tokens) != 1:
+        print("monokernel bench: --workload takes one --gen-tokens value", file=sys.stderr)
+        return 2
+    args.engines = args.engines or WORKLOAD_ENGINES
+    args.num_speculative_tokens = args.num_speculative_tokens or (4,)
+    names = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if (why := engine_error(names, args.num_speculative_tokens)) is not None:
+        print(f"monokernel bench: {why}", file=sys.stderr)
+        return 2
+    device = _device(args.device)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
+    try:
+        return run_workloads(args, list(dict.fromkeys(names)), device, dtype)
+    except ValueError as e:
+        print(f"monokernel bench: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.workload:
+        return _workload_main(args)
+    if args.num_speculative_tokens is not None:
+        print("monokernel bench: --num-speculative-tokens needs --workload", file=sys.stderr)
+        return 2
+    args.shape = args.shape or DEFAULT_SHAPE
+    args.engines = args.engines or DEFAULT_ENGINES
+    args.prompt_tokens = args.prompt_tokens or (64,)
+    args.gen_tokens = args.gen_tokens or (512,)
+    args.repeats = 3 if args.repeats is None else args.repeats
     names = _engines(args)
     for n in names:
         if (why := check_engine_label(n)) is not None:
