@@ -195,33 +195,14 @@ def create_backend(
             fp8_blocks=fp8_blocks,
             act_stats=act_stats,
         )
+    args = (
+        resolved, cfg, weights, max_seq_len, device, owned, quantize, groups, fp8_blocks, act_stats
+    )  # fmt: skip
     if name != "auto" or resolved != "monokernel":
-        return construct_backend(
-            resolved,
-            cfg,
-            weights,
-            max_seq_len,
-            device,
-            owned,
-            quantize,
-            groups,
-            fp8_blocks,
-            act_stats,
-        )
+        return construct_backend(*args)
     names = set(weights)
     try:
-        return construct_backend(
-            resolved,
-            cfg,
-            weights,
-            max_seq_len,
-            device,
-            owned,
-            quantize,
-            groups,
-            fp8_blocks,
-            act_stats,
-        )
+        return construct_backend(*args)
     except FALLBACK_ERRORS as e:
         if set(weights) != names:
             raise  # it took the weights apart (repack's `consume`): nothing left to fall back on
