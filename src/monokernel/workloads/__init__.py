@@ -1,4 +1,5 @@
-"""Workloads shaped like the engine's users: a scripted coding-agent loop."""
+"""Workloads shaped like the engine's users: a scripted coding-agent loop, and the agent-shaped
+prompts of the speculative-decoding bench (spec_workloads.py)."""
 
 from monokernel.workloads.agent_loop import (
     AgentLoopConfig,
