@@ -17,14 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
+
+from monokernel.runtime.perplexity import read_text
 
 Message = dict[str, str]
 
-TEXT_PACKAGE = "monokernel.workloads"
-EDIT_SOURCE = "spec_edit_source.txt"
-TOOL_OUTPUT = "spec_tool_output.txt"
-CHAT_QUESTIONS = "spec_chat_questions.txt"
+# The inputs' paths in the package (perplexity.read_text reads the packaged texts).
+EDIT_SOURCE: tuple[str, ...] = ("texts", "spec_edit_source.txt")
+TOOL_OUTPUT: tuple[str, ...] = ("texts", "spec_tool_output.txt")
+CHAT_QUESTIONS: tuple[str, ...] = ("texts", "spec_chat_questions.txt")
 
 # An agent's requests carry its own system prompt; these say what an answer must hold. With
 # the default model (SmolLM2-135M) the wording matters: a longer change request, or one
@@ -72,38 +73,46 @@ class SpecWorkload:
             raise ValueError("a workload needs at least one request and max_tokens >= 2")
 
 
-def read_text(name: str) -> str:
-    """A packaged text of ``workloads/texts/``, as written."""
-    return resources.files(TEXT_PACKAGE).joinpath("texts", name).read_text(encoding="utf-8")
+def _copy_workload(
+    name: str,
+    what: str,
+    text: tuple[str, ...],
+    fence: str,
+    system: str,
+    request: str,
+    max_tokens: int,
+) -> SpecWorkload:
+    """One request whose answer should re-emit the packaged ``text``: under ``system``, the
+    text in a ``fence`` code block, then ``request``."""
+    body = read_text(text)
+    messages = (
+        {"role": "system", "content": system},
+        {"role": "user", "content": f"```{fence}\n{body}```\n\n{request}"},
+    )
+    return SpecWorkload(name, what, (messages,), max_tokens, copy_text=body)
 
 
 def edit_workload() -> SpecWorkload:
-    source = read_text(EDIT_SOURCE)
-    messages = (
-        {"role": "system", "content": EDIT_SYSTEM},
-        {"role": "user", "content": f"```python\n{source}```\n\n{EDIT_REQUEST}"},
-    )
-    return SpecWorkload(
+    return _copy_workload(
         "spec-edit",
         "apply a small change to a 263-line Python file and return the whole file",
-        (messages,),
+        EDIT_SOURCE,
+        "python",
+        EDIT_SYSTEM,
+        EDIT_REQUEST,
         EDIT_MAX_TOKENS,
-        copy_text=source,
     )
 
 
 def tool_workload() -> SpecWorkload:
-    log = read_text(TOOL_OUTPUT)
-    messages = (
-        {"role": "system", "content": TOOL_SYSTEM},
-        {"role": "user", "content": f"```text\n{log}```\n\n{TOOL_REQUEST}"},
-    )
-    return SpecWorkload(
+    return _copy_workload(
         "spec-tool",
         "repeat a 63-line pytest log verbatim, then summarise it",
-        (messages,),
+        TOOL_OUTPUT,
+        "text",
+        TOOL_SYSTEM,
+        TOOL_REQUEST,
         TOOL_MAX_TOKENS,
-        copy_text=log,
     )
 
 
