@@ -26,7 +26,12 @@ from collections.abc import Mapping
 
 import torch
 
-from monokernel.weights.group_quant import GroupQuant, GroupQuantError, q4_k_scales_mins
+from monokernel.weights.group_quant import (
+    GGUF_ZERO_POINTS,
+    GroupQuant,
+    GroupQuantError,
+    q4_k_scales_mins,
+)
 
 # Bytes and weights of a block, and the group each type's scales cover.
 GGUF_8BIT_BLOCK_BYTES: dict[str, int] = {
@@ -86,18 +91,18 @@ def from_gguf_8bit(raw: torch.Tensor, kind: str, shape: tuple[int, ...]) -> Grou
     if kind == "Q8_0":
         d = _f16(blocks[:, 0:2])
         u = blocks[:, 2:] ^ 0x80  # int8 q + 128
-        a, b = d, d * -128.0
+        a, b = d, d * -float(GGUF_ZERO_POINTS[kind])
     elif kind in ("Q5_0", "Q5_1"):
         d = _f16(blocks[:, 0:2])
         at = 2 if kind == "Q5_0" else 4
-        b = d * -16.0 if kind == "Q5_0" else _f16(blocks[:, 2:4])
+        b = d * -float(GGUF_ZERO_POINTS[kind]) if kind == "Q5_0" else _f16(blocks[:, 2:4])
         high = _fifth_bits(blocks[:, at : at + 4]) << 4
         qs = blocks[:, at + 4 :]
         u = torch.cat((qs & 0x0F, qs >> 4), dim=1) | high  # nibbles: weights 0-15, then 16-31
         a = d
     elif kind == "Q6_K":
         u, a = _q6_k(blocks)
-        b = a * -32.0
+        b = a * -float(GGUF_ZERO_POINTS[kind])
     else:
         u, a, b = _q5_k(blocks)
     group = GGUF_8BIT_GROUP[kind]

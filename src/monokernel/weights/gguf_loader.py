@@ -31,6 +31,7 @@ from monokernel.weights.gguf_8bit import GGUF_8BIT_BLOCK_BYTES, from_gguf_8bit
 from monokernel.weights.gguf_file import GGUFFile, TensorInfo, read_gguf
 from monokernel.weights.group_quant import (
     GGUF_BLOCK_BYTES,
+    GGUF_ZERO_POINTS,
     GroupQuant,
     from_gguf_blocks,
     permute_rows,
@@ -343,10 +344,6 @@ def load_gguf_weights(path: Path, cfg: ModelConfig) -> Weights:
 
 # Block types our decoders read (weights/group_quant.py, weights/gguf_8bit.py).
 _OUR_BLOCKS: tuple[str, ...] = (*GGUF_BLOCK_BYTES, *GGUF_8BIT_BLOCK_BYTES)
-# The block types GGUF dequantises as d (q - zero): their float32 values subtract the zero
-# first, as gguf's do (GroupQuant.zero_point_dense), so they are gguf's bits; the others'
-# (Q4_1, Q4_K, Q5_1, Q5_K: d q + m) are dense()'s.
-GGUF_ZERO_POINTS: dict[str, int] = {"Q4_0": 8, "Q8_0": 128, "Q5_0": 16, "Q6_K": 32}
 
 
 def load_gguf_tensors(path: Path, cfg: ModelConfig) -> tuple[LazyWeights, dict[str, GroupQuant]]:

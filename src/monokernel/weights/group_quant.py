@@ -39,6 +39,11 @@ GGUF_GROUP = 32  # a Q4_0/Q4_1 block, a Q4_K sub-block
 # and dmin, 12 bytes of 6-bit sub-block scales and mins, 128 bytes of quants (256 weights).
 GGUF_BLOCK_BYTES: dict[str, int] = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
 GGUF_BLOCK_WEIGHTS: dict[str, int] = {"Q4_0": 32, "Q4_1": 32, "Q4_K": 256}
+# The block types GGUF dequantises as d (q - zero), and their zeros: the decoders store the
+# offset -zero d, and the loader's dense copies subtract the zero first, as gguf's do
+# (GroupQuant.zero_point_dense), so they are gguf's bits. The others (Q4_1, Q4_K, Q5_1,
+# Q5_K: d q + m) are dense()'s.
+GGUF_ZERO_POINTS: dict[str, int] = {"Q4_0": 8, "Q8_0": 128, "Q5_0": 16, "Q6_K": 32}
 # AutoAWQ packs the eight columns of an int32 in this order: nibble i (bits 4i..4i+3) holds
 # column AWQ_ORDER[i] of the eight (its GEMM kernel's dequantisation wants them so); a
 # column's nibble is therefore AWQ_NIBBLE[column], the inverse permutation.
@@ -478,7 +483,7 @@ def from_gguf_blocks(raw: torch.Tensor, kind: str, shape: tuple[int, ...]) -> Gr
         )  # fmt: skip
     d = blocks[:, 0:2].contiguous().view(torch.float16).to(torch.float32).reshape(-1)
     if kind == "Q4_0":
-        offset = d * -8.0  # exact: a power of two times an fp16 value
+        offset = d * -float(GGUF_ZERO_POINTS[kind])  # exact: 2^k times an fp16 value
         qs = blocks[:, 2:]
     else:
         offset = blocks[:, 2:4].contiguous().view(torch.float16).to(torch.float32).reshape(-1)
