@@ -252,12 +252,16 @@ def _load(
 ) -> tuple[ModelConfig, WeightSource | None, str, tuple[Path, str | None] | None]:
     """The model's config, weights, label and (with --model) where its tokenizer lies."""
     if args.model:
+        from monokernel.weights.lazy_weights import cast_mapping
         from monokernel.weights.loader import load_checkpoint
 
         ckpt = load_checkpoint(args.model)
         weights = None
         if need_weights:
-            weights = {k: v.to(device=device, dtype=dtype) for k, v in ckpt.weights.items()}
+            # Every engine here computes with (or repacks) the dense matrices, a GGUF's too
+            # (no engine is handed its groups), so they are made now; each one straight into
+            # ``dtype`` on ``device``, so the host never holds the model in float32 at once.
+            weights = dict(cast_mapping(ckpt.weights, dtype, device, consume=True))
         return ckpt.config, weights, args.model, (ckpt.tokenizer_dir, ckpt.gguf_file)
     cfg = SHAPES[args.shape]
     # Made afresh for each engine (a second of GPU time at 32B), so no engine's copy of the

@@ -547,11 +547,15 @@ def checkpoint_backends(ckpt: Checkpoint, device: torch.device, dtype: torch.dty
     an FP8 one's block scales."""
     from monokernel.bench.engines import fresh_compile_state
     from monokernel.runtime.backends import construct_backend
+    from monokernel.weights.lazy_weights import cast_mapping
 
     def open_backend(engine: str, max_len: int) -> SpecBackend:
         if engine == "torch" and device.type == "cuda":
             fresh_compile_state()
-        weights = {k: v.to(device=device, dtype=dtype) for k, v in ckpt.weights.items()}
+        # The engines that verify drafts compute with the dense matrices, so each backend
+        # gets them; made from a GGUF's groups straight into ``dtype`` on ``device``, and
+        # ``ckpt.weights`` left unread, so no float32 copy of the model outlives a backend.
+        weights = dict(cast_mapping(ckpt.weights, dtype, device))
         fp8 = ckpt.fp8_blocks if ckpt.quantization == "fp8" else None
         backend: Any = construct_backend(
             engine,

@@ -25,12 +25,18 @@ i = intermediate, V = vocab, d = head_dim):
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, MutableMapping
+from typing import TypeVar
 
 import torch
 
 from monokernel.errors import MissingTensorError, TensorShapeError, UnexpectedTensorError
 from monokernel.models.config import ModelConfig
-from monokernel.models.transformer import Weights
+from monokernel.models.transformer import Weights as Weights  # what the loaders import
+from monokernel.weights.lazy_weights import LazyWeights
+
+# check_weights hands back the mapping it was given, a dict or a LazyWeights alike.
+W = TypeVar("W", bound=MutableMapping[str, torch.Tensor])
 
 # HF per-layer suffix -> our per-layer name.
 HF_LAYER_NAMES: dict[str, str] = {
@@ -115,29 +121,48 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(weights: Weights, cfg: ModelConfig, source: str = "checkpoint") -> Weights:
-    """Validate names and shapes; drop a tied ``lm_head`` only if it equals ``embed``."""
-    if cfg.tie_word_embeddings and "lm_head" in weights:
-        lm_head = weights.pop("lm_head")
-        if "embed" in weights and not torch.equal(lm_head, weights["embed"]):
+def weight_shape(weights: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    """``weights[name].shape``, without making a LazyWeights' unread matrix."""
+    if isinstance(weights, LazyWeights):
+        return tuple(weights.shape(name))
+    return tuple(weights[name].shape)
+
+
+def check_weight_shapes(
+    weights: Mapping[str, torch.Tensor], cfg: ModelConfig, source: str = "checkpoint"
+) -> None:
+    """``check_weights``' checks, ``weights`` left as it is. Only a tied ``lm_head`` and the
+    embedding are read (compared); the shapes of the rest come from the mapping, so a GGUF's
+    unread layer matrices stay unread (weights/lazy_weights.py)."""
+    names = set(weights)
+    if cfg.tie_word_embeddings and "lm_head" in names:
+        names.discard("lm_head")
+        if "embed" in names and not torch.equal(weights["lm_head"], weights["embed"]):
             raise UnexpectedTensorError(
                 f"{source}: lm_head differs from embed but the config ties them "
                 "(tie_word_embeddings=true)"
             )
     expected = expected_shapes(cfg)
-    missing = sorted(set(expected) - set(weights))
+    missing = sorted(set(expected) - names)
     if missing:
         raise MissingTensorError(
             f"{source}: missing tensor(s) {', '.join(missing[:8])}"
             + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         )
-    unused = sorted(set(weights) - set(expected))
+    unused = sorted(names - set(expected))
     if unused:
         raise UnexpectedTensorError(
             f"{source}: tensor(s) the model does not use: {', '.join(unused[:8])}"
         )
     for name, shape in expected.items():
-        got = tuple(weights[name].shape)
+        got = weight_shape(weights, name)
         if got != shape:
             raise TensorShapeError(f"{source}: tensor {name} has shape {got}, expected {shape}")
+
+
+def check_weights(weights: W, cfg: ModelConfig, source: str = "checkpoint") -> W:
+    """Validate names and shapes; drop a tied ``lm_head`` only if it equals ``embed``."""
+    check_weight_shapes(weights, cfg, source)
+    if cfg.tie_word_embeddings:
+        weights.pop("lm_head", None)
     return weights

@@ -28,14 +28,17 @@ Row blocks are views of the input tensors (no copy); column blocks are contiguou
 
 Sharding runs on the checkpoint's dense matrices, before ``weights/repack.py``: each rank
 packs its own shard in the weight format (``weights/formats``), so a format needs nothing
-here. A 4-bit checkpoint's own groups split the same way (``shard_groups``), whole groups
-only. (``WeightFormat.slice_rows`` / ``slice_cols`` cut matrices that are already packed.)
+here. A 4- or 8-bit checkpoint's own groups split the same way (``shard_groups``), whole
+groups only; the matrices a rank packs from them are left out of its dense shard
+(``shard_weights``' ``packed``) and never read, so a GGUF's layer matrices, made dense only
+when read (weights/lazy_weights.py), are never made for --tp either. (``WeightFormat.
+slice_rows`` / ``slice_cols`` cut matrices that are already packed.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +47,7 @@ from monokernel.errors import UnsupportedModelError
 from monokernel.models.config import ModelConfig
 from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.group_quant import GroupQuant
-from monokernel.weights.names import Weights, check_weights
+from monokernel.weights.names import Weights, check_weight_shapes
 
 
 class TensorParallelError(UnsupportedModelError, ValueError):
@@ -193,37 +196,66 @@ def _cols(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
     return t[:, start : start + size].contiguous()
 
 
-def _shard_layer(w: Weights, sc: ShardConfig, n: int) -> Weights:
-    p = f"layers.{n}."
-    q0, kv0, i0 = sc.rank * sc.q_size, sc.rank * sc.kv_size, sc.rank * sc.intermediate
-    out: Weights = {
-        p + "attn_norm": w[p + "attn_norm"],
-        p + "wq": _rows(w[p + "wq"], q0, sc.q_size),
-        p + "wk": _rows(w[p + "wk"], kv0, sc.kv_size),
-        p + "wv": _rows(w[p + "wv"], kv0, sc.kv_size),
-        p + "wo": _cols(w[p + "wo"], q0, sc.q_size),
-        p + "ffn_norm": w[p + "ffn_norm"],
-        p + "w_gate": _rows(w[p + "w_gate"], i0, sc.intermediate),
-        p + "w_up": _rows(w[p + "w_up"], i0, sc.intermediate),
-        p + "w_down": _cols(w[p + "w_down"], i0, sc.intermediate),
+# A tensor's block on one rank: (first, count) of its rows, then of its columns; None: all.
+_Block = tuple[tuple[int, int] | None, tuple[int, int] | None]
+
+
+def _layer_blocks(sc: ShardConfig) -> dict[str, _Block]:
+    """Each per-layer name's block on rank ``sc.rank``, in the shard's order."""
+    q = (sc.rank * sc.q_size, sc.q_size)
+    kv = (sc.rank * sc.kv_size, sc.kv_size)
+    i = (sc.rank * sc.intermediate, sc.intermediate)
+    blocks: dict[str, _Block] = {
+        "attn_norm": (None, None),
+        "wq": (q, None),
+        "wk": (kv, None),
+        "wv": (kv, None),
+        "wo": (None, q),
+        "ffn_norm": (None, None),
+        "w_gate": (i, None),
+        "w_up": (i, None),
+        "w_down": (None, i),
     }
     cfg = sc.base
     if cfg.qkv_bias:
-        out[p + "bq"] = _rows(w[p + "bq"], q0, sc.q_size)
-        out[p + "bk"] = _rows(w[p + "bk"], kv0, sc.kv_size)
-        out[p + "bv"] = _rows(w[p + "bv"], kv0, sc.kv_size)
+        blocks |= {"bq": (q, None), "bk": (kv, None), "bv": (kv, None)}
     if cfg.o_bias:
-        out[p + "bo"] = w[p + "bo"]
+        blocks["bo"] = (None, None)
     if cfg.qk_norm:
-        out[p + "q_norm"] = w[p + "q_norm"]
-        out[p + "k_norm"] = w[p + "k_norm"]
+        blocks |= {"q_norm": (None, None), "k_norm": (None, None)}
+    return blocks
+
+
+def _shard_layer(
+    w: Mapping[str, torch.Tensor], sc: ShardConfig, n: int, packed: Collection[str]
+) -> Weights:
+    p = f"layers.{n}."
+    out: Weights = {}
+    for short, (rows, cols) in _layer_blocks(sc).items():
+        name = p + short
+        if name in packed:
+            continue  # read here, a GGUF's LazyWeights would make the whole matrix dense
+        t = w[name]
+        if rows is not None:
+            t = _rows(t, *rows)
+        if cols is not None:
+            t = _cols(t, *cols)
+        out[name] = t
     return out
 
 
-def shard_weights(cfg: ModelConfig, weights: Weights, rank: int, tp: int) -> Weights:
-    """Rank ``rank``'s tensors (see the module docstring), on the device of ``weights``."""
+def shard_weights(
+    cfg: ModelConfig,
+    weights: Mapping[str, torch.Tensor],
+    rank: int,
+    tp: int,
+    packed: Collection[str] = (),
+) -> Weights:
+    """Rank ``rank``'s tensors (see the module docstring), on the device of ``weights``.
+    ``packed``: the layer matrices the rank packs from their groups (``shard_groups``), left
+    out of the shard and never read; the names and shapes of all are checked all the same."""
     sc = shard_config(cfg, rank, tp)
-    check_weights(dict(weights), cfg)  # a copy: check_weights drops a tied lm_head in place
+    check_weight_shapes(weights, cfg)
     head = weights["embed"] if cfg.tie_word_embeddings else weights["lm_head"]
     out: Weights = {
         "embed": weights["embed"],
@@ -231,7 +263,7 @@ def shard_weights(cfg: ModelConfig, weights: Weights, rank: int, tp: int) -> Wei
         "lm_head": head[sc.vocab_start : sc.vocab_end],
     }
     for n in range(cfg.num_layers):
-        out |= _shard_layer(weights, sc, n)
+        out |= _shard_layer(weights, sc, n, packed)
     return out
 
 

@@ -105,6 +105,45 @@ def _keeps_device() -> Iterator[None]:
         torch.cuda.set_device(prev)
 
 
+def rank_tensors(
+    cfg: ModelConfig,
+    weights: Mapping[str, torch.Tensor],
+    rank: int,
+    tp: int,
+    device: torch.device,
+    fmt: str = DEFAULT_FORMAT,
+    groups: Mapping[str, GroupQuant] | None = None,
+    group: int = 0,
+    act_stats: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[Weights, dict[str, GroupQuant] | None]:
+    """Rank ``rank``'s tensors on ``device``, as its Rank takes them: the shard's dense ones
+    in bf16, and its layers' matrices as groups where they stream from groups (else None):
+    ``groups``, a checkpoint's own, split by shard_groups; or with ``fmt`` int4, its blocks
+    of ``weights`` rounded as TP=1 rounds them (``group`` columns a group, searched with the
+    slices of ``act_stats`` that match the rank's columns). A matrix packed from
+    ``groups`` is never read from ``weights``: a GGUF's are made dense only when read
+    (weights/lazy_weights.py), and the host would hold the whole model in them."""
+    packed = () if groups is None else groups.keys()
+    dense = shard_weights(cfg, weights, rank, tp, packed)
+    mine: dict[str, GroupQuant] | None = None
+    if groups is not None:
+        mine = {k: g.to(device) for k, g in shard_groups(cfg, groups, rank, tp).items()}
+    elif fmt == "int4":  # --quantize int4
+        act = None if act_stats is None else shard_stats(cfg, act_stats, rank, tp)
+        mine = {
+            k: quantize_rtn(
+                dense[k].to(device=device, dtype=torch.bfloat16),
+                group,
+                None if act is None else act[k],
+            )
+            for k in dense
+            if is_quantized(k)
+        }
+    if mine is not None:  # the layers' matrices stream from their groups alone
+        dense = {k: v for k, v in dense.items() if not is_quantized(k)}
+    return {k: v.to(device=device, dtype=torch.bfloat16) for k, v in dense.items()}, mine
+
+
 class Rank:
     """One rank: its shard's kernel, KV cache, prefill and receive buffer, on ``device``."""
 
@@ -233,32 +272,15 @@ class MonokernelTPBackend:
                 group = max(g.group for g in groups.values())
             check_tp_groups(cfg, tp, group)
         # The weights stay where they are (the engine loads them to the host for --tp): each
-        # rank's shard goes to its GPU, in bf16, one at a time.
+        # rank's shard goes to its GPU, in bf16, one at a time. With a checkpoint's own groups
+        # the layer matrices are never read (rank_tensors).
         scales = None
         if quantize is not None and fmt != "int4" and groups is None and fp8_blocks is None:
             scales = whole_row_scales(weights, fmt, cfg.num_layers)
         self.ranks: list[Rank] = []
         with _keeps_device():  # DeviceBuffer and the kernels make their GPU current
             for r, dev in enumerate(self.devices):
-                dense = shard_weights(cfg, weights, r, tp)
-                mine: dict[str, GroupQuant] | None = None
-                if groups is not None:
-                    mine = {k: g.to(dev) for k, g in shard_groups(cfg, groups, r, tp).items()}
-                elif fmt == "int4":  # --quantize int4: its blocks rounded as TP=1 rounds them
-                    act = None if act_stats is None else shard_stats(cfg, act_stats, r, tp)
-                    mine = {
-                        k: quantize_rtn(
-                            dense[k].to(device=dev, dtype=torch.bfloat16),
-                            group,
-                            None if act is None else act[k],
-                        )
-                        for k in dense
-                        if is_quantized(k)
-                    }
-                if mine is not None:  # the layers' matrices stream from their groups alone
-                    dense = {k: v for k, v in dense.items() if not is_quantized(k)}
-                shard = {k: v.to(device=dev, dtype=torch.bfloat16) for k, v in dense.items()}
-                del dense
+                shard, mine = rank_tensors(cfg, weights, r, tp, dev, fmt, groups, group, act_stats)
                 rows = None if scales is None else {k: v.to(dev) for k, v in scales.items()}
                 sc = shard_config(cfg, r, tp)
                 blocks = None
