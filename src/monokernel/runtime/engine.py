@@ -9,10 +9,9 @@ The one API everything else (CLI, server, benchmarks) wraps::
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +39,9 @@ from monokernel.runtime.logprobs import TokenLogprobs
 from monokernel.runtime.memory_plan import (
     ContextPlan,
     ContextTooLargeError,
+    LayerPacking,
     PlanSettings,
+    dense_weight_bytes,
     gib,
     plan_context,
 )
@@ -53,15 +54,14 @@ from monokernel.runtime.speculative import SpeculativeConfig
 from monokernel.tokenizer.detokenize import IncrementalDetokenizer
 from monokernel.tokenizer.stop_strings import StopStringMatcher
 from monokernel.tokenizer.tokenizer import Prompt, Tokenizer
+from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.lazy_weights import cast_mapping
-from monokernel.weights.loader import Checkpoint, load_checkpoint
-from monokernel.weights.names import expected_shapes
-from monokernel.weights.quantize import check_method
+from monokernel.weights.loader import Checkpoint, load_checkpoint, resolve_model_path
+from monokernel.weights.quantize import check_method, groups_plan, groups_stream
 from monokernel.weights.safetensors_loader import cast_weights
+from monokernel.weights.shard import rank_config, shard_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# torch's caching allocator hands out blocks in multiples of this: what a tensor really takes.
-_ALLOC_ROUND = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,14 +142,10 @@ def _pick_device(name: str) -> torch.device:
     return device
 
 
-def device_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """What the weights of ``cfg`` take on a GPU in ``dtype`` (each tensor rounded up as
-    torch's allocator rounds it), known before any of them is read."""
-    total = 0
-    for shape in expected_shapes(cfg).values():
-        n = math.prod(shape) * dtype.itemsize
-        total += -(-n // _ALLOC_ROUND) * _ALLOC_ROUND
-    return total
+def _read_on_host(path: Path) -> bool:
+    """Whether load_checkpoint reads ``path`` (resolved) as a GGUF, whose weights stay on the
+    host whatever device it is given until the engine casts them (weights/loader.py)."""
+    return path.is_file() or not (path / "config.json").is_file()
 
 
 def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -195,28 +191,24 @@ class Engine:
         owned = self._owned = not isinstance(model, Checkpoint)
         # --tp: the checkpoint stays in host memory and each GPU gets only its shard.
         load_device = torch.device("cpu") if self.config.tp > 1 else self.device
+        # The layer packing the plan in effect counted; None until one is made.
+        self._layers: LayerPacking | None = None
         if owned:
+            path = resolve_model_path(model, progress=self.config.progress)
+            # Safetensors are read straight to the device, so the plan comes first, from
+            # --quantize alone. A GGUF's weights stay on the host, and whether its layers
+            # stream as their own groups is known only once it is read: planned below, as
+            # any checkpoint, before cast_weights copies them (not on a bf16 count that
+            # would refuse a model whose packed layers fit).
             ckpt = load_checkpoint(
-                model,
+                path,
                 progress=self.config.progress,
                 device=load_device,
                 dtype=self.dtype,
-                before_weights=self._plan_memory,
+                before_weights=None if _read_on_host(path) else self._plan_memory,
             )
         else:
             ckpt = model
-            self._plan_memory(ckpt.config)
-        self.source = ckpt.source
-        self.eos_token_ids = frozenset(ckpt.eos_token_ids)
-        self.tokenizer = Tokenizer.load(
-            ckpt.tokenizer_dir, ckpt.gguf_file, progress=self.config.progress
-        )
-        # cast_weights empties the mapping it is given: the checkpoint's own when owned, so no
-        # second reference keeps a tensor alive once the monokernel has repacked it; else a
-        # copy that leaves a GGUF's unread layer matrices unread (weights/lazy_weights.py).
-        weights = cast_weights(
-            ckpt.weights if owned else cast_mapping(ckpt.weights), self.dtype, load_device
-        )
         # An FP8 checkpoint (its weights dequantised at load) runs fp8 unless --quantize says
         # otherwise: re-quantised one scale a row. For per-channel scales of each row's
         # amax / 448 (llm-compressor's min-max default) those are the checkpoint's own E4M3
@@ -232,6 +224,21 @@ class Engine:
         # An FP8 checkpoint with block scales keeps them (on one GPU, where the layers stream
         # as tiles): the checkpoint's own E4M3 values, not re-quantised a row.
         fp8_blocks = ckpt.fp8_blocks if self.quantize == "fp8" else None
+        # Before any weight of a GGUF (or a caller's checkpoint) reaches the device; after the
+        # loader's hook, again only where the checkpoint changed how the monokernel holds its
+        # layers (its own groups, an FP8 checkpoint's format) from what --quantize said.
+        self._plan_memory(ckpt.config, self._layer_packing(ckpt.config, self.quantize, groups))
+        self.source = ckpt.source
+        self.eos_token_ids = frozenset(ckpt.eos_token_ids)
+        self.tokenizer = Tokenizer.load(
+            ckpt.tokenizer_dir, ckpt.gguf_file, progress=self.config.progress
+        )
+        # cast_weights empties the mapping it is given: the checkpoint's own when owned, so no
+        # second reference keeps a tensor alive once the monokernel has repacked it; else a
+        # copy that leaves a GGUF's unread layer matrices unread (weights/lazy_weights.py).
+        weights = cast_weights(
+            ckpt.weights if owned else cast_mapping(ckpt.weights), self.dtype, load_device
+        )
         # --quantize int4 of float weights: the inputs' statistics over the calibration text,
         # once, for whichever engine (or rank) packs them, so all make the same int4 model.
         act_stats = None
@@ -278,15 +285,29 @@ class Engine:
 
     # -- planning ------------------------------------------------------------------------------
 
-    def _plan_memory(self, cfg: ModelConfig) -> None:
+    def _plan_memory(self, cfg: ModelConfig, layers: LayerPacking | None = None) -> None:
         """Once the config is known and before any weight reaches the device: a model or
         context that cannot fit is refused now, with numbers (runtime/memory_plan.py), and
-        the context is chosen; ``context_note`` says which and why (the CLI prints it)."""
+        the context is chosen; ``context_note`` says which and why (the CLI prints it).
+
+        ``layers``: how the monokernel will hold the layers' matrices (``_layer_packing``);
+        None (the loader's hook, the checkpoint not read yet): as --quantize alone says. A
+        later call with the checkpoint's own changes nothing where that is what was counted
+        or the engine is not the monokernel (the others hold every matrix dense); else it
+        plans again on the free bytes measured before the weights loaded."""
+        if layers is None:
+            layers = self._layer_packing(cfg, self.config.quantize, None)
+        if self._layers is not None and (
+            layers == self._layers or self.engine_name != "monokernel"
+        ):
+            return
+        if self._layers is None:
+            self._free = (
+                kv_memory.free_device_bytes(self.device) if self.device.type == "cuda" else None
+            )
         self.model_config: ModelConfig = cfg
-        self._free = (
-            kv_memory.free_device_bytes(self.device) if self.device.type == "cuda" else None
-        )
-        self._weight_bytes = device_weight_bytes(cfg, self.dtype)
+        self._weight_bytes = dense_weight_bytes(cfg, self.dtype.itemsize)
+        self._layers = layers
         plan = self._plan_with_fallback()
         self.max_model_len = plan.max_model_len
         self.context_note = plan.note
@@ -302,6 +323,7 @@ class Engine:
             gpus=gpus,
             where=str(self.device),
             consume=self._owned,
+            layers=self._layers or LayerPacking(),
         )
         return plan_context(
             self.model_config,
@@ -312,6 +334,27 @@ class Engine:
             self.config.tp,
             settings,
         )
+
+    def _layer_packing(
+        self, cfg: ModelConfig, quantize: str | None, groups: Mapping[str, GroupQuant] | None
+    ) -> LayerPacking:
+        """How the monokernel will hold the layers' matrices given what the engine hands its
+        backend (``quantize``, a checkpoint's own ``groups``), by the backend's own rules
+        (weights/quantize.py groups_stream and groups_plan) on the sizes it packs: the
+        model's, or at --tp a rank's. The other engines compute with dense matrices."""
+        if quantize is None or self.engine_name != "monokernel":
+            return LayerPacking()
+        if groups is None:
+            return LayerPacking(quantize)
+        tp = self.config.tp
+        sizes = cfg if tp == 1 else rank_config(shard_config(cfg, 0, tp))
+        if not groups_stream(sizes, groups):
+            return LayerPacking()  # their dequantised values stream in bf16
+        plan, _ = groups_plan(sizes, groups)
+        # An AWQ/GPTQ checkpoint's were read to the GPU (with its dense layers); a GGUF's
+        # stay on the host.
+        on_device = next(iter(groups.values())).q.device.type != "cpu"
+        return LayerPacking(quantize, plan, on_device)
 
     def _plan_with_fallback(self) -> ContextPlan:
         """The plan for the resolved engine; for `auto` on one GPU, the fallback engine's

@@ -78,13 +78,29 @@ def _stage_format(width: tuple[str, int]) -> WeightFormat:
     return Int4Groups(group) if method == "int4" else Int8Rows(group=group)
 
 
+def layer_matrix_params(cfg: ModelConfig) -> int:
+    """Weights in every layer's seven linear matrices: the part of a model that streams in a
+    weight format or from a checkpoint's own groups; the rest (embedding, LM head, norms,
+    biases) stays in the device dtype whatever the format."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    return cfg.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i)
+
+
+def _stage_widths(plan: GroupsPlan) -> tuple[tuple[str, int], tuple[str, int], tuple[str, int]]:
+    """(QKV, layers, down): each stage's (format, group), a stage without its own taking the
+    layers'."""
+    return (
+        plan.qkv if plan.qkv[0] else plan.layers,
+        plan.layers,
+        plan.down if plan.down[0] else plan.layers,
+    )
+
+
 def group_pack_bytes(cfg: ModelConfig, plan: GroupsPlan) -> int:
     """Every layer's packed matrices (scales included) from a checkpoint's own groups, each
     stage in its plan's format (weights/quantize.py GroupsPlan)."""
     h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    layers = _stage_format(plan.layers)
-    qkv = _stage_format(plan.qkv if plan.qkv[0] else plan.layers)
-    down = _stage_format(plan.down if plan.down[0] else plan.layers)
+    qkv, layers, down = (_stage_format(w) for w in _stage_widths(plan))
     per_layer = (
         qkv.matrix_bytes(q + 2 * kv, h)
         + layers.matrix_bytes(h, q)
@@ -94,33 +110,49 @@ def group_pack_bytes(cfg: ModelConfig, plan: GroupsPlan) -> int:
     return cfg.num_layers * per_layer
 
 
+def _unpacked(rows: int, cols: int, group: int) -> int:
+    """A [rows, cols] GroupQuant's bytes: a byte a weight (q is uint8 whatever its bits) and
+    a float32 scale and offset a group."""
+    return rows * cols + _GROUP_PAIR_BYTES * rows * (cols // group)
+
+
+def _layer_group_bytes(cfg: ModelConfig, plan: GroupsPlan) -> tuple[int, int, int, int]:
+    """One layer's groups as GroupQuant holds them: (QKV, O, gate/up, down)."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    (_, qkv_g), (_, layers_g), (_, down_g) = _stage_widths(plan)
+    return (
+        _unpacked(q + 2 * kv, h, qkv_g),
+        _unpacked(h, q, layers_g),
+        _unpacked(2 * i, h, layers_g),
+        _unpacked(h, i, down_g),
+    )
+
+
+def group_bytes(cfg: ModelConfig, plan: GroupsPlan) -> int:
+    """Every layer's groups as GroupQuant holds them, in ``plan``'s groups: what a device
+    holds of them where they are there whole (an AWQ/GPTQ checkpoint read to the GPU, a
+    tensor-parallel rank's blocks), not one layer at a time."""
+    return cfg.num_layers * sum(_layer_group_bytes(cfg, plan))
+
+
+def group_packing_bytes(cfg: ModelConfig, plan: GroupsPlan, convert: bool) -> int:
+    """What packing the layers from a checkpoint's own groups allocates beside the packed
+    matrices themselves (``group_pack_bytes``): one layer's groups on the device at a time
+    while it is packed, its QKV and gate/up twice (the fused copies). ``convert``: a bf16 copy
+    of what the device holds besides them (embedding, LM head, norms, biases)."""
+    qkv, o, gate_up, down = _layer_group_bytes(cfg, plan)
+    total = 2 * qkv + o + 2 * gate_up + down
+    if convert:
+        total += _CONVERT_BYTES * (cfg.num_parameters() - layer_matrix_params(cfg))
+    return total
+
+
 def group_repack_bytes(cfg: ModelConfig, plan: GroupsPlan, convert: bool) -> int:
     """``repack_bytes`` for layers packed from a checkpoint's own groups in ``plan``: the
     groups stay on the host and the layer matrices are not among the weights on the device
     (nor made at all: weights/lazy_weights.py), so every layer's packed matrices are new
-    (``group_pack_bytes``), and one layer's groups are on the device at a time while it is
-    packed (a byte a weight and a float32 pair a group; QKV and gate/up twice: fused copies).
-    ``convert``: a bf16 copy of what the device holds besides them (embedding, LM head, norms,
-    biases)."""
-    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
-    qkv_g = (plan.qkv if plan.qkv[0] else plan.layers)[1]
-    down_g = (plan.down if plan.down[0] else plan.layers)[1]
-    layers_g = plan.layers[1]
-
-    def unpacked(rows: int, cols: int, group: int) -> int:
-        return rows * cols + _GROUP_PAIR_BYTES * rows * (cols // group)
-
-    one_layer = (
-        2 * unpacked(q + 2 * kv, h, qkv_g)
-        + unpacked(h, q, layers_g)
-        + 2 * unpacked(2 * i, h, layers_g)
-        + unpacked(h, i, down_g)
-    )
-    total = group_pack_bytes(cfg, plan) + one_layer
-    if convert:
-        matrices = cfg.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i)
-        total += _CONVERT_BYTES * (cfg.num_parameters() - matrices)
-    return total
+    (``group_pack_bytes``), beside what packing them takes (``group_packing_bytes``)."""
+    return group_pack_bytes(cfg, plan) + group_packing_bytes(cfg, plan, convert)
 
 
 def graph_bytes(

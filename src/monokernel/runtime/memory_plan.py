@@ -10,10 +10,17 @@ maximum: its decode reads only the positions in use, so a large cache costs memo
 Everything is counted with ``kv_memory``'s functions, the ones the monokernel backend's
 ``check_fits`` uses, so a plan that fits here passes that check after the weights load.
 ``plan_context`` is pure (free bytes and weight bytes are inputs) so it is tested on CPU.
+
+The weights are counted as the device will hold them (``device_weight_bytes``): dense in the
+device dtype for the engines that compute with dense matrices, and for the monokernel as its
+backend packs them (``LayerPacking``, which the engine passes: a checkpoint's own groups
+pack to a quarter to three quarters of bf16's bytes).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from monokernel.errors import InvalidRequestError
@@ -22,6 +29,9 @@ from monokernel.models.transformer import PREFILL_CHUNK
 from monokernel.runtime import kv_memory
 from monokernel.runtime.prefill_tp import ShardedPrefill
 from monokernel.runtime.prefill_tp_graphs import graph_bytes as tp_graph_bytes
+from monokernel.weights.formats import DEFAULT_FORMAT
+from monokernel.weights.names import expected_shapes
+from monokernel.weights.quantize import GroupsPlan, int4_group_of
 from monokernel.weights.shard import rank_config, shard_config, valid_tp_sizes
 
 # Without --max-model-len where memory is not planned (CPU), and for the engines whose decode
@@ -35,6 +45,27 @@ GIB = 1 << 30
 _SLACK_BYTES = 64 * 1024 * 1024
 # A chosen context is rounded down to a multiple of this (below the model's maximum).
 _ROUND_TOKENS = 256
+# torch's caching allocator hands out blocks in multiples of this: what a tensor really takes.
+_ALLOC_ROUND = 512
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPacking:
+    """How the monokernel holds the layers' seven matrices, as the engine knows it before
+    they reach the device (from --quantize and the checkpoint it read: Engine._layer_packing).
+    The engines that compute with dense matrices hold them in the device dtype whatever this
+    says.
+
+    ``fmt``: their weight format (weights/formats: bf16, --quantize's, or a checkpoint's
+    groups' method). ``groups``: they are packed from a checkpoint's own groups in this plan
+    (weights/quantize.py GroupsPlan), so their dense values never reach the device (a GGUF's
+    stay unread on the host: weights/lazy_weights.py). ``groups_on_device``: those groups are
+    on the one GPU already, whole, beside the layers' dense values (an AWQ/GPTQ checkpoint,
+    read to the GPU and decoded there), not copied there a layer at a time from the host."""
+
+    fmt: str = DEFAULT_FORMAT
+    groups: GroupsPlan | None = None
+    groups_on_device: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +83,7 @@ class PlanSettings:
     # The monokernel repacks the weights in place (the engine owns them; weights.repack's
     # `consume`): one layer is held twice at a time, not the model.
     consume: bool = False
+    layers: LayerPacking = LayerPacking()
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,47 +99,115 @@ def gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
+def dense_weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """What every tensor of ``cfg`` takes on a GPU in a dtype of ``dtype_bytes`` (each rounded
+    up as torch's allocator rounds it), known before any of them is read: the ``weight_bytes``
+    that the functions here take."""
+    total = 0
+    for shape in expected_shapes(cfg).values():
+        n = math.prod(shape) * dtype_bytes
+        total += -(-n // _ALLOC_ROUND) * _ALLOC_ROUND
+    return total
+
+
+def _tp_groups(cfg: ModelConfig, layers: LayerPacking) -> GroupsPlan | None:
+    """The groups a tensor-parallel rank packs its layers from: a checkpoint's own, or under
+    --quantize int4 the ones the TP backend rounds on each rank first (tp.py rank_tensors:
+    TP=1's groups, whole in every rank's columns)."""
+    if layers.groups is not None:
+        return layers.groups
+    return GroupsPlan(("int4", int4_group_of(cfg))) if layers.fmt == "int4" else None
+
+
+def device_weight_bytes(
+    cfg: ModelConfig, weight_bytes: int, engine: str, tp: int, s: PlanSettings
+) -> int:
+    """The bytes the weights take on the (first) device for ``engine``, from
+    ``weight_bytes`` (``dense_weight_bytes`` in the device dtype) and ``s.layers``.
+
+    The torch and reference engines hold every tensor dense. So does the monokernel while it
+    packs them in a format (--quantize: the dense source is on the device when the backend
+    checks its memory, and repacking consumes it a layer at a time: ``repack_bytes``). From a
+    checkpoint's own groups it holds the other tensors dense and every layer's packed
+    matrices (``kv_memory.group_pack_bytes``; what packing them adds on top is
+    ``group_packing_bytes``), and the groups and dense layers too where those were read to
+    the GPU. At ``tp`` > 1, rank 0's share (``_tp_rank0_bytes``)."""
+    layers = s.layers
+    if engine != "monokernel":
+        return weight_bytes
+    if tp > 1:
+        rank = rank_config(shard_config(cfg, 0, tp))
+        # Each rank's shard goes to its GPU in bf16: the layers' 1/tp, the whole embedding,
+        # its own LM-head rows.
+        dense = weight_bytes * 2 // s.dtype_bytes
+        embed = 2 * cfg.vocab_size * cfg.hidden_size
+        head = 0 if cfg.tie_word_embeddings else embed
+        own_head = 2 * rank.vocab_size * cfg.hidden_size
+        groups = _tp_groups(cfg, layers)
+        if groups is None:
+            return (dense - embed - head) // tp + embed + own_head
+        # Its layers come as its blocks of the groups, copied to its GPU whole, then packed.
+        rest = dense - embed - head - 2 * kv_memory.layer_matrix_params(cfg)
+        packed = kv_memory.group_bytes(rank, groups) + kv_memory.group_pack_bytes(rank, groups)
+        return rest // tp + embed + own_head + packed
+    if layers.groups is None:
+        return weight_bytes
+    packed = kv_memory.group_pack_bytes(cfg, layers.groups)
+    if layers.groups_on_device:
+        return weight_bytes + kv_memory.group_bytes(cfg, layers.groups) + packed
+    return weight_bytes - s.dtype_bytes * kv_memory.layer_matrix_params(cfg) + packed
+
+
 def need_bytes(
     cfg: ModelConfig, n: int, weight_bytes: int, engine: str, tp: int, s: PlanSettings
 ) -> int:
-    """Device bytes (on the first GPU) for the weights and an ``n``-token context."""
+    """Device bytes (on the first GPU) for the weights and an ``n``-token context.
+    ``weight_bytes``: ``dense_weight_bytes`` in the device dtype, whatever the engine."""
     if engine == "monokernel" and tp > 1:
         return _tp_rank0_bytes(cfg, n, weight_bytes, tp, s)
+    weights = device_weight_bytes(cfg, weight_bytes, engine, tp, s)
     if engine == "monokernel":
-        # fold as MonokernelBackend's default, consume as the engine builds it.
-        extra = kv_memory.repack_bytes(
-            cfg, fold=False, convert=s.dtype_bytes != 2, consume=s.consume
-        )
-        return weight_bytes + kv_memory.needed_bytes(
-            cfg, n, s.chunk_tokens, s.precision, extra, s.graphs
+        # What MonokernelBackend's check adds to what is on the device by then (fold as its
+        # default, consume as the engine builds it); packed groups are among the weights.
+        layers, convert = s.layers, s.dtype_bytes != 2
+        if layers.groups is None:
+            extra = kv_memory.repack_bytes(
+                cfg, fold=False, convert=convert, fmt=layers.fmt, consume=s.consume
+            )
+        else:
+            extra = kv_memory.group_packing_bytes(cfg, layers.groups, convert)
+        return weights + kv_memory.needed_bytes(
+            cfg, n, s.chunk_tokens, s.precision, extra, s.graphs, layers.fmt
         )
     # torch / reference: no repacking, a cache in the model's dtype, a prefill in chunks of
     # PREFILL_CHUNK whose activations are the model's dtype (the "bf16" count: no fp32
     # copies) and whose attention may materialise its scores and mask (SDPA's math path).
     chunk = min(PREFILL_CHUNK, n)
     scores = chunk * n * (cfg.num_heads * 4 + 1)
-    return weight_bytes + kv_memory.needed_bytes(
+    return weights + kv_memory.needed_bytes(
         cfg, n, chunk, "bf16", extra=scores, kv_dtype_bytes=s.dtype_bytes
     )
 
 
 def _tp_rank0_bytes(cfg: ModelConfig, n: int, weight_bytes: int, tp: int, s: PlanSettings) -> int:
     """Rank 0 of the TP backend (runtime/backends/monokernel/tp.py) holds the most: its shard
-    in bf16 (the layers' 1/tp, its LM-head rows, the whole embedding), repacked, its KV heads'
-    cache and RoPE tables, its prefill's workspace and the partial sums the sharded prefill
-    exchanges (runtime/prefill_tp.py), and its prefill graphs (runtime/prefill_tp_graphs.py).
-    The checkpoint itself stays in host memory."""
+    (``device_weight_bytes``), repacked, its KV heads' cache and RoPE tables, its prefill's
+    workspace and the partial sums the sharded prefill exchanges (runtime/prefill_tp.py), and
+    its prefill graphs (runtime/prefill_tp_graphs.py). The checkpoint itself stays in host
+    memory."""
     rank = rank_config(shard_config(cfg, 0, tp))
-    layers = weight_bytes * 2 // s.dtype_bytes
-    embed = 2 * cfg.vocab_size * cfg.hidden_size
-    head = 0 if cfg.tie_word_embeddings else embed
-    shard = (layers - embed - head) // tp + embed + 2 * rank.vocab_size * cfg.hidden_size
+    fmt = s.layers.fmt
     chunk = min(s.chunk_tokens, n)
-    extra = kv_memory.repack_bytes(rank, fold=False, convert=False, consume=True)
+    groups = _tp_groups(cfg, s.layers)
+    if groups is None:
+        extra = kv_memory.repack_bytes(rank, fold=False, convert=False, fmt=fmt, consume=True)
+    else:
+        extra = kv_memory.group_packing_bytes(rank, groups, convert=False)
     extra += ShardedPrefill.extra_bytes(chunk, cfg.hidden_size, tp)
     if s.graphs:
         extra += tp_graph_bytes(rank, s.chunk_tokens, n, s.precision)
-    return shard + kv_memory.needed_bytes(rank, n, chunk, s.precision, extra)
+    shard = device_weight_bytes(cfg, weight_bytes, "monokernel", tp, s)
+    return shard + kv_memory.needed_bytes(rank, n, chunk, s.precision, extra, fmt=fmt)
 
 
 def longest_context(
@@ -151,13 +251,16 @@ def _advice(
             f"any context; --engine torch fits up to {other} tokens"
         )
     if s.dtype_bytes != 2:
-        half = PlanSettings(s.chunk_tokens, s.precision, s.graphs, 2, s.gpus, s.where)
+        half = dataclasses.replace(s, dtype_bytes=2)
         if longest_context(cfg, free, weight_bytes * 2 // s.dtype_bytes, engine, tp, half):
             return "--dtype bfloat16 fits (half the weight bytes)"
-    advice = [
-        "the model is too large in bf16 for this GPU (weights are loaded in bf16 whatever the "
-        "checkpoint stores): use a smaller model or a GPU with more free memory"
-    ]
+    too_large = (
+        "too large for this GPU even with its layers packed from the checkpoint's own groups"
+        if engine == "monokernel" and s.layers.groups is not None
+        else "too large in bf16 for this GPU (weights are loaded in bf16 whatever the "
+        "checkpoint stores)"
+    )
+    advice = [f"the model is {too_large}: use a smaller model or a GPU with more free memory"]
     if tp == 1 and s.gpus >= 2 and engine == "monokernel":
         # Offer --tp only where its own plan fits (each GPU also holds the whole embedding).
         sizes = [t for t in valid_tp_sizes(cfg) if 1 < t <= s.gpus]
@@ -178,9 +281,10 @@ def _too_big(
     asked: str,
 ) -> ContextTooLargeError:
     need = need_bytes(cfg, n, weight_bytes, engine, tp, s)
+    weights = device_weight_bytes(cfg, weight_bytes, engine, tp, s)
     message = (
-        f"{asked} needs {gib(need)} on {s.where} ({gib(weight_bytes)} of weights + "
-        f"{gib(need - weight_bytes)} for a {n}-token context: KV cache, prefill workspace"
+        f"{asked} needs {gib(need)} on {s.where} ({gib(weights)} of weights + "
+        f"{gib(need - weights)} for a {n}-token context: KV cache, prefill workspace"
         + (", weight repacking" if engine == "monokernel" else "")
         + f", reserve) but {gib(free)} is free; "
         + _advice(cfg, n, free, weight_bytes, engine, tp, s)
@@ -201,9 +305,10 @@ def plan_context(
 
     ``free``: the first GPU's free bytes before the weights load, None on CPU (nothing to
     plan: the asked length or DEFAULT_MAX_MODEL_LEN, at most the model's maximum).
-    ``weight_bytes``: the weights as they will sit on the device. ``requested``:
-    ``--max-model-len`` or None to choose. Raises InvalidRequestError, one line naming the
-    bytes and what would fit, when nothing or not the asked length fits."""
+    ``weight_bytes``: the weights dense in the device dtype (``dense_weight_bytes``), which
+    ``device_weight_bytes`` turns into what ``engine`` holds of them as ``settings.layers``
+    says. ``requested``: ``--max-model-len`` or None to choose. Raises InvalidRequestError,
+    one line naming the bytes and what would fit, when nothing or not the asked length fits."""
     s = settings or PlanSettings()
     model_max = cfg.max_position_embeddings
     capped = requested is not None and requested > model_max
@@ -212,7 +317,8 @@ def plan_context(
         n = min(requested or DEFAULT_MAX_MODEL_LEN, model_max)
         why = f"{asked} capped at the model's maximum" if capped else asked or "the CPU default"
         return ContextPlan(n, f"context: {n} tokens ({why}; model max {model_max})")
-    after = f"{gib(max(free - weight_bytes, 0))} free after {gib(weight_bytes)} of weights"
+    weights = device_weight_bytes(cfg, weight_bytes, engine, tp, s)
+    after = f"{gib(max(free - weights, 0))} free after {gib(weights)} of weights"
     if requested is not None:
         n = min(requested, model_max)
         need = need_bytes(cfg, n, weight_bytes, engine, tp, s)

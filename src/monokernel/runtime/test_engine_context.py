@@ -1,18 +1,25 @@
 """The Engine's side of long context: refusals before any backend work, the prefix-reuse
-switch reaching the backend."""
+switch reaching the backend, and the memory plan counting the weights as the monokernel will
+hold them, planned before they reach the device."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from monokernel import Engine, EngineConfig, SamplingParams
 from monokernel.errors import InvalidRequestError
+from monokernel.models.config import ModelConfig
 from monokernel.runtime import engine as engine_mod
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
+from monokernel.runtime.memory_plan import ContextPlan, LayerPacking
 from monokernel.testing.tiny_models import make_tiny_model_dir
+from monokernel.weights.loader import Checkpoint
 
 
 class _RecordingBackend:
@@ -71,3 +78,95 @@ def test_prefix_reuse_setting_reaches_the_backend(
 ) -> None:
     _, backend = _engine(model_dir, monkeypatch, prefix_reuse=setting)
     assert backend.reuse == seen  # None leaves the backend's own default
+
+
+# --------------------------------------------------------------------------- the weights' plan
+
+
+class _Stop(Exception):
+    """Raised where the weights would go to the device: the end of these tests."""
+
+
+def _planned(
+    monkeypatch: pytest.MonkeyPatch, mark: Callable[[Checkpoint], Checkpoint] | None = None
+) -> tuple[list[str], list[LayerPacking]]:
+    """The Engine's steps up to its cast of the weights to the device, a monokernel on this
+    CPU: the loader's start and end, each plan (and the layer packing it counted), the cast.
+    ``mark``: changes the checkpoint the loader hands back."""
+    events: list[str] = []
+    layers: list[LayerPacking] = []
+    real_load = engine_mod.load_checkpoint
+
+    def load(*args: Any, **kwargs: Any) -> Checkpoint:
+        events.append("load")
+        ckpt = real_load(*args, **kwargs)
+        events.append("loaded")
+        return mark(ckpt) if mark is not None else ckpt
+
+    def plan(
+        cfg: ModelConfig, free: int | None, weights: int, engine: str, *rest: Any
+    ) -> ContextPlan:
+        events.append(f"plan {engine}")
+        layers.append(rest[-1].layers)
+        return ContextPlan(64, "context: 64 tokens")
+
+    def cast(*args: Any) -> None:
+        events.append("cast")
+        raise _Stop
+
+    monkeypatch.setattr(engine_mod, "resolve_engine", lambda name, device: name)
+    monkeypatch.setattr(engine_mod, "load_checkpoint", load)
+    monkeypatch.setattr(engine_mod, "plan_context", plan)
+    monkeypatch.setattr(engine_mod, "cast_weights", cast)
+    monkeypatch.setattr(engine_mod.Tokenizer, "load", lambda *a, **k: None)
+    return events, layers
+
+
+def test_a_gguf_of_groups_is_planned_packed_once_read_and_before_its_cast(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No plan in the loader's hook, on the bf16 count a GGUF's layers never take; one once
+    its own groups are known, counting them as the monokernel packs them."""
+    pytest.importorskip("gguf")
+    from monokernel.weights.loader import load_checkpoint
+    from monokernel.weights.quantize import groups_plan
+    from monokernel.weights.test_gguf_loader import QT, k_quant_gguf
+
+    path = k_quant_gguf(tmp_path / "m.gguf", (QT.Q4_K, QT.Q6_K))  # a Q4_K_M
+    ckpt = load_checkpoint(path, progress=False)
+    assert ckpt.quantization == "int8" and ckpt.groups is not None
+    plan, _ = groups_plan(ckpt.config, ckpt.groups)
+    events, layers = _planned(monkeypatch)
+    with pytest.raises(_Stop):
+        Engine(path, EngineConfig(engine="monokernel", device="cpu", progress=False))
+    assert events == ["load", "loaded", "plan monokernel", "cast"]
+    assert layers == [LayerPacking("int8", plan, groups_on_device=False)]
+    # --quantize of another method re-quantises the dense values: counted as such.
+    events, layers = _planned(monkeypatch)
+    config = EngineConfig(engine="monokernel", device="cpu", progress=False, quantize="fp8")
+    with pytest.raises(_Stop):
+        Engine(path, config)
+    assert layers == [LayerPacking("fp8")]
+
+
+def test_safetensors_are_planned_before_they_are_read_and_again_where_the_checkpoint_differs(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events, layers = _planned(monkeypatch)
+    config = EngineConfig(engine="monokernel", device="cpu", progress=False, quantize="int8")
+    with pytest.raises(_Stop):
+        Engine(model_dir, config)
+    assert events == ["load", "plan monokernel", "loaded", "cast"]
+    assert layers == [LayerPacking("int8")]
+    # A checkpoint that turns out FP8 runs fp8: planned again in that format, on the free
+    # bytes measured before it loaded; the torch engine holds it dense either way.
+    fp8 = functools.partial(dataclasses.replace, quantization="fp8")
+    events, layers = _planned(monkeypatch, fp8)
+    with pytest.raises(_Stop):
+        Engine(model_dir, EngineConfig(engine="monokernel", device="cpu", progress=False))
+    assert events == ["load", "plan monokernel", "loaded", "plan monokernel", "cast"]
+    assert layers == [LayerPacking(), LayerPacking("fp8")]
+    events, layers = _planned(monkeypatch, fp8)
+    with pytest.raises(_Stop):
+        Engine(model_dir, EngineConfig(engine="torch", device="cpu", progress=False))
+    assert events == ["load", "plan torch", "loaded", "cast"]

@@ -130,6 +130,31 @@ def test_group_repack_bytes_counts_every_packed_layer(layout: str) -> None:
     assert converted - extra == 2 * sum(v.numel() for v in rest.values())
 
 
+@pytest.mark.parametrize("layout", ["auto", "tiles"])
+def test_group_bytes_are_what_the_groups_hold(layout: str) -> None:
+    """What a device holds of a checkpoint's groups where they are there whole (an AWQ/GPTQ
+    checkpoint read to the GPU, a tensor-parallel rank's blocks), in the plan's groups; and
+    the layers' matrices, the part of the model that packs from them."""
+    from monokernel import envs
+    from monokernel.weights.gguf_8bit import q4_k_m_groups
+    from monokernel.weights.quantize import groups_plan, is_quantized
+
+    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_layers=2)
+    weights = random_weights(cfg, seed=6)
+    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT=layout):
+        plan, groups = groups_plan(cfg, q4_k_m_groups(weights))
+    held = sum(t.nbytes for g in groups.values() for t in (g.q, g.scale, g.offset))
+    assert kv_memory.group_bytes(cfg, plan) == held
+    matrices = sum(w.numel() for name, w in weights.items() if is_quantized(name))
+    assert kv_memory.layer_matrix_params(cfg) == matrices
+    # Packing from them: the packed matrices, then one layer's groups and fused copies.
+    packing = kv_memory.group_packing_bytes(cfg, plan, convert=False)
+    assert held // cfg.num_layers < packing < 2 * held // cfg.num_layers
+    assert kv_memory.group_repack_bytes(cfg, plan, False) == (
+        kv_memory.group_pack_bytes(cfg, plan) + packing
+    )
+
+
 @pytest.mark.parametrize(("edge", "limit"), [(0, 10), (1, 10), (7, 10), (10, 10), (33, 1 << 40)])
 def test_longest_fitting_finds_the_edge_within_the_limit(edge: int, limit: int) -> None:
     calls: list[int] = []
