@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import functools
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +25,16 @@ from monokernel.bench.engines import (
     BACKENDS,
     ENGINES,
     GPU_ONLY,
+    CheckpointWeights,
     EngineOptions,
     WeightSource,
     check_engine_label,
+    monokernel_layers,
 )
 from monokernel.bench.llama_cpp import ENGINE as LLAMA_CPP
 from monokernel.bench.llama_cpp import INSTALL_HINT as LLAMA_CPP_HINT
 from monokernel.bench.llama_cpp import available as llama_cpp_available
-from monokernel.bench.measure import engine_grammar, split_engine
+from monokernel.bench.measure import engine_grammar, engine_tp, split_engine
 from monokernel.bench.records import prompt_label
 from monokernel.bench.sweep import EngineLimits, SweepConfig, run_benchmark
 from monokernel.bench.table import format_table
@@ -248,21 +251,32 @@ def _device(spec: str) -> torch.device:
 
 
 def _load(
-    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, need_weights: bool
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    need_weights: bool,
+    names: Sequence[str] = (),
 ) -> tuple[ModelConfig, WeightSource | None, str, tuple[Path, str | None] | None]:
-    """The model's config, weights, label and (with --model) where its tokenizer lies."""
+    """The model's config, weights, label and (with --model) where its tokenizer lies;
+    ``names``: the engines of the run."""
     if args.model:
-        from monokernel.weights.lazy_weights import cast_mapping
-        from monokernel.weights.loader import load_checkpoint
+        from monokernel.weights.loader import load_checkpoint, run_formats
 
-        ckpt = load_checkpoint(args.model)
-        weights = None
-        if need_weights:
-            # Every engine here computes with (or repacks) the dense matrices, a GGUF's too
-            # (no engine is handed its groups), so they are made now; each one straight into
-            # ``dtype`` on ``device``, so the host never holds the model in float32 at once.
-            weights = dict(cast_mapping(ckpt.weights, dtype, device, consume=True))
-        return ckpt.config, weights, args.model, (ckpt.tokenizer_dir, ckpt.gguf_file)
+        # Read as run reads it: safetensors straight to the device in the bench's dtype (on
+        # the host where @tpN ranks shard them, or no engine here computes with them); a
+        # GGUF's blocks on the host, its layer matrices made only for the engines that
+        # compute with them (CheckpointWeights).
+        tp = any(engine_tp(n) > 1 for n in names)
+        store = device if need_weights and not tp else None
+        ckpt = load_checkpoint(args.model, device=store, dtype=dtype if need_weights else None)
+        weights = CheckpointWeights(ckpt, dtype) if need_weights else None
+        label = args.model
+        if ckpt.quantization is not None:
+            layers = monokernel_layers(ckpt.config, run_formats(ckpt, None))
+            # The table's header says what the monokernel's rows ran (each record, at its
+            # own --tp, says it again: layer_format).
+            label += f" ({ckpt.quantization} checkpoint; the monokernel streams {layers.label})"
+        return ckpt.config, weights, label, (ckpt.tokenizer_dir, ckpt.gguf_file)
     cfg = SHAPES[args.shape]
     # Made afresh for each engine (a second of GPU time at 32B), so no engine's copy of the
     # model lives beside another's.
@@ -393,7 +407,7 @@ def main(argv: list[str]) -> int:
         print(f"monokernel bench: {e}", file=sys.stderr)
         return 2
     need_weights = any(split_engine(n)[0] in (*BACKENDS, "hf") for n in names)
-    cfg, weights, label, tokenizer = _load(args, device, dtype, need_weights)
+    cfg, weights, label, tokenizer = _load(args, device, dtype, need_weights, names)
     if any(engine_grammar(n) for n in names):
         if not args.grammar:
             print("a +grammar engine needs --grammar REGEX", file=sys.stderr)

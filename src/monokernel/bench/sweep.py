@@ -28,7 +28,14 @@ from typing import Any
 import torch
 
 from monokernel.bench import records
-from monokernel.bench.engines import EngineOptions, Runner, WeightSource, open_runner, release
+from monokernel.bench.engines import (
+    EngineOptions,
+    LayerStream,
+    Runner,
+    WeightSource,
+    open_runner,
+    release,
+)
 from monokernel.bench.environment import environment, gpu_info
 from monokernel.bench.measure import RunTiming, copy_bandwidth
 from monokernel.models.config import ModelConfig
@@ -201,6 +208,9 @@ def _measure_cell(
         rec = records.ok_record(
             name, prompt_len, gen, timings, cfg, bandwidth, weight_bytes, turn_tokens=turn
         )
+        layers: LayerStream | None = getattr(runner, "layers", None)
+        if layers is not None:
+            _count_streamed(rec, layers.bytes_per_token(cfg, rec["mean_context"], weight_bytes))
         rec |= getattr(runner, "info", None) or {}
         rec["cache_positions"] = max_len
         profile = getattr(runner, "profile", None)
@@ -224,6 +234,21 @@ def _measure_cell(
     # a time budget has to plan for.
     rec["cell_wall_s"] = time.perf_counter() - start
     return rec
+
+
+def _count_streamed(rec: dict[str, Any], bpt: float) -> None:
+    """``rec``'s bytes per token and roofline as ok_record counts them, from the bytes the
+    engine streams: the monokernel's layers as it packed them (a checkpoint's own groups,
+    its FP8 blocks), which its label alone does not tell."""
+    rec["bytes_per_token"] = bpt
+    if rec["copy_bw_GBps"]:
+        bandwidth = rec["copy_bw_GBps"] * 1e9  # ok_record's: already times the GPUs
+        median_us = rec["us_per_token"]["median"]
+        rec |= {
+            "floor_us": bpt / bandwidth * 1e6,
+            "roofline_tok_s": bandwidth / bpt,
+            "mbu": bpt / (median_us * 1e-6) / bandwidth if median_us > 0 else None,
+        }
 
 
 def run_sweep(

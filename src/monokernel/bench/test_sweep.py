@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from monokernel.bench import records, sweep
-from monokernel.bench.measure import RunTiming
+from monokernel.bench.measure import RunTiming, bytes_per_token
 from monokernel.bench.merge import merge_results
 from monokernel.bench.sweep import EngineLimits, SweepConfig, run_benchmark
 from monokernel.bench.table import format_table
@@ -134,6 +134,41 @@ def test_ratios_errors_and_bandwidth(tiny: Checkpoint, monkeypatch: pytest.Monke
     assert fast["roofline_tok_s"] == pytest.approx(1e9 / fast["bytes_per_token"])
     assert fast["floor_us"] == pytest.approx(fast["bytes_per_token"] / 1e9 * 1e6)
     assert skipped == []
+
+
+def test_streamed_layers_set_the_bytes_and_the_roofline(
+    tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A runner that says how its layers stream (the monokernel's, BackendRunner.layers) is
+    counted at those bytes, MBU and ceiling with them; the others as their label says."""
+    from monokernel.bench.engines import LayerStream
+    from monokernel.weights.formats.int4 import Int4Groups
+
+    layers = LayerStream((Int4Groups(32),) * 4, "groups int4-g32")
+
+    def open_fake(name: str, *a: Any) -> _FakeRunner:
+        runner = _FakeRunner(name)
+        if name == "fast":
+            runner.layers = layers  # type: ignore[attr-defined]
+        return runner
+
+    monkeypatch.setattr(sweep, "open_runner", open_fake)
+    config = SweepConfig(("torch", "fast"), (8,), (4,), repeats=1)
+    cells, _ = sweep.run_sweep(tiny.config, tiny.weights, config, CPU, 1e9, 0, 2, log=_quiet)
+    by = {c["engine"]: c for c in cells}
+    context = by["fast"]["mean_context"]
+    bpt = layers.bytes_per_token(tiny.config, context, 2)
+    assert bpt < bytes_per_token(tiny.config, context, 2)
+    assert by["torch"]["bytes_per_token"] == bytes_per_token(tiny.config, context, 2)
+    fast = by["fast"]
+    assert fast["bytes_per_token"] == bpt
+    assert fast["mbu"] == pytest.approx(bpt / 1e-3 / 1e9)
+    assert fast["roofline_tok_s"] == pytest.approx(1e9 / bpt)
+    assert fast["floor_us"] == pytest.approx(bpt / 1e9 * 1e6)
+
+
+def _quiet(_msg: str) -> None:
+    pass
 
 
 def test_time_budget_skips_the_rest(tiny: Checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -56,7 +56,12 @@ from monokernel.tokenizer.stop_strings import StopStringMatcher
 from monokernel.tokenizer.tokenizer import Prompt, Tokenizer
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.lazy_weights import cast_mapping
-from monokernel.weights.loader import Checkpoint, load_checkpoint, resolve_model_path
+from monokernel.weights.loader import (
+    Checkpoint,
+    load_checkpoint,
+    resolve_model_path,
+    run_formats,
+)
 from monokernel.weights.quantize import check_method, groups_plan, groups_stream
 from monokernel.weights.safetensors_loader import cast_weights
 from monokernel.weights.shard import rank_config, shard_config
@@ -209,21 +214,11 @@ class Engine:
             )
         else:
             ckpt = model
-        # An FP8 checkpoint (its weights dequantised at load) runs fp8 unless --quantize says
-        # otherwise: re-quantised one scale a row. For per-channel scales of each row's
-        # amax / 448 (llm-compressor's min-max default) those are the checkpoint's own E4M3
-        # values (weights/test_checkpoint_quant.py).
-        # The quantisation in effect: --quantize, else the checkpoint's; None: as loaded.
-        self.quantize: str | None = (
-            self.config.quantize if self.config.quantize is not None else ckpt.quantization
-        )
-        # A 4-bit checkpoint (GGUF Q4_0/Q4_1/Q4_K, AWQ, GPTQ) streams its own groups as int4,
-        # a GGUF file of 5- to 8-bit blocks (Q8_0, Q6_K, Q5_K, a Q4_K_M's mix) as int8 groups,
-        # on one GPU or split over --tp GPUs; --quantize of another method re-quantises.
-        groups = ckpt.groups if self.quantize == ckpt.quantization else None
-        # An FP8 checkpoint with block scales keeps them (on one GPU, where the layers stream
-        # as tiles): the checkpoint's own E4M3 values, not re-quantised a row.
-        fp8_blocks = ckpt.fp8_blocks if self.quantize == "fp8" else None
+        # The quantisation in effect (--quantize, else the checkpoint's; None: as loaded), the
+        # checkpoint's own groups and FP8 block scales where they stream (run_formats).
+        formats = run_formats(ckpt, self.config.quantize)
+        self.quantize: str | None = formats.quantize
+        groups, fp8_blocks = formats.groups, formats.fp8_blocks
         # Before any weight of a GGUF (or a caller's checkpoint) reaches the device; after the
         # loader's hook, again only where the checkpoint changed how the monokernel holds its
         # layers (its own groups, an FP8 checkpoint's format) from what --quantize said.

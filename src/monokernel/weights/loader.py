@@ -66,6 +66,31 @@ class Checkpoint:
     fp8_blocks: Fp8Blocks | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class RunFormats:
+    """What an engine's backend is handed besides the weights (construct_backend's
+    arguments): the layers' ``quantize`` method, a checkpoint's own ``groups`` and FP8
+    ``fp8_blocks``."""
+
+    quantize: str | None = None
+    groups: Mapping[str, GroupQuant] | None = None
+    fp8_blocks: Fp8Blocks | None = None
+
+
+def run_formats(ckpt: Checkpoint, quantize: str | None) -> RunFormats:
+    """What ``monokernel run --model CKPT [--quantize QUANTIZE]`` hands its backend: the
+    checkpoint's own quantisation unless --quantize names another (an FP8 checkpoint runs
+    fp8, re-quantised one scale a row: for per-channel scales of each row's amax / 448,
+    llm-compressor's min-max default, those are its own E4M3 values); its own groups where
+    that method is theirs (a GGUF's 4- to 8-bit blocks, AWQ, GPTQ: --quantize of another
+    method re-quantises); its FP8 block scales under fp8 (the checkpoint's own E4M3 values,
+    not re-quantised a row)."""
+    method = quantize if quantize is not None else ckpt.quantization
+    groups = ckpt.groups if method == ckpt.quantization else None
+    blocks = ckpt.fp8_blocks if method == "fp8" else None
+    return RunFormats(method, groups, blocks)
+
+
 def _local_hint(ref: str) -> str:
     return (
         f"to use a local copy instead, pass a directory holding config.json and "
