@@ -30,7 +30,10 @@ int32), ``qzeros`` (eight zero points an int32) and fp16 ``scales``, one scale a
 per group of ``group_size`` input columns, w = s * (q - z). Each module is decoded to a
 ``GroupQuant`` (weights/group_quant.py: the same bits, unpacked), which the layer linear
 weights keep in ``Checkpoint.groups`` (``Checkpoint.quantization`` "int4" when all of them
-are 4-bit), and its dense values go to the weights as an FP8 module's do. Read:
+are 4-bit). Their dense values are what the weights hold for them, as an FP8 module's are,
+but made only when read (a LazyWeights: weights/lazy_weights.py), since the monokernel
+streams the groups and never reads them; any other module's (a GPTQ LM head) are made at
+once. Read:
 
 - ``quant_method: "awq"`` (AutoAWQ, as transformers' AwqConfig writes it): ``bits: 4``,
   ``zero_point: true``, ``version: "gemm"`` (qweight [in, out/8] in AutoAWQ's nibble

@@ -1,16 +1,21 @@
 """Weights whose layer matrices are a checkpoint's own groups, made dense when first read.
 
-A GGUF file whose layer matrices stay quantised on the GPU (``Checkpoint.groups``) needs
-their dense values only on the engines that compute with them (reference, torch, the CPU's
-packed step); the monokernel packs the groups themselves and reads ``weights`` only for what
-is not a layer matrix (embedding, norms, biases, LM head). Dequantising every matrix at load
-would hold the model in float32 on the host for nothing: 130 GB for a 32B model, whose
-quantised values are 20 GB. ``LazyWeights`` holds such a matrix as its ``DenseSource`` and
-makes the tensor on first read, then keeps it as a dict would (the reference reads every
-matrix on every forward). Its names, order and shapes are known without reading.
+A checkpoint whose layer matrices stay quantised (``Checkpoint.groups``: a GGUF file's
+blocks, kept on the host; an AWQ or GPTQ checkpoint's 4-bit modules, read to the load
+device) needs their dense values only on the engines that compute with them (reference,
+torch, the CPU's packed step); the monokernel packs the groups themselves and reads
+``weights`` only for what is not a layer matrix (embedding, norms, biases, LM head).
+Dequantising every matrix at load would hold the model dense for nothing: 130 GB of float32
+on the host for a 32B GGUF whose quantised values are 20 GB, or 62 GB of bf16 layers beside
+a 32B AWQ checkpoint's 33 GB of groups on the GPU, which no 80 GB card holds.
+``LazyWeights`` holds such a matrix as its ``DenseSource`` and makes the tensor on first
+read, then keeps it as a dict would (the reference reads every matrix on every forward). Its
+names, order and shapes are known without reading.
 
 Code that takes a whole mapping apart without reading it (the engine's cast to the device,
-the monokernel's bf16 copy) goes through ``cast_mapping``, so an unread matrix stays unread.
+the monokernel's bf16 copy) goes through ``cast_mapping``, so an unread matrix stays unread;
+a source cast twice rounds as the tensor would have (``DenseSource.to``), so reading it late
+gives the bits that making it first and casting it would have given.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from monokernel.weights.group_quant import GroupQuant
 
 @dataclass(frozen=True, slots=True, eq=False)
 class DenseSource:
-    """How to make one matrix: its groups dequantised in float32, then cast."""
+    """How to make one matrix: its groups dequantised in float32, then cast to each dtype of
+    ``through`` in turn and last to ``dtype``."""
 
     gq: GroupQuant
     # scale * (q - zero) where the checkpoint's format dequantises so (GroupQuant.
@@ -34,6 +40,9 @@ class DenseSource:
     zero: int | None = None
     dtype: torch.dtype = torch.float32
     device: torch.device | None = None  # None: the groups' own
+    # Earlier casts that rounded (an AWQ matrix loaded as bf16, then cast to float32): the
+    # values keep those roundings, as a tensor cast the same way keeps them.
+    through: tuple[torch.dtype, ...] = ()
 
     @property
     def shape(self) -> torch.Size:
@@ -44,16 +53,36 @@ class DenseSource:
     ) -> DenseSource:
         """Tensor.to's signature, so a cast treats a source as it treats a tensor: the
         values are not made, only where and in what they will be."""
+        through = self.through
+        if dtype is not None and dtype != self.dtype:
+            before = through[-1] if through else torch.float32  # dense()'s own values
+            if not widens(before, self.dtype):
+                through = (*through, self.dtype)
         return dataclasses.replace(
             self,
             dtype=self.dtype if dtype is None else dtype,
             device=self.device if device is None else torch.device(device),
+            through=through,
         )
 
     def dense(self) -> torch.Tensor:
         gq = self.gq
         w = gq.dense() if self.zero is None else gq.zero_point_dense(self.zero)
+        for dtype in self.through:
+            w = w.to(dtype)
         return w.to(device=self.device, dtype=self.dtype)
+
+
+def widens(a: torch.dtype, b: torch.dtype) -> bool:
+    """Whether every value of dtype ``a`` is one of ``b`` too, so a cast from ``a`` to ``b``
+    rounds nothing (bfloat16 or float16 to float32: yes; float32 to bfloat16, bfloat16 to
+    float16: no)."""
+    if a == b:
+        return True
+    if not (a.is_floating_point and b.is_floating_point):
+        return False
+    fa, fb = torch.finfo(a), torch.finfo(b)
+    return fb.eps <= fa.eps and fb.max >= fa.max and fb.smallest_normal <= fa.smallest_normal
 
 
 class LazyWeights(MutableMapping[str, torch.Tensor]):

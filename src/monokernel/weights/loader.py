@@ -35,12 +35,15 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
     config: ModelConfig
-    # Our names. Safetensors: a dict, on the device and in the dtype load_checkpoint was
-    # given, else the checkpoint's dtype on the CPU. GGUF: float32 (dequantised) on the CPU,
-    # in a LazyWeights (weights/lazy_weights.py) whose layer matrices that have ``groups``
-    # (all those stored in blocks, whatever ``quantization`` says) are made from them when
-    # first read: the monokernel, streaming the groups, never reads them. Code that casts
-    # the whole mapping keeps them unread through lazy_weights.cast_mapping.
+    # Our names. Safetensors: on the device and in the dtype load_checkpoint was given, else
+    # the checkpoint's dtype on the CPU (an FP8 or 4-bit module's weight: bfloat16); a dict,
+    # but where some layer linear weight is stored in 4 bits (AWQ, GPTQ): a LazyWeights
+    # (weights/lazy_weights.py) whose 4-bit layer matrices are made from their GroupQuant
+    # (``groups`` when every one is 4-bit) on that device in that dtype when first read.
+    # GGUF: float32 (dequantised) on the CPU, in a LazyWeights whose layer matrices stored in
+    # blocks (whatever ``quantization`` says) are made likewise. The monokernel, streaming
+    # the groups, never reads those; code that casts the whole mapping keeps them unread
+    # through lazy_weights.cast_mapping.
     weights: MutableMapping[str, torch.Tensor]
     tokenizer_dir: Path
     gguf_file: str | None  # set when the tokenizer lives inside a GGUF file
@@ -58,7 +61,8 @@ class Checkpoint:
     # w_down) as the checkpoint's own values (weights/group_quant.py), in HF row order; its
     # dense() is what ``weights`` holds for it (cast to the weights' dtype; a GGUF Q4_0
     # zero may differ in sign, a Q6_K value by an fp32 rounding: ``weights`` has gguf's
-    # bits). On the device the weights were read to (GGUF: the CPU). None otherwise.
+    # bits), and the only copy of that matrix until ``weights`` is read. On the device the
+    # weights were read to (GGUF: the CPU). None otherwise.
     groups: Mapping[str, GroupQuant] | None = None
     # With quantization "fp8" and block scales (HF fine-grained FP8): each layer linear
     # weight's block scales, so the monokernel streams the checkpoint's own E4M3 values with
@@ -259,7 +263,8 @@ def load_checkpoint(
     ``progress``: download bars, a loading bar for safetensors when stderr is a terminal,
     and a line on stderr when a GGUF's dequantisation takes over a second.
     ``device``/``dtype``: where safetensors weights are read to, tensor by tensor, so a
-    large model never sits on the CPU whole; GGUF weights stay on the CPU (their
+    large model never sits on the CPU whole (an AWQ/GPTQ checkpoint's layer matrices as
+    their groups there, made dense only when read); GGUF weights stay on the CPU (their
     dequantisation runs there).
     """
     path = resolve_model_path(ref, progress=progress)

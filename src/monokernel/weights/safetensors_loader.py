@@ -14,10 +14,15 @@ device, one matrix at a time; the scales are not part of the result.
 
 A 4-bit checkpoint (AWQ, GPTQ) holds packed tensors a quantised module instead of its
 weight (``qweight``, ``qzeros``, ``scales``, GPTQ's ``g_idx``): they are read as they are,
-and once a module's are all in, decoded to a GroupQuant (the same bits, unpacked), whose
-dense values in the asked-for dtype (bfloat16 when none) become the weight. The layer
-linear weights' GroupQuants come back too (``load_safetensors_tensors``), on the same
-device.
+and once a module's are all in, decoded to a GroupQuant (the same bits, unpacked) on the
+same device. A layer linear weight stays that GroupQuant: the weights come back as a
+LazyWeights (weights/lazy_weights.py) that makes its dense values in the asked-for dtype
+(bfloat16 when none) only when it is read, and its GroupQuant comes back too
+(``load_safetensors_tensors``). The monokernel streams the groups and never reads those
+weights, so the device holds the groups (a byte a weight) and not also a bf16 copy of every
+layer (two bytes): a 32B model's 62 GB of bf16 layers beside its 33 GB of groups fit no
+80 GB GPU. Any other 4-bit module (a GPTQ LM head) is made dense at once, its GroupQuant
+dropped: every engine reads it.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +63,7 @@ from monokernel.weights.checkpoint_quant import (
     scaled_weight,
 )
 from monokernel.weights.group_quant import GroupQuant, GroupQuantError, gptq_trivial_g_idx
-from monokernel.weights.lazy_weights import cast_mapping
+from monokernel.weights.lazy_weights import DenseSource, LazyWeights, cast_mapping
 from monokernel.weights.names import HF_IGNORED, Weights, check_weights, hf_to_ours
 from monokernel.weights.progress import ByteProgress, progress_wanted
 from monokernel.weights.quantize import UnsupportedQuantizationError, is_quantized
@@ -430,12 +435,13 @@ def _decode_ready(
     modules: dict[str, tuple[str, frozenset[str]]],
     groups: dict[str, GroupQuant],
     source: str,
-) -> Weights:
+) -> dict[str, torch.Tensor | DenseSource]:
     """The 4-bit modules of ``pending`` whose tensors are all there, each decoded to a
-    GroupQuant (kept in ``groups`` for a layer linear weight) and replaced by its dense
-    values in ``dtype`` (bfloat16 when None); the packed tensors leave ``pending``.
+    GroupQuant; the packed tensors leave ``pending``. A layer linear weight's GroupQuant
+    goes to ``groups`` and the weight is its DenseSource in ``dtype`` (bfloat16 when None),
+    made only if read; any other module's weight is its dense values in that dtype.
     ``modules``: our weight name -> (HF module name, its parts)."""
-    out: Weights = {}
+    out: dict[str, torch.Tensor | DenseSource] = {}
     for name, (module, parts) in modules.items():
         keys = [f"{name}.{p}" for p in parts]
         if not all(k in pending for k in keys):
@@ -446,9 +452,12 @@ def _decode_ready(
         except (GroupQuantError, UnsupportedQuantizationError) as e:
             raise type(e)(f"{source}: {quant.method} module {module}: {e}") from e
         del tensors
-        out[name] = gq.dense(dtype or torch.bfloat16)
         if is_quantized(name):
             groups[name] = gq
+            # Made only if read (the monokernel never does), with gq.dense(dtype)'s bits.
+            out[name] = DenseSource(gq, dtype=dtype or torch.bfloat16)
+        else:
+            out[name] = gq.dense(dtype or torch.bfloat16)
     return out
 
 
@@ -476,7 +485,7 @@ def load_safetensors_weights(
     progress: bool = False,
     force_progress: bool = False,
     quant: CheckpointQuant | Int4Quant | None = None,
-) -> Weights:
+) -> MutableMapping[str, torch.Tensor]:
     """Every tensor in our names, checked against ``cfg``.
 
     ``device``/``dtype`` None: memory-mapped CPU views in the checkpoint's dtype. Given,
@@ -487,7 +496,8 @@ def load_safetensors_weights(
 
     ``quant``: the checkpoint's FP8 or 4-bit scheme
     (checkpoint_quant.parse_quantization_config); each float8 weight or 4-bit module comes
-    back dequantised, in ``dtype`` or else bfloat16.
+    back dequantised, in ``dtype`` or else bfloat16: a 4-bit layer linear weight in a
+    LazyWeights, made from its groups when first read (``load_safetensors_tensors``).
     """
     return load_safetensors_tensors(model_dir, cfg, device, dtype, progress, force_progress, quant)[
         0
@@ -502,11 +512,16 @@ def load_safetensors_tensors(
     progress: bool = False,
     force_progress: bool = False,
     quant: CheckpointQuant | Int4Quant | None = None,
-) -> tuple[Weights, dict[str, GroupQuant], Fp8Blocks | None]:
+) -> tuple[MutableMapping[str, torch.Tensor], dict[str, GroupQuant], Fp8Blocks | None]:
     """``load_safetensors_weights``'s weights, and with a 4-bit ``quant`` each layer linear
     weight stored in 4 bits as a GroupQuant of its bits (our names, on the device the
     tensors were read to: ``device``, else the CPU); {} for any other checkpoint. Third, an
-    FP8 checkpoint's block scales of its layer linear weights (None without block scales)."""
+    FP8 checkpoint's block scales of its layer linear weights (None without block scales).
+
+    The weights are a dict, but where some layer linear weight is stored in 4 bits: then a
+    LazyWeights whose entry for each such weight is made from its GroupQuant (the same one
+    returned) when first read, so loading holds the groups and not also their dense copies
+    (each module's packed tensors and its decoding are the only transient)."""
     source = str(model_dir)
     files = safetensors_files(model_dir)
     plan = _plan(files, cfg, source, quant)
@@ -526,7 +541,7 @@ def load_safetensors_tensors(
     ]
     total = sum(e.nbytes for _, named in plan for e, _ in named)
     target = None if device is None and dtype is None else _resolve(device)
-    done: Weights = {}
+    done: dict[str, torch.Tensor | DenseSource] = {}
     pending: Weights = {}
     groups: dict[str, GroupQuant] = {}
     block_scales: dict[str, torch.Tensor] = {}
@@ -549,7 +564,9 @@ def load_safetensors_tensors(
             elif isinstance(quant, Int4Quant):
                 done |= _decode_ready(pending, quant, dtype, modules, groups, source)
         assert not pending, sorted(pending)  # _plan paired every weight with its scales
-        weights = {o: done.pop(o) for o in order}
+        lazy = LazyWeights({o: done.pop(o) for o in order})
+        # A plain dict where nothing is left to make, as every other checkpoint loads.
+        weights = lazy if lazy.unread() else dict(lazy)
         if target is not None and target.type == "cuda":
             torch.cuda.synchronize(target)  # the copies are asynchronous: time them all
         checked = check_weights(weights, cfg, source=source)
@@ -635,6 +652,7 @@ def _load_to(
 def cast_weights(weights: Weights, dtype: torch.dtype, device: torch.device | str) -> Weights:
     """Every tensor in ``dtype`` on ``device``; the input dict is emptied as it goes so a
     large CPU copy is not held twice. Tensors already there are passed through as they are.
-    A GGUF's LazyWeights stays one: its unread layer matrices are cast when read (the
-    monokernel, streaming their groups, never reads them; weights/lazy_weights.py)."""
+    A LazyWeights (a GGUF's, an AWQ/GPTQ checkpoint's) stays one: its unread layer matrices
+    are cast when read (the monokernel, streaming their groups, never reads them;
+    weights/lazy_weights.py)."""
     return cast_mapping(weights, dtype, device, consume=True)  # type: ignore[return-value]

@@ -1,7 +1,8 @@
 """4-bit checkpoints (AWQ, GPTQ): tiny random bf16 checkpoints quantised and packed here as
 AutoAWQ and AutoGPTQ / GPTQModel write them, then read back through load_checkpoint: the
-same 4-bit values in ``Checkpoint.groups``, their dense values in ``Checkpoint.weights``,
-and every malformed or unsupported one refused by name."""
+same 4-bit values in ``Checkpoint.groups``, their dense values in ``Checkpoint.weights``
+(made only when read, to the bit what the loader made at once before), and every malformed
+or unsupported one refused by name."""
 
 from __future__ import annotations
 
@@ -24,12 +25,19 @@ from monokernel.errors import (
 from monokernel.models.config import ModelConfig
 from monokernel.models.shapes import DENSE_SHAPES
 from monokernel.testing.checkpoint_files import save_checkpoint_tensors
-from monokernel.weights.checkpoint_quant import Int4Quant, parse_quantization_config
-from monokernel.weights.loader import load_checkpoint
-from monokernel.weights.names import Weights, ours_to_hf
+from monokernel.weights.checkpoint_quant import (
+    PACKED_PARTS,
+    Int4Quant,
+    decode_int4,
+    parse_quantization_config,
+)
+from monokernel.weights.group_quant import GroupQuant
+from monokernel.weights.lazy_weights import DenseSource, LazyWeights, cast_mapping
+from monokernel.weights.loader import Checkpoint, load_checkpoint
+from monokernel.weights.names import Weights, hf_to_ours, ours_to_hf
 from monokernel.weights.quantize import UnsupportedQuantizationError, is_quantized
 from monokernel.weights.random_checkpoint import write_random_checkpoint
-from monokernel.weights.safetensors_loader import SINGLE_FILE
+from monokernel.weights.safetensors_loader import SINGLE_FILE, cast_weights
 
 # Every optional tensor (q/k norms, q/k/v and o biases, an untied head), in two sizes: one
 # whose input sizes 128 divides (the real group size), one that only 32 divides.
@@ -203,6 +211,54 @@ def write_int4(
     return stored
 
 
+def todays_dense(dst: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Each 4-bit module of ``dst`` as the loader made it at load before its layer matrices
+    were left as their groups (decode_int4, then dense in the load's dtype, bfloat16 when
+    none): the reference a matrix read from the loaded weights must equal to the bit."""
+    from safetensors.torch import load_file
+
+    config = json.loads((dst / "config.json").read_text())
+    quant = parse_quantization_config(config)
+    assert isinstance(quant, Int4Quant)
+    tensors = {k: v for f in sorted(dst.glob("*.safetensors")) for k, v in load_file(f).items()}
+    out: dict[str, torch.Tensor] = {}
+    for hf in tensors:
+        module, _, part = hf.rpartition(".")
+        if part == "qweight":
+            parts = {
+                p: tensors[f"{module}.{p}"] for p in PACKED_PARTS if f"{module}.{p}" in tensors
+            }
+            ours = hf_to_ours(module + ".weight")
+            assert ours is not None, hf
+            out[ours] = decode_int4(parts, quant).dense(dtype)
+    return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to the bit (torch.equal takes -0.0 for 0.0), in the same dtype and shape."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(ints), b.view(ints))
+
+
+@pytest.fixture()
+def made(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every dense matrix made from groups, as "Class.method(shape)", in order: a
+    DenseSource's, and GroupQuant's own (which the loader called at once before)."""
+    calls: list[str] = []
+    for cls, attr in ((DenseSource, "dense"), (GroupQuant, "dense"),
+                      (GroupQuant, "zero_point_dense")):  # fmt: skip
+        real = getattr(cls, attr)
+
+        def counted(self: Any, *args: Any, _real: Any = real, _what: str = attr) -> Any:
+            calls.append(f"{type(self).__name__}.{_what}{tuple(self.shape)}")
+            return _real(self, *args)
+
+        monkeypatch.setattr(cls, attr, counted)
+    return calls
+
+
 def expected(stored: Stored, group: int) -> torch.Tensor:
     """s * (q - z) in float64 (exact there), then float32 (exact too: 11 + 5 bits)."""
     q, z, s = stored
@@ -272,6 +328,12 @@ def assert_loads(
     assert ckpt.groups is not None and mapped.groups is not None
     assert set(ckpt.groups) == {n for n in weights if is_quantized(n)} == set(mapped.groups)
     assert set(ckpt.weights) == set(weights) == set(mapped.weights)
+    # The layer matrices are their groups until read, then what the loader made before.
+    for loaded, dtype in ((ckpt, torch.float32), (mapped, torch.bfloat16)):
+        assert isinstance(loaded.weights, LazyWeights)
+        assert sorted(loaded.weights.unread()) == sorted(ckpt.groups)
+        for n, want in todays_dense(dst, dtype).items():
+            assert same_bits(loaded.weights[n], want), n
     for n, w in weights.items():
         got, view = ckpt.weights[n], mapped.weights[n]
         assert got.dtype == torch.float32, n
@@ -331,6 +393,9 @@ def test_a_module_left_unquantised(source: tuple[Path, Weights, int], tmp_path: 
     stored = write_int4(source, tmp_path / "awq", Scheme(config, "awq"), plain=("layers.1.w_down",))
     ckpt = load_checkpoint(tmp_path / "awq", progress=False, dtype=torch.float32)
     assert ckpt.quantization is None and ckpt.groups is None
+    # Its 4-bit layer matrices are still made only when read (the engines read them all).
+    assert isinstance(ckpt.weights, LazyWeights)
+    assert sorted(ckpt.weights.unread()) == sorted(set(stored) - {"lm_head"})
     assert torch.equal(ckpt.weights["layers.1.w_down"], weights["layers.1.w_down"].float())
     assert torch.equal(ckpt.weights["layers.0.w_down"], expected(stored["layers.0.w_down"], group))
 
@@ -347,6 +412,7 @@ def test_a_config_left_over_on_bf16_weights(
     (tmp_path / "bf16" / "config.json").write_text(json.dumps(config))
     ckpt = load_checkpoint(tmp_path / "bf16", progress=False)
     assert ckpt.quantization is None and ckpt.groups is None
+    assert type(ckpt.weights) is dict  # nothing to make: as any bf16 checkpoint loads
     assert all(torch.equal(ckpt.weights[n], w) for n, w in weights.items())
 
 
@@ -367,6 +433,152 @@ def test_act_order_is_refused_before_any_weight(
 
     with pytest.raises(UnsupportedQuantizationError, match=rf"act-order \(desc_act: {name}"):
         load_checkpoint(tmp_path / "gptq", progress=False, before_weights=before)
+
+
+# -- the layer matrices stay their groups until read ------------------------------------------
+
+# How load_checkpoint is called: as the engine on a GPU (bf16) and on the CPU (float32), both
+# read to a device, and memory-mapped (no device, no dtype: bf16 for the 4-bit modules).
+LOADS: dict[str, tuple[str | None, torch.dtype | None]] = {
+    "bf16": ("cpu", torch.bfloat16),
+    "float32": ("cpu", torch.float32),
+    "mapped": (None, None),
+}
+
+
+@pytest.mark.parametrize("load", list(LOADS))
+@pytest.mark.parametrize("name", ["awq", "gptq-asym-v1"])
+def test_loading_makes_no_layer_matrix_dense(
+    source: tuple[Path, Weights, int], tmp_path: Path, made: list[str], name: str, load: str
+) -> None:
+    """The loader decodes each module to its groups and stops there: a 32B model's 65 GB of
+    bf16 layers are never made beside its groups. Reading a matrix makes it once, to the
+    bit what the loader made at once before."""
+    device, dtype = LOADS[load]
+    dst = tmp_path / name
+    write_int4(source, dst, schemes(source[2])[name])
+    ckpt = load_checkpoint(dst, progress=False, device=device, dtype=dtype)
+    assert made == []
+    assert ckpt.groups is not None and isinstance(ckpt.weights, LazyWeights)
+    assert sorted(ckpt.weights.unread()) == sorted(ckpt.groups)
+    for n, gq in ckpt.groups.items():
+        assert ckpt.weights.shape(n) == torch.Size(gq.shape), n
+    want = todays_dense(dst, dtype or torch.bfloat16)
+    for n in ckpt.groups:
+        got = ckpt.weights[n]
+        assert same_bits(got, want[n]) and ckpt.weights[n] is got, n  # made once, then kept
+    assert [m for m in made if m.startswith("DenseSource")] == [
+        f"DenseSource.dense{ckpt.groups[n].shape}" for n in ckpt.groups
+    ]
+    assert ckpt.weights.unread() == []
+
+
+def test_a_cast_leaves_them_unread_and_rounds_as_a_tensor_would(
+    source: tuple[Path, Weights, int], tmp_path: Path, made: list[str]
+) -> None:
+    """The engine's cast_weights and the backends' cast_mapping keep the matrices unread; read
+    after a cast, a matrix is what casting its dense values gives, roundings included: bf16
+    (a GPU's load) cast to float32 keeps bf16's values."""
+    dst = tmp_path / "awq"
+    write_int4(source, dst, schemes(source[2])["awq"])
+    f32 = load_checkpoint(dst, progress=False, device="cpu", dtype=torch.float32)
+    bf16 = load_checkpoint(dst, progress=False, device="cpu", dtype=torch.bfloat16)
+    assert f32.groups is not None
+    layers = sorted(f32.groups)
+    half = cast_mapping(f32.weights, torch.bfloat16)  # the monokernel backend's copy
+    widened = cast_mapping(bf16.weights, torch.float32, "cpu")
+    engine = cast_weights(bf16.weights, torch.bfloat16, "cpu")  # Engine.__init__, consuming
+    assert len(bf16.weights) == 0 and made == []
+    for w in (f32.weights, half, widened, engine):
+        assert isinstance(w, LazyWeights) and sorted(w.unread()) == layers
+    todays = {dtype: todays_dense(dst, dtype) for dtype in (torch.float32, torch.bfloat16)}
+    for n in layers:
+        assert same_bits(half[n], todays[torch.float32][n].to(torch.bfloat16)), n
+        assert same_bits(widened[n], todays[torch.bfloat16][n].to(torch.float32)), n
+        assert same_bits(engine[n], todays[torch.bfloat16][n]), n
+    assert sorted(f32.weights.unread()) == layers  # each cast made its own
+
+
+def _logits(ckpt_or_dir: Checkpoint | Path, engine: str, ids: list[int]) -> torch.Tensor:
+    from monokernel.runtime.engine import Engine, EngineConfig
+
+    config = EngineConfig(engine=engine, device="cpu", max_model_len=64, progress=False)
+    eng = Engine(ckpt_or_dir, config)
+    return eng.backend._forward(ids, 0)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("engine", ["reference", "torch"])
+@pytest.mark.parametrize("name", ["awq", "gptq-sym-v1"])
+def test_the_dense_engines_compute_as_before(
+    source: tuple[Path, Weights, int], tmp_path: Path, name: str, engine: str
+) -> None:
+    """An engine that computes with dense matrices gets the same logits from the checkpoint
+    as from the dense matrices the loader made at load before (the same bits)."""
+    dst = tmp_path / name
+    write_int4(source, dst, schemes(source[2])[name])
+    ids = [int(i) for i in torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(7))]
+    lazy = _logits(dst, engine, ids)  # the engine loads it: float32 on the CPU
+    ckpt = load_checkpoint(dst, progress=False, device="cpu", dtype=torch.float32)
+    todays = todays_dense(dst, torch.float32)
+    dense = {n: todays[n] if n in todays else ckpt.weights[n] for n in ckpt.weights}
+    before = _logits(dataclasses.replace(ckpt, weights=dense), engine, ids)
+    assert lazy.shape[-1] == ckpt.config.vocab_size and same_bits(lazy, before)
+
+
+class _Repacked(Exception):
+    """Raised where the monokernel backend hands its repacked weights to the KV cache."""
+
+    def __init__(self, packed: Any) -> None:
+        super().__init__("repacked")
+        self.packed = packed
+
+
+def test_the_monokernel_reads_no_layer_matrix(
+    source: tuple[Path, Weights, int],
+    tmp_path: Path,
+    made: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the engine builds the monokernel on a GPU, up to the KV cache, on the CPU (the
+    kernel build, the device and its free memory stood in for): it packs the checkpoint's own
+    groups and makes no layer matrix dense, not even for a moment."""
+    from monokernel.runtime import kv_memory
+    from monokernel.runtime.backends.monokernel import backend
+    from monokernel.weights.loader import run_formats
+    from monokernel.weights.quantize import groups_stream
+
+    dst = tmp_path / "awq"
+    write_int4(source, dst, schemes(source[2])["awq"])
+    ckpt = load_checkpoint(dst, progress=False, device="cpu", dtype=torch.bfloat16)
+    formats = run_formats(ckpt, None)
+    assert formats.quantize == "int4" and formats.groups is not None
+    if not groups_stream(ckpt.config, formats.groups):
+        pytest.skip("this shape's groups do not stream on the monokernel")
+
+    def stop(cfg: Any, packed: Any, *args: Any) -> None:
+        raise _Repacked(packed)
+
+    monkeypatch.setattr(backend, "monokernel_supported", lambda device: (True, ""))
+    monkeypatch.setattr(backend.kbuild, "build", lambda dims: None)
+    monkeypatch.setattr(kv_memory, "free_device_bytes", lambda device: 1 << 40)
+    monkeypatch.setattr(backend, "KVStore", stop)
+    weights = cast_weights(ckpt.weights, torch.bfloat16, "cpu")
+    with pytest.raises(_Repacked) as stopped:
+        backend.MonokernelBackend(
+            ckpt.config,
+            weights,
+            64,
+            torch.device("cpu"),
+            snapshot_bytes=0,
+            consume_weights=True,
+            quantize=formats.quantize,
+            groups=formats.groups,
+        )
+    assert made == []
+    assert not any(k.startswith("layers.") and k in ckpt.groups for k in weights)  # consumed
+    packed = stopped.value.packed
+    assert len(packed.layers) == ckpt.config.num_layers
+    assert {m.format for lp in packed.layers for m in lp.matrices.values()} <= {"int4"}
 
 
 # -- malformed checkpoints, refused from the headers ------------------------------------------
@@ -442,18 +654,16 @@ def test_a_4bit_checkpoint_streams_its_groups_on_the_monokernel(
     ckpt = load_checkpoint(dst, progress=False, dtype=torch.float32)
     assert ckpt.quantization == "int4" and ckpt.groups is not None
     cfg, dev = ckpt.config, torch.device("cuda")
-    dense = {k: v.to(dev) for k, v in ckpt.weights.items()}
+    # As the engine hands them over: cast, the layer matrices unread (and left so).
+    lazy = cast_mapping(ckpt.weights, torch.bfloat16, dev)
     prompt, steps = 32, 64
     seq = random_ids(prompt + steps, cfg.vocab_size, seed=5)
     mk = MonokernelBackend(
-        cfg,
-        {k: v.to(torch.bfloat16) for k, v in dense.items()},
-        prompt + steps,
-        dev,
-        quantize="int4",
-        groups=ckpt.groups,
+        cfg, lazy, prompt + steps, dev, quantize="int4", groups=ckpt.groups,
         prefill_precision="fp32",
-    )
+    )  # fmt: skip
+    assert isinstance(lazy, LazyWeights) and sorted(lazy.unread()) == sorted(ckpt.groups)
+    dense = {k: v.to(dev) for k, v in ckpt.weights.items()}
     try:
         packed = mk.kernel.packed.layers[0].matrices["wo"]
         assert packed.format == "int4" and packed.scales[0].shape[1] == cfg.q_size // 128
@@ -461,3 +671,41 @@ def test_a_4bit_checkpoint_streams_its_groups_on_the_monokernel(
     finally:
         mk.close()
     assert_logits_match(cfg, dense, seq, prompt, got, f"{name} checkpoint int4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["awq", "gptq-asym-v1"])
+def test_a_4bit_checkpoint_loads_to_the_gpu_as_its_groups(
+    name: str, source: tuple[Path, Weights, int], tmp_path: Path
+) -> None:
+    """Read to the GPU as the engine reads it (bf16): the device holds the groups and the
+    other tensors, never the layers' dense bf16 beside them (a 32B model's 65 GB), and at
+    the peak of the load one module's decoding more."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dst = tmp_path / name
+    write_int4(source, dst, schemes(source[2])[name])
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.synchronize(dev)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    ckpt = load_checkpoint(dst, progress=False, device=dev, dtype=torch.bfloat16)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    held = torch.cuda.memory_allocated(dev) - base
+    assert ckpt.groups is not None and isinstance(ckpt.weights, LazyWeights)
+    assert sorted(ckpt.weights.unread()) == sorted(ckpt.groups)
+    gqs = list(ckpt.groups.values())
+    assert all(gq.q.device == dev for gq in gqs)
+    groups = sum(t.nbytes for gq in gqs for t in (gq.q, gq.scale, gq.offset))
+    rest = sum(ckpt.weights[n].nbytes for n in ckpt.weights if n not in ckpt.groups)
+    dense_layers = 2 * sum(gq.q.numel() for gq in gqs)
+    slack = 256 << 10  # the allocator's rounding of each of a few hundred tensors
+    assert groups + rest <= held <= groups + rest + slack
+    # Decoding a module takes ~8.5 bytes a weight of it (int32 nibbles, their mask, uint8).
+    largest = max(gq.q.numel() for gq in gqs)
+    assert peak <= held + 10 * largest + slack < held + dense_layers
+    # Reading one makes it there, the bits of the CPU's decoding.
+    n = "layers.0.w_up"
+    cpu = todays_dense(dst, torch.bfloat16)[n]
+    assert same_bits(ckpt.weights[n].cpu(), cpu)

@@ -92,3 +92,36 @@ def test_a_source_stands_in_for_its_tensor_in_to() -> None:
     assert (moved.dtype, moved.device, moved.gq) == (torch.float16, torch.device("cpu"), src.gq)
     assert src.to().dtype == torch.float32 and src.to().device is None
     assert moved.dense().dtype == torch.float16
+
+
+def test_widens_says_which_casts_round_nothing() -> None:
+    from monokernel.weights.lazy_weights import widens
+
+    f32, bf16, f16, f64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
+    assert widens(bf16, f32) and widens(f16, f32) and widens(f32, f64) and widens(bf16, bf16)
+    assert not widens(f32, bf16) and not widens(bf16, f16) and not widens(f16, bf16)
+    assert not widens(torch.int32, f32)
+
+
+@pytest.mark.parametrize(
+    "casts",
+    [
+        (torch.bfloat16, torch.float32),  # a GPU's bf16 load, read on the CPU in float32
+        (torch.float16, torch.bfloat16),
+        (torch.bfloat16, torch.float32, torch.float16),
+        (torch.float32, torch.bfloat16, torch.bfloat16),
+        (torch.float64, torch.float32),
+    ],
+)
+def test_a_source_cast_twice_rounds_as_its_tensor_would(casts: tuple[torch.dtype, ...]) -> None:
+    # Offsets that no bf16 or fp16 holds, so a rounding left out shows.
+    gq = _gq(8, 64, seed=3)
+    want, src = gq.dense(), DenseSource(gq)
+    for dtype in casts:
+        want, src = want.to(dtype), src.to(dtype=dtype)
+    got = LazyWeights({"w": src})["w"]
+    assert got.dtype == want.dtype == casts[-1]
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    # And the first cast alone would not have given those bits: the test sees a lost rounding.
+    if casts[:2] == (torch.bfloat16, torch.float32):
+        assert not torch.equal(got, gq.dense().to(casts[-1]))
