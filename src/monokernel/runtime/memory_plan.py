@@ -8,13 +8,17 @@ backend's own refusal after a long copy) into one line that says what would fit.
 maximum: its decode reads only the positions in use, so a large cache costs memory, not speed.
 
 Everything is counted with ``kv_memory``'s functions, the ones the monokernel backend's
-``check_fits`` uses, so a plan that fits here passes that check after the weights load.
+``check_load_fits`` uses, so a plan that fits here passes that check after the weights load.
 ``plan_context`` is pure (free bytes and weight bytes are inputs) so it is tested on CPU.
 
-The weights are counted as the device will hold them (``device_weight_bytes``): dense in the
-device dtype for the engines that compute with dense matrices, and for the monokernel as its
-backend packs them (``LayerPacking``, which the engine passes: a checkpoint's own groups
-pack to a quarter to three quarters of bf16's bytes).
+The engines that compute with dense matrices hold the weights dense in the device dtype
+beside the cache. The monokernel's load has two phases whose peaks do not add
+(``kv_memory.load_phases``): it checks with what was loaded on the device (``_loaded_bytes``)
+and repacks the layers one at a time, freeing each one's sources once packed where it owns
+them; only then come the cache and the prefill's memory, beside the packed weights
+(``device_weight_bytes``: a checkpoint's own groups, or --quantize's format, pack to a
+quarter to half of bf16's bytes). How the layers are packed is ``LayerPacking``, which the
+engine passes.
 """
 
 from __future__ import annotations
@@ -61,11 +65,14 @@ class LayerPacking:
     (weights/quantize.py GroupsPlan), so their dense values never reach the device (a GGUF's
     stay unread on the host: weights/lazy_weights.py). ``groups_on_device``: those groups are
     on the one GPU already, whole, beside the layers' dense values (an AWQ/GPTQ checkpoint,
-    read to the GPU and decoded there), not copied there a layer at a time from the host."""
+    read to the GPU and decoded there), not copied there a layer at a time from the host.
+    ``fp8_block``: fp8 packed with an FP8 checkpoint's block scales of that many columns
+    (the backend's fp8_blocks, where they stream; 0: a scale a row)."""
 
     fmt: str = DEFAULT_FORMAT
     groups: GroupsPlan | None = None
     groups_on_device: bool = False
+    fp8_block: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,95 +126,112 @@ def _tp_groups(cfg: ModelConfig, layers: LayerPacking) -> GroupsPlan | None:
     return GroupsPlan(("int4", int4_group_of(cfg))) if layers.fmt == "int4" else None
 
 
+def _packing(cfg: ModelConfig, tp: int, s: PlanSettings) -> kv_memory.Packing:
+    """What the monokernel's repack starts from on the (first) device and makes there, as
+    its backend says it (backend.py, tp.py Rank): on one GPU as the engine hands it the
+    weights (``s.consume``, ``s.dtype_bytes``) and ``s.layers``; on a TP rank, its shard in
+    bf16, its layers from its own blocks of the groups where there are groups, both
+    consumed."""
+    layers = s.layers
+    if tp > 1:
+        groups = _tp_groups(cfg, layers)
+        return kv_memory.Packing(
+            layers.fmt,
+            groups,
+            layers.fp8_block,
+            consume=True,
+            dense_layers=groups is None,
+            groups_on_device=groups is not None,
+            owns_groups=True,
+        )
+    return kv_memory.Packing(
+        layers.fmt,
+        layers.groups,
+        layers.fp8_block,
+        consume=s.consume,
+        dense_layers=layers.groups is None or layers.groups_on_device,
+        groups_on_device=layers.groups_on_device,
+        convert=s.dtype_bytes != 2,
+    )
+
+
+def _loaded_bytes(cfg: ModelConfig, weight_bytes: int, tp: int, s: PlanSettings) -> int:
+    """What is on the (first) device when the monokernel backend checks its memory, before
+    it repacks: every tensor dense in the device dtype, but a GGUF's layer matrices (left on
+    the host as their groups) and with an AWQ/GPTQ checkpoint's groups beside them. At
+    ``tp`` > 1, rank 0's shard in bf16: its 1/tp of the layers (as its blocks of the groups
+    where there are groups), the whole embedding, its own LM-head rows."""
+    layers = s.layers
+    if tp == 1:
+        if layers.groups is None:
+            return weight_bytes
+        if layers.groups_on_device:
+            return weight_bytes + kv_memory.group_bytes(cfg, layers.groups)
+        return weight_bytes - s.dtype_bytes * kv_memory.layer_matrix_params(cfg)
+    rank = rank_config(shard_config(cfg, 0, tp))
+    dense = weight_bytes * 2 // s.dtype_bytes
+    embed = 2 * cfg.vocab_size * cfg.hidden_size
+    head = 0 if cfg.tie_word_embeddings else embed
+    own_head = 2 * rank.vocab_size * cfg.hidden_size
+    groups = _tp_groups(cfg, layers)
+    if groups is None:
+        return (dense - embed - head) // tp + embed + own_head
+    rest = dense - embed - head - 2 * kv_memory.layer_matrix_params(cfg)
+    return rest // tp + embed + own_head + kv_memory.group_bytes(rank, groups)
+
+
+def _load_phases(cfg: ModelConfig, n: int, tp: int, s: PlanSettings) -> kv_memory.LoadPhases:
+    """The monokernel backend's load beyond ``_loaded_bytes`` for an ``n``-token context:
+    on one GPU what its check counts (MonokernelBackend: fold as its default); on rank 0 of
+    the TP backend (tp.py) the same for its shard, whose prefill also holds the partial sums
+    the sharded prefill exchanges (runtime/prefill_tp.py) and its block graphs
+    (runtime/prefill_tp_graphs.py) instead of whole-prompt ones."""
+    packing = _packing(cfg, tp, s)
+    if tp == 1:
+        return kv_memory.load_phases(cfg, n, s.chunk_tokens, s.precision, packing, s.graphs)
+    rank = rank_config(shard_config(cfg, 0, tp))
+    chunk = min(s.chunk_tokens, n)
+    extra = ShardedPrefill.extra_bytes(chunk, cfg.hidden_size, tp)
+    if s.graphs:
+        extra += tp_graph_bytes(rank, s.chunk_tokens, n, s.precision)
+    return kv_memory.load_phases(rank, n, chunk, s.precision, packing, extra=extra)
+
+
 def device_weight_bytes(
     cfg: ModelConfig, weight_bytes: int, engine: str, tp: int, s: PlanSettings
 ) -> int:
-    """The bytes the weights take on the (first) device for ``engine``, from
+    """The bytes the weights take on the (first) device for ``engine`` as it serves, from
     ``weight_bytes`` (``dense_weight_bytes`` in the device dtype) and ``s.layers``.
 
-    The torch and reference engines hold every tensor dense. So does the monokernel while it
-    packs them in a format (--quantize: the dense source is on the device when the backend
-    checks its memory, and repacking consumes it a layer at a time: ``repack_bytes``). From a
-    checkpoint's own groups it holds the other tensors dense and every layer's packed
-    matrices (``kv_memory.group_pack_bytes``; what packing them adds on top is
-    ``group_packing_bytes``), and the groups and dense layers too where those were read to
-    the GPU. At ``tp`` > 1, rank 0's share (``_tp_rank0_bytes``)."""
-    layers = s.layers
+    The torch and reference engines hold every tensor dense. The monokernel holds what was
+    loaded (``_loaded_bytes``) as its repack leaves it: every layer's packed matrices in
+    place of the sources it freed (``kv_memory.repack_phase``): --quantize's format in place
+    of the bf16 layers, a checkpoint's own groups packed beside the other tensors, at
+    ``tp`` > 1 rank 0's share, its groups freed once packed."""
     if engine != "monokernel":
         return weight_bytes
-    if tp > 1:
-        rank = rank_config(shard_config(cfg, 0, tp))
-        # Each rank's shard goes to its GPU in bf16: the layers' 1/tp, the whole embedding,
-        # its own LM-head rows.
-        dense = weight_bytes * 2 // s.dtype_bytes
-        embed = 2 * cfg.vocab_size * cfg.hidden_size
-        head = 0 if cfg.tie_word_embeddings else embed
-        own_head = 2 * rank.vocab_size * cfg.hidden_size
-        groups = _tp_groups(cfg, layers)
-        if groups is None:
-            return (dense - embed - head) // tp + embed + own_head
-        # Its layers come as its blocks of the groups, copied to its GPU whole, then packed.
-        rest = dense - embed - head - 2 * kv_memory.layer_matrix_params(cfg)
-        packed = kv_memory.group_bytes(rank, groups) + kv_memory.group_pack_bytes(rank, groups)
-        return rest // tp + embed + own_head + packed
-    if layers.groups is None:
-        return weight_bytes
-    packed = kv_memory.group_pack_bytes(cfg, layers.groups)
-    if layers.groups_on_device:
-        return weight_bytes + kv_memory.group_bytes(cfg, layers.groups) + packed
-    return weight_bytes - s.dtype_bytes * kv_memory.layer_matrix_params(cfg) + packed
+    rank = cfg if tp == 1 else rank_config(shard_config(cfg, 0, tp))
+    repacked = kv_memory.repack_phase(rank, _packing(cfg, tp, s)).weights
+    return _loaded_bytes(cfg, weight_bytes, tp, s) + repacked
 
 
 def need_bytes(
     cfg: ModelConfig, n: int, weight_bytes: int, engine: str, tp: int, s: PlanSettings
 ) -> int:
-    """Device bytes (on the first GPU) for the weights and an ``n``-token context.
-    ``weight_bytes``: ``dense_weight_bytes`` in the device dtype, whatever the engine."""
-    if engine == "monokernel" and tp > 1:
-        return _tp_rank0_bytes(cfg, n, weight_bytes, tp, s)
-    weights = device_weight_bytes(cfg, weight_bytes, engine, tp, s)
+    """Device bytes (on the first GPU) at the peak of loading the weights and an ``n``-token
+    context. ``weight_bytes``: ``dense_weight_bytes`` in the device dtype, whatever the
+    engine. The monokernel's peak is its load's costlier phase (``kv_memory.load_phases``)
+    on top of what was loaded; the backend's check adds the same to what it finds there."""
     if engine == "monokernel":
-        # What MonokernelBackend's check adds to what is on the device by then (fold as its
-        # default, consume as the engine builds it); packed groups are among the weights.
-        layers, convert = s.layers, s.dtype_bytes != 2
-        if layers.groups is None:
-            extra = kv_memory.repack_bytes(
-                cfg, fold=False, convert=convert, fmt=layers.fmt, consume=s.consume
-            )
-        else:
-            extra = kv_memory.group_packing_bytes(cfg, layers.groups, convert)
-        return weights + kv_memory.needed_bytes(
-            cfg, n, s.chunk_tokens, s.precision, extra, s.graphs, layers.fmt
-        )
+        return _loaded_bytes(cfg, weight_bytes, tp, s) + _load_phases(cfg, n, tp, s).peak
     # torch / reference: no repacking, a cache in the model's dtype, a prefill in chunks of
     # PREFILL_CHUNK whose activations are the model's dtype (the "bf16" count: no fp32
     # copies) and whose attention may materialise its scores and mask (SDPA's math path).
     chunk = min(PREFILL_CHUNK, n)
     scores = chunk * n * (cfg.num_heads * 4 + 1)
-    return weights + kv_memory.needed_bytes(
+    return weight_bytes + kv_memory.needed_bytes(
         cfg, n, chunk, "bf16", extra=scores, kv_dtype_bytes=s.dtype_bytes
     )
-
-
-def _tp_rank0_bytes(cfg: ModelConfig, n: int, weight_bytes: int, tp: int, s: PlanSettings) -> int:
-    """Rank 0 of the TP backend (runtime/backends/monokernel/tp.py) holds the most: its shard
-    (``device_weight_bytes``), repacked, its KV heads' cache and RoPE tables, its prefill's
-    workspace and the partial sums the sharded prefill exchanges (runtime/prefill_tp.py), and
-    its prefill graphs (runtime/prefill_tp_graphs.py). The checkpoint itself stays in host
-    memory."""
-    rank = rank_config(shard_config(cfg, 0, tp))
-    fmt = s.layers.fmt
-    chunk = min(s.chunk_tokens, n)
-    groups = _tp_groups(cfg, s.layers)
-    if groups is None:
-        extra = kv_memory.repack_bytes(rank, fold=False, convert=False, fmt=fmt, consume=True)
-    else:
-        extra = kv_memory.group_packing_bytes(rank, groups, convert=False)
-    extra += ShardedPrefill.extra_bytes(chunk, cfg.hidden_size, tp)
-    if s.graphs:
-        extra += tp_graph_bytes(rank, s.chunk_tokens, n, s.precision)
-    shard = device_weight_bytes(cfg, weight_bytes, "monokernel", tp, s)
-    return shard + kv_memory.needed_bytes(rank, n, chunk, s.precision, extra, fmt=fmt)
 
 
 def longest_context(
@@ -235,8 +259,8 @@ def _advice(
 ) -> str:
     """What would fit instead of ``n`` tokens on ``engine``, most useful first."""
     fits = longest_context(cfg, free, weight_bytes, engine, tp, s)
-    # The monokernel holds the checkpoint's matrices and its repacked copies at once while
-    # loading; the torch engine needs neither the copies nor their room.
+    # The monokernel holds the checkpoint's layers and their packed copies at once while it
+    # repacks them; the torch engine needs neither the copies nor their room.
     other = (
         longest_context(cfg, free, weight_bytes, "torch", 1, s)
         if engine == "monokernel" and tp == 1
@@ -282,12 +306,26 @@ def _too_big(
 ) -> ContextTooLargeError:
     need = need_bytes(cfg, n, weight_bytes, engine, tp, s)
     weights = device_weight_bytes(cfg, weight_bytes, engine, tp, s)
-    message = (
-        f"{asked} needs {gib(need)} on {s.where} ({gib(weights)} of weights + "
-        f"{gib(need - weights)} for a {n}-token context: KV cache, prefill workspace"
-        + (", weight repacking" if engine == "monokernel" else "")
-        + f", reserve) but {gib(free)} is free; "
-        + _advice(cfg, n, free, weight_bytes, engine, tp, s)
+    mono = engine == "monokernel"
+    if mono and _load_phases(cfg, n, tp, s).binding == "repacking":
+        loaded = _loaded_bytes(cfg, weight_bytes, tp, s)
+        needs = (
+            f"needs {gib(need)} on {s.where} while the layers are repacked, before the KV "
+            f"cache is allocated ({gib(loaded)} loaded + {gib(need - loaded)} for packing "
+            "them a layer at a time: the packed layers so far, one layer's copies and "
+            "working memory, RoPE tables, reserve)"
+        )
+    else:
+        needs = (
+            f"needs {gib(need)} on {s.where}"
+            + (" once the layers are repacked" if mono else "")
+            + f" ({gib(weights)} of weights + {gib(need - weights)} for a {n}-token "
+            "context: KV cache, prefill workspace"
+            + (", RoPE tables" if mono else "")
+            + ", reserve)"
+        )
+    message = f"{asked} {needs} but {gib(free)} is free; " + _advice(
+        cfg, n, free, weight_bytes, engine, tp, s
     )
     return ContextTooLargeError(message, n, need, free)
 

@@ -34,11 +34,16 @@ def _bf16_weights(cfg: ModelConfig) -> int:
     return 2 * cfg.num_parameters()
 
 
-def _backend_check(cfg: ModelConfig, n: int, free_after_weights: int, s: PlanSettings) -> int:
-    """What MonokernelBackend asks kv_memory once the weights are on the GPU."""
-    extra = kv_memory.repack_bytes(cfg, fold=False, convert=s.dtype_bytes != 2)
-    return kv_memory.check_fits(
-        cfg, n, free_after_weights, s.chunk_tokens, s.precision, s.where, extra, s.graphs
+def _backend_check(
+    cfg: ModelConfig, n: int, free_after_weights: int, s: PlanSettings
+) -> kv_memory.LoadPhases:
+    """What MonokernelBackend asks kv_memory once a dense checkpoint is on the GPU (its
+    layers from dense matrices: bf16 or --quantize's format)."""
+    packing = kv_memory.Packing(
+        s.layers.fmt, consume=s.consume, fold=False, convert=s.dtype_bytes != 2
+    )
+    return kv_memory.check_load_fits(
+        cfg, n, free_after_weights, s.chunk_tokens, s.precision, s.where, packing, s.graphs
     )
 
 
@@ -89,7 +94,9 @@ def test_repacking_is_counted_for_the_monokernel_only() -> None:
     weights = _bf16_weights(LLAMA8)
     mono = mp.need_bytes(LLAMA8, 8192, weights, "monokernel", 1, GPU)
     torch_ = mp.need_bytes(LLAMA8, 8192, weights, "torch", 1, GPU)
-    assert mono - torch_ >= kv_memory.repack_bytes(LLAMA8, fold=False, convert=False)
+    # A caller's checkpoint (not consumed): every layer's fused QKV and gate/up copies stay.
+    fused = kv_memory.repack_phase(LLAMA8, kv_memory.Packing()).weights
+    assert fused > 2 * GIB and mono - torch_ >= fused
     # A float32 model on the GPU: the monokernel's bf16 copy, the torch engine's fp32 cache.
     f32 = PlanSettings(dtype_bytes=4)
     assert (
@@ -211,8 +218,8 @@ def test_odd_shapes_an_asked_length_is_exact(name: str) -> None:
 # A Qwen2.5-Coder-32B Q4_K_M's stages (weights/quantize.py groups_plan): O and gate/up in
 # int4 groups of 32, QKV and down (V and down in Q6_K) in int8 groups of 16.
 Q4_K_M = LayerPacking("int8", GroupsPlan(("int4", 32), ("int8", 16), ("int8", 16)))
-# An 80 GB H100's free bytes before the weights: the bf16 count's plan for the 32B there is
-# the 28,672 tokens a Q4_K_M got before its packed layers were counted.
+# An 80 GB H100's free bytes before the weights: the 32B in bf16 gets 30,720 tokens there
+# (28,672 where a layer's fused copies were counted beside the cache too).
 H100_FREE = int(79.1 * GIB)
 
 
@@ -231,17 +238,41 @@ def _q4_k_m_by_hand(cfg: ModelConfig) -> int:
     return int(cfg.num_layers * packed + 2 * rest)
 
 
-def _group_check(cfg: ModelConfig, n: int, free: int, layers: LayerPacking, dense: int) -> None:
-    """What MonokernelBackend asks kv_memory once what reaches the GPU before it is there: a
-    GGUF's tensors but its layer matrices, or every tensor and the groups (AWQ/GPTQ)."""
+def _group_packing(layers: LayerPacking) -> kv_memory.Packing:
+    """The Packing MonokernelBackend counts for a checkpoint's own groups (the engine's
+    checkpoint, consumed): an AWQ/GPTQ checkpoint's groups and dense layers on the GPU, a
+    GGUF's groups on the host and its layers unread."""
+    return kv_memory.Packing(
+        layers.fmt,
+        layers.groups,
+        consume=True,
+        dense_layers=layers.groups_on_device,
+        groups_on_device=layers.groups_on_device,
+    )
+
+
+def _group_loaded(cfg: ModelConfig, layers: LayerPacking, dense: int) -> int:
+    """What reaches the GPU before the backend checks: a GGUF's tensors but its layer
+    matrices, or every tensor and the groups (AWQ/GPTQ)."""
     assert layers.groups is not None
     if layers.groups_on_device:
-        resident = dense + kv_memory.group_bytes(cfg, layers.groups)
-    else:
-        resident = dense - 2 * kv_memory.layer_matrix_params(cfg)
-    extra = kv_memory.repack_bytes(cfg, False, False, layers.fmt, True, layers.groups)
-    kv_memory.check_fits(
-        cfg, n, free - resident, GPU.chunk_tokens, GPU.precision, "cuda:0", extra, True, layers.fmt
+        return dense + kv_memory.group_bytes(cfg, layers.groups)
+    return dense - 2 * kv_memory.layer_matrix_params(cfg)
+
+
+def _group_check(
+    cfg: ModelConfig, n: int, free: int, layers: LayerPacking, dense: int
+) -> kv_memory.LoadPhases:
+    """What MonokernelBackend asks kv_memory once what reaches the GPU before it is there."""
+    return kv_memory.check_load_fits(
+        cfg,
+        n,
+        free - _group_loaded(cfg, layers, dense),
+        GPU.chunk_tokens,
+        GPU.precision,
+        "cuda:0",
+        _group_packing(layers),
+        True,
     )
 
 
@@ -260,18 +291,22 @@ def test_a_32b_q4_k_m_counts_its_packed_layers_not_bf16() -> None:
 
 
 def test_packed_groups_are_counted_once() -> None:
-    """The packed layers are among the weights; the repacking extra adds only what packing
-    them takes: the total is the backend's own count to the byte."""
+    """The packed layers are among the weights the plan reports, and the backend's check
+    counts them as its repack makes them: the plan's total is the check's to the byte."""
     dense = mp.dense_weight_bytes(QWEN32, 2)
     need = mp.need_bytes(QWEN32, 8192, dense, "monokernel", 1, _packed(Q4_K_M))
     assert Q4_K_M.groups is not None
     on_host = dense - 2 * kv_memory.layer_matrix_params(QWEN32)  # embedding, head, norms
-    extra = kv_memory.repack_bytes(QWEN32, False, False, "int8", True, Q4_K_M.groups)
-    backend = on_host + kv_memory.needed_bytes(
-        QWEN32, 8192, GPU.chunk_tokens, GPU.precision, extra, True, "int8"
-    )
-    assert need == backend
+    phases = _group_check(QWEN32, 8192, need, Q4_K_M, dense)
+    assert need == on_host + phases.peak
+    with pytest.raises(InvalidRequestError):
+        _group_check(QWEN32, 8192, need - 1, Q4_K_M, dense)
     packed = kv_memory.group_pack_bytes(QWEN32, Q4_K_M.groups)
+    assert (
+        on_host + packed
+        < mp.device_weight_bytes(QWEN32, dense, "monokernel", 1, _packed(Q4_K_M))
+        < on_host + packed + 16 * 1024 * 1024
+    )  # and the layers' float32 gains and biases
     assert need - packed < mp.need_bytes(QWEN32, 8192, dense, "monokernel", 1, GPU) - dense
 
 
@@ -313,38 +348,178 @@ def test_groups_read_to_the_gpu_are_counted_beside_the_dense_layers() -> None:
     dense = mp.dense_weight_bytes(cfg, 2)
     awq = LayerPacking("int4", GroupsPlan(("int4", 128)), groups_on_device=True)
     weights = mp.device_weight_bytes(cfg, dense, "monokernel", 1, _packed(awq))
-    # 1 byte a weight and 8 bytes a group of 128 unpacked, half a byte and 8 packed.
+    # 1 byte a weight and 8 bytes a group of 128 unpacked, half a byte and 8 packed; the
+    # engine's own checkpoint, so each layer's dense matrices go once it is packed (the
+    # groups stay: the engine holds them), and each layer keeps its gains in float32.
     matrices = kv_memory.layer_matrix_params(cfg)
-    assert weights == dense + matrices * (1 + 8 / 128) + matrices * (0.5 + 8 / 128)
+    gains = cfg.num_layers * 2 * cfg.hidden_size * 4
+    assert weights == dense - 2 * matrices + matrices * (1 + 8 / 128 + 0.5 + 8 / 128) + gains
     plan = plan_context(cfg, 40 * GIB, dense, "monokernel", None, settings=_packed(awq))
     _group_check(cfg, plan.max_model_len, 40 * GIB, awq, dense)
     with pytest.raises(InvalidRequestError):  # and refuses a longer one
         _group_check(cfg, plan.max_model_len + 1024, 40 * GIB, awq, dense)
 
 
+# --------------------------------------------------------------------------- --quantize
+
+# Packing one weight of a layer's largest matrix (the fused gate/up) from bf16 holds, beside
+# its source: the fused copy (2 bytes) and the format's working memory. fp8: float32 copy,
+# scaled, clamped (12); int8: float32 copy, scaled, rounded, clamped (16); int4 (groups of
+# 128 in tiles on the 32B): the GroupQuant (1 byte + 8 a group), then the tile packing's
+# int32 quants, fragments and shifted words and its int64 words (13).
+_GATE_UP_TRANSIENT = {"fp8": 2 + 12, "int8": 2 + 16, "int4": 2 + 1 + 8 / 128 + 13}
+
+
+def _packed_matrix(fmt: str, rows: int, cols: int) -> float:
+    """A packed matrix's bytes: fp8 and int8 a byte a weight and a float32 scale a row;
+    int4 half a byte a weight and 8 bytes (scale and offset) a group of 128."""
+    return rows * cols / 2 + rows * cols / 16 if fmt == "int4" else rows * cols + 4 * rows
+
+
+def _quantize_by_hand(cfg: ModelConfig, fmt: str) -> tuple[float, float]:
+    """(the first layer's packing beyond the bf16 checkpoint, the weights once all are
+    packed): each layer's packed matrices and float32 vectors (QKV bias, norm gains), its
+    gate/up's transient; every layer's bf16 matrices freed once packed."""
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
+    layer = sum(_packed_matrix(fmt, r, c) for r, c in shapes) + 4 * (q + 2 * kv + 2 * h)
+    freed = 2 * sum(r * c for r, c in shapes)
+    first = layer + _GATE_UP_TRANSIENT[fmt] * 2 * i * h
+    return first, mp.dense_weight_bytes(cfg, 2) + cfg.num_layers * (layer - freed)
+
+
+def _quantize_phases_by_hand(cfg: ModelConfig, fmt: str, n: int) -> tuple[float, float]:
+    """The 32B's load under --quantize ``fmt`` for ``n`` tokens, absolute bytes on the GPU:
+    (a) while repacking, the whole bf16 checkpoint, the RoPE tables, the first layer's packed
+    matrices and float32 vectors (QKV bias, norm gains) and its gate/up's transient, the
+    reserve (each later layer frees more bf16 than it packs); (b) serving, the checkpoint
+    less every layer's bf16 matrices plus their packed ones, then the cache, RoPE tables,
+    prefill workspace and graphs and reserve (kv_memory.needed_bytes, the count the torch
+    engine shares)."""
+    first, served = _quantize_by_hand(cfg, fmt)
+    rope = 3 * (cfg.head_dim // 2) * 4 * n
+    a = mp.dense_weight_bytes(cfg, 2) + rope + first + kv_memory.RESERVE_BYTES
+    after = GPU.chunk_tokens, GPU.precision, 0, True, fmt
+    return a, served + kv_memory.needed_bytes(cfg, n, *after)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
-def test_quantize_counts_the_dense_source_and_its_format(fmt: str) -> None:
-    """--quantize: the bf16 source is on the GPU when the backend checks its memory, one
-    layer packed beside it at a time; the prefill works in the format. The chosen context
-    passes that check (a bf16 count picked one it refuses on the 32B)."""
+def test_a_32b_quantized_on_an_80_gb_h100_gets_the_context_its_packed_layers_leave(
+    fmt: str,
+) -> None:
+    """--quantize on a bf16 32B: the check came while the bf16 source was on the GPU and
+    wanted the whole cache beside it (11,520 tokens of fp8, 13,312 of int4). Counted by
+    phases, repacking peaks at ~66 of 79 GiB and serving holds half the bytes: the model's
+    whole 32,768 tokens, and up to YaRN's 131,072 the largest where both phases fit."""
     dense = mp.dense_weight_bytes(QWEN32, 2)
     s = _packed(LayerPacking(fmt))
-    assert mp.device_weight_bytes(QWEN32, dense, "monokernel", 1, s) == dense
     plan = plan_context(QWEN32, H100_FREE, dense, "monokernel", None, settings=s)
-    extra = kv_memory.repack_bytes(QWEN32, False, False, fmt, True)
-    args = (GPU.chunk_tokens, GPU.precision, "cuda:0", extra, True, fmt)
-    kv_memory.check_fits(QWEN32, plan.max_model_len, H100_FREE - dense, *args)
-    bf16 = plan_context(
-        QWEN32, H100_FREE, dense, "monokernel", None, settings=_packed(LayerPacking())
-    )
+    assert plan.max_model_len == QWEN32.max_position_embeddings == 32768
+    a, b = _quantize_phases_by_hand(QWEN32, fmt, 32768)
+    assert max(a, b) == mp.need_bytes(QWEN32, 32768, dense, "monokernel", 1, s) <= H100_FREE
+    assert a > b  # at 32,768 tokens the repacking is the peak
+    # The weights it serves with: the checkpoint less its layers' bf16 bytes, plus theirs.
+    served = mp.device_weight_bytes(QWEN32, dense, "monokernel", 1, s)
+    assert served == _quantize_by_hand(QWEN32, fmt)[1]
+    assert served < 0.55 * dense
+    assert f"after {mp.gib(served)} of weights" in plan.note
+
+    long = replace(QWEN32, max_position_embeddings=131072)
+    free = H100_FREE - 64 * 1024 * 1024  # the plan's slack
+
+    def fits(n: int) -> bool:
+        return max(_quantize_phases_by_hand(long, fmt, n)) <= free
+
+    longer = plan_context(long, H100_FREE, dense, "monokernel", None, settings=s).max_model_len
+    if longer < 131072:
+        assert longer % 256 == 0 and fits(longer) and not fits(longer + 256)
+        a, b = _quantize_phases_by_hand(long, fmt, longer + 256)
+        assert b > free >= a  # the serving phase is what stops it
+    else:
+        assert fits(131072)
+    assert longer > 3 * 32768
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("n", [1, 4096, 32768])
+def test_quantize_plan_is_the_backends_check(fmt: str, n: int) -> None:
+    """The plan's bytes are the backend's check on what is left once the bf16 checkpoint is
+    on the GPU, to the byte, whichever phase is the peak: the plan fits exactly where the
+    check passes."""
+    dense = mp.dense_weight_bytes(QWEN32, 2)
+    s = _packed(LayerPacking(fmt))
+    need = mp.need_bytes(QWEN32, n, dense, "monokernel", 1, s)
+    assert need == dense + _backend_check(QWEN32, n, need - dense, s).peak
+    assert plan_context(QWEN32, need, dense, "monokernel", n, settings=s).need_bytes == need
     with pytest.raises(InvalidRequestError):
-        kv_memory.check_fits(QWEN32, bf16.max_model_len, H100_FREE - dense, *args)
+        _backend_check(QWEN32, n, need - dense - 1, s)
+    with pytest.raises(ContextTooLargeError):
+        plan_context(QWEN32, need - 1, dense, "monokernel", n, settings=s)
 
 
-def test_tp_ranks_hold_their_share_of_the_groups() -> None:
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_a_gpu_too_small_to_repack_is_refused_naming_the_phase(fmt: str) -> None:
+    """2 GiB beside the 32B's bf16 checkpoint: the cache would fit beside the packed layers,
+    but packing the first layer (its fused gate/up and the format's working memory: 4 to
+    5 GiB) does not."""
+    dense = mp.dense_weight_bytes(QWEN32, 2)
+    s = _packed(LayerPacking(fmt))
+    free = dense + 2 * GIB
+    a, b = _quantize_phases_by_hand(QWEN32, fmt, 4096)
+    assert b < free < a
+    with pytest.raises(ContextTooLargeError) as e:
+        plan_context(QWEN32, free, dense, "monokernel", 4096, settings=s)
+    msg = str(e.value)
+    assert "a context of 4096 tokens needs" in msg and "while the layers are repacked" in msg
+    assert f"({mp.gib(dense)} loaded + " in msg and "one layer's copies and working memory" in msg
+    assert "--max-model-len" not in msg  # no shorter context helps
+    assert e.value.need_bytes == mp.need_bytes(QWEN32, 4096, dense, "monokernel", 1, s)
+    with pytest.raises(InvalidRequestError) as checked:
+        _backend_check(QWEN32, 4096, free - dense, s)
+    msg = str(checked.value)
+    assert msg.startswith(f"repacking the layers in {fmt} needs ")
+    assert "no context fits" in msg and f"{free - dense:,} bytes are free" in msg
+    # A GPU where the cache is what does not fit says so, and what would.
+    with pytest.raises(ContextTooLargeError, match="once the layers are repacked"):
+        plan_context(
+            replace(QWEN32, max_position_embeddings=1 << 20),
+            H100_FREE,
+            dense,
+            "monokernel",
+            1 << 20,
+            settings=s,
+        )
+
+
+# int4 needs inputs in whole groups of 32: the odd shapes' 520 and 4104 are not.
+@pytest.mark.parametrize(
+    ("name", "fmt"),
+    [(n, f) for n in ("odd", "odd-wide", "smollm2-135m") for f in ("fp8", "int8")]
+    + [("smollm2-135m", "int4")],
+)
+def test_odd_shapes_quantized_an_asked_length_is_exact(name: str, fmt: str) -> None:
+    cfg = DENSE_SHAPES[name]
+    dense = mp.dense_weight_bytes(cfg, 2)
+    s = _packed(LayerPacking(fmt))
+    need = mp.need_bytes(cfg, 1000, dense, "monokernel", 1, s)
+    assert need == dense + _backend_check(cfg, 1000, need - dense, s).peak
+    asked = plan_context(cfg, need, dense, "monokernel", 1000, settings=s)
+    assert asked.max_model_len == 1000 and asked.need_bytes == need
+    with pytest.raises(ContextTooLargeError, match="--max-model-len 999 is the longest"):
+        plan_context(cfg, need - 1, dense, "monokernel", 1000, settings=s)
+    with pytest.raises(InvalidRequestError, match="at most 999 tokens fit"):
+        _backend_check(cfg, 1000, need - dense - 1, s)
+    # Packed, the layers take less than their bf16 bytes.
+    assert mp.device_weight_bytes(cfg, dense, "monokernel", 1, s) < dense
+
+
+def test_tp_ranks_free_their_groups_once_packed() -> None:
     """At --tp each rank copies its blocks of the groups to its GPU whole and packs them
-    there: rank 0 holds half of the model's groups and packed layers at --tp 2, its share of
-    the norms, the whole embedding and its LM-head rows. --quantize int4 makes such groups
+    there, then frees each layer's once packed (tp.py Rank; nothing after the repack reads
+    them) and only then allocates its cache: rank 0 serves with half of the model's packed
+    layers, its share of the norms, the whole embedding and its LM-head rows. Held beside
+    the packed layers, a 32B's groups of 32 (1.25 bytes a weight) with their int4 packing
+    (0.75) took as many bytes as the rank's bf16 layers. --quantize int4 makes such groups
     first (tp.py rank_tensors)."""
     from monokernel.weights.quantize import int4_group_of
     from monokernel.weights.shard import rank_config, shard_config
@@ -353,24 +528,45 @@ def test_tp_ranks_hold_their_share_of_the_groups() -> None:
     dense = mp.dense_weight_bytes(cfg, 2)
     plan = GroupsPlan(("int4", 32))
     rank = rank_config(shard_config(cfg, 0, 2))
-    whole = kv_memory.group_bytes(cfg, plan) + kv_memory.group_pack_bytes(cfg, plan)
-    mine = kv_memory.group_bytes(rank, plan) + kv_memory.group_pack_bytes(rank, plan)
-    assert mine == whole // 2
+    groups, packed = kv_memory.group_bytes(rank, plan), kv_memory.group_pack_bytes(rank, plan)
+    assert groups + packed == 2 * kv_memory.layer_matrix_params(rank)
+    assert groups == kv_memory.group_bytes(cfg, plan) // 2
     embed = 2 * cfg.vocab_size * cfg.hidden_size
     rest = dense - 2 * embed - 2 * kv_memory.layer_matrix_params(cfg)
     own_head = 2 * rank.vocab_size * cfg.hidden_size
+    loaded = rest // 2 + embed + own_head + groups
+    gains = rank.num_layers * 4 * (rank.q_size + 2 * rank.kv_size + 2 * rank.hidden_size)
     s = _packed(LayerPacking("int4", plan))
-    assert mp.device_weight_bytes(cfg, dense, "monokernel", 2, s) == (
-        rest // 2 + embed + own_head + mine
+    served = mp.device_weight_bytes(cfg, dense, "monokernel", 2, s)
+    assert served == rest // 2 + embed + own_head + packed + gains
+    assert served < loaded < rest // 2 + embed + own_head + 2 * kv_memory.layer_matrix_params(rank)
+    # The plan is the rank's own count: its groups freed as it packs, its partial sums and
+    # block graphs beside the cache once it has.
+    rank_packing = kv_memory.Packing(
+        "int4", plan, consume=True, dense_layers=False, groups_on_device=True, owns_groups=True
     )
-    # Groups of 32 held whole (1.25 bytes a weight) beside their int4 packing (0.75): as
-    # many bytes as the rank's bf16 layers.
-    assert mine == 2 * kv_memory.layer_matrix_params(rank)
+    from monokernel.runtime.prefill_tp import ShardedPrefill
+    from monokernel.runtime.prefill_tp_graphs import graph_bytes as tp_graphs
+
+    extra = ShardedPrefill.extra_bytes(4096, cfg.hidden_size, 2)
+    extra += tp_graphs(rank, GPU.chunk_tokens, 4096, GPU.precision)
+    phases = kv_memory.load_phases(
+        rank, 4096, 4096, GPU.precision, rank_packing, graphs=False, extra=extra
+    )
+    assert mp.need_bytes(cfg, 4096, dense, "monokernel", 2, s) == loaded + phases.peak
+    assert phases.repack.freed == groups // rank.num_layers
     int4 = _packed(LayerPacking("int4"))
     rtn = _packed(LayerPacking("int4", GroupsPlan(("int4", int4_group_of(cfg)))))
     assert mp.need_bytes(cfg, 4096, dense, "monokernel", 2, int4) == mp.need_bytes(
         cfg, 4096, dense, "monokernel", 2, rtn
     )
+
+
+def _vectors(cfg: ModelConfig) -> int:
+    """Every layer's float32 vectors the repack makes: QKV bias, q/k norms, O bias, and the
+    two norm gains (not folded)."""
+    n = (cfg.q_size + 2 * cfg.kv_size) * cfg.qkv_bias + 2 * cfg.head_dim * cfg.qk_norm
+    return cfg.num_layers * 4 * (n + cfg.hidden_size * cfg.o_bias + 2 * cfg.hidden_size)
 
 
 # The odd shapes' odd vocabularies, head counts and layer counts, with the inputs whole groups
@@ -399,13 +595,18 @@ def test_odd_shapes_with_packed_groups_an_asked_length_is_exact(
     s = _packed(layers)
     weights = mp.device_weight_bytes(cfg, dense, "monokernel", 1, s)
     matrices = kv_memory.layer_matrix_params(cfg)
-    assert weights == dense - 2 * matrices + per_weight * matrices
+    assert weights == dense - 2 * matrices + per_weight * matrices + _vectors(cfg)
     need = mp.need_bytes(cfg, 1000, dense, "monokernel", 1, s)
     asked = plan_context(cfg, need, dense, "monokernel", 1000, settings=s)
     assert asked.max_model_len == 1000 and asked.need_bytes == need
-    _group_check(cfg, 1000, need, layers, dense)
+    assert (
+        need
+        == _group_loaded(cfg, layers, dense) + _group_check(cfg, 1000, need, layers, dense).peak
+    )
     with pytest.raises(ContextTooLargeError, match="--max-model-len 999 is the longest"):
         plan_context(cfg, need - 1, dense, "monokernel", 1000, settings=s)
+    with pytest.raises(InvalidRequestError, match="at most 999 tokens fit"):
+        _group_check(cfg, 1000, need - 1, layers, dense)
 
 
 def test_a_model_too_big_even_packed_says_so() -> None:
@@ -415,5 +616,6 @@ def test_a_model_too_big_even_packed_says_so() -> None:
     msg = str(e.value)
     assert "even with its layers packed from the checkpoint's own groups" in msg
     assert "in bf16" not in msg
-    weights = mp.device_weight_bytes(QWEN32, dense, "monokernel", 1, _packed(Q4_K_M))
-    assert f"({mp.gib(weights)} of weights + " in msg
+    # Packing the last layer, beside the 63 before it, is already more than 20 GiB.
+    assert "while the layers are repacked" in msg
+    assert f"({mp.gib(_group_loaded(QWEN32, Q4_K_M, dense))} loaded + " in msg

@@ -18,7 +18,7 @@ Done once per model, on any device, and tested on the CPU through the schedule i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -242,9 +242,10 @@ def repack(
     ``act_stats``: with ``fmt`` int4, each layer matrix's input statistics by weight name
     (runtime/calibration.py), which its groups' search is weighted by (quantize.py
     pack_quantized: the same as the other engines' fake_quantize); needs ``fold=False``.
-    ``consume``: each layer's tensors are popped from ``weights`` once packed, so where the
-    caller holds no other reference the repacking needs one layer's memory on top of the
-    model, not a second copy (a 32B model's 65 GB fit an 80 GB GPU once, not twice).
+    ``consume``: each layer's tensors are popped from ``weights`` once packed (and its
+    groups from ``groups``, where that is a mutable mapping), so where the caller holds no
+    other reference the repacking needs one layer's memory on top of the model, not a second
+    copy (a 32B model's 65 GB fit an 80 GB GPU once, not twice).
     """
     embed = weights["embed"]
     head = embed if cfg.tie_word_embeddings else weights["lm_head"]
@@ -256,8 +257,14 @@ def repack(
             repack_layer(cfg, weights, n, fold, fmt, row_scales, groups, fp8_blocks, act_stats)
         )
         if consume:
-            for name in [k for k in weights if k.startswith(f"layers.{n}.")]:
+            layer = f"layers.{n}."
+            for name in [k for k in weights if k.startswith(layer)]:
                 del weights[name]
+            # Groups go as the weights do where the mapping is the caller's own to empty (a TP
+            # rank's, on its GPU); where the caller keeps another reference, this frees nothing.
+            if isinstance(groups, MutableMapping):
+                for name in [k for k in groups if k.startswith(layer)]:
+                    del groups[name]
     return Repacked(
         layers=layers,
         embed=embed.contiguous(),

@@ -125,6 +125,28 @@ def test_consume_packs_the_same_and_empties_the_layers(fold: bool) -> None:
     assert torch.equal(want.lm_head, got.lm_head)
 
 
+def test_consume_frees_each_layers_groups_once_packed() -> None:
+    """With a mapping of groups the caller gives up (a TP rank's), consume pops each layer's
+    as it pops its weights: once the repack is done nothing holds them, and the packing is
+    the same as from groups kept."""
+    import weakref
+
+    from monokernel.weights.group_quant import quantize_rtn
+    from monokernel.weights.quantize import is_quantized
+
+    cfg = dataclasses.replace(_BASE, hidden_size=64, intermediate_size=128, head_dim=16)
+    weights = random_weights(cfg, seed=6)
+    groups = {k: quantize_rtn(w, 32) for k, w in weights.items() if is_quantized(k)}
+    want = repack(cfg, dict(weights), 16, fold=False, groups=dict(groups))
+    alive = [weakref.ref(g.q) for g in groups.values()]
+    rest = {k: v for k, v in weights.items() if not is_quantized(k)}
+    got = repack(cfg, rest, 16, fold=False, consume=True, groups=groups)
+    assert groups == {} and all(ref() is None for ref in alive)
+    for a, b in zip(want.layers, got.layers, strict=True):
+        for name in MATRICES:
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
 def test_a_checkpoints_fp8_blocks_keep_their_values() -> None:
     """repack with an FP8 checkpoint's block scales (Checkpoint.fp8_blocks) packs each
     layer's fused matrices in fp8 tiles with every weight's own block scale: the stored

@@ -150,22 +150,27 @@ class MonokernelBackend:
             kbuild.build(d)
         chunk = prefill_chunk or envs.MONOKERNEL_PREFILL_CHUNK
         precision = prefill_precision or envs.MONOKERNEL_PREFILL_PRECISION
-        # Refuse a context that cannot fit before allocating anything for it.
+        # Refuse a context that cannot fit before allocating anything for it, or taking the
+        # weights apart. Measured now, with the layers' sources on the device: the check
+        # counts repacking them (the sources it frees included) and then the cache beside the
+        # packed layers, in the order they are allocated below (kv_memory.load_phases).
         convert = weights["embed"].dtype != torch.bfloat16
-        free = kv_memory.free_device_bytes(device)
-        extra = kv_memory.repack_bytes(
-            cfg, fold_norms, convert, fmt, consume_weights, plan if groups is not None else None
-        )
-        need = kv_memory.check_fits(
-            cfg,
-            max_seq_len,
-            free,
-            chunk,
-            precision,
-            str(device),
-            extra,
-            graphs_enabled(device),
+        # An AWQ/GPTQ checkpoint's groups were read to the GPU with its dense layers; a
+        # GGUF's stay on the host, its layers unread (Engine._layer_packing's rule).
+        on_device = groups is not None and next(iter(groups.values())).q.device.type != "cpu"
+        packing = kv_memory.Packing(
             fmt,
+            plan if groups is not None else None,
+            fp8_blocks.cols if fp8_blocks is not None else 0,
+            consume=consume_weights,
+            dense_layers=groups is None or on_device,
+            groups_on_device=on_device,
+            fold=fold_norms,
+            convert=convert,
+        )
+        free = kv_memory.free_device_bytes(device)
+        phases = kv_memory.check_load_fits(
+            cfg, max_seq_len, free, chunk, precision, str(device), packing, graphs_enabled(device)
         )
         if convert:  # a GGUF's unread layer matrices stay unread (weights/lazy_weights.py)
             weights = cast_mapping(weights, torch.bfloat16)  # type: ignore[assignment]
@@ -187,7 +192,9 @@ class MonokernelBackend:
         )
         del weights
         if snapshot_bytes is None:
-            snapshot_bytes = KVStore.default_snapshot_bytes(cfg, max_seq_len, free - need)
+            # What is left once the cache and the prefill have their room beside the packed
+            # weights (repacking's transients are gone by then).
+            snapshot_bytes = KVStore.default_snapshot_bytes(cfg, max_seq_len, free - phases.serving)
         if prefix_reuse is None:
             prefix_reuse = envs.MONOKERNEL_PREFIX_REUSE
         self.kv = KVStore(

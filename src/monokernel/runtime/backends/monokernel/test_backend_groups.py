@@ -31,15 +31,15 @@ class _Repacked(Exception):
 
 
 @pytest.fixture()
-def stand_ins(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """A CPU the backend takes for a GPU until its repack is done; returns what the repack
-    was allowed (``extra``: kv_memory.repack_bytes's count)."""
-    seen: dict[str, int] = {}
-    real_repack_bytes = kv_memory.repack_bytes
+def stand_ins(monkeypatch: pytest.MonkeyPatch) -> dict[str, kv_memory.LoadPhases]:
+    """A CPU the backend takes for a GPU until its repack is done; returns what its check
+    counted (``phases``: kv_memory.check_load_fits's)."""
+    seen: dict[str, kv_memory.LoadPhases] = {}
+    real_check = kv_memory.check_load_fits
 
-    def repack_bytes(*args: Any, **kwargs: Any) -> int:
-        seen["extra"] = real_repack_bytes(*args, **kwargs)
-        return seen["extra"]
+    def check_load_fits(*args: Any, **kwargs: Any) -> kv_memory.LoadPhases:
+        seen["phases"] = real_check(*args, **kwargs)
+        return seen["phases"]
 
     def stop(cfg: Any, packed: Repacked, *args: Any) -> None:
         raise _Repacked(packed)
@@ -47,13 +47,13 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     monkeypatch.setattr(backend, "monokernel_supported", lambda device: (True, ""))
     monkeypatch.setattr(backend.kbuild, "build", lambda dims: None)
     monkeypatch.setattr(kv_memory, "free_device_bytes", lambda device: 1 << 40)
-    monkeypatch.setattr(kv_memory, "repack_bytes", repack_bytes)
+    monkeypatch.setattr(kv_memory, "check_load_fits", check_load_fits)
     monkeypatch.setattr(backend, "KVStore", stop)
     return seen
 
 
 def test_a_q4_k_m_loads_without_making_a_layer_matrix(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stand_ins: dict[str, int]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stand_ins: dict[str, kv_memory.LoadPhases]
 ) -> None:
     from monokernel.weights.loader import load_checkpoint
     from monokernel.weights.test_gguf_loader import QT, k_quant_gguf
@@ -89,8 +89,17 @@ def test_a_q4_k_m_loads_without_making_a_layer_matrix(
     assert set(weights.unread()) == set(ckpt.groups)  # the caller's, left as they were
     assert len(packed.layers) == ckpt.config.num_layers
     assert packed.embed.dtype == torch.bfloat16
-    # What was allowed for the repack counted every packed layer (the layer matrices were
-    # never on the device to be consumed).
-    mats = [m for lp in packed.layers for m in lp.matrices.values()]
-    new = sum(t.nbytes for m in mats for t in (m.data, *m.scales))
-    assert new <= stand_ins["extra"]
+    # The check counted every packed layer as new (the layer matrices were never on the
+    # device to be consumed), beside the bf16 copy of what was: what the repack keeps, but
+    # for the layers' bf16 norms and biases, which consume frees once they are packed.
+    cfg = ckpt.config
+    tensors = [packed.embed, packed.lm_head, packed.norm_gain]
+    for lp in packed.layers:
+        tensors += [t for m in lp.matrices.values() for t in (m.data, *m.scales)]
+        vectors = (lp.bqkv, lp.q_norm, lp.k_norm, lp.bo, lp.attn_gain, lp.ffn_gain)
+        tensors += [v for v in vectors if v is not None]
+    kept = sum(t.nbytes for t in tensors if t is not None)
+    rest = 2 * cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    layer_vectors = cfg.num_parameters() - kv_memory.layer_matrix_params(cfg) - rest // 2
+    counted = stand_ins["phases"].repack.weights
+    assert kept <= counted <= kept + 2 * layer_vectors

@@ -372,3 +372,69 @@ def test_more_ranks_than_gpus_is_refused() -> None:
     cfg = SHAPES["llama-3.2-1b"]
     with pytest.raises(BackendUnavailableError, match="--tp 8 needs"):
         MonokernelTPBackend(cfg, {}, 128, torch.device("cuda", 0), 8)
+
+
+def test_a_rank_frees_its_groups_as_it_packs_and_allocates_its_cache_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU, the kernel, its prefill and its receive buffer stood in for: a rank's
+    blocks of the groups (--quantize int4's, made by rank_tensors) go a layer at a time as
+    the repack packs them, so none is left when the cache is allocated, after the repack
+    (runtime/memory_plan.py counts the rank's load in those two phases)."""
+    import contextlib
+    import types
+    import weakref
+
+    from monokernel.models.config import ModelConfig
+    from monokernel.runtime.backends.monokernel import tp
+    from monokernel.weights.quantize import int4_group_of
+    from monokernel.weights.shard import shard_config
+
+    # Column blocks at --tp 2 (q 128, intermediate 256) that are whole int4 groups of 128.
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=97,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    cpu = torch.device("cpu")
+    shard, mine = tp.rank_tensors(
+        cfg, random_weights(cfg, seed=3), 0, 2, cpu, "int4", group=int4_group_of(cfg)
+    )
+    assert mine is not None and len(mine) == 7 * cfg.num_layers
+    alive = {k: weakref.ref(g.q) for k, g in mine.items()}
+    events: list[str] = []
+    real_repack = tp.repack
+
+    def repack(*args: object, **kwargs: object) -> object:
+        events.append("repack")
+        return real_repack(*args, **kwargs)  # type: ignore[arg-type]
+
+    def allocate(*args: object) -> object:
+        left = sorted(k for k, ref in alive.items() if ref() is not None)
+        events.append(f"cache ({len(left)} groups left)")
+        return types.SimpleNamespace(k=None, v=None)
+
+    class Stub:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+    monkeypatch.setattr(tp, "repack", repack)
+    monkeypatch.setattr(tp.KVCache, "allocate", allocate)
+    monkeypatch.setattr(tp, "kernel_dims", lambda *args, **kwargs: None)
+    monkeypatch.setattr(tp, "DecodeKernel", Stub)
+    monkeypatch.setattr(tp, "Prefiller", Stub)
+    monkeypatch.setattr(tp, "DeviceBuffer", Stub)
+    monkeypatch.setattr(tp.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    rank = tp.Rank(shard_config(cfg, 0, 2), shard, 64, cpu, "int4", None, mine)
+    assert events == ["repack", "cache (0 groups left)"]
+    assert mine == {} and not [k for k in shard if k.startswith("layers.")]
+    assert len(rank.kernel.__dict__) == 0  # the stand-in

@@ -21,7 +21,7 @@ multicast is never used.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -162,19 +162,26 @@ class Rank:
         """``weights``: the rank's shard on ``device``, consumed (repacked layer by layer);
         ``fmt``: the layers' weight format; ``row_scales``: the column-split matrices' whole
         rows' scales (a quantised format's, weights/quantize.py whole_row_scales);
-        ``groups``: the rank's blocks of the layers' 4- or 8-bit matrices; ``precision``:
+        ``groups``: the rank's blocks of the layers' 4- or 8-bit matrices on ``device``,
+        consumed like ``weights`` (emptied; each layer's freed once packed: nothing after the
+        repack reads them, the prefill multiplies by the packed matrices); ``precision``:
         the prefill's (runtime/prefill.py; default MONOKERNEL_PREFILL_PRECISION);
         ``fp8_blocks``: in fp8, the rank's block scales (shard_fp8_blocks)."""
         cfg = rank_config(sc)
         self.sc, self.cfg, self.device = sc, cfg, device
         plan = GroupsPlan((fmt, fp8_blocks.cols if fp8_blocks is not None else 0))
+        own: dict[str, GroupQuant] | None = None
         if groups is not None:
-            plan, groups = groups_plan(cfg, groups)
+            plan, own = groups_plan(cfg, groups)
         dims = kernel_dims(
             cfg, sc.tp, *plan.layers, sc.base.vocab_size, qkv=plan.qkv, down=plan.down
         )
+        if isinstance(groups, MutableMapping):
+            # The plan's copy of the mapping is then the only one, so repack's consume frees
+            # each layer's groups: the rank never holds them whole beside its packed layers
+            # and cache (at --tp 2 a Q4_K_M rank's would outweigh its bf16 layers).
+            groups.clear()
         with torch.cuda.device(device):
-            self.cache = KVCache.allocate(cfg, max_seq_len, torch.bfloat16, device)
             packed = repack(
                 cfg,
                 weights,
@@ -183,9 +190,12 @@ class Rank:
                 fmt=fmt,
                 row_scales=row_scales,
                 consume=True,
-                groups=groups,
+                groups=own,
                 fp8_blocks=fp8_blocks,
             )
+            # After the repack: the cache takes the room the freed sources leave (the plan
+            # counts the phases apart: runtime/memory_plan.py).
+            self.cache = KVCache.allocate(cfg, max_seq_len, torch.bfloat16, device)
             self.kernel = DecodeKernel(cfg, dims, packed, self.cache, max_seq_len, device)
             # No whole-prompt graphs: one could not hold the exchanges between the ranks
             # (ShardedPrefill replays per-block graphs between them: prefill_tp_graphs.py).
