@@ -15,12 +15,19 @@ probability p(d), and on rejection the emitted token is a draw from p restricted
 tokens: the standard speculative-sampling rule for a point-mass draft, realised with the
 same random numbers as plain decoding. So the output is token for token what the same seed
 gives without speculation, greedy or sampled: a free oracle for the tests.
+
+A pass with no draft (nothing matched: most of free-form chat) runs the backend's own
+one-token decode step (``Speculating._plain_step``), the very call decoding without drafts
+makes, so it costs what a plain step costs and draws the same token. A greedy pass with a
+draft may take the backend's greedy picks without the logits (``Speculating._greedy_pass``),
+as its plain greedy step does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -119,10 +126,31 @@ def verify(
     return out
 
 
+def accept(drawn: Sequence[int], draft: Sequence[int]) -> list[int]:
+    """``verify`` for a pass whose draws are all made already (``drawn[j]``: the token the
+    rule drew at row j, len(draft) + 1 of them): the drawn tokens up to and including the
+    first that differs from the draft."""
+    for j, token in enumerate(drawn[: len(draft)]):
+        if token != draft[j]:
+            return list(drawn[: j + 1])
+    return list(drawn[: len(draft) + 1])
+
+
 # forward(tokens, start) -> logits [len(tokens), V]: the model over ``tokens`` at positions
 # [start, start + len), writing their K/V into the backend's cache (rows past the accepted
 # ones are rewritten by the next pass before anything reads them).
 Forward = Callable[[list[int], int], torch.Tensor]
+# step(token, pos, params) -> the token the backend's one-token decode step draws at pos + 1
+# after ``token`` at ``pos`` (its K/V written at ``pos``).
+Step = Callable[[int, int, SamplingParams], int]
+# greedy_pass(tokens, start) -> the greedy token at each of positions start + 1.. (as
+# ``step`` picks it after each), or None where the backend has no cheaper way than Forward.
+GreedyPass = Callable[[list[int], int], list[int] | None]
+
+
+def verify_one(forward: Forward, token: int, at: int, params: SamplingParams) -> int:
+    """The token a forward of ``token`` alone at ``at`` draws at ``at + 1``."""
+    return sample(forward([token], at)[0], params, at + 1)
 
 
 def speculative_stream(
@@ -133,12 +161,18 @@ def speculative_stream(
     config: SpeculativeConfig,
     max_seq_len: int,
     stats: SpeculationStats,
+    step: Step | None = None,
+    greedy_pass: GreedyPass | None = None,
 ) -> Iterator[int]:
     """A backend's decode loop with n-gram drafts: the same ids as one token a pass.
-    ``first_logits`` [V]: the prompt's last position's, from the backend's prefill."""
+    ``first_logits`` [V]: the prompt's last position's, from the backend's prefill.
+    ``step``: the backend's plain decode step, which a pass without a draft runs (None: a
+    ``forward`` of one token); ``greedy_pass``: its greedy picks for a pass with a draft."""
     if request.matcher is not None:
         # Drafts would need checking against the grammar before verification.
         raise InvalidRequestError("constrained decoding does not combine with --speculative yet")
+    if step is None:
+        step = partial(verify_one, forward)
     sp, n = request.sampling, len(request.prompt_ids)
     drafter = NgramDrafter(config, request.prompt_ids)
     pending = [sample(first_logits, sp, n)]
@@ -159,24 +193,40 @@ def speculative_stream(
             return  # the cache is full: no row for the newest token's K/V
         # Drafted tokens past what the request or the cache can take would be wasted work.
         draft = drafter.draft(min(request.max_new_tokens - produced - 1, max_seq_len - at - 1))
-        if draft:
-            stats.passes += 1
-            stats.drafted += len(draft)
-        logits = forward([last, *draft], at)
-        pending = verify(logits, draft, sp, at + 1)
         pos = at + 1
+        if not draft:
+            # Nothing to verify: the step decoding without drafts runs, not a verification
+            # pass of one position, which may cost more (the torch engine's eager forward
+            # on a GPU, its wider LM head on the CPU).
+            pending = [step(last, at, sp)]
+            continue
+        stats.passes += 1
+        stats.drafted += len(draft)
+        picks = greedy_pass([last, *draft], at) if sp.greedy and greedy_pass else None
+        if picks is not None:
+            pending = accept(picks, draft)
+        else:
+            pending = verify(forward([last, *draft], at), draft, sp, pos)
 
 
 class Speculating:
     """What a backend with a ``_forward`` (see Forward) and this mixin gains:
     ``set_speculative`` and ``_speculate``, its decode loop with drafts; ``speculation``
-    holds the last request's counts."""
+    holds the last request's counts. A backend whose plain decode step is not a ``_forward``
+    of one token overrides ``_plain_step`` (see Step), and ``_greedy_pass`` (see GreedyPass)
+    where its greedy step picks otherwise than the argmax of ``_forward``'s logits."""
 
     speculative: SpeculativeConfig | None = None
     speculation: SpeculationStats | None = None
 
     def _forward(self, tokens: list[int], start: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def _plain_step(self, token: int, pos: int, params: SamplingParams) -> int:
+        return verify_one(self._forward, token, pos, params)
+
+    def _greedy_pass(self, tokens: list[int], start: int) -> list[int] | None:
+        return None
 
     def set_speculative(self, config: SpeculativeConfig | None) -> None:
         """Draft from the request's own tokens and verify several a pass; None: one token a
@@ -200,4 +250,6 @@ class Speculating:
             self.speculative,
             max_seq_len,
             self.speculation,
+            self._plain_step,
+            self._greedy_pass,
         )

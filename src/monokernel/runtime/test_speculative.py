@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -10,7 +13,7 @@ from monokernel.models.shapes import SHAPES
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.backends.reference import ReferenceBackend
 from monokernel.runtime.sampling import SamplingParams
-from monokernel.runtime.speculative import NgramDrafter, SpeculativeConfig, verify
+from monokernel.runtime.speculative import NgramDrafter, SpeculativeConfig, accept, verify
 from monokernel.weights.random_weights import random_weights
 
 
@@ -61,6 +64,13 @@ def test_verify_accepts_while_the_rule_agrees_then_emits_the_rule_token() -> Non
     assert verify(logits, [3, 4, 9], greedy, 0) == [3, 4, 9, 1]  # all accepted + one more
     assert verify(logits, [3, 7, 9], greedy, 0) == [3, 4]  # the second is replaced
     assert verify(logits[:1], [], greedy, 0) == [3]
+
+
+def test_accept_keeps_the_draws_up_to_the_first_disagreement() -> None:
+    assert accept([3, 4, 9, 1], [3, 4, 9]) == [3, 4, 9, 1]
+    assert accept([3, 4, 9, 1], [3, 7, 9]) == [3, 4]
+    assert accept([5, 4, 9, 1], [3, 4, 9]) == [5]
+    assert accept([3], []) == [3]
 
 
 def _requests(sp: SamplingParams, n_new: int) -> tuple[list[int], DecodeRequest]:
@@ -133,3 +143,55 @@ def test_the_torch_engine_speculates_the_same_tokens() -> None:
     backend.set_speculative(SpeculativeConfig(num_tokens=5, ngram_min=1))
     assert list(backend.stream(request, CancelToken())) == want
     assert backend.speculation is not None and backend.speculation.accepted > 0
+
+
+# A 64-token suffix must recur before anything is drafted: never, in a short request.
+NEVER = SpeculativeConfig(num_tokens=4, ngram_min=64, ngram_max=64)
+
+
+class _Counted:
+    """A callable that counts its calls."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        return self.fn(*args)
+
+
+@pytest.mark.parametrize(
+    "sp",
+    [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=7)],
+    ids=["greedy", "sampled"],
+)
+@pytest.mark.parametrize("config", [NEVER, SpeculativeConfig(num_tokens=5, ngram_min=1)])
+def test_a_pass_without_a_draft_is_the_torch_engines_plain_step(
+    sp: SamplingParams, config: SpeculativeConfig
+) -> None:
+    """Every pass that drafted nothing calls the step the torch engine decodes with (here its
+    float32 step, uncompiled: on a GPU the compiled one), and only a pass with a draft runs
+    a verification forward: the same ids as without drafts, with no draft at all or some."""
+    from monokernel.runtime.backends.torch_compiled import TorchBackend
+
+    cfg = SHAPES["odd"]
+    weights = random_weights(cfg, seed=2, dtype=torch.float32)
+    _, request = _requests(sp, 40)
+    backend = TorchBackend(cfg, weights, 400, torch.device("cpu"), compile=False)
+    plain = list(backend.stream(request, CancelToken()))
+    step = backend._step = _Counted(backend._step)  # type: ignore[method-assign]
+    assert list(backend.stream(request, CancelToken())) == plain
+    assert step.calls == len(plain) - 1  # without drafts: a step for each token past the first
+    step.calls = 0
+    forward = backend._forward = _Counted(backend._forward)  # type: ignore[method-assign]
+    backend.set_speculative(config)
+    assert list(backend.stream(request, CancelToken())) == plain
+    stats = backend.speculation
+    assert stats is not None
+    # Each pass emits one token plus the drafted tokens it accepted.
+    draftless = len(plain) - 1 - stats.accepted - stats.passes
+    assert step.calls == draftless and forward.calls == stats.passes
+    if config is NEVER:
+        assert stats.passes == 0 and draftless == len(plain) - 1
+    else:
+        assert stats.passes > 0 and draftless > 0

@@ -10,6 +10,8 @@ tokens against as many single steps, hence speculation against plain decoding.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from monokernel.runtime.backends.cpu_packed import (
     PICK,
     PackedCpuStep,
     best_row,
+    candidates,
     int4_grid,
     pack_int4_rtn,
     pack_linear,
@@ -361,3 +364,129 @@ def test_auto_on_the_cpu_is_the_packed_torch_engine() -> None:
     # Built directly, the torch engine keeps the float32 step (the engine tests' oracle).
     cfg = CONFIGS["llama3-tied"]
     assert TorchBackend(cfg, random_weights(cfg, dtype=torch.float32), 16, CPU).packed is None
+
+
+# SMALL["int4"] with a vocabulary past PICK: the greedy step's 4-bit candidates are a choice.
+INT4_HEAD = dataclasses.replace(SMALL["int4"], vocab_size=1024)
+
+
+def test_a_greedy_pass_picks_what_greedy_steps_pick_bitwise() -> None:
+    """greedy_tokens over several positions (a greedy verification pass) against greedy()
+    steps one at a time on another cache: the same picks, positions and cache rows."""
+    cfg = INT4_HEAD
+    model = Transformer(cfg, q4_1_weights(cfg, seed=11, logit_scale=1.0), 32)
+    tokens = _prompt(cfg, 11)
+    steps = [PackedCpuStep(model, model.new_cache(32)) for _ in range(2)]
+    assert steps[0].pick is not None
+    for st in steps:
+        model.forward(tokens[:3], 0, st.cache)
+    together = steps[0].greedy_tokens(tokens[3:], 3)
+    alone, st = [], steps[1]
+    for p in range(3, len(tokens)):
+        st.tok.fill_(int(tokens[p]))
+        st.pos.fill_(p)
+        st.greedy()
+        assert int(st.pos) == p + 1
+        alone.append(int(st.tok))
+    assert together.tolist() == alone
+    assert torch.equal(steps[0].cache.k, steps[1].cache.k)
+    assert torch.equal(steps[0].cache.v, steps[1].cache.v)
+
+
+@pytest.mark.parametrize("t", [2, 5, 9, 33])
+def test_the_4bit_heads_candidates_for_several_rows_are_each_rows_own(t: int) -> None:
+    """At the default model's head (49,152 x 576): the 4-bit logits, the candidates and
+    their float32 scores of T rows at once bitwise those of each row alone, which is what
+    lets a greedy verification pass pick as single greedy steps do."""
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randn(REAL.vocab_size, REAL.hidden_size, generator=gen) * 0.05
+    coarse = pack_int4_rtn(table)
+    assert coarse is not None
+    x = torch.randn(t, REAL.hidden_size, generator=gen)
+    top, exact = candidates(coarse(x), table, x, PICK)
+    for i in range(t):
+        assert torch.equal(coarse(x[i : i + 1])[0], coarse(x)[i])
+        top_i, exact_i = candidates(coarse(x[i : i + 1]), table, x[i : i + 1], PICK)
+        assert torch.equal(top_i[0], top[i]) and torch.equal(exact_i[0], exact[i])
+
+
+class _Counted:
+    """A callable that counts its calls."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        return self.fn(*args)
+
+
+@pytest.mark.parametrize("never", [True, False], ids=["no-draft-ever", "drafts"])
+def test_greedy_speculation_runs_the_plain_greedy_step_and_the_4bit_head(
+    never: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's CPU build, greedy: a pass without a draft is its plain greedy step
+    (PackedCpuStep.greedy), a pass with one picks from the same 4-bit candidates
+    (greedy_tokens), and the int8 logits are never scored. Here the int8 head, which only
+    logits read, keeps each weight's sign alone and RESCORE is 1, so a pass that took its
+    argmax (as verification did) would soon emit another token than plain decoding."""
+    pack_int8 = cpu_packed.pack_int8
+
+    def coarse_int8(w: torch.Tensor, bias: torch.Tensor | None = None) -> cpu_packed.PackedLinear:
+        return pack_int8(w.sign(), bias)
+
+    monkeypatch.setattr(cpu_packed, "pack_int8", coarse_int8)
+    monkeypatch.setattr(cpu_packed, "RESCORE", 1)
+    cfg = INT4_HEAD
+    weights = q4_1_weights(cfg, seed=2, logit_scale=1.0)
+    gen = torch.Generator().manual_seed(5)
+    piece = torch.randint(0, cfg.vocab_size, (30,), generator=gen).tolist()
+    prompt = piece[:20] if never else piece + piece[:20]
+    request = DecodeRequest(tuple(prompt), SamplingParams(temperature=0.0), 40, frozenset())
+    backend = construct_backend("torch", cfg, dict(weights), 128, CPU)
+    assert isinstance(backend, TorchBackend) and backend.packed is not None
+    packed = backend.packed
+    assert packed.pick is not None
+    plain = list(backend.stream(request, CancelToken()))
+    counts = {}
+    for name in ("greedy", "greedy_tokens", "forward_tokens", "_logits"):
+        counts[name] = _Counted(getattr(packed, name))
+        monkeypatch.setattr(packed, name, counts[name])
+    never_cfg = SpeculativeConfig(num_tokens=4, ngram_min=64, ngram_max=64)
+    backend.set_speculative(never_cfg if never else SpeculativeConfig(num_tokens=4, ngram_min=1))
+    assert list(backend.stream(request, CancelToken())) == plain
+    stats = backend.speculation
+    assert stats is not None
+    draftless = len(plain) - 1 - stats.accepted - stats.passes
+    assert counts["forward_tokens"].calls == 0 and counts["_logits"].calls == 0
+    # greedy() runs its picks through greedy_tokens too: one call each.
+    assert counts["greedy"].calls == draftless
+    assert counts["greedy_tokens"].calls == draftless + stats.passes
+    if never:
+        assert stats.passes == 0
+    else:
+        assert stats.passes > 0 and stats.accepted > 0 and draftless > 0
+        # Not vacuous: along this path the int8 logits' argmax differs from the greedy pick.
+        path = torch.tensor(list(prompt) + plain[:-1])
+        ref = Transformer(cfg, weights, 128)
+        probe = PackedCpuStep(ref, ref.new_cache(128))
+        ref.prefill(path[: len(prompt)], probe.cache)
+        tail = path[len(prompt) - 1 :]
+        int8_picks = probe.forward_tokens(tail[1:], len(prompt)).argmax(-1)
+        assert int8_picks.tolist() != plain[1:]
+
+
+def test_sampled_speculation_runs_the_plain_step_without_drafts() -> None:
+    """Sampled, on the engine's CPU build: each pass without a draft is the plain packed step
+    (``__call__``, the logits the sampling reads), and the ids are those without drafts."""
+    cfg = INT4_HEAD
+    weights = q4_1_weights(cfg, seed=2, logit_scale=1.0)
+    sp = SamplingParams(temperature=0.9, top_k=20, seed=3)
+    request = DecodeRequest(tuple(_prompt(cfg, 20).tolist()), sp, 30, frozenset())
+    backend = construct_backend("torch", cfg, dict(weights), 128, CPU)
+    assert isinstance(backend, TorchBackend)
+    plain = list(backend.stream(request, CancelToken()))
+    step = backend._step = _Counted(backend._step)  # type: ignore[method-assign]
+    backend.set_speculative(SpeculativeConfig(num_tokens=4, ngram_min=64, ngram_max=64))
+    assert list(backend.stream(request, CancelToken())) == plain
+    assert step.calls == len(plain) - 1

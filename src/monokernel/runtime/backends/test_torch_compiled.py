@@ -44,3 +44,28 @@ def test_gpu_compiled_greedy_matches_reference() -> None:
     eng = TorchBackend(cfg, weights, 256, dev)
     assert list(eng.stream(req, CancelToken())) == ref
     assert list(eng.stream(req, CancelToken())) == ref  # second request reuses the graph
+
+
+@pytest.mark.gpu
+def test_gpu_speculation_without_a_draft_runs_the_compiled_step() -> None:
+    """A pass that drafted nothing replays the compiled step, not an eager forward: the ids
+    of the run without --speculative. (A 64-token suffix never recurs in this request.)"""
+    from monokernel.runtime.speculative import SpeculativeConfig
+
+    cfg = SHAPES["smollm2-135m"]
+    dev = torch.device("cuda")
+    weights = random_weights(cfg, device=dev, dtype=torch.bfloat16, seed=2, logit_scale=8.0)
+    req = _request(list(range(10, 74)), 48, SamplingParams(temperature=0.0))
+    eng = TorchBackend(cfg, weights, 256, dev)
+    plain = list(eng.stream(req, CancelToken()))
+    calls: list[int] = []
+    forward = eng._forward
+
+    def counted(tokens: list[int], start: int) -> torch.Tensor:
+        calls.append(start)
+        return forward(tokens, start)
+
+    eng._forward = counted  # type: ignore[method-assign]
+    eng.set_speculative(SpeculativeConfig(num_tokens=4, ngram_min=64, ngram_max=64))
+    assert list(eng.stream(req, CancelToken())) == plain
+    assert calls == [] and eng.speculation is not None and eng.speculation.passes == 0

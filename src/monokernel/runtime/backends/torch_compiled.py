@@ -25,7 +25,12 @@ from monokernel.runtime.backends.cpu_packed import PackedCpuStep
 from monokernel.runtime.constrained import sample_masked
 from monokernel.runtime.cpu_threads import ThreadGovernor
 from monokernel.runtime.logprobs import token_logprobs
-from monokernel.runtime.sampling import penalize, unsupported_sampling_reason
+from monokernel.runtime.sampling import (
+    SamplingParams,
+    penalize,
+    sample,
+    unsupported_sampling_reason,
+)
 from monokernel.runtime.speculative import Speculating
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.names import Weights
@@ -136,18 +141,62 @@ class TorchBackend(Speculating):
         # On the CPU, as many threads as cores no other process is busy on (cpu_threads.py).
         self._threads = ThreadGovernor() if self.device.type == "cpu" else None
 
+    # -- speculative decoding (runtime/speculative.py) -------------------------------------
+
     def _forward(self, tokens: list[int], start: int) -> torch.Tensor:
+        if self._threads is not None:
+            self._threads.token()  # a pass: the governor's unit, as a step is
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         if self.packed is not None:
             # Drafts verified with the decode step's own arithmetic (cpu_packed.py).
             return self.packed.forward_tokens(ids, start)
+        # A captured step has one token's shapes: on a GPU a pass with a draft runs eagerly
+        # (bf16 sums in another order than the compiled step's, so greedy ids can differ
+        # from a run without drafts where two logits nearly tie).
         return self.ref.forward(ids, start, self.cache)
+
+    def _greedy_pass(self, tokens: list[int], start: int) -> list[int] | None:
+        if self.packed is None:
+            return None  # the logits' argmax, as the float32 and compiled steps pick
+        if self._threads is not None:
+            self._threads.token()
+        # The 4-bit head's candidates, as a plain greedy step picks, rather than the int8
+        # logits a sampled pass needs: half the head's bytes, and the very pick (cpu_packed.py).
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        return self.packed.greedy_tokens(ids, start).tolist()
+
+    def _plain_step(self, token: int, pos: int, params: SamplingParams) -> int:
+        """A pass without a draft: ``stream``'s own step (the compiled one on a GPU, the
+        packed 4-bit-head pick on the CPU) rather than a one-position verification pass."""
+        self.module.tok.fill_(token)
+        self.module.pos.fill_(pos)
+        # Speculation refuses grammars, penalties and logprobs: greedy is on_device here.
+        logits = self._advance(params.greedy)
+        if params.greedy:
+            return int(self.module.tok)
+        assert logits is not None
+        return sample(logits, params, pos + 1)
+
+    # -- one token a pass --------------------------------------------------------------------
 
     def _call(self) -> torch.Tensor:
         if self.compiled:
             torch.compiler.cudagraph_mark_step_begin()
         with torch.inference_mode():
             return self._step()
+
+    def _advance(self, on_device: bool) -> torch.Tensor | None:
+        """One decode step of the step module's ``tok`` at its ``pos``: leaves the greedy next
+        token in ``tok``, advances ``pos`` and returns the logits; None where ``on_device``
+        (the host reads only ``tok``) lets the packed step skip them."""
+        if self._threads is not None:
+            self._threads.token()
+        if on_device and self.packed is not None:
+            # The token is all this request reads: the packed step picks it from a
+            # cheaper 4-bit head, scored in float32 (cpu_packed.py).
+            self.packed.greedy()
+            return None
+        return self._call()
 
     def stream(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[int]:
         ids, sp = request.prompt_ids, request.sampling
@@ -162,8 +211,6 @@ class TorchBackend(Speculating):
         prompt = torch.tensor(ids, dtype=torch.long, device=self.device)
         logits = self.ref.prefill(prompt, self.cache)
         if self.speculative is not None:
-            # Verification passes run eagerly on the same cache: a captured step has one
-            # token's shapes. The compiled step is not used then.
             yield from self._speculate(logits, request, cancel, self.max_seq_len)
             return
         tok = self.module.tok  # [1] int64 buffer, the step's input and greedy output
@@ -197,14 +244,9 @@ class TorchBackend(Speculating):
                 return
             if pos >= self.max_seq_len:
                 return  # the cache is full
-            if self._threads is not None:
-                self._threads.token()
-            if on_device and self.packed is not None:
-                # The token is all this request reads: the packed step picks it from a
-                # cheaper 4-bit head, scored in float32 (cpu_packed.py).
-                self.packed.greedy()
-            else:
-                logits = self._call()
+            step_logits = self._advance(on_device)
+            if step_logits is not None:
+                logits = step_logits
             pos += 1
 
     def close(self) -> None:
