@@ -260,6 +260,12 @@ class Engine:
         )
         if self.speculative is not None:
             self.backend.set_speculative(self.speculative)  # type: ignore[attr-defined]
+            if not self.backend.drafts_verified():  # type: ignore[attr-defined]
+                self.engine_note = (
+                    (self.engine_note + "; " if self.engine_note else "")
+                    + f"the {self.engine_name} engine on {self.device} does not verify drafts "
+                    "token-identically to plain decoding, so it makes none (docs/speculative.md)"
+                )
         set_reuse = getattr(self.backend, "set_prefix_reuse", None)
         if self.config.prefix_reuse is not None and callable(set_reuse):
             set_reuse(self.config.prefix_reuse)

@@ -163,11 +163,14 @@ def speculative_stream(
     stats: SpeculationStats,
     step: Step | None = None,
     greedy_pass: GreedyPass | None = None,
+    drafting: bool = True,
 ) -> Iterator[int]:
     """A backend's decode loop with n-gram drafts: the same ids as one token a pass.
     ``first_logits`` [V]: the prompt's last position's, from the backend's prefill.
     ``step``: the backend's plain decode step, which a pass without a draft runs (None: a
-    ``forward`` of one token); ``greedy_pass``: its greedy picks for a pass with a draft."""
+    ``forward`` of one token); ``greedy_pass``: its greedy picks for a pass with a draft.
+    ``drafting`` False: no draft is made, every pass is ``step`` (a backend whose passes
+    over several positions would not sum as its step does)."""
     if request.matcher is not None:
         # Drafts would need checking against the grammar before verification.
         raise InvalidRequestError("constrained decoding does not combine with --speculative yet")
@@ -192,7 +195,8 @@ def speculative_stream(
         if at >= max_seq_len:
             return  # the cache is full: no row for the newest token's K/V
         # Drafted tokens past what the request or the cache can take would be wasted work.
-        draft = drafter.draft(min(request.max_new_tokens - produced - 1, max_seq_len - at - 1))
+        room = min(request.max_new_tokens - produced - 1, max_seq_len - at - 1)
+        draft = drafter.draft(room) if drafting else []
         pos = at + 1
         if not draft:
             # Nothing to verify: the step decoding without drafts runs, not a verification
@@ -228,6 +232,11 @@ class Speculating:
     def _greedy_pass(self, tokens: list[int], start: int) -> list[int] | None:
         return None
 
+    def drafts_verified(self) -> bool:
+        """Whether a pass over several positions picks what the plain step would at each:
+        where not, drafts would change the ids, so none is made."""
+        return True
+
     def set_speculative(self, config: SpeculativeConfig | None) -> None:
         """Draft from the request's own tokens and verify several a pass; None: one token a
         pass."""
@@ -252,4 +261,5 @@ class Speculating:
             self.speculation,
             self._plain_step,
             self._greedy_pass,
+            self.drafts_verified(),
         )

@@ -195,3 +195,26 @@ def test_a_pass_without_a_draft_is_the_torch_engines_plain_step(
         assert stats.passes == 0 and draftless == len(plain) - 1
     else:
         assert stats.passes > 0 and draftless > 0
+
+
+def test_a_backend_whose_passes_do_not_sum_as_its_step_makes_no_draft() -> None:
+    """Where drafts_verified is False (the torch engine on a GPU: eager bf16 passes against
+    its compiled step), the request drafts nothing and every token comes from the plain
+    step, so the ids are plain decoding's; where True, the same request drafts."""
+    from monokernel.runtime.backends.torch_compiled import TorchBackend
+
+    cfg = SHAPES["odd"]
+    weights = random_weights(cfg, seed=2, dtype=torch.float32)
+    _, request = _requests(SamplingParams(temperature=0.0), 40)
+    backend = TorchBackend(cfg, weights, 400, torch.device("cpu"), compile=False)
+    assert backend.drafts_verified()  # on the CPU the packed passes sum as the step does
+    plain = list(backend.stream(request, CancelToken()))
+    backend.set_speculative(SpeculativeConfig(num_tokens=5, ngram_min=1))
+    backend.drafts_verified = lambda: False  # type: ignore[method-assign]
+    forward = backend._forward = _Counted(backend._forward)  # type: ignore[method-assign]
+    assert list(backend.stream(request, CancelToken())) == plain
+    assert backend.speculation is not None and backend.speculation.drafted == 0
+    assert forward.calls == 0
+    backend.drafts_verified = lambda: True  # type: ignore[method-assign]
+    assert list(backend.stream(request, CancelToken())) == plain
+    assert backend.speculation.drafted > 0 and forward.calls > 0

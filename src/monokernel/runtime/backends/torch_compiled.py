@@ -165,6 +165,12 @@ class TorchBackend(Speculating):
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.packed.greedy_tokens(ids, start).tolist()
 
+    def drafts_verified(self) -> bool:
+        # On a GPU a pass of several positions runs eagerly, in bf16 sums that are not the
+        # compiled one-token step's: at a near-tie it picks another token (docs/
+        # speculative.md measured it on an H100), so there the drafts are not made.
+        return self.device.type != "cuda"
+
     def _plain_step(self, token: int, pos: int, params: SamplingParams) -> int:
         """A pass without a draft: ``stream``'s own step (the compiled one on a GPU, the
         packed 4-bit-head pick on the CPU) rather than a one-position verification pass."""
