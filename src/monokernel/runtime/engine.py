@@ -352,7 +352,7 @@ class Engine:
         if not groups_stream(sizes, groups):
             return LayerPacking()  # their dequantised values stream in bf16
         plan, _ = groups_plan(sizes, groups)
-        # An AWQ/GPTQ checkpoint's were read to the GPU (with its dense layers); a GGUF's
+        # An AWQ/GPTQ checkpoint's were read to the GPU (its layers left unread); a GGUF's
         # stay on the host.
         on_device = next(iter(groups.values())).q.device.type != "cpu"
         return LayerPacking(quantize, plan, on_device)

@@ -113,8 +113,8 @@ class Packing:
     matrices; ``fp8_block``: fp8 packed with a checkpoint's block scales of that many
     columns (0: a scale a row). ``consume``: each layer's sources on the device are freed
     once packed (repack's ``consume``: the backend owns the weights). ``dense_layers``: the
-    layers' dense matrices are on the device (always without groups; with them, an
-    AWQ/GPTQ checkpoint decoded there; a GGUF's stay unread on the host, a TP rank's on the
+    layers' dense matrices are on the device (without groups; with them never: a
+    checkpoint's are made only when read, weights/lazy_weights.py, a TP rank's stay on the
     host). ``groups_on_device``: the groups are on the device whole (AWQ/GPTQ, a TP rank's
     blocks), not copied there a layer at a time; ``owns_groups``: nothing else holds them,
     so ``consume`` frees them too (a TP rank's; a checkpoint's stay with the engine).

@@ -62,10 +62,10 @@ class LayerPacking:
 
     ``fmt``: their weight format (weights/formats: bf16, --quantize's, or a checkpoint's
     groups' method). ``groups``: they are packed from a checkpoint's own groups in this plan
-    (weights/quantize.py GroupsPlan), so their dense values never reach the device (a GGUF's
-    stay unread on the host: weights/lazy_weights.py). ``groups_on_device``: those groups are
-    on the one GPU already, whole, beside the layers' dense values (an AWQ/GPTQ checkpoint,
-    read to the GPU and decoded there), not copied there a layer at a time from the host.
+    (weights/quantize.py GroupsPlan), so their dense values are never made (made only when
+    read: weights/lazy_weights.py). ``groups_on_device``: those groups are on the one GPU
+    already, whole (an AWQ/GPTQ checkpoint, read to the GPU), not copied there a layer at a
+    time from the host (a GGUF's).
     ``fp8_block``: fp8 packed with an FP8 checkpoint's block scales of that many columns
     (the backend's fp8_blocks, where they stream; 0: a scale a row)."""
 
@@ -149,7 +149,7 @@ def _packing(cfg: ModelConfig, tp: int, s: PlanSettings) -> kv_memory.Packing:
         layers.groups,
         layers.fp8_block,
         consume=s.consume,
-        dense_layers=layers.groups is None or layers.groups_on_device,
+        dense_layers=layers.groups is None,
         groups_on_device=layers.groups_on_device,
         convert=s.dtype_bytes != 2,
     )
@@ -157,17 +157,19 @@ def _packing(cfg: ModelConfig, tp: int, s: PlanSettings) -> kv_memory.Packing:
 
 def _loaded_bytes(cfg: ModelConfig, weight_bytes: int, tp: int, s: PlanSettings) -> int:
     """What is on the (first) device when the monokernel backend checks its memory, before
-    it repacks: every tensor dense in the device dtype, but a GGUF's layer matrices (left on
-    the host as their groups) and with an AWQ/GPTQ checkpoint's groups beside them. At
+    it repacks: every tensor dense in the device dtype but the layer matrices of a
+    checkpoint with its own groups (made dense only when read: weights/lazy_weights.py), whose
+    groups stay on the host (GGUF) or were read to the device (AWQ/GPTQ). At
     ``tp`` > 1, rank 0's shard in bf16: its 1/tp of the layers (as its blocks of the groups
     where there are groups), the whole embedding, its own LM-head rows."""
     layers = s.layers
     if tp == 1:
         if layers.groups is None:
             return weight_bytes
+        dense = weight_bytes - s.dtype_bytes * kv_memory.layer_matrix_params(cfg)
         if layers.groups_on_device:
-            return weight_bytes + kv_memory.group_bytes(cfg, layers.groups)
-        return weight_bytes - s.dtype_bytes * kv_memory.layer_matrix_params(cfg)
+            return dense + kv_memory.group_bytes(cfg, layers.groups)
+        return dense
     rank = rank_config(shard_config(cfg, 0, tp))
     dense = weight_bytes * 2 // s.dtype_bytes
     embed = 2 * cfg.vocab_size * cfg.hidden_size

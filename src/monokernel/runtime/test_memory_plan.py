@@ -240,24 +240,25 @@ def _q4_k_m_by_hand(cfg: ModelConfig) -> int:
 
 def _group_packing(layers: LayerPacking) -> kv_memory.Packing:
     """The Packing MonokernelBackend counts for a checkpoint's own groups (the engine's
-    checkpoint, consumed): an AWQ/GPTQ checkpoint's groups and dense layers on the GPU, a
-    GGUF's groups on the host and its layers unread."""
+    checkpoint, consumed): an AWQ/GPTQ checkpoint's groups on the GPU, a GGUF's on the
+    host; either's layer matrices unread."""
     return kv_memory.Packing(
         layers.fmt,
         layers.groups,
         consume=True,
-        dense_layers=layers.groups_on_device,
+        dense_layers=False,
         groups_on_device=layers.groups_on_device,
     )
 
 
 def _group_loaded(cfg: ModelConfig, layers: LayerPacking, dense: int) -> int:
-    """What reaches the GPU before the backend checks: a GGUF's tensors but its layer
-    matrices, or every tensor and the groups (AWQ/GPTQ)."""
+    """What reaches the GPU before the backend checks: every tensor but the layer
+    matrices, and for AWQ/GPTQ the groups."""
     assert layers.groups is not None
+    rest = dense - 2 * kv_memory.layer_matrix_params(cfg)
     if layers.groups_on_device:
-        return dense + kv_memory.group_bytes(cfg, layers.groups)
-    return dense - 2 * kv_memory.layer_matrix_params(cfg)
+        return rest + kv_memory.group_bytes(cfg, layers.groups)
+    return rest
 
 
 def _group_check(
@@ -341,9 +342,10 @@ def test_a_32b_q4_k_m_gets_a_longer_context_on_an_80_gb_h100() -> None:
     _group_check(long, longer.max_model_len, H100_FREE, Q4_K_M, dense)
 
 
-def test_groups_read_to_the_gpu_are_counted_beside_the_dense_layers() -> None:
-    """An AWQ/GPTQ checkpoint is read to the GPU and decoded there: its dense layers and its
-    groups are on the device when the backend packs the groups."""
+def test_groups_read_to_the_gpu_are_counted_without_dense_layers() -> None:
+    """An AWQ/GPTQ checkpoint is read to the GPU as its groups, its layer matrices never
+    made (weights/lazy_weights.py): the groups and the other tensors are on the device when
+    the backend packs the groups, and a context that needed room for dense layers too fits."""
     cfg = LLAMA8
     dense = mp.dense_weight_bytes(cfg, 2)
     awq = LayerPacking("int4", GroupsPlan(("int4", 128)), groups_on_device=True)
@@ -358,6 +360,9 @@ def test_groups_read_to_the_gpu_are_counted_beside_the_dense_layers() -> None:
     _group_check(cfg, plan.max_model_len, 40 * GIB, awq, dense)
     with pytest.raises(InvalidRequestError):  # and refuses a longer one
         _group_check(cfg, plan.max_model_len + 1024, 40 * GIB, awq, dense)
+    loaded = mp._loaded_bytes(cfg, dense, 1, _packed(awq))
+    assert loaded == dense - 2 * matrices + kv_memory.group_bytes(cfg, awq.groups)
+    assert loaded < dense  # the dense layers (2 bytes a weight) are not among them
 
 
 # --------------------------------------------------------------------------- --quantize

@@ -155,15 +155,15 @@ class MonokernelBackend:
         # counts repacking them (the sources it frees included) and then the cache beside the
         # packed layers, in the order they are allocated below (kv_memory.load_phases).
         convert = weights["embed"].dtype != torch.bfloat16
-        # An AWQ/GPTQ checkpoint's groups were read to the GPU with its dense layers; a
-        # GGUF's stay on the host, its layers unread (Engine._layer_packing's rule).
+        # An AWQ/GPTQ checkpoint's groups were read to the GPU, a GGUF's stay on the host;
+        # either way their layer matrices are never made dense (weights/lazy_weights.py).
         on_device = groups is not None and next(iter(groups.values())).q.device.type != "cpu"
         packing = kv_memory.Packing(
             fmt,
             plan if groups is not None else None,
             fp8_blocks.cols if fp8_blocks is not None else 0,
             consume=consume_weights,
-            dense_layers=groups is None or on_device,
+            dense_layers=groups is None,
             groups_on_device=on_device,
             fold=fold_norms,
             convert=convert,
