@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
 
@@ -14,6 +11,7 @@ from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.backends.reference import ReferenceBackend
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.runtime.speculative import NgramDrafter, SpeculativeConfig, accept, verify
+from monokernel.testing.counted import Counted
 from monokernel.weights.random_weights import random_weights
 
 
@@ -149,17 +147,6 @@ def test_the_torch_engine_speculates_the_same_tokens() -> None:
 NEVER = SpeculativeConfig(num_tokens=4, ngram_min=64, ngram_max=64)
 
 
-class _Counted:
-    """A callable that counts its calls."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn, self.calls = fn, 0
-
-    def __call__(self, *args: Any) -> Any:
-        self.calls += 1
-        return self.fn(*args)
-
-
 @pytest.mark.parametrize(
     "sp",
     [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=7)],
@@ -179,11 +166,11 @@ def test_a_pass_without_a_draft_is_the_torch_engines_plain_step(
     _, request = _requests(sp, 40)
     backend = TorchBackend(cfg, weights, 400, torch.device("cpu"), compile=False)
     plain = list(backend.stream(request, CancelToken()))
-    step = backend._step = _Counted(backend._step)  # type: ignore[method-assign]
+    step = backend._step = Counted(backend._step)  # type: ignore[method-assign]
     assert list(backend.stream(request, CancelToken())) == plain
     assert step.calls == len(plain) - 1  # without drafts: a step for each token past the first
     step.calls = 0
-    forward = backend._forward = _Counted(backend._forward)  # type: ignore[method-assign]
+    forward = backend._forward = Counted(backend._forward)  # type: ignore[method-assign]
     backend.set_speculative(config)
     assert list(backend.stream(request, CancelToken())) == plain
     stats = backend.speculation
@@ -211,7 +198,7 @@ def test_a_backend_whose_passes_do_not_sum_as_its_step_makes_no_draft() -> None:
     plain = list(backend.stream(request, CancelToken()))
     backend.set_speculative(SpeculativeConfig(num_tokens=5, ngram_min=1))
     backend.drafts_verified = lambda: False  # type: ignore[method-assign]
-    forward = backend._forward = _Counted(backend._forward)  # type: ignore[method-assign]
+    forward = backend._forward = Counted(backend._forward)  # type: ignore[method-assign]
     assert list(backend.stream(request, CancelToken())) == plain
     assert backend.speculation is not None and backend.speculation.drafted == 0
     assert forward.calls == 0

@@ -14,20 +14,6 @@ def _gq(rows: int = 4, cols: int = 64, seed: int = 0) -> GroupQuant:
     return quantize_rtn(torch.randn(rows, cols, generator=g), 32)
 
 
-@pytest.fixture()
-def made(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """The shape of every matrix a DenseSource makes, in order."""
-    calls: list[tuple[int, ...]] = []
-    real = DenseSource.dense
-
-    def counted(self: DenseSource) -> torch.Tensor:
-        calls.append(tuple(self.shape))
-        return real(self)
-
-    monkeypatch.setattr(DenseSource, "dense", counted)
-    return calls
-
-
 def _weights() -> tuple[LazyWeights, GroupQuant]:
     gq = _gq()
     norm = torch.ones(64)

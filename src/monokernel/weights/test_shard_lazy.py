@@ -37,20 +37,6 @@ def _tiny(family: str, **sizes: Any) -> ModelConfig:
     return dataclasses.replace(config_from_hf_dict(tiny_hf_config(family).to_dict()), **sizes)
 
 
-@pytest.fixture()
-def made(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """The shape of every matrix a DenseSource makes, in order."""
-    calls: list[tuple[int, ...]] = []
-    real = DenseSource.dense
-
-    def counted(self: DenseSource) -> torch.Tensor:
-        calls.append(tuple(self.shape))
-        return real(self)
-
-    monkeypatch.setattr(DenseSource, "dense", counted)
-    return calls
-
-
 def _q4_k_m(tmp_path: Path, arch: str) -> Checkpoint:
     """A Q4_K_M file (Q4_K layers, V and down in Q6_K, a Q4_K embedding and a Q6_K head)."""
     pytest.importorskip("gguf")

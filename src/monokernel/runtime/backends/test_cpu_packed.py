@@ -10,8 +10,6 @@ tokens against as many single steps, hence speculation against plain decoding.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -35,6 +33,7 @@ from monokernel.runtime.backends.reference import ReferenceBackend
 from monokernel.runtime.backends.torch_compiled import TorchBackend
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.runtime.speculative import SpeculativeConfig
+from monokernel.testing.counted import Counted
 from monokernel.weights.group_quant import quantize_rtn
 from monokernel.weights.quantize import LINEAR_NAMES
 from monokernel.weights.random_weights import random_weights
@@ -410,17 +409,6 @@ def test_the_4bit_heads_candidates_for_several_rows_are_each_rows_own(t: int) ->
         assert torch.equal(top_i[0], top[i]) and torch.equal(exact_i[0], exact[i])
 
 
-class _Counted:
-    """A callable that counts its calls."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn, self.calls = fn, 0
-
-    def __call__(self, *args: Any) -> Any:
-        self.calls += 1
-        return self.fn(*args)
-
-
 @pytest.mark.parametrize("never", [True, False], ids=["no-draft-ever", "drafts"])
 def test_greedy_speculation_runs_the_plain_greedy_step_and_the_4bit_head(
     never: bool, monkeypatch: pytest.MonkeyPatch
@@ -450,7 +438,7 @@ def test_greedy_speculation_runs_the_plain_greedy_step_and_the_4bit_head(
     plain = list(backend.stream(request, CancelToken()))
     counts = {}
     for name in ("greedy", "greedy_tokens", "forward_tokens", "_logits"):
-        counts[name] = _Counted(getattr(packed, name))
+        counts[name] = Counted(getattr(packed, name))
         monkeypatch.setattr(packed, name, counts[name])
     never_cfg = SpeculativeConfig(num_tokens=4, ngram_min=64, ngram_max=64)
     backend.set_speculative(never_cfg if never else SpeculativeConfig(num_tokens=4, ngram_min=1))
@@ -486,7 +474,7 @@ def test_sampled_speculation_runs_the_plain_step_without_drafts() -> None:
     backend = construct_backend("torch", cfg, dict(weights), 128, CPU)
     assert isinstance(backend, TorchBackend)
     plain = list(backend.stream(request, CancelToken()))
-    step = backend._step = _Counted(backend._step)  # type: ignore[method-assign]
+    step = backend._step = Counted(backend._step)  # type: ignore[method-assign]
     backend.set_speculative(SpeculativeConfig(num_tokens=4, ngram_min=64, ngram_max=64))
     assert list(backend.stream(request, CancelToken())) == plain
     assert step.calls == len(plain) - 1
