@@ -54,6 +54,7 @@ from monokernel.runtime.speculative import SpeculativeConfig
 from monokernel.tokenizer.detokenize import IncrementalDetokenizer
 from monokernel.tokenizer.stop_strings import StopStringMatcher
 from monokernel.tokenizer.tokenizer import Prompt, Tokenizer
+from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.lazy_weights import cast_mapping
 from monokernel.weights.loader import (
@@ -62,9 +63,9 @@ from monokernel.weights.loader import (
     resolve_model_path,
     run_formats,
 )
-from monokernel.weights.quantize import check_method, groups_plan, groups_stream
+from monokernel.weights.quantize import blocks_stream, check_method, groups_plan, groups_stream
 from monokernel.weights.safetensors_loader import cast_weights
-from monokernel.weights.shard import rank_config, shard_config
+from monokernel.weights.shard import rank_config, shard_config, tp_blocks_stream
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -222,7 +223,9 @@ class Engine:
         # Before any weight of a GGUF (or a caller's checkpoint) reaches the device; after the
         # loader's hook, again only where the checkpoint changed how the monokernel holds its
         # layers (its own groups, an FP8 checkpoint's format) from what --quantize said.
-        self._plan_memory(ckpt.config, self._layer_packing(ckpt.config, self.quantize, groups))
+        self._plan_memory(
+            ckpt.config, self._layer_packing(ckpt.config, self.quantize, groups, fp8_blocks)
+        )
         self.source = ckpt.source
         self.eos_token_ids = frozenset(ckpt.eos_token_ids)
         self.tokenizer = Tokenizer.load(
@@ -337,17 +340,26 @@ class Engine:
         )
 
     def _layer_packing(
-        self, cfg: ModelConfig, quantize: str | None, groups: Mapping[str, GroupQuant] | None
+        self,
+        cfg: ModelConfig,
+        quantize: str | None,
+        groups: Mapping[str, GroupQuant] | None,
+        fp8_blocks: Fp8Blocks | None = None,
     ) -> LayerPacking:
         """How the monokernel will hold the layers' matrices given what the engine hands its
-        backend (``quantize``, a checkpoint's own ``groups``), by the backend's own rules
-        (weights/quantize.py groups_stream and groups_plan) on the sizes it packs: the
-        model's, or at --tp a rank's. The other engines compute with dense matrices."""
+        backend (``quantize``, a checkpoint's own ``groups`` or FP8 ``fp8_blocks``), by the
+        backend's own rules (weights/quantize.py groups_stream, groups_plan, blocks_stream;
+        shard.tp_blocks_stream) on the sizes it packs: the model's, or at --tp a rank's. The
+        other engines compute with dense matrices."""
         if quantize is None or self.engine_name != "monokernel":
             return LayerPacking()
-        if groups is None:
-            return LayerPacking(quantize)
         tp = self.config.tp
+        if groups is None:
+            # Block scales that stream take more bytes than a scale a row.
+            streams = fp8_blocks is not None and (
+                blocks_stream(cfg, fp8_blocks) if tp == 1 else tp_blocks_stream(cfg, tp, fp8_blocks)
+            )
+            return LayerPacking(quantize, fp8_block=fp8_blocks.cols if streams else 0)
         sizes = cfg if tp == 1 else rank_config(shard_config(cfg, 0, tp))
         if not groups_stream(sizes, groups):
             return LayerPacking()  # their dequantised values stream in bf16

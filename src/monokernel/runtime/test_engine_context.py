@@ -170,3 +170,23 @@ def test_safetensors_are_planned_before_they_are_read_and_again_where_the_checkp
     with pytest.raises(_Stop):
         Engine(model_dir, EngineConfig(engine="torch", device="cpu", progress=False))
     assert events == ["load", "plan torch", "loaded", "cast"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_block_scales_are_planned_as_blocks_where_they_stream(tp: int) -> None:
+    """An FP8 checkpoint's 128 x 128 block scales, which the backend streams as they are
+    where the layers stream as fp8 tiles (blocks_stream; at --tp, tp_blocks_stream): the plan
+    counts them as blocks, as the backend's check does; elsewhere a scale a row."""
+    from types import SimpleNamespace
+
+    from monokernel.models.shapes import SHAPES
+    from monokernel.weights.checkpoint_quant import Fp8Blocks
+
+    blocks = Fp8Blocks(128, 128, {})
+    engine = SimpleNamespace(engine_name="monokernel", config=SimpleNamespace(tp=tp))
+    big, small = SHAPES["llama-3.1-8b"], SHAPES["qwen2.5-coder-1.5b"]
+    packing = Engine._layer_packing(engine, big, "fp8", None, blocks)  # type: ignore[arg-type]
+    assert packing == LayerPacking("fp8", fp8_block=128)
+    # Where the layers are rows, not tiles, the scales are re-made one a row.
+    assert Engine._layer_packing(engine, small, "fp8", None, blocks) == LayerPacking("fp8")  # type: ignore[arg-type]
+    assert Engine._layer_packing(engine, big, "fp8", None, None) == LayerPacking("fp8")  # type: ignore[arg-type]
