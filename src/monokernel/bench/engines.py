@@ -39,6 +39,7 @@ from monokernel.bench.measure import (
 )
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.backends import BACKEND_CLASSES, construct_backend
+from monokernel.runtime.memory_plan import layer_packing
 from monokernel.weights.checkpoint_quant import fp8_block_checkpoint
 from monokernel.weights.formats import WeightFormat
 from monokernel.weights.formats.fp8 import Fp8Rows
@@ -49,13 +50,9 @@ from monokernel.weights.lazy_weights import LazyWeights, cast_mapping
 from monokernel.weights.loader import Checkpoint, RunFormats, run_formats
 from monokernel.weights.names import Weights
 from monokernel.weights.quantize import (
-    blocks_stream,
     config_format,
-    groups_plan,
-    groups_stream,
     is_quantized,
 )
-from monokernel.weights.shard import rank_config, shard_config
 
 if TYPE_CHECKING:
     from monokernel.runtime.constrained import TokenMatcher
@@ -142,14 +139,11 @@ class LayerStream:
 
 def monokernel_layers(cfg: ModelConfig, formats: RunFormats, tp: int = 1) -> LayerStream:
     """How the monokernel backend (at ``tp`` GPUs) streams the layers it is handed
-    ``formats`` for, by its own rules (weights/quantize.py groups_stream, groups_plan,
-    blocks_stream, on the sizes it packs: a rank's at ``tp`` > 1): a checkpoint's groups
-    where they stream, their dequantised values in bf16 where not."""
-    sizes = cfg if tp == 1 else rank_config(shard_config(cfg, 0, tp))
-    if formats.groups is not None:
-        if not groups_stream(sizes, formats.groups):
-            return LayerStream(label="bf16 (groups dequantised: sizes not whole tiles)")
-        plan, _ = groups_plan(sizes, formats.groups)
+    ``formats`` for (memory_plan.layer_packing, the rule the engine plans with): a
+    checkpoint's groups where they stream, their dequantised values in bf16 where not."""
+    packing = layer_packing(cfg, formats, tp)
+    plan = packing.groups
+    if plan is not None:
         qkv = plan.qkv if plan.qkv[0] else plan.layers
         down = plan.down if plan.down[0] else plan.layers
         parts = [_width_label(plan.layers)]
@@ -158,10 +152,12 @@ def monokernel_layers(cfg: ModelConfig, formats: RunFormats, tp: int = 1) -> Lay
                 parts.append(f"{where} {_width_label(width)}")
         stages = tuple(_width_format(w) for w in (qkv, plan.layers, plan.layers, down))
         return LayerStream(stages, f"groups {', '.join(parts)}")
+    if formats.groups is not None:
+        return LayerStream(label="bf16 (groups dequantised: sizes not whole tiles)")
     if formats.quantize is None:
         return LayerStream()
     blocks = formats.fp8_blocks
-    if blocks is not None and blocks_stream(sizes, blocks):
+    if blocks is not None and packing.fp8_block:
         fmt: WeightFormat = Fp8Rows(tiles=True, block=blocks.cols)
         return LayerStream((fmt,) * 4, f"fp8, {blocks.rows}x{blocks.cols} block scales")
     method = formats.quantize

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import torch
 
 from monokernel.bench.engines import RunFormats, monokernel_layers
 from monokernel.bench.measure import bytes_per_token, layer_matrix_shapes
@@ -22,10 +23,15 @@ CONTEXT = 1000.0
 
 @dataclass(frozen=True, slots=True)
 class _Width:
-    """A stand-in for an 8B's GroupQuant: the plan reads only its bits and group."""
+    """A stand-in for an 8B's GroupQuant: the plan reads only its bits, its group and where
+    its values lie (on the host, as a GGUF's)."""
 
     bits: int
     group: int
+
+    @property
+    def q(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
 
     def widened(self, group: int) -> _Width:
         return _Width(8, group)

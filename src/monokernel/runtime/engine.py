@@ -43,6 +43,7 @@ from monokernel.runtime.memory_plan import (
     PlanSettings,
     dense_weight_bytes,
     gib,
+    layer_packing,
     plan_context,
 )
 from monokernel.runtime.prefill_graphs import graphs_enabled
@@ -59,13 +60,13 @@ from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.lazy_weights import cast_mapping
 from monokernel.weights.loader import (
     Checkpoint,
+    RunFormats,
     load_checkpoint,
     resolve_model_path,
     run_formats,
 )
-from monokernel.weights.quantize import blocks_stream, check_method, groups_plan, groups_stream
+from monokernel.weights.quantize import check_method
 from monokernel.weights.safetensors_loader import cast_weights
-from monokernel.weights.shard import rank_config, shard_config, tp_blocks_stream
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -347,27 +348,10 @@ class Engine:
         fp8_blocks: Fp8Blocks | None = None,
     ) -> LayerPacking:
         """How the monokernel will hold the layers' matrices given what the engine hands its
-        backend (``quantize``, a checkpoint's own ``groups`` or FP8 ``fp8_blocks``), by the
-        backend's own rules (weights/quantize.py groups_stream, groups_plan, blocks_stream;
-        shard.tp_blocks_stream) on the sizes it packs: the model's, or at --tp a rank's. The
-        other engines compute with dense matrices."""
-        if quantize is None or self.engine_name != "monokernel":
+        backend (memory_plan.layer_packing); the other engines compute with dense matrices."""
+        if self.engine_name != "monokernel":
             return LayerPacking()
-        tp = self.config.tp
-        if groups is None:
-            # Block scales that stream take more bytes than a scale a row.
-            streams = fp8_blocks is not None and (
-                blocks_stream(cfg, fp8_blocks) if tp == 1 else tp_blocks_stream(cfg, tp, fp8_blocks)
-            )
-            return LayerPacking(quantize, fp8_block=fp8_blocks.cols if streams else 0)
-        sizes = cfg if tp == 1 else rank_config(shard_config(cfg, 0, tp))
-        if not groups_stream(sizes, groups):
-            return LayerPacking()  # their dequantised values stream in bf16
-        plan, _ = groups_plan(sizes, groups)
-        # An AWQ/GPTQ checkpoint's were read to the GPU (its layers left unread); a GGUF's
-        # stay on the host.
-        on_device = next(iter(groups.values())).q.device.type != "cpu"
-        return LayerPacking(quantize, plan, on_device)
+        return layer_packing(cfg, RunFormats(quantize, groups, fp8_blocks), self.config.tp)
 
     def _plan_with_fallback(self) -> ContextPlan:
         """The plan for the resolved engine; for `auto` on one GPU, the fallback engine's

@@ -34,8 +34,15 @@ from monokernel.runtime import kv_memory
 from monokernel.runtime.prefill_tp import ShardedPrefill
 from monokernel.runtime.prefill_tp_graphs import graph_bytes as tp_graph_bytes
 from monokernel.weights.formats import DEFAULT_FORMAT
+from monokernel.weights.loader import RunFormats
 from monokernel.weights.names import expected_shapes
-from monokernel.weights.quantize import GroupsPlan, int4_group_of
+from monokernel.weights.quantize import (
+    GroupsPlan,
+    blocks_stream,
+    groups_plan,
+    groups_stream,
+    int4_group_of,
+)
 from monokernel.weights.shard import rank_config, shard_config, valid_tp_sizes
 
 # Without --max-model-len where memory is not planned (CPU), and for the engines whose decode
@@ -56,7 +63,7 @@ _ALLOC_ROUND = 512
 @dataclass(frozen=True, slots=True)
 class LayerPacking:
     """How the monokernel holds the layers' seven matrices, as the engine knows it before
-    they reach the device (from --quantize and the checkpoint it read: Engine._layer_packing).
+    they reach the device (from --quantize and the checkpoint it read: layer_packing).
     The engines that compute with dense matrices hold them in the device dtype whatever this
     says.
 
@@ -73,6 +80,29 @@ class LayerPacking:
     groups: GroupsPlan | None = None
     groups_on_device: bool = False
     fp8_block: int = 0
+
+
+def layer_packing(cfg: ModelConfig, formats: RunFormats, tp: int = 1) -> LayerPacking:
+    """How the monokernel backend (at ``tp`` GPUs) holds the layers it is handed ``formats``
+    for, by its own rules (weights/quantize.py groups_stream, groups_plan, blocks_stream) on
+    the sizes it packs, the model's or at ``tp`` > 1 a rank's: a checkpoint's own groups
+    where they stream (their dequantised values in bf16 where not), an FP8 checkpoint's block
+    scales where they stream, else the ``--quantize`` format a scale a row."""
+    if formats.quantize is None:
+        return LayerPacking()
+    sizes = cfg if tp == 1 else rank_config(shard_config(cfg, 0, tp))
+    groups, blocks = formats.groups, formats.fp8_blocks
+    if groups is None:
+        # Block scales that stream take more bytes than a scale a row.
+        streams = blocks is not None and blocks_stream(sizes, blocks)
+        return LayerPacking(formats.quantize, fp8_block=blocks.cols if streams else 0)
+    if not groups_stream(sizes, groups):
+        return LayerPacking()
+    plan, _ = groups_plan(sizes, groups)
+    # An AWQ/GPTQ checkpoint's were read to the GPU (its layers left unread); a GGUF's
+    # stay on the host.
+    on_device = next(iter(groups.values())).q.device.type != "cpu"
+    return LayerPacking(formats.quantize, plan, on_device)
 
 
 @dataclass(frozen=True, slots=True)
