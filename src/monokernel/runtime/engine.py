@@ -62,6 +62,7 @@ from monokernel.weights.loader import (
     Checkpoint,
     RunFormats,
     load_checkpoint,
+    reads_gguf,
     resolve_model_path,
     run_formats,
 )
@@ -149,12 +150,6 @@ def _pick_device(name: str) -> torch.device:
     return device
 
 
-def _read_on_host(path: Path) -> bool:
-    """Whether load_checkpoint reads ``path`` (resolved) as a GGUF, whose weights stay on the
-    host whatever device it is given until the engine casts them (weights/loader.py)."""
-    return path.is_file() or not (path / "config.json").is_file()
-
-
 def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -212,7 +207,7 @@ class Engine:
                 progress=self.config.progress,
                 device=load_device,
                 dtype=self.dtype,
-                before_weights=None if _read_on_host(path) else self._plan_memory,
+                before_weights=None if reads_gguf(path) else self._plan_memory,
             )
         else:
             ckpt = model

@@ -248,6 +248,13 @@ def resolve_model_path(ref: str | Path | None, progress: bool = True) -> Path:
     )
 
 
+def reads_gguf(path: Path) -> bool:
+    """Whether load_checkpoint reads ``path`` (resolved: resolve_model_path) as a GGUF, a
+    file or a folder without config.json: its weights then stay on the host whatever device
+    it is given, until a caller casts them."""
+    return path.is_file() or not (path / "config.json").is_file()
+
+
 def load_checkpoint(
     ref: str | Path | None,
     progress: bool = True,
@@ -268,14 +275,14 @@ def load_checkpoint(
     dequantisation runs there).
     """
     path = resolve_model_path(ref, progress=progress)
+    if not reads_gguf(path):
+        return _load_hf_dir(path, progress, device, dtype, before_weights)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelNotFoundError(
                 f"{path} is a file but not a .gguf; pass a .gguf file or a directory"
             )
         return _load_gguf(path, progress, before_weights)
-    if (path / "config.json").is_file():
-        return _load_hf_dir(path, progress, device, dtype, before_weights)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
         return _load_gguf(ggufs[0], progress, before_weights)
