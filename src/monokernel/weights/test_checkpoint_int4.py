@@ -525,14 +525,6 @@ def test_the_dense_engines_compute_as_before(
     assert lazy.shape[-1] == ckpt.config.vocab_size and same_bits(lazy, before)
 
 
-class _Repacked(Exception):
-    """Raised where the monokernel backend hands its repacked weights to the KV cache."""
-
-    def __init__(self, packed: Any) -> None:
-        super().__init__("repacked")
-        self.packed = packed
-
-
 def test_the_monokernel_reads_no_layer_matrix(
     source: tuple[Path, Weights, int],
     tmp_path: Path,
@@ -542,8 +534,8 @@ def test_the_monokernel_reads_no_layer_matrix(
     """As the engine builds the monokernel on a GPU, up to the KV cache, on the CPU (the
     kernel build, the device and its free memory stood in for): it packs the checkpoint's own
     groups and makes no layer matrix dense, not even for a moment."""
-    from monokernel.runtime import kv_memory
     from monokernel.runtime.backends.monokernel import backend
+    from monokernel.testing.backend_on_cpu import Repacked, stop_at_the_cache
     from monokernel.weights.loader import run_formats
     from monokernel.weights.quantize import groups_stream
 
@@ -555,15 +547,9 @@ def test_the_monokernel_reads_no_layer_matrix(
     if not groups_stream(ckpt.config, formats.groups):
         pytest.skip("this shape's groups do not stream on the monokernel")
 
-    def stop(cfg: Any, packed: Any, *args: Any) -> None:
-        raise _Repacked(packed)
-
-    monkeypatch.setattr(backend, "monokernel_supported", lambda device: (True, ""))
-    monkeypatch.setattr(backend.kbuild, "build", lambda dims: None)
-    monkeypatch.setattr(kv_memory, "free_device_bytes", lambda device: 1 << 40)
-    monkeypatch.setattr(backend, "KVStore", stop)
+    stop_at_the_cache(monkeypatch)
     weights = cast_weights(ckpt.weights, torch.bfloat16, "cpu")
-    with pytest.raises(_Repacked) as stopped:
+    with pytest.raises(Repacked) as stopped:
         backend.MonokernelBackend(
             ckpt.config,
             weights,

@@ -9,47 +9,24 @@ fails here, where the GPU tests cannot run.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from monokernel.runtime import kv_memory
 from monokernel.runtime.backends.monokernel import backend
-from monokernel.weights.lazy_weights import DenseSource, LazyWeights
-from monokernel.weights.repack import Repacked
+from monokernel.testing.backend_on_cpu import Repacked, stop_at_the_cache
+from monokernel.testing.counted import count_dense
+from monokernel.weights.lazy_weights import LazyWeights
 
 gguf = pytest.importorskip("gguf")
-
-
-class _Repacked(Exception):
-    """Raised where the backend hands its repacked weights to the KV cache: the end here."""
-
-    def __init__(self, packed: Repacked) -> None:
-        super().__init__("repacked")
-        self.packed = packed
 
 
 @pytest.fixture()
 def stand_ins(monkeypatch: pytest.MonkeyPatch) -> dict[str, kv_memory.LoadPhases]:
     """A CPU the backend takes for a GPU until its repack is done; returns what its check
     counted (``phases``: kv_memory.check_load_fits's)."""
-    seen: dict[str, kv_memory.LoadPhases] = {}
-    real_check = kv_memory.check_load_fits
-
-    def check_load_fits(*args: Any, **kwargs: Any) -> kv_memory.LoadPhases:
-        seen["phases"] = real_check(*args, **kwargs)
-        return seen["phases"]
-
-    def stop(cfg: Any, packed: Repacked, *args: Any) -> None:
-        raise _Repacked(packed)
-
-    monkeypatch.setattr(backend, "monokernel_supported", lambda device: (True, ""))
-    monkeypatch.setattr(backend.kbuild, "build", lambda dims: None)
-    monkeypatch.setattr(kv_memory, "free_device_bytes", lambda device: 1 << 40)
-    monkeypatch.setattr(kv_memory, "check_load_fits", check_load_fits)
-    monkeypatch.setattr(backend, "KVStore", stop)
-    return seen
+    return stop_at_the_cache(monkeypatch)
 
 
 def test_a_q4_k_m_loads_without_making_a_layer_matrix(
@@ -63,17 +40,10 @@ def test_a_q4_k_m_loads_without_making_a_layer_matrix(
     ckpt = load_checkpoint(path, progress=False)
     assert ckpt.quantization == "int8" and ckpt.groups is not None
     assert isinstance(ckpt.weights, LazyWeights)
-    made: list[tuple[int, ...]] = []
-    real = DenseSource.dense
-
-    def counted(self: DenseSource) -> torch.Tensor:
-        made.append(tuple(self.shape))
-        return real(self)
-
-    monkeypatch.setattr(DenseSource, "dense", counted)
+    made = count_dense(monkeypatch)
     # float32, as a caller that did not cast them hands them over: the backend's bf16 copy.
     weights = ckpt.weights
-    with pytest.raises(_Repacked) as stopped:
+    with pytest.raises(Repacked) as stopped:
         backend.MonokernelBackend(
             ckpt.config,
             weights,
