@@ -150,9 +150,9 @@ class TorchBackend(Speculating):
         if self.packed is not None:
             # Drafts verified with the decode step's own arithmetic (cpu_packed.py).
             return self.packed.forward_tokens(ids, start)
-        # A captured step has one token's shapes: on a GPU a pass with a draft runs eagerly
-        # (bf16 sums in another order than the compiled step's, so greedy ids can differ
-        # from a run without drafts where two logits nearly tie).
+        # Eager: a captured step has one token's shapes. Its bf16 sums on a GPU are not the
+        # compiled step's, so no draft is made there (drafts_verified) and this runs where
+        # the step is this same float32 forward.
         return self.ref.forward(ids, start, self.cache)
 
     def _greedy_pass(self, tokens: list[int], start: int) -> list[int] | None:
