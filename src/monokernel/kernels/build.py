@@ -479,7 +479,7 @@ CHOICES: tuple[Choice, ...] = (
 STRUCTURAL = ("MK_TP", "MK_ATTN_GROUP")
 # -D names the flags may carry besides the choices: the stage-skew probe build and the debug
 # build's asserts.
-BUILD_DEFINES = ("MK_SKEW", "MK_DEBUG", "MK_TILE_RING", "MK_RING_NS")
+BUILD_DEFINES = ("MK_SKEW", "MK_DEBUG")
 
 
 def _flag_defines(flags: Sequence[str]) -> dict[str, str]:

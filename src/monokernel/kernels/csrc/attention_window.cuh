@@ -12,7 +12,6 @@
 // The plan is a pure function of the position and the launch's parameters, so every CTA
 // derives the same one, and the prefetch a stage ahead fills exactly what the unit will read.
 #pragma once
-#include "bulk_copy.cuh"
 #include "flow.cuh"
 #include "gemv.cuh"
 #include "layout.cuh"
@@ -143,6 +142,10 @@ __device__ __forceinline__ void attn_unit(const AttnPlan& a, int unit, int& kvh,
   kvh = a.group ? unit / a.ns : (unit / a.ns) / kGroup;
 }
 
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
 __device__ __forceinline__ unsigned long long* window_mbar(float* win, int stage) {
   return reinterpret_cast<unsigned long long*>(win + MK_ATTN_CHUNK * MK_D + MK_D) + stage;
 }
@@ -159,13 +162,24 @@ __device__ __forceinline__ unsigned* window_issued(float* win) {
 __device__ __forceinline__ void attention_window_init(float* win) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < kAttnStages; ++s) {
-      mbar_init(window_mbar(win, s));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(window_mbar(win, s)))
+                   : "memory");
       window_waited(win)[s] = 0u;
       window_issued(win)[s] = 0u;
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+}
+
+// One 1-D bulk copy (the copy engine, no per-thread instructions) completing on `mbar`.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes,
+                                          unsigned long long* mbar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(mbar))
+      : "memory");
 }
 
 // Element offset of position `pos`'s row of KV head `kvh` in `layer` of the cache
@@ -195,7 +209,9 @@ __device__ __forceinline__ void window_fill(const Params& p, int layer, int kvh,
   const size_t row0 = kv_row(p, layer, kvh, first);
   const unsigned kv_bytes = (unsigned)cnt * MK_D * 2, rope_bytes = rope_pos >= 0 ? MK_D * 2 : 0;
   unsigned long long* mbar = window_mbar(win, stage);
-  mbar_expect(mbar, 2 * kv_bytes + 2 * rope_bytes);
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(mbar)),
+               "r"(2 * kv_bytes + 2 * rope_bytes)
+               : "memory");
   bf16* kw = reinterpret_cast<bf16*>(win) + (size_t)stage * kAttnP * MK_D;
   if (kv_bytes) {
     bulk_copy(kw, p.k_cache + row0, kv_bytes, mbar);
@@ -210,7 +226,9 @@ __device__ __forceinline__ void window_fill(const Params& p, int layer, int kvh,
 }
 
 // The window was last read through ordinary loads; order those before the copy engine's writes.
-__device__ __forceinline__ void fence_window() { fence_async_shared(); }
+__device__ __forceinline__ void fence_window() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
 
 // Start filling the window with the first stages of this CTA's unit in stage B of `layer` at
 // `pos`, and the RoPE row of `pos` (with stage 0). Nothing here depends on the step's QKV
@@ -237,7 +255,17 @@ __device__ __forceinline__ void attention_prefetch(const Params& p, int layer, i
 // the stage's waited count (window_done) after a __syncthreads that follows every thread's
 // spin, so no thread reads a parity that has already moved on.
 __device__ __forceinline__ void window_spin(float* win, int stage) {
-  mbar_wait(window_mbar(win, stage), window_waited(win)[stage] & 1u);
+  const unsigned parity = window_waited(win)[stage] & 1u;
+  const unsigned mb = smem_addr(window_mbar(win, stage));
+  unsigned ok = 0;
+  do {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+        "selp.u32 %0, 1, 0, p; }"
+        : "=r"(ok)
+        : "r"(mb), "r"(parity)
+        : "memory");
+  } while (!ok);
 }
 
 __device__ __forceinline__ void window_done(float* win, int stage) {

@@ -109,7 +109,6 @@ constexpr int slice_unit() {
 }
 template <class F, int K, int SPLIT>
 struct Split {
-  using Format = F;
   static constexpr int kSliceUnit = slice_unit<F>();
   static constexpr int S = (K % (kSliceUnit * SPLIT) == 0) ? SPLIT : 1;  // else no split
   static constexpr int KP = K / S;                                         // slice length
@@ -153,7 +152,6 @@ __device__ __forceinline__ void issue_row(typename F::Load (&buf)[RowShape<F, K,
 }
 
 #include "gemv_tiles.cuh"  // gemv_split's branch for tile formats
-#include "gemv_tiles_ring.cuh"  // stage D's tile GEMV through a shared-memory ring
 
 // gemv_split over rows (a row format).
 template <int K, int SPLIT, bool PINGPONG = false, class F, class Out>

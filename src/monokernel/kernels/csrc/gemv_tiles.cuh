@@ -113,77 +113,6 @@ __device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
   }
 }
 
-// Load j of a lane's tile slice into acc, in its format's way. xl, sl: the lane's input
-// fragments and the group sums at the slice's start; pair, block: a wide group's pair, a
-// block-scaled format's scale, carried from the load that read them.
-template <class F>
-__device__ __forceinline__ void tile_slice_dot(const typename F::Load& u, int j,
-                                               const float* __restrict__ xl,
-                                               const float* __restrict__ sl, bool upper,
-                                               float2& pair, float& block, float& acc) {
-  if constexpr (F::kGroups)
-    tile_load_dot<F>(u, xl + 64 * j, sl + 2 * j, upper, j, pair, acc);
-  else if constexpr (F::kSumCols)
-    F::tile_dot(u, xl + 32 * j, sl + F::kSegs * j, upper, acc);
-  else
-    F::tile_dot(u, xl + F::kLoadCols * j, upper, j, block, acc);
-}
-
-// Where a warp's tile slices lie: unit u = (warp / S) * grid + cta owns tiles u, u + units,
-// ... (numbered across CTAs first, so every CTA owns a tile wherever there are as many tiles
-// as CTAs: flow.cuh flow_possible), its slice of each starting at column c0.
-template <class P>
-struct TileWalk {
-  using F = typename P::Format;
-  int tiles, units, c0, u0;
-  int iters;  // the CTA's most tiles a unit (group 0's): every warp runs as many rounds
-  __device__ __forceinline__ TileWalk(int rows, int warp, int cta)
-      : tiles(rows / F::kTileRows),
-        units((int)gridDim.x * P::GROUPS),
-        c0((warp % P::S) * P::KP),
-        u0(tile_unit(warp / P::S, cta)),
-        iters((tiles - cta + units - 1) / units) {}
-  __device__ __forceinline__ int tile(int it) const { return u0 + it * units; }
-  // The lane's B fragments of the slice's first k-tile (tile_inputs' layout).
-  __device__ __forceinline__ const float* xl(const float* xs, int lane) const {
-    return xs + c0 + 4 * (lane & 3);
-  }
-  // The slice's first group sum.
-  __device__ __forceinline__ const float* sl(const float* sums) const {
-    return sums + c0 / (F::kSumCols ? F::kSumCols : 32);
-  }
-};
-
-// A round's partials (tiles it0 .. it1 - 1 of each unit, part [kWarps][kTileRound][16]) summed
-// over the split in a fixed order (deterministic) and handed to out2: TPI threads an item
-// (a tile's two rows), PER partials each, then a shuffle.
-template <class P, class Out2>
-__device__ __forceinline__ void tile_combine(const float* part, int it0, int it1, int units,
-                                             int tiles, int cta, Out2& out2) {
-  constexpr int R = kTileRound;
-  constexpr int TPI = P::S >= 2 ? P::S / 2 : 1;
-  constexpr int PER = P::S / TPI;
-  constexpr int ITEMS = P::GROUPS * R * 8;
-  for (int q = threadIdx.x; q < ITEMS * TPI; q += kThreads) {
-    const int k = q % TPI, item = q / TPI;
-    const int i = item % 8, j = (item / 8) % R, gg = item / (8 * R);
-    float v0 = 0.f, v1 = 0.f;
-#pragma unroll
-    for (int e = 0; e < PER; ++e) {
-      const float* pp = part + ((gg * P::S + k * PER + e) * R + j) * 16 + 2 * i;
-      v0 += pp[0];
-      v1 += pp[1];
-    }
-#pragma unroll
-    for (int o = TPI / 2; o; o >>= 1) {
-      v0 += __shfl_xor_sync(0xffffffffu, v0, o);
-      v1 += __shfl_xor_sync(0xffffffffu, v1, o);
-    }
-    const int t = tile_unit(gg, cta) + (it0 + j) * units;
-    if (k == 0 && it0 + j < it1 && t < tiles) out2(t, i, v0, v1);
-  }
-}
-
 // Tiles of W [rows, K] (rows a multiple of 16) times xs: unit u = (warp / S) * grid + cta owns
 // tiles u, u + units, ... (numbered across CTAs first, so every CTA owns a tile wherever there
 // are as many tiles as CTAs: flow.cuh flow_possible); pre holds its first tile's first batch
@@ -199,10 +128,13 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
   constexpr int NB = (S::N + S::B - 1) / S::B;  // batches a tile slice
   constexpr int R = kTileRound;
   tile_inputs<K, F>(xs, sums);
-  const TileWalk<P> wk(rows, warp, cta);
-  const int tiles = wk.tiles, units = wk.units, c0 = wk.c0, u0 = wk.u0, iters = wk.iters;
-  const float* xl = wk.xl(xs, lane);
-  const float* sl = wk.sl(sums);
+  const int tiles = rows / F::kTileRows;
+  const int units = gridDim.x * P::GROUPS;
+  const int c0 = (warp % P::S) * P::KP;
+  const int u0 = tile_unit(warp / P::S, cta);
+  const int iters = (tiles - cta + units - 1) / units;  // max over the groups (group 0's)
+  const float* xl = xs + c0 + 4 * (lane & 3);
+  const float* sl = sums + c0 / (F::kSumCols ? F::kSumCols : 32);
   const bool upper = lane & 2;  // this lane's row: g + 8, else g
   // One stream of batches over the warp's tiles: while batch b is multiplied, the next is in
   // flight (the tile's next batch, or after its last the next tile's first, across rounds).
@@ -236,7 +168,13 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
 #pragma unroll
       for (int i = 0; i < S::B; ++i) {
         const int j = b * S::B + i;
-        if (j < S::N) tile_slice_dot<F>(cur[i], j, xl, sl, upper, pair, block, acc);
+        if constexpr (F::kGroups) {
+          if (j < S::N) tile_load_dot<F>(cur[i], xl + 64 * j, sl + 2 * j, upper, j, pair, acc);
+        } else if constexpr (F::kSumCols) {
+          if (j < S::N) F::tile_dot(cur[i], xl + 32 * j, sl + F::kSegs * j, upper, acc);
+        } else {
+          if (j < S::N) F::tile_dot(cur[i], xl + F::kLoadCols * j, upper, j, block, acc);
+        }
       }
 #pragma unroll
       for (int i = 0; i < S::B; ++i) cur[i] = nxt[i];
@@ -244,11 +182,32 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
     if constexpr (F::kScaled) acc *= sc;
     if ((lane & 1) == 0) part[(warp * R + slot) * 16 + (lane >> 2) + (upper ? 8 : 0)] = acc;
   };
+  // TPI threads sum an item's (a tile's two rows') S partials, PER each, then shuffle.
+  constexpr int TPI = P::S >= 2 ? P::S / 2 : 1;
+  constexpr int PER = P::S / TPI;
+  constexpr int ITEMS = P::GROUPS * R * 8;
   for (int it0 = 0; it0 < iters; it0 += R) {
     const int it1 = min(iters, it0 + R);
     for (int it = it0; it < it1; ++it) tile(it, it - it0);
     __syncthreads();
-    tile_combine<P>(part, it0, it1, units, tiles, cta, out2);
+    for (int q = threadIdx.x; q < ITEMS * TPI; q += kThreads) {
+      const int k = q % TPI, item = q / TPI;
+      const int i = item % 8, j = (item / 8) % R, gg = item / (8 * R);
+      float v0 = 0.f, v1 = 0.f;
+#pragma unroll
+      for (int e = 0; e < PER; ++e) {
+        const float* pp = part + ((gg * P::S + k * PER + e) * R + j) * 16 + 2 * i;
+        v0 += pp[0];
+        v1 += pp[1];
+      }
+#pragma unroll
+      for (int o = TPI / 2; o; o >>= 1) {
+        v0 += __shfl_xor_sync(0xffffffffu, v0, o);
+        v1 += __shfl_xor_sync(0xffffffffu, v1, o);
+      }
+      const int t = tile_unit(gg, cta) + (it0 + j) * units;
+      if (k == 0 && it0 + j < it1 && t < tiles) out2(t, i, v0, v1);
+    }
     __syncthreads();
   }
 }

@@ -36,10 +36,7 @@ __device__ __forceinline__ void mlp_gate_up_first(const Params&, Cta& c, const L
   stage_gain<MK_H>(c.gn, lw.ffn_gain);
   if constexpr (WF::kTiles) {
     const Matrix<WF>& wgu = lw.wgu;
-    if constexpr (TileRing<WF, MK_H, kSplitD>::kOn)
-      ring_start<MK_H, kSplitD>(wgu, 2 * MK_I, c.warp, c.lane, (int)blockIdx.x, c.kvwin);
-    else
-      issue_split_first<MK_H, kSplitD>(c.preG, wgu, 2 * MK_I, c.warp, c.lane);
+    issue_split_first<MK_H, kSplitD>(c.preG, wgu, 2 * MK_I, c.warp, c.lane);
   } else {
     issue_pair_rows(c, lw, 0, MK_D_PRE);
   }
@@ -51,17 +48,15 @@ __device__ __forceinline__ void gate_up_gemv(const Params& p, Cta& c, const Laye
   const Matrix<WF>& wgu = l.w.wgu;
   if constexpr (WF::kTiles) {
     // A tile of 16 rows is 8 gate/up pairs (rows 2i, 2i + 1): one combining thread a pair.
-    const auto out2 = [&](int tile, int i, float g, float u) {
-      g *= rd;
-      u *= rd;
-      st_flow_copies(p.act + 8 * tile + i, MK_I, g / (1.f + expf(-g)) * u, l.tag);
-    };
-    if constexpr (TileRing<WF, MK_H, kSplitD>::kOn)
-      gemv_tiles_ring<MK_H, kSplitD>(wgu, 2 * MK_I, c.xd, c.att + kAttSums, c.part(), c.warp,
-                                     c.lane, out2, (int)blockIdx.x, c.kvwin);
-    else
-      gemv_tiles<MK_H, kSplitD>(wgu, 2 * MK_I, c.xd, c.att + kAttSums, c.part(), c.warp, c.lane,
-                                c.preG, out2, (int)blockIdx.x);
+    gemv_tiles<MK_H, kSplitD>(wgu, 2 * MK_I, c.xd, c.att + kAttSums, c.part(), c.warp, c.lane,
+                              c.preG,
+                              [&](int tile, int i, float g, float u) {
+                                g *= rd;
+                                u *= rd;
+                                st_flow_copies(p.act + 8 * tile + i, MK_I,
+                                               g / (1.f + expf(-g)) * u, l.tag);
+                              },
+                              (int)blockIdx.x);
   } else {
     gemv_pairs<MK_H>(wgu, MK_I, c.gw, c.tw, c.xd, c.lane, c.preG, c.preU,
                      [&](int r, float g, float u) {

@@ -43,7 +43,6 @@ struct Fp8Tiles : PlainRows<uint8_t> {
   static constexpr bool kScaled = true;   // a row's scale, read by the lane streaming the row
   static constexpr float kUnit = 1.f;     // the widening is exact: no fixed factor
   static constexpr bool kF16 = true;      // inputs as f16 hi + lo (E4M3 widens to f16)
-  static constexpr int kPairCols = 0;     // no group pairs: the row scale is read apart
 
   // Tile `tile`'s columns from c0 (a multiple of kSliceCols) of a matrix of K columns.
   __device__ static __forceinline__ Ptr tile_at(const uint8_t* rows, const float*, size_t tile,
@@ -79,7 +78,6 @@ struct Fp8BlockTiles {
   static constexpr bool kGroups = false;
   static constexpr int kSumCols = 0;
   static constexpr bool kF16 = true;
-  static constexpr int kPairCols = -1;  // no weight ring (gemv_tiles_ring.cuh) for block scales
 
   struct Ptr {
     const uint4* w;   // a tile slice's first load (lane 0's)

@@ -11,7 +11,6 @@ template <int kLoadCols, int G>
 struct GroupPairTiles {
   static constexpr int kSegCols = G < kLoadCols ? G : kLoadCols;  // columns under one pair
   static constexpr int kSegs = kLoadCols / kSegCols;              // pairs a load
-  static constexpr int kPairCols = G;  // a pair's columns (gemv_tiles_ring.cuh copies them)
 
   struct Ptr {
     const uint4* w;     // a tile slice's first load (lane 0's)
