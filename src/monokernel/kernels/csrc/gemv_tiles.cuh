@@ -4,10 +4,12 @@
 // mma.m16n8k16 (perf-notes step 76 measured this at ~85% of the copy bandwidth for int4
 // where the CUDA cores got ~55%).
 //
-// The input: x is rounded to bf16 (f16 for fp8) hi + lo (two mma a k-tile: the products carry
-// ~16 mantissa bits of x, the fp32 input nearly). B's 8 columns all hold x, so every lane ends
-// with its rows' dot products (c[0] row g, c[2] row g + 8) and no lane needs zeros: a
-// single-position GEMV pays nothing for the columns it does not use.
+// The input: x is rounded to bf16 (f16 for fp8) hi + lo, so the products carry ~16 mantissa
+// bits of x (the fp32 input nearly). B's columns hold hi (columns 0, 1, 4, 5) and lo (2, 3,
+// 6, 7), so one mma a k-tile makes both products: a lane keeps one row (c[0], row g, for
+// t < 2; c[2], row g + 8, for t >= 2) times hi (even t) or lo (odd t), and a shuffle adds
+// the two at the end of a tile slice. (Both halves in one column each took two mma a k-tile:
+// perf-notes step 86.) A single-position GEMV pays nothing for the columns it repeats.
 //
 // Split K as gemv_split: SPLIT warps share a tile, one slice each; their partials meet in
 // shared memory in rounds of kTileRound tiles a warp and are summed in a fixed order
@@ -33,9 +35,10 @@ __device__ __forceinline__ float pair_sum(uint32_t hi, uint32_t lo) {
 }
 
 // xs [K], fp32 and swizzled (common.cuh), rewritten in place as the tile GEMV's input: each
-// k-tile of 16 inputs (64 bytes) holds its 8 pairs (2w, 2w + 1) as {hi, lo} 16-bit pairs
-// (F::kF16: f16, else bf16) in pair order 0 4 1 5 2 6 3 7, so lane t's B fragments (pairs t
-// and t + 4) are one 16-byte load; in a group format, sums[k / n] <- the sum of hi + lo over
+// k-tile of 16 inputs (64 bytes) holds its 8 pairs (2w, 2w + 1) as 16-bit pairs (F::kF16:
+// f16, else bf16), 16 bytes for each t: hi of pairs t and t + 4, then their lo, so a lane's B
+// fragments (hi or lo of pairs t and t + 4) are one 8-byte load; in a group format,
+// sums[k / n] <- the sum of hi + lo over
 // inputs k .. k + n - 1, n = F::kSumCols (a group's offset term). A thread rewrites only the
 // 64 bytes it read: no barrier between reads and writes.
 template <int K, class F>
@@ -61,7 +64,7 @@ __device__ __forceinline__ void tile_inputs(float* xs, float* sums) {
       }
 #pragma unroll
       for (int t = 0; t < 4; ++t)
-        *reinterpret_cast<uint4*>(blk + 4 * t) = make_uint4(hi[t], lo[t], hi[t + 4], lo[t + 4]);
+        *reinterpret_cast<uint4*>(blk + 4 * t) = make_uint4(hi[t], hi[t + 4], lo[t], lo[t + 4]);
     }
     if constexpr (F::kSumCols == 32) {
       s += __shfl_xor_sync(0xffffffffu, s, 1);
@@ -76,13 +79,15 @@ __device__ __forceinline__ void tile_inputs(float* xs, float* sums) {
 // One load's 64 columns (4 k-tiles) of the lane's tile row (g for lanes t < 2, g + 8 for the
 // others) into acc: per segment (F::kSegCols columns under one group pair) the tensor cores
 // sum C = sum (128 + q) x, and the pair adds a C + (b - 128 a) s. xl: the lane's B fragments
-// of the load's first k-tile; sl: the sums of its 32-column blocks; upper: t >= 2. A group
+// of the load's first k-tile; sl: the sums of its 32-column blocks; upper: t >= 2; lo: the
+// lane's C is its row times the inputs' lo (odd t), which leaves the offset term to hi. A group
 // wider than a load (F::kGroupLoads > 1) keeps its pair in `pair` from its first load j on:
 // the later loads' pairs are dead, and with batches of whole groups the compiler drops them.
 template <class F>
 __device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
                                               const float* __restrict__ xl,
-                                              const float* __restrict__ sl, bool upper, int j,
+                                              const float* __restrict__ sl, bool upper, bool lo,
+                                              int j,
                                               float2& pair, float& acc) {
   const uint32_t wd[4] = {u.w.x, u.w.y, u.w.z, u.w.w};
   constexpr int kPerSeg = 4 / F::kSegs;  // k-tiles a segment
@@ -96,12 +101,11 @@ __device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
                              ((v >> 4) & 0x000F000Fu) | 0x43004300u,
                              ((v >> 8) & 0x000F000Fu) | 0x43004300u,
                              ((v >> 12) & 0x000F000Fu) | 0x43004300u};
-      const uint4 x = *reinterpret_cast<const uint4*>(xl + 16 * m);
+      const uint2 x = *reinterpret_cast<const uint2*>(xl + 16 * m);
       if (m == h * kPerSeg)
-        mma_bf16_first(c, a, x.x, x.z);
+        mma_bf16_first(c, a, x.x, x.y);
       else
-        mma_bf16(c, a, x.x, x.z);
-      mma_bf16(c, a, x.y, x.w);
+        mma_bf16(c, a, x.x, x.y);
     }
     const float s = F::kSegCols == 32 ? sl[h] : sl[0] + sl[1];
     float2 ab = u.ab[h];
@@ -109,7 +113,7 @@ __device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
       if ((j & (F::kGroupLoads - 1)) == 0) pair = ab;
       ab = pair;
     }
-    acc = fmaf(ab.x, upper ? c[2] : c[0], fmaf(ab.y, s, acc));
+    acc = fmaf(ab.x, upper ? c[2] : c[0], lo ? acc : fmaf(ab.y, s, acc));
   }
 }
 
@@ -133,9 +137,12 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
   const int c0 = (warp % P::S) * P::KP;
   const int u0 = tile_unit(warp / P::S, cta);
   const int iters = (tiles - cta + units - 1) / units;  // max over the groups (group 0's)
-  const float* xl = xs + c0 + 4 * (lane & 3);
+  // B's column g = lane / 4 holds the inputs' hi where g & 2 is clear, else their lo; so the
+  // product in C's column 2t (a lane's c[0] and c[2]) is hi for even t and lo for odd t.
+  const float* xl = xs + c0 + 4 * (lane & 3) + ((lane & 8) ? 2 : 0);
   const float* sl = sums + c0 / (F::kSumCols ? F::kSumCols : 32);
   const bool upper = lane & 2;  // this lane's row: g + 8, else g
+  const bool lo = lane & 1;     // this lane's products: its row times the inputs' lo, else hi
   // One stream of batches over the warp's tiles: while batch b is multiplied, the next is in
   // flight (the tile's next batch, or after its last the next tile's first, across rounds).
   // The batches run in a loop, not unrolled: a tile slice of up to K / 64 loads unrolled
@@ -169,9 +176,9 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
       for (int i = 0; i < S::B; ++i) {
         const int j = b * S::B + i;
         if constexpr (F::kGroups) {
-          if (j < S::N) tile_load_dot<F>(cur[i], xl + 64 * j, sl + 2 * j, upper, j, pair, acc);
+          if (j < S::N) tile_load_dot<F>(cur[i], xl + 64 * j, sl + 2 * j, upper, lo, j, pair, acc);
         } else if constexpr (F::kSumCols) {
-          if (j < S::N) F::tile_dot(cur[i], xl + 32 * j, sl + F::kSegs * j, upper, acc);
+          if (j < S::N) F::tile_dot(cur[i], xl + 32 * j, sl + F::kSegs * j, upper, lo, acc);
         } else {
           if (j < S::N) F::tile_dot(cur[i], xl + F::kLoadCols * j, upper, j, block, acc);
         }
@@ -180,7 +187,8 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
       for (int i = 0; i < S::B; ++i) cur[i] = nxt[i];
     }
     if constexpr (F::kScaled) acc *= sc;
-    if ((lane & 1) == 0) part[(warp * R + slot) * 16 + (lane >> 2) + (upper ? 8 : 0)] = acc;
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);  // the row's hi and lo products
+    if (!lo) part[(warp * R + slot) * 16 + (lane >> 2) + (upper ? 8 : 0)] = acc;
   };
   // TPI threads sum an item's (a tile's two rows') S partials, PER each, then shuffle.
   constexpr int TPI = P::S >= 2 ? P::S / 2 : 1;

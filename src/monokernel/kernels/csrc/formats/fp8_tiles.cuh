@@ -24,12 +24,11 @@ __device__ __forceinline__ float fp8_tile_dot(const uint4 u, const float* __rest
   for (int h = 0; h < 2; ++h) {
     const uint32_t a[4] = {e4m3x2_f16x2(wd[2 * h], 0), e4m3x2_f16x2(wd[2 * h], 1),
                            e4m3x2_f16x2(wd[2 * h + 1], 0), e4m3x2_f16x2(wd[2 * h + 1], 1)};
-    const uint4 x = *reinterpret_cast<const uint4*>(xl + 16 * h);
+    const uint2 x = *reinterpret_cast<const uint2*>(xl + 16 * h);
     if (h == 0)
-      mma_f16_first(c, a, x.x, x.z);
+      mma_f16_first(c, a, x.x, x.y);
     else
-      mma_f16(c, a, x.x, x.z);
-    mma_f16(c, a, x.y, x.w);
+      mma_f16(c, a, x.x, x.y);
   }
   return upper ? c[2] : c[0];
 }

@@ -46,22 +46,21 @@ struct Int8GroupTiles : GroupPairTiles<32, G> {
   // fragments of the load's first k-tile; sl: the sums of its groups.
   __device__ static __forceinline__ void tile_dot(const Load& u, const float* __restrict__ xl,
                                                   const float* __restrict__ sl, bool upper,
-                                                  float& acc) {
+                                                  bool lo, float& acc) {
     const uint32_t wd[4] = {u.w.x, u.w.y, u.w.z, u.w.w};
     float c[4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint32_t a[4] = {widen(wd[2 * h], 0), widen(wd[2 * h], 1), widen(wd[2 * h + 1], 0),
                              widen(wd[2 * h + 1], 1)};
-      const uint4 x = *reinterpret_cast<const uint4*>(xl + 16 * h);
+      const uint2 x = *reinterpret_cast<const uint2*>(xl + 16 * h);
       if (h == 0 || kSegs == 2)
-        mma_f16_first(c, a, x.x, x.z);
+        mma_f16_first(c, a, x.x, x.y);
       else
-        mma_f16(c, a, x.x, x.z);
-      mma_f16(c, a, x.y, x.w);
+        mma_f16(c, a, x.x, x.y);
       if (kSegs == 2 || h == 1) {
         const float2 ab = u.ab[kSegs == 2 ? h : 0];
-        acc = fmaf(ab.x, upper ? c[2] : c[0], fmaf(ab.y, sl[kSegs == 2 ? h : 0], acc));
+        acc = fmaf(ab.x, upper ? c[2] : c[0], lo ? acc : fmaf(ab.y, sl[kSegs == 2 ? h : 0], acc));
       }
     }
   }
