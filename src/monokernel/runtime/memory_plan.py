@@ -225,7 +225,7 @@ def _load_phases(cfg: ModelConfig, n: int, tp: int, s: PlanSettings) -> kv_memor
     chunk = min(s.chunk_tokens, n)
     extra = ShardedPrefill.extra_bytes(chunk, cfg.hidden_size, tp)
     if s.graphs:
-        extra += tp_graph_bytes(rank, s.chunk_tokens, n, s.precision)
+        extra += tp_graph_bytes(rank, s.chunk_tokens, n, s.precision, packing.fmt)
     return kv_memory.load_phases(rank, n, chunk, s.precision, packing, extra=extra)
 
 

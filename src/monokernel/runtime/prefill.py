@@ -404,12 +404,14 @@ def workspace_bytes(
     max_len: int,
     precision: str,
     fmt: str = DEFAULT_FORMAT,
+    head_fmt: str = DEFAULT_FORMAT,
 ) -> int:
     """Peak transient device memory of one prefill chunk (an upper bound, bytes): the chunk's
     fp32 activations and their GEMM-input copies, the GQA-expanded keys and values of the
     longest prefix, the logits; in "fp32" mode also the fp32 copies of the cache prefix and
-    of the largest weight matrix; for a weight format that is not read in place
-    (``WeightFormat.packs_in_place``), the largest matrix's dense bf16 copy."""
+    of the largest weight matrix; the dense bf16 copy of the largest matrix whose format is
+    not read in place (``WeightFormat.packs_in_place``): a layer matrix in the layers' format
+    ``fmt``, the LM head in ``head_fmt`` (bf16 under --quantize: read in place)."""
     t, f32 = chunk_tokens, 4
     h, i, qkv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size + 2 * cfg.kv_size
     # x, norm out (+ GEMM copies: hi, lo, x - hi), qkv, q/k after norm and RoPE (2 copies),
@@ -423,8 +425,13 @@ def workspace_bytes(
     # The largest matrix, in elements: the LM head [V, H], gate/up [2I, H], QKV [Q + 2KV, H],
     # down [H, I] or O [H, Q] (max(rows) x max(columns) overstated it 5x on the 32B shape,
     # which then did not fit one 80 GB card with its int4 repacking).
-    largest = max(cfg.vocab_size * h, 2 * i * h, qkv * h, h * max(i, cfg.q_size))
-    weight = 0 if get_format(fmt).packs_in_place else torch.bfloat16.itemsize * largest
+    layer = max(2 * i * h, qkv * h, h * max(i, cfg.q_size))
+    head = cfg.vocab_size * h
+    dense = max(
+        0 if get_format(fmt).packs_in_place else layer,
+        0 if get_format(head_fmt).packs_in_place else head,
+    )
+    weight = torch.bfloat16.itemsize * dense
     if precision == "fp32":
-        weight += largest * f32
+        weight += max(layer, head) * f32
     return max(attn_side, mlp_side) + prefix + weight + f32 * cfg.vocab_size

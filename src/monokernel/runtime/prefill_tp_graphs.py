@@ -29,6 +29,7 @@ import torch
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.prefill import workspace_bytes
 from monokernel.runtime.prefill_graphs import bucket_for, buckets, capture_graph
+from monokernel.weights.formats import DEFAULT_FORMAT
 
 if TYPE_CHECKING:
     from monokernel.runtime.prefill_qkv import ChunkRope
@@ -39,12 +40,15 @@ if TYPE_CHECKING:
 MAX_TP_BUCKET = 2048
 
 
-def graph_bytes(rank: ModelConfig, chunk_tokens: int, max_len: int, precision: str) -> int:
+def graph_bytes(
+    rank: ModelConfig, chunk_tokens: int, max_len: int, precision: str, fmt: str = DEFAULT_FORMAT
+) -> int:
     """One rank's memory for its block graphs: every bucket's residual and two partials
-    [bucket, H] fp32, and the pool the largest bucket's blocks run in (as eager's workspace)."""
+    [bucket, H] fp32, and the pool the largest bucket's blocks run in (as eager's workspace,
+    its layers in the weight format ``fmt``)."""
     largest = min(MAX_TP_BUCKET, chunk_tokens, max_len)
     statics = 3 * 4 * rank.hidden_size * sum(buckets(largest)) if largest >= 1 else 0
-    return statics + workspace_bytes(rank, largest, largest, precision)
+    return statics + workspace_bytes(rank, largest, largest, precision, fmt)
 
 
 @dataclass(slots=True)

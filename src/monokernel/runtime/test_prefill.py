@@ -225,3 +225,19 @@ def test_chunk_at_device_positions_matches_the_sliced_chunk(name: str) -> None:
     assert _rel(got, want) < 1e-5
     assert _rel(placed.k[:, :, : start + t], sliced.k[:, :, : start + t]) < 1e-5
     assert _rel(placed.v[:, :, : start + t], sliced.v[:, :, : start + t]) < 1e-5
+
+
+def test_workspace_counts_a_dense_copy_only_of_what_is_not_read_in_place() -> None:
+    """A quantised layer format adds the bf16 copy of the largest layer matrix (gate/up on
+    the 8B shape); the LM head's [V, H] counts only where its own format is not read in place
+    (a bf16 head, as every --quantize keeps it, is multiplied where it lies)."""
+    cfg = SHAPES["llama-3.1-8b"]
+    h, gate_up = cfg.hidden_size, 2 * cfg.intermediate_size * cfg.hidden_size
+    bf16 = workspace_bytes(cfg, 512, 4096, "split-qkv")
+    assert workspace_bytes(cfg, 512, 4096, "split-qkv", "int4") - bf16 == 2 * gate_up
+    assert workspace_bytes(cfg, 512, 4096, "split-qkv", "fp8") - bf16 == 2 * gate_up
+    head = workspace_bytes(cfg, 512, 4096, "split-qkv", "int4", head_fmt="fp8")
+    assert head - bf16 == 2 * cfg.vocab_size * h
+    # fp32 mode's copy of the largest matrix is the head's whatever its format.
+    fp32 = workspace_bytes(cfg, 512, 4096, "fp32", "int4")
+    assert fp32 - workspace_bytes(cfg, 512, 4096, "fp32") == 2 * gate_up

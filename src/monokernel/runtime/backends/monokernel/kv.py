@@ -44,7 +44,9 @@ class KVStore:
         # [L, kvh, max_len, d] x2, bf16: the reference's layout, which the kernel reads too
         self.cache = KVCache.allocate(cfg, max_seq_len, torch.bfloat16, device)
         self.prefill = Prefiller(cfg, packed, self.cache.k, self.cache.v, chunk, precision)
-        self._workspace = workspace_bytes(cfg, min(chunk, max_seq_len), max_seq_len, precision)
+        self._workspace = workspace_bytes(
+            cfg, min(chunk, max_seq_len), max_seq_len, precision, packed.format, packed.head_format
+        )
         per_token = kv_memory.kv_bytes_per_token(cfg)
         self.prefix = PrefixCache(per_token, snapshot_bytes, enabled=prefix_reuse)
         self.filler = CacheFiller(self.prefill, self.prefix, self._snapshot_fits)
