@@ -41,6 +41,7 @@ from monokernel.runtime.memory_plan import (
     ContextTooLargeError,
     LayerPacking,
     PlanSettings,
+    announced_packing,
     dense_weight_bytes,
     gib,
     layer_packing,
@@ -59,6 +60,7 @@ from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.lazy_weights import cast_mapping
 from monokernel.weights.loader import (
+    Announced,
     Checkpoint,
     RunFormats,
     load_checkpoint,
@@ -207,7 +209,7 @@ class Engine:
                 progress=self.config.progress,
                 device=load_device,
                 dtype=self.dtype,
-                before_weights=None if reads_gguf(path) else self._plan_memory,
+                before_weights=None if reads_gguf(path) else self._plan_before_weights,
             )
         else:
             ckpt = model
@@ -284,6 +286,17 @@ class Engine:
         return (*([self.engine_note] if self.engine_note else []), self.context_note)
 
     # -- planning ------------------------------------------------------------------------------
+
+    def _plan_before_weights(self, cfg: ModelConfig, announced: Announced) -> None:
+        """The loader's hook: the plan before any weight is read, counting the layers as
+        the checkpoint's config announces them (an AWQ/GPTQ checkpoint's groups)."""
+        layers = LayerPacking()
+        if self.engine_name == "monokernel":
+            on_device = self.device.type == "cuda"
+            layers = announced_packing(
+                cfg, self.config.quantize, announced, self.config.tp, on_device
+            )
+        self._plan_memory(cfg, layers)
 
     def _plan_memory(self, cfg: ModelConfig, layers: LayerPacking | None = None) -> None:
         """Once the config is known and before any weight reaches the device: a model or

@@ -34,7 +34,7 @@ from monokernel.runtime import kv_memory
 from monokernel.runtime.prefill_tp import ShardedPrefill
 from monokernel.runtime.prefill_tp_graphs import graph_bytes as tp_graph_bytes
 from monokernel.weights.formats import DEFAULT_FORMAT
-from monokernel.weights.loader import RunFormats
+from monokernel.weights.loader import CHECKPOINT_INT4, Announced, RunFormats
 from monokernel.weights.names import expected_shapes
 from monokernel.weights.quantize import (
     GroupsPlan,
@@ -103,6 +103,21 @@ def layer_packing(cfg: ModelConfig, formats: RunFormats, tp: int = 1) -> LayerPa
     # stay on the host.
     on_device = next(iter(groups.values())).q.device.type != "cpu"
     return LayerPacking(formats.quantize, plan, on_device)
+
+
+def announced_packing(
+    cfg: ModelConfig, quantize: str | None, announced: Announced, tp: int, on_device: bool
+) -> LayerPacking:
+    """``layer_packing`` before the checkpoint's weights are read, from what its config
+    announces: an AWQ/GPTQ checkpoint's groups stream as int4 groups of its width (4 bits
+    always do), read to the device where ``on_device`` (at one GPU; a TP rank's are sharded
+    on the host first), unless --quantize names another method. Counting its layers in bf16
+    here refused a 32B AWQ on a GPU that holds its ~34 GiB."""
+    method = quantize if quantize is not None else announced.quantization
+    if method == CHECKPOINT_INT4 == announced.quantization and announced.group > 0:
+        plan = GroupsPlan((CHECKPOINT_INT4, announced.group))
+        return LayerPacking(CHECKPOINT_INT4, plan, on_device and tp == 1)
+    return layer_packing(cfg, RunFormats(method, None, None), tp)
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,10 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from monokernel.models.config import ModelConfig
     from monokernel.runtime.perplexity import perplexity, text_ids
     from monokernel.tokenizer.tokenizer import Tokenizer
-    from monokernel.weights.loader import load_checkpoint
+    from monokernel.weights.loader import Announced, load_checkpoint
     from monokernel.weights.safetensors_loader import cast_weights
 
-    def check_window(cfg: ModelConfig) -> None:
+    def check_window(cfg: ModelConfig, _announced: Announced) -> None:
         # Positions past the model's context score a model that was never trained there;
         # refused before the weights are read.
         if args.window > cfg.max_position_embeddings:

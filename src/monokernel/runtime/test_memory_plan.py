@@ -22,6 +22,7 @@ from monokernel.runtime.memory_plan import (
     plan_context,
 )
 from monokernel.runtime.prefill_graphs import MAX_SUFFIX_BUCKET
+from monokernel.weights.loader import Announced
 from monokernel.weights.quantize import GroupsPlan
 from monokernel.weights.shard import TensorParallelError
 
@@ -340,6 +341,26 @@ def test_a_32b_q4_k_m_gets_a_longer_context_on_an_80_gb_h100() -> None:
     assert 0.75 * saved / token < gained < saved / token
     assert longer.max_model_len > 3 * short.max_model_len
     _group_check(long, longer.max_model_len, H100_FREE, Q4_K_M, dense)
+
+
+def test_a_32b_awq_is_planned_from_its_config_as_groups() -> None:
+    """Before its weights are read, a 32B AWQ checkpoint (int4 groups of 128) is planned as
+    its groups: a context fits 60 GiB free, where its bf16 count (65.5 GB of weights)
+    refused the model; the same plan the engine makes once the groups are read."""
+    awq = mp.announced_packing(QWEN32, None, Announced("int4", 128), 1, on_device=True)
+    assert awq == LayerPacking("int4", GroupsPlan(("int4", 128)), groups_on_device=True)
+    dense = mp.dense_weight_bytes(QWEN32, 2)
+    free = 60 * GIB
+    plan = plan_context(QWEN32, free, dense, "monokernel", None, settings=_packed(awq))
+    assert plan.max_model_len >= 4096
+    _group_check(QWEN32, plan.max_model_len, free, awq, dense)
+    with pytest.raises(ContextTooLargeError):
+        plan_context(QWEN32, free, dense, "monokernel", None, settings=_packed(LayerPacking()))
+    # --quantize of another method re-quantises: planned as that format, without groups.
+    fp8 = mp.announced_packing(QWEN32, "fp8", Announced("int4", 128), 1, on_device=True)
+    assert fp8 == LayerPacking("fp8")
+    # A TP rank's groups are sharded on the host, not read to a GPU whole.
+    assert not mp.announced_packing(QWEN32, None, Announced("int4", 128), 2, True).groups_on_device
 
 
 def test_groups_read_to_the_gpu_are_counted_without_dense_layers() -> None:

@@ -25,8 +25,23 @@ from monokernel.weights.group_quant import GroupQuant
 
 # Checkpoint.quantization of a checkpoint whose layer matrices are all 4-bit.
 CHECKPOINT_INT4 = "int4"
-# load_checkpoint's hook: called with the config before any weight is read.
-BeforeWeights = Callable[[ModelConfig], None] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Announced:
+    """What a checkpoint's config says of its quantisation before any weight is read:
+    ``quantization`` as Checkpoint.quantization will be if every layer matrix holds it
+    (CHECKPOINT_INT4: AWQ or GPTQ; CHECKPOINT_FP8), None for float weights or a GGUF (whose
+    blocks are known once read); ``group``: an int4 checkpoint's columns a group (-1: one
+    group a row)."""
+
+    quantization: str | None = None
+    group: int = 0
+
+
+# load_checkpoint's hook: called with the config and what it announces before any weight is
+# read.
+BeforeWeights = Callable[[ModelConfig, Announced], None] | None
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
@@ -141,7 +156,7 @@ def _load_gguf(
 
     cfg = load_gguf_config(path)
     if before_weights is not None:
-        before_weights(cfg)
+        before_weights(cfg, Announced())
     eos = tuple(dict.fromkeys((*cfg.eos_token_ids, *gguf_generation_eos_ids(path))))
     # Decoding the blocks runs on the CPU: 0.6 s for the default model's 98 MB on 2 cores,
     # so seconds for a GGUF of a few GB. The layer matrices' float32 values are made only
@@ -202,7 +217,13 @@ def _load_hf_dir(
     if isinstance(quant, Int4Quant):
         check_group_indices(model_dir, quant)
     if before_weights is not None:
-        before_weights(cfg)
+        if isinstance(quant, Int4Quant):
+            announced = Announced(CHECKPOINT_INT4, quant.group)
+        elif isinstance(quant, CheckpointQuant):
+            announced = Announced(CHECKPOINT_FP8)
+        else:
+            announced = Announced()
+        before_weights(cfg, announced)
     weights, groups, blocks = load_safetensors_tensors(
         model_dir, cfg, device=device, dtype=dtype, progress=progress, quant=quant
     )
@@ -264,8 +285,9 @@ def load_checkpoint(
 ) -> Checkpoint:
     """Config, weights and tokenizer location of ``ref``.
 
-    ``before_weights`` is called with the config once it is read and before any weight is
-    (the engine's memory plan refuses a model that cannot fit before copying it).
+    ``before_weights`` is called with the config and what it announces of the checkpoint's
+    quantisation (Announced) once it is read and before any weight is (the engine's memory
+    plan refuses a model that cannot fit before copying it).
 
     ``progress``: download bars, a loading bar for safetensors when stderr is a terminal,
     and a line on stderr when a GGUF's dequantisation takes over a second.

@@ -367,6 +367,29 @@ def test_loads_the_4bit_values(
     assert_loads(tmp_path / name, stored, source)
 
 
+@pytest.mark.parametrize("name", ["awq", "gptq-sym-v1"])
+def test_the_config_announces_its_groups_before_any_weight(
+    source: tuple[Path, Weights, int], tmp_path: Path, name: str
+) -> None:
+    """The loader's hook hears the method and group width from config.json before any
+    weight is read, and the engine's plan from that is the one it makes from the loaded
+    groups (so it need not count bf16 layers first: a 32B AWQ fits where those do not)."""
+    from monokernel.runtime.memory_plan import announced_packing, layer_packing
+    from monokernel.weights.loader import Announced, run_formats
+
+    write_int4(source, tmp_path / name, schemes(source[2])[name])
+    heard: list[Announced] = []
+    ckpt = load_checkpoint(
+        tmp_path / name, progress=False, dtype=torch.float32,
+        before_weights=lambda _cfg, a: heard.append(a),
+    )  # fmt: skip
+    assert heard == [Announced("int4", source[2])]
+    assert ckpt.quantization == heard[0].quantization
+    for quantize in (None, "int4", "fp8"):
+        loaded = layer_packing(ckpt.config, run_formats(ckpt, quantize))
+        assert announced_packing(ckpt.config, quantize, heard[0], 1, False) == loaded, quantize
+
+
 def test_packed_tensors_in_another_shard(source: tuple[Path, Weights, int], tmp_path: Path) -> None:
     stored = write_int4(source, tmp_path / "awq", schemes(source[2])["awq"], split=True)
     assert_loads(tmp_path / "awq", stored, source)
@@ -428,7 +451,7 @@ def test_act_order_is_refused_before_any_weight(
 
     write_int4(source, tmp_path / "gptq", scheme, edit=act_order)
 
-    def before(_: object) -> None:
+    def before(*_: object) -> None:
         raise AssertionError("the memory plan ran for a checkpoint that cannot load")
 
     with pytest.raises(UnsupportedQuantizationError, match=rf"act-order \(desc_act: {name}"):

@@ -31,7 +31,7 @@ from monokernel.weights.checkpoint_quant import (
     parse_quantization_config,
 )
 from monokernel.weights.formats import get_format
-from monokernel.weights.loader import load_checkpoint
+from monokernel.weights.loader import Announced, load_checkpoint
 from monokernel.weights.names import Weights, ours_to_hf
 from monokernel.weights.progress import ByteProgress
 from monokernel.weights.quantize import UnsupportedQuantizationError, is_quantized
@@ -378,6 +378,21 @@ def test_loads_q_times_scale(source: tuple[Path, Weights], tmp_path: Path, name:
             assert torch.equal(view, w), n
 
 
+def test_the_config_announces_fp8_before_any_weight(
+    source: tuple[Path, Weights], tmp_path: Path
+) -> None:
+    """The loader's hook hears "fp8" from an FP8 checkpoint's config before any weight, and
+    nothing from float weights."""
+    write_fp8(source, tmp_path / "fp8", SCHEMES["hf-block"])
+    heard: list[Announced] = []
+    ckpt = load_checkpoint(
+        tmp_path / "fp8", progress=False, before_weights=lambda _cfg, a: heard.append(a)
+    )
+    assert heard == [Announced("fp8")] and ckpt.quantization == "fp8"
+    load_checkpoint(source[0], progress=False, before_weights=lambda _cfg, a: heard.append(a))
+    assert heard[1] == Announced()
+
+
 def test_a_scale_in_another_shard(source: tuple[Path, Weights], tmp_path: Path) -> None:
     stored = write_fp8(source, tmp_path / "fp8", SCHEMES["hf-block"], split=True)
     assert {
@@ -433,7 +448,7 @@ def test_unsupported_checkpoints_fail_before_any_weight(
 ) -> None:
     _copy(source[0], tmp_path / "q", config)
 
-    def before(_: object) -> None:
+    def before(*_: object) -> None:
         raise AssertionError("the memory plan ran for a checkpoint that cannot load")
 
     with pytest.raises(UnsupportedQuantizationError, match=says):
