@@ -102,3 +102,15 @@ def test_refuses_bad_arguments() -> None:
         same.run([1, 2, 3], 6)
     with pytest.raises(ValueError, match="at least one token"):
         same.run([], 0)
+
+
+def test_a_ranks_block_graphs_count_its_packed_format() -> None:
+    """A TP rank's block graphs run its prefill on its packed layers: in a quantised format
+    their pool holds the bf16 copy of the rank's largest layer matrix (gate/up's share on the
+    8B shape), which a bf16 rank does not."""
+    from monokernel.runtime.prefill_tp_graphs import graph_bytes
+
+    rank = rank_config(shard_config(SHAPES["llama-3.1-8b"], 0, 2))
+    gate_up = 2 * rank.intermediate_size * rank.hidden_size
+    bf16 = graph_bytes(rank, 8192, 32768, "split-qkv")
+    assert graph_bytes(rank, 8192, 32768, "split-qkv", "int4") - bf16 == 2 * gate_up
