@@ -5,9 +5,11 @@ its bf16 copy of the weights and its repack run as they do on a GPU."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
+import torch
 
 from monokernel.runtime import kv_memory
 from monokernel.runtime.backends.monokernel import backend
@@ -40,3 +42,23 @@ def stop_at_the_cache(monkeypatch: pytest.MonkeyPatch) -> dict[str, kv_memory.Lo
     monkeypatch.setattr(kv_memory, "check_load_fits", check_load_fits)
     monkeypatch.setattr(backend, "KVStore", stop)
     return seen
+
+
+def repacked_on_cpu(
+    cfg: Any, weights: Any, quantize: str | None, groups: Mapping[str, Any] | None
+) -> Any:
+    """What the monokernel backend repacks ``weights`` (and a checkpoint's own ``groups``)
+    into on the CPU, consuming the weights as the engine's own (64 positions, no snapshots);
+    stop_at_the_cache must be in place."""
+    with pytest.raises(Repacked) as stopped:
+        backend.MonokernelBackend(
+            cfg,
+            weights,
+            64,
+            torch.device("cpu"),
+            snapshot_bytes=0,
+            consume_weights=True,
+            quantize=quantize,
+            groups=groups,
+        )
+    return stopped.value.packed

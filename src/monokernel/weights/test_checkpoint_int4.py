@@ -557,8 +557,7 @@ def test_the_monokernel_reads_no_layer_matrix(
     """As the engine builds the monokernel on a GPU, up to the KV cache, on the CPU (the
     kernel build, the device and its free memory stood in for): it packs the checkpoint's own
     groups and makes no layer matrix dense, not even for a moment."""
-    from monokernel.runtime.backends.monokernel import backend
-    from monokernel.testing.backend_on_cpu import Repacked, stop_at_the_cache
+    from monokernel.testing.backend_on_cpu import repacked_on_cpu, stop_at_the_cache
     from monokernel.weights.loader import run_formats
     from monokernel.weights.quantize import groups_stream
 
@@ -572,20 +571,9 @@ def test_the_monokernel_reads_no_layer_matrix(
 
     stop_at_the_cache(monkeypatch)
     weights = cast_weights(ckpt.weights, torch.bfloat16, "cpu")
-    with pytest.raises(Repacked) as stopped:
-        backend.MonokernelBackend(
-            ckpt.config,
-            weights,
-            64,
-            torch.device("cpu"),
-            snapshot_bytes=0,
-            consume_weights=True,
-            quantize=formats.quantize,
-            groups=formats.groups,
-        )
+    packed = repacked_on_cpu(ckpt.config, weights, formats.quantize, formats.groups)
     assert made == []
     assert not any(k.startswith("layers.") and k in ckpt.groups for k in weights)  # consumed
-    packed = stopped.value.packed
     assert len(packed.layers) == ckpt.config.num_layers
     assert {m.format for lp in packed.layers for m in lp.matrices.values()} <= {"int4"}
 

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from monokernel.runtime import kv_memory
-from monokernel.runtime.backends.monokernel import backend
-from monokernel.testing.backend_on_cpu import Repacked, stop_at_the_cache
+from monokernel.testing.backend_on_cpu import repacked_on_cpu, stop_at_the_cache
 from monokernel.testing.counted import count_dense
 from monokernel.weights.lazy_weights import LazyWeights
 
@@ -43,18 +42,7 @@ def test_a_q4_k_m_loads_without_making_a_layer_matrix(
     made = count_dense(monkeypatch)
     # float32, as a caller that did not cast them hands them over: the backend's bf16 copy.
     weights = ckpt.weights
-    with pytest.raises(Repacked) as stopped:
-        backend.MonokernelBackend(
-            ckpt.config,
-            weights,
-            64,
-            torch.device("cpu"),
-            snapshot_bytes=0,
-            consume_weights=True,
-            quantize=ckpt.quantization,
-            groups=ckpt.groups,
-        )
-    packed = stopped.value.packed
+    packed = repacked_on_cpu(ckpt.config, weights, ckpt.quantization, ckpt.groups)
     assert made == []  # no layer matrix made dense, and no copy of one
     assert set(weights.unread()) == set(ckpt.groups)  # the caller's, left as they were
     assert len(packed.layers) == ckpt.config.num_layers
