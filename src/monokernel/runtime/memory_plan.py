@@ -37,11 +37,13 @@ from monokernel.weights.formats import DEFAULT_FORMAT
 from monokernel.weights.loader import CHECKPOINT_INT4, Announced, RunFormats
 from monokernel.weights.names import expected_shapes
 from monokernel.weights.quantize import (
+    STAGE_MATRICES,
     GroupsPlan,
     blocks_stream,
     groups_plan,
     groups_stream,
     int4_group_of,
+    widths_plan,
 )
 from monokernel.weights.shard import rank_config, shard_config, valid_tp_sizes
 
@@ -115,7 +117,8 @@ def announced_packing(
     here refused a 32B AWQ on a GPU that holds its ~34 GiB."""
     method = quantize if quantize is not None else announced.quantization
     if method == CHECKPOINT_INT4 == announced.quantization and announced.group > 0:
-        plan = GroupsPlan((CHECKPOINT_INT4, announced.group))
+        sizes = cfg if tp == 1 else rank_config(shard_config(cfg, 0, tp))
+        plan, _ = widths_plan(sizes, dict.fromkeys(STAGE_MATRICES, (4, announced.group)))
         return LayerPacking(CHECKPOINT_INT4, plan, on_device and tp == 1)
     return layer_packing(cfg, RunFormats(method, None, None), tp)
 

@@ -211,19 +211,17 @@ def _stage_width(groups: Mapping[str, GroupQuant], stage: str) -> tuple[int, int
     return widths.pop()
 
 
-def groups_plan(
-    cfg: ModelConfig, groups: Mapping[str, GroupQuant]
-) -> tuple[GroupsPlan, dict[str, GroupQuant]]:
-    """The plan for ``groups`` on a model of ``cfg``'s sizes (a rank's), and the groups as it
-    streams them: each stage in its own width where every stage streams tiles (int8 groups
+def widths_plan(cfg: ModelConfig, width: Mapping[str, tuple[int, int]]) -> tuple[GroupsPlan, int]:
+    """The plan for stages of these (bits, group) widths (``width``: each of STAGE_MATRICES's)
+    on a model of ``cfg``'s sizes (a rank's), and the group every matrix is widened to as
+    int8 (0: none): each stage in its own width where every stage streams tiles (int8 groups
     always, int4 where tiles.py tiles_for says so), else every matrix in int8 groups of the
-    finest group (int4 rows cannot sit beside int8 tiles; widened, their values unchanged)."""
-    width = {stage: _stage_width(groups, stage) for stage in STAGE_MATRICES}
+    finest group (int4 rows cannot sit beside int8 tiles)."""
+    finest = 0
     if len(set(width.values())) > 1:
         tiles = tiles_for("int4", cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size)
         if not tiles and any(bits == 4 for bits, _ in width.values()):
             finest = math.gcd(*(g for _, g in width.values()))
-            groups = {k: gq.widened(finest) for k, gq in groups.items()}
             width = dict.fromkeys(STAGE_MATRICES, (8, finest))
     method = {4: "int4", 8: "int8"}
     bits, group = width["layers"]
@@ -233,7 +231,21 @@ def groups_plan(
         else ("", 0)
         for stage in ("qkv", "down")
     }
-    return GroupsPlan((method[bits], group), own["qkv"], own["down"]), dict(groups)
+    return GroupsPlan((method[bits], group), own["qkv"], own["down"]), finest
+
+
+def groups_plan(
+    cfg: ModelConfig, groups: Mapping[str, GroupQuant]
+) -> tuple[GroupsPlan, dict[str, GroupQuant]]:
+    """The plan for ``groups`` on a model of ``cfg``'s sizes (a rank's) (widths_plan of their
+    stages' widths), and the groups as it streams them (widened where it says so, their
+    values unchanged)."""
+    plan, finest = widths_plan(
+        cfg, {stage: _stage_width(groups, stage) for stage in STAGE_MATRICES}
+    )
+    if finest:
+        groups = {k: gq.widened(finest) for k, gq in groups.items()}
+    return plan, dict(groups)
 
 
 def groups_stream(cfg: ModelConfig, groups: Mapping[str, GroupQuant]) -> bool:
