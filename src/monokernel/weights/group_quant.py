@@ -375,7 +375,7 @@ def _search_grid(
     lo, hi = x.amin(dim=1), x.amax(dim=1)
     span = hi - lo
     # A constant group is its offset (q = 0) with a scale of its size: the tile kernel's
-    # a (128 + q) + (b - 128 a) rounds relative to a. A group of zeros takes scale 1.
+    # a' (1024 + q / m) + (b - 1024 a') rounds relative to a. A group of zeros takes scale 1.
     flat = torch.where(hi != 0, hi.abs() / QMAX, torch.ones_like(hi))
     unit = torch.where(span > 0, span / QMAX, flat).clamp_min(_TINY)
     u = (x - lo[:, None]).div_(unit[:, None])

@@ -76,9 +76,19 @@ __device__ __forceinline__ void tile_inputs(float* xs, float* sums) {
   __syncthreads();
 }
 
+// The nibbles of v under `mask` (0x000F000F or 0x00F000F0) as the f16 pair 1024 + q or
+// 1024 + 16 q: one LOP3 ((v & mask) | 0x64006400; as PTX, so ptxas keeps the constant in a
+// register rather than spending a second LOP3 on it).
+__device__ __forceinline__ uint32_t nibbles_f16(uint32_t v, uint32_t mask) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(v), "r"(mask), "n"(0x64006400));
+  return r;
+}
+
 // One load's 64 columns (4 k-tiles) of the lane's tile row (g for lanes t < 2, g + 8 for the
 // others) into acc: per segment (F::kSegCols columns under one group pair) the tensor cores
-// sum C = sum (128 + q) x, and the pair adds a C + (b - 128 a) s. xl: the lane's B fragments
+// sum C = sum (1024 + q / m) x (m: 1 for rows g, 1/16 for rows g + 8, int4_tiles.cuh), and
+// the pair adds a' C + (b - 1024 a') s, a' = a m. xl: the lane's B fragments
 // of the load's first k-tile; sl: the sums of its 32-column blocks; upper: t >= 2; lo: the
 // lane's C is its row times the inputs' lo (odd t), which leaves the offset term to hi. A group
 // wider than a load (F::kGroupLoads > 1) keeps its pair in `pair` from its first load j on:
@@ -96,16 +106,14 @@ __device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
     float c[4];
 #pragma unroll
     for (int m = h * kPerSeg; m < (h + 1) * kPerSeg; ++m) {
-      const uint32_t v = wd[m];
-      const uint32_t a[4] = {(v & 0x000F000Fu) | 0x43004300u,
-                             ((v >> 4) & 0x000F000Fu) | 0x43004300u,
-                             ((v >> 8) & 0x000F000Fu) | 0x43004300u,
-                             ((v >> 12) & 0x000F000Fu) | 0x43004300u};
+      const uint32_t v = wd[m], v8 = v >> 8;
+      const uint32_t a[4] = {nibbles_f16(v, 0x000F000Fu), nibbles_f16(v, 0x00F000F0u),
+                             nibbles_f16(v8, 0x000F000Fu), nibbles_f16(v8, 0x00F000F0u)};
       const uint2 x = *reinterpret_cast<const uint2*>(xl + 16 * m);
       if (m == h * kPerSeg)
-        mma_bf16_first(c, a, x.x, x.y);
+        mma_f16_first(c, a, x.x, x.y);
       else
-        mma_bf16(c, a, x.x, x.y);
+        mma_f16(c, a, x.x, x.y);
     }
     const float s = F::kSegCols == 32 ? sl[h] : sl[0] + sl[1];
     float2 ab = u.ab[h];

@@ -19,9 +19,11 @@ Two layouts, told apart by ``data``'s rank:
 * tiles (csrc/formats/int4_tiles.cuh, 16-row tiles on the tensor cores): ``data`` is uint8
   [rows / 16, cols / 64, 32 lanes, 16], each lane's 4 words the A fragments of mma.m16n8k16
   for 4 k-tiles (that header has the order); ``scales[0]`` is float32
-  [rows / 16, cols / group, 8, 4]: for rows g and g + 8 of a tile, (a, b - 128 a) each (the
-  kernel multiplies 128 + q). dense() gives a q + (b - 128 a) + 128 a, the value the kernel
-  multiplies by, within an fp32 rounding of the checkpoint's b.
+  [rows / 16, cols / group, 8, 4]: for rows g and g + 8 of a tile, (a', b - 1024 a') each,
+  a' = a for rows g and a / 16 for rows g + 8: the kernel multiplies the f16 value 1024 + q
+  (rows g) or 1024 + 16 q (rows g + 8), each made by one LOP3 from the nibble where it lies
+  (int4_tiles.cuh). dense() gives a' (1024 + q / m) + (b - 1024 a'), m = a' / a, the value
+  the kernel multiplies by, within an fp32 rounding of 1024 a' of the checkpoint's a q + b.
 
 Which one the monokernel streams is tiles.py's ``tiles_for`` (MONOKERNEL_WEIGHT_LAYOUT).
 """
@@ -38,6 +40,10 @@ from monokernel.weights.formats.tiles import TILE_COLS, TILE_ROWS, check_tile_sh
 from monokernel.weights.group_quant import quantize_rtn
 
 CHUNK = 32  # columns in one 16-byte load
+# The tile layout's A values: the f16 1024 + q for rows g of a tile (a nibble in bits 0-3 of
+# a half), 1024 + 16 q for rows g + 8 (bits 4-7), so the kernel widens with no shift there.
+TILE_BASE = 1024.0
+TILE_UPPER = 1.0 / 16  # rows g + 8: a' = a / 16
 DEFAULT_GROUP = 128  # --quantize int4's, AWQ's and GPTQ's usual group
 GROUPS = (32, 64, 128, 256)  # group sizes the kernel reads: whole chunks dividing 8 chunks
 _PAIR_BYTES = 8  # float32 a and b
@@ -172,8 +178,14 @@ def tile_pairs(a: torch.Tensor, b: torch.Tensor, base: float = 128.0) -> torch.T
     return ab.reshape(rows // TILE_ROWS, groups, 8, 4).contiguous()
 
 
+def tile_row_mult(rows: int, device: torch.device | None = None) -> torch.Tensor:
+    """[rows, 1] float32: 1 for rows g of each 16-row tile, TILE_UPPER for rows g + 8."""
+    upper = (torch.arange(rows, device=device) % TILE_ROWS) >= 8
+    return torch.where(upper, TILE_UPPER, 1.0).float()[:, None]
+
+
 def untile_pairs(pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tile layout's pairs as stored: (a, b - 128 a), each [rows, groups]."""
+    """The tile layout's pairs as stored (tile_pairs' (a, b - base a)), each [rows, groups]."""
     tiles, groups = pairs.shape[:2]
     ab = pairs.view(tiles, groups, 8, 2, 2).permute(0, 3, 2, 1, 4).reshape(tiles * 16, groups, 2)
     return ab[:, :, 0].contiguous(), ab[:, :, 1].contiguous()
@@ -212,7 +224,10 @@ class Int4Groups(WeightFormat):
         check_groups("int4", q, a, b, GROUPS)
         if self.tiles:
             check_tile_shape("int4", rows, cols)
-            return PackedMatrix(self.name, rows, cols, pack_tiles(q), (tile_pairs(a, b),))
+            a = a.float() * tile_row_mult(rows, a.device)
+            return PackedMatrix(
+                self.name, rows, cols, pack_tiles(q), (tile_pairs(a, b, TILE_BASE),)
+            )
         pairs = torch.stack((a.float(), b.float()), dim=2).contiguous()  # [rows, groups, 2]
         return PackedMatrix(self.name, rows, cols, pack_nibbles(q), (pairs,))
 
@@ -229,8 +244,8 @@ class Int4Groups(WeightFormat):
         """m's (q uint8 [rows, cols], a, b [rows, groups]) in either layout."""
         (pairs,) = m.scales
         if Int4Groups.is_tiled(m):
-            a, b128 = untile_pairs(pairs)
-            return unpack_tiles(m.data), a, b128 + 128.0 * a
+            a, b0 = untile_pairs(pairs)
+            return unpack_tiles(m.data), a / tile_row_mult(m.rows, a.device), b0 + TILE_BASE * a
         return unpack_nibbles(m.data), pairs[:, :, 0], pairs[:, :, 1]
 
     def dense(self, m: PackedMatrix, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -245,10 +260,11 @@ class Int4Groups(WeightFormat):
             from monokernel.weights.formats.int4_triton import dequantize_bf16
 
             return dequantize_bf16(m.data, pairs, m.cols)
-        if self.is_tiled(m):  # a (128 + q) + (b - 128 a), as the kernel multiplies
-            a, b128 = untile_pairs(pairs)
-            q = unpack_tiles(m.data).float().view(m.rows, -1, g) + 128.0
-            w = q * a[:, :, None] + b128[:, :, None]
+        if self.is_tiled(m):  # a' (1024 + q / m) + (b - 1024 a'), as the kernel multiplies
+            a, b0 = untile_pairs(pairs)
+            mult = tile_row_mult(m.rows, a.device)[:, :, None]
+            q = unpack_tiles(m.data).float().view(m.rows, -1, g) / mult + TILE_BASE
+            w = q * a[:, :, None] + b0[:, :, None]
             return w.view(m.rows, m.cols).to(dtype or torch.bfloat16)
         out = torch.empty(m.rows, m.cols, dtype=dtype or torch.bfloat16, device=m.data.device)
         step = max(1, _DENSE_BLOCK // m.cols)

@@ -55,8 +55,9 @@ def _kernel() -> Any:
         q = ((byte.to(tl.int32) >> nibble) & 15).to(tl.float32)
         a = tl.load(pair, mask=live, other=0.0)
         b = tl.load(pair + 1, mask=live, other=0.0)
-        # Tiles store (a, b - 128 a): a (128 + q) + b' is the value the kernel multiplies by.
-        w = a * (q + 128.0) + b if TILES else q * a + b
+        # Tiles store (a', b - 1024 a'): a' (1024 + q) + b' for rows g of a tile, a' (1024 +
+        # 16 q) + b' for rows g + 8, the values the kernel multiplies by (int4.py).
+        w = a * (q * (1.0 + 15.0 * h) + 1024.0) + b if TILES else q * a + b
         tl.store(out_ptr + row * cols + col, w.to(tl.bfloat16), mask=live)
 
     return dequant_int4
@@ -65,7 +66,8 @@ def _kernel() -> Any:
 def dequantize_bf16(data: torch.Tensor, pairs: torch.Tensor, cols: int) -> torch.Tensor:
     """The packed int4 matrix (data uint8 [rows, cols / 2], pairs float32 [rows, groups, 2],
     or the tile layout's: int4.py) as bf16 [rows, cols], on data's CUDA device: a * q + b
-    (tiles: a (128 + q) + (b - 128 a)), which Triton may fuse into one multiply-add, rounded
+    (tiles: a' (1024 + q / m) + (b - 1024 a'), int4.py), which Triton may fuse into one
+    multiply-add, rounded
     to bf16. So each weight is within one bf16 rounding of dense()'s
     float32 value; where that is 0 a fused residue of the scale's own rounding, ~1e-8 of the
     step, may stand in for it."""

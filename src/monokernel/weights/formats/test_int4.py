@@ -212,11 +212,11 @@ def test_the_triton_dequantisation_is_the_dense_matrix_in_bf16() -> None:
         got = dequantize_bf16(m.data, m.scales[0], cols).float()
         w = fmt.dense(m, torch.float32)
         # Triton may fuse a * q + b: one bf16 rounding of the float32 value, or where that is
-        # 0 (q = the zero point) a residue far below the group's step (tiles: a (128 + q) +
-        # (b - 128 a), a float32 rounding of 128 a).
+        # 0 (q = the zero point) a residue far below the group's step (tiles: a' (1024 +
+        # q / m) + (b - 1024 a'), a float32 rounding of 1024 a').
         ulp = torch.finfo(torch.bfloat16).eps * w.abs()
         step = fmt.groups_of(m)[1].repeat_interleave(group, dim=1)
-        residue = (256 * torch.finfo(torch.float32).eps if tiles else 1e-6) * step
+        residue = (2048 * torch.finfo(torch.float32).eps if tiles else 1e-6) * step
         assert bool(((got - w).abs() <= torch.maximum(ulp, residue)).all())
 
 
@@ -233,17 +233,18 @@ def mma_a_position(lane: int, e: int) -> tuple[int, int]:
 
 def tile_kernel_dot(data: torch.Tensor, pairs: torch.Tensor, x: torch.Tensor) -> np.ndarray:
     """What gemv_tiles computes for every row, emulated from the packed bytes as the kernel
-    reads them: lane l's word m of load j is k-tile 4j + m, ((w >> 4i) & 0x000F000F) |
-    0x43004300 its A register i (elements 2i, 2i + 1 as the bf16 values 128 + q), x as bf16
-    hi + lo, and each segment's a C + (b - 128 a) s."""
+    reads them: lane l's word m of load j is k-tile 4j + m; its A register i (elements 2i,
+    2i + 1, nibbles 4i and 16 + 4i) is (w >> 8 (i / 2)) & 0x000F000F | 0x64006400 for even i
+    (the f16 values 1024 + q, rows g) and & 0x00F000F0 for odd i (1024 + 16 q, rows g + 8);
+    x as f16 hi + lo; each segment's a' C + (b - 1024 a') s."""
     tiles, loads = data.shape[:2]
     cols = 64 * loads
     group = cols // pairs.shape[1]
     seg = min(group, 64)
     words = data.contiguous().view(torch.int32).numpy().view(np.uint32).reshape(tiles, loads, 32, 4)
     xf = x.float()
-    hi = xf.bfloat16().float()
-    lo = (xf - hi).bfloat16().float()
+    hi = xf.half().float()
+    lo = (xf - hi).half().float()
     hi, lo = hi.numpy().astype(np.float64), lo.numpy().astype(np.float64)
     ab = pairs.numpy().astype(np.float64)  # [T, groups, 8, 4]
     acc = np.zeros((tiles, 16))
@@ -256,10 +257,12 @@ def tile_kernel_dot(data: torch.Tensor, pairs: torch.Tensor, x: torch.Tensor) ->
                 for lane in range(32):
                     v = words[:, j, lane, m]
                     for i in range(4):
-                        reg = ((v >> (4 * i)) & 0x000F000F) | 0x43004300
+                        mask = 0x00F000F0 if i % 2 else 0x000F000F
+                        reg = ((v >> (8 * (i // 2))) & mask) | 0x64006400
                         for half, e in ((0, 2 * i), (1, 2 * i + 1)):
                             r, col = mma_a_position(lane, e)
-                            a[:, r, col] = 128 + ((reg >> (16 * half)) & 0xF)
+                            f16 = ((reg >> (16 * half)) & 0xFFFF).astype(np.uint16)
+                            a[:, r, col] = f16.view(np.float16).astype(np.float64)
                 c += a @ hi[16 * kt : 16 * kt + 16] + a @ lo[16 * kt : 16 * kt + 16]
             k0 = 64 * j + seg * h
             s = hi[k0 : k0 + seg].sum() + lo[k0 : k0 + seg].sum()
@@ -294,8 +297,9 @@ def test_tiles_and_rows_hold_the_same_matrix(rows: int, cols: int, group: int) -
     plain = Int4Groups(group).pack_groups(q, a, b)
     fmt = Int4Groups(group)
     assert fmt.matrix_bytes(rows, cols) == tiles.data.numel() + 4 * tiles.scales[0].numel()
-    # a (128 + q) + (b - 128 a): within an fp32 rounding of 128 a of a q + b.
-    ulp = 128 * a.abs().repeat_interleave(group, 1) * torch.finfo(torch.float32).eps
+    # a' (1024 + q / m) + (b - 1024 a'): within an fp32 rounding of 1024 a' (a' = a m, m 1
+    # or 1/16) of a q + b.
+    ulp = 1024 * a.abs().repeat_interleave(group, 1) * torch.finfo(torch.float32).eps
     diff = (fmt.dense(tiles, torch.float32) - fmt.dense(plain, torch.float32)).abs()
     assert bool((diff <= 2 * ulp).all())
     gq, ga, _ = fmt.groups_of(tiles)

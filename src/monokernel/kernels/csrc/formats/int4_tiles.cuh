@@ -8,12 +8,16 @@
 // c .. c + 63, 512 contiguous bytes, [rows / 16][K / 64][32 lanes][4 words]. Word m of lane l
 // (g = l / 4, t = l % 4) is k-tile m of those columns in mma's A-fragment order: nibble 4i is
 // element 2i and nibble 16 + 4i element 2i + 1 of the lane's 8, (g, 2t) (g, 2t+1) (g+8, 2t)
-// (g+8, 2t+1) (g, 2t+8) (g, 2t+9) (g+8, 2t+8) (g+8, 2t+9), so ((w >> 4i) & 0x000F000F) |
-// 0x43004300 is register i of A as the bf16 pair 128 + q (one shift, one LOP3; exact).
-// The pairs: [rows / 16][K / G][8][4] float32, for lane group g (a, b - 128 a) of row g, then
-// of row g + 8 (lanes t = 0, 1 of the group read the first, t = 2, 3 the second): the tensor
-// cores sum C = sum (128 + q) x over a group and the lane adds a C + (b - 128 a) s, s the group's sum of x (gemv_tiles.cuh tile_inputs). A load of 64
-// columns meets one group (G >= 64, "segment" of 64 columns) or two (G = 32): kSegs pairs.
+// (g+8, 2t+1) (g, 2t+8) (g, 2t+9) (g+8, 2t+8) (g+8, 2t+9). Registers 0 and 2 (rows g) are
+// (w & 0x000F000F) | 0x64006400 and the same of w >> 8, the f16 pair 1024 + q; registers 1
+// and 3 (rows g + 8) take the nibbles where they lie, (w & 0x00F000F0) | 0x64006400, the f16
+// pair 1024 + 16 q: one LOP3 a register, one shift a word, all exact.
+// The pairs: [rows / 16][K / G][8][4] float32, for lane group g (a', b - 1024 a') of row g,
+// then of row g + 8, a' = a for rows g and a / 16 for rows g + 8 (lanes t = 0, 1 of the group
+// read the first, t = 2, 3 the second): the tensor cores sum C over a group and the lane adds
+// a' C + (b - 1024 a') s = a sum q x + b s, s the group's sum of x (gemv_tiles.cuh
+// tile_inputs). A load of 64 columns meets one group (G >= 64, "segment" of 64 columns) or
+// two (G = 32): kSegs pairs.
 #pragma once
 #include "group_pairs.cuh"
 
@@ -30,7 +34,7 @@ struct Int4Tiles : GroupPairTiles<64, G> {
   static constexpr float kUnit = 1.f;
   static constexpr bool kGroups = true;
   static constexpr int kSumCols = 32;      // tile_inputs' sums: one a 32 columns
-  static constexpr bool kF16 = false;      // inputs as bf16 hi + lo (128 + q is a bf16)
+  static constexpr bool kF16 = true;       // inputs as f16 hi + lo (1024 + q is an f16)
   static constexpr int kGroupLoads = G > 64 ? G / 64 : 1;  // a lane's loads a group
   using Ptr = typename GroupPairTiles<64, G>::Ptr;
   using Load = typename GroupPairTiles<64, G>::Load;
