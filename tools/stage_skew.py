@@ -2,7 +2,7 @@
 (GPU machine; a build with -DMK_SKEW=1, csrc/probes.cuh's skew()).
 
     PYTHONPATH=src python3 tools/stage_skew.py --shape qwen2.5-coder-1.5b \\
-        --variant base= --variant dpre1=-DMK_D_PRE=1
+        --variant base= --variant dpre1=-DMK_D_PRE=1 [--quantize int4] [--json skew.json]
 
 For the middle layer of one decode step, prints per point (kernels/layout.py SKEW_NAMES: each
 stage's input loaded, each stage's output written, and three points inside a head unit) the
@@ -13,6 +13,7 @@ first point.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 
@@ -43,16 +44,24 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--variant", action="append", default=[], help="NAME=NVCC_FLAGS")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--step", type=int, default=128)
+    ap.add_argument("--quantize", choices=["fp8", "int8", "int4"], help="the layers' weight format")
+    ap.add_argument("--json", dest="json_file", help="every CTA's times (ns), by variant")
     args = ap.parse_args(argv)
     cfg = SHAPES[args.shape]
     device = torch.device("cuda")
     weights = random_weights(cfg, device=device, seed=0)
     prompt = list(range(1, args.prompt_tokens + 1))
+    raw: dict[str, list[list[int]]] = {}
     for v in args.variant or ["default="]:
         name, flags = v.split("=", 1)
         with envs.overridden(MONOKERNEL_NVCC_FLAGS=f"-DMK_SKEW=1 {flags}".strip()):
             b = MonokernelBackend(
-                cfg, weights, args.prompt_tokens + args.step + 2, device, handoff_search=0
+                cfg,
+                weights,
+                args.prompt_tokens + args.step + 2,
+                device,
+                handoff_search=0,
+                quantize=args.quantize,
             )
             dims = kbuild.KernelDims.from_config(cfg)  # flags may set the window and range
             chunk, head_range, merge_ns = (
@@ -62,6 +71,7 @@ def main(argv: list[str]) -> int:
             )
         _skew(b, prompt, args.step + 1, args.step)  # warm-up
         rows = _skew(b, prompt, args.step + 1, args.step)
+        raw[name] = rows
         pos = args.prompt_tokens + args.step
         units = attn_units(
             pos,
@@ -89,6 +99,17 @@ def main(argv: list[str]) -> int:
                 cells.append(f"{min(us):>7.2f} {statistics.median(us):>7.2f} {max(us):>7.2f}  ")
             print(f"{point:<20} {cells[0]} {cells[1]}")
         b.close()
+    if args.json_file:
+        with open(args.json_file, "w") as f:
+            json.dump(
+                {
+                    "shape": args.shape,
+                    "quantize": args.quantize,
+                    "points": list(layout.SKEW_NAMES),
+                    "ctas": raw,
+                },
+                f,
+            )
     return 0
 
 
