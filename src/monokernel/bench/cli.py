@@ -40,6 +40,7 @@ from monokernel.bench.sweep import EngineLimits, SweepConfig, run_benchmark
 from monokernel.bench.table import format_table
 from monokernel.models.config import ModelConfig
 from monokernel.models.shapes import SHAPES
+from monokernel.runtime.speculative import DEFAULT_DRAFT
 from monokernel.weights.random_weights import random_weights
 from monokernel.workloads.spec_workloads import WORKLOADS
 
@@ -170,7 +171,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int_list,
         metavar="K",
         help="with --workload: the drafts' K, comma-separated, each run against no drafts "
-        "(default 4, as run's)",
+        f"(default {DEFAULT_DRAFT}, as run's)",
     )
     ap.add_argument(
         "--turn-tokens",
@@ -323,7 +324,7 @@ def _workload_main(args: argparse.Namespace) -> int:
         print("monokernel bench: --workload takes one --gen-tokens value", file=sys.stderr)
         return 2
     args.engines = args.engines or WORKLOAD_ENGINES
-    args.num_speculative_tokens = args.num_speculative_tokens or (4,)
+    args.num_speculative_tokens = args.num_speculative_tokens or (DEFAULT_DRAFT,)
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
     if (why := engine_error(names, args.num_speculative_tokens)) is not None:
         print(f"monokernel bench: {why}", file=sys.stderr)

@@ -15,6 +15,8 @@ import math
 import re
 from typing import TYPE_CHECKING
 
+from monokernel.runtime.speculative import DEFAULT_DRAFT, MAX_DRAFT
+
 if TYPE_CHECKING:
     from monokernel.runtime.speculative import SpeculativeConfig
 
@@ -191,8 +193,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     spec.add_argument(
         "--num-speculative-tokens",
         type=positive_int,
-        default=4,
-        help="tokens drafted a pass at most (1-32, default 4)",
+        default=DEFAULT_DRAFT,
+        help=f"tokens drafted a pass at most (1-{MAX_DRAFT}, default {DEFAULT_DRAFT})",
     )
     spec.add_argument(
         "--ngram-max", type=positive_int, default=4, help="longest suffix matched (default 4)"

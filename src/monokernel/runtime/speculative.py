@@ -37,6 +37,11 @@ from monokernel.runtime.sampling import SamplingParams, sample
 
 METHODS = ("ngram",)
 MAX_DRAFT = 32  # a verification pass grows with the draft; past ~32 tokens it stops paying
+# K when not given: on the CPU a pass of 4 positions costs ~2 one-token steps and one of 5
+# ~2.8, and K = 3 beat K = 4 on both the copying and the chat workloads (docs/speculative.md,
+# session 37); a pass of 4 positions also fills the 4 position columns of the tensor cores'
+# mma in the planned in-kernel pass.
+DEFAULT_DRAFT = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +49,7 @@ class SpeculativeConfig:
     """``--speculative ngram --num-speculative-tokens K --ngram-max N --ngram-min M``."""
 
     method: str = "ngram"
-    num_tokens: int = 4  # K: tokens drafted a step at most
+    num_tokens: int = DEFAULT_DRAFT  # K: tokens drafted a step at most
     ngram_max: int = 4  # the longest suffix matched
     ngram_min: int = 2  # the shortest suffix matched (1 drafts after any repeated token)
 

@@ -27,7 +27,7 @@ def test_drafts_what_followed_the_latest_occurrence_of_the_longest_suffix() -> N
 
 
 def test_no_draft_without_an_earlier_occurrence_of_the_shortest_suffix() -> None:
-    d = NgramDrafter(SpeculativeConfig(ngram_min=2, ngram_max=4), [1, 2, 3, 4, 5])
+    d = NgramDrafter(SpeculativeConfig(num_tokens=4, ngram_min=2, ngram_max=4), [1, 2, 3, 4, 5])
     assert d.draft(4) == []
     d.extend([1, 2])  # (1, 2) occurred at the start, followed by 3, 4, 5, 1
     assert d.draft(4) == [3, 4, 5, 1]
