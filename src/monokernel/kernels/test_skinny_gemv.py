@@ -123,11 +123,14 @@ def test_ctypes_params_match_the_cuda_struct(tmp_path: Path) -> None:
     assert struct_mismatch(sk.SkinnyParams, "SkinnyParams", sk.SOURCE, tmp_path) is None
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(
+_HOPPER = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
     reason="needs a Hopper GPU (sm_90)",
 )
+
+
+@pytest.mark.gpu
+@_HOPPER
 @pytest.mark.parametrize("fmt", sk.FORMATS)
 @pytest.mark.parametrize("n", [1, 3, 16])
 def test_skinny_gemv_gpu(fmt: str, n: int) -> None:
@@ -137,32 +140,69 @@ def test_skinny_gemv_gpu(fmt: str, n: int) -> None:
     entry_n = min(m for m in sk.NS if m >= n)
     rows, k = 16 * 37, 1536
     gen = torch.Generator(device="cuda").manual_seed(n)
-    if fmt == "bf16":
-        w = torch.randn(rows, k, generator=gen, device="cuda").to(torch.bfloat16)
-        packed, pairs, dense = sk.pack_bf16(w), None, w.double()
-    elif fmt == "fp8":
-        w8 = torch.randn(rows, k, generator=gen, device="cuda").to(torch.float8_e4m3fn)
-        scale = torch.rand(rows, generator=gen, device="cuda") + 0.5
-        packed, pairs, dense = sk.pack_fp8(w8), scale, w8.double() * scale.double()[:, None]
-    else:
-        q = torch.randint(0, 16, (rows, k), generator=gen, dtype=torch.uint8, device="cuda")
-        a = torch.rand(rows, k // sk.GROUP, generator=gen, device="cuda") * 0.01
-        b = torch.randn(rows, k // sk.GROUP, generator=gen, device="cuda") * 0.01
-        packed, pairs = sk.pack_int4(q, a, b)
-        dense = sk.dequant_int4(q, a, b).double()
+    packed, pairs, dense = _gpu_weights(fmt, rows, k, gen)
     x = torch.zeros(entry_n, k, device="cuda")
     x[:n] = torch.randn(n, k, generator=gen, device="cuda")
-    y = torch.zeros(entry_n, rows, device="cuda")
     ks = sk.slice_for(k, entry_n, fmt)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    grid, per = sk.grid_for(k, ks, sms)
-    kern = sk.SkinnyGemv(sk.build(), torch.cuda.current_device(), fmt, entry_n, ks)
-    p = sk.params(packed, pairs, x, y, ks, per)
-    kern.launch(grid, p, torch.cuda.current_stream().cuda_stream)
-    torch.cuda.synchronize()
-    kern.unload()
+    y = _run(fmt, packed, pairs, x, ks, rows)
     want = x.double() @ dense.T
     err = float((y.double() - want).norm() / want.norm())
     # bf16: x's hi + lo carry ~16 bits (~5e-6 measured); int4: the groups' sums carry
     # 128 s beside sum q x, which costs a few bits of fp32 (~2e-5 to 9e-5 measured).
     assert err < (3e-4 if fmt == "int4" else 3e-5), err
+
+
+@pytest.mark.gpu
+@_HOPPER
+@pytest.mark.parametrize("fmt", sk.FORMATS)
+def test_each_position_of_a_pass_is_its_own_one_position_pass(fmt: str) -> None:
+    """What an in-kernel verify pass rests on (docs/speculative.md): with the same K-slices,
+    position p of a 4-position pass is bitwise a 1-position pass over x[p] (the tensor cores
+    sum each of B's columns on its own). One slice, so each output is one warp's sum and the
+    benchmark's atomicAdd adds it to zero: exact."""
+    rows, k = 16 * 37, 1024
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    packed, pairs, _ = _gpu_weights(fmt, rows, k, gen)
+    x = torch.randn(4, k, generator=gen, device="cuda")
+    together = _run(fmt, packed, pairs, x, k, rows)
+    for p in range(4):
+        alone = _run(fmt, packed, pairs, x[p : p + 1].contiguous(), k, rows)
+        assert torch.equal(alone[0], together[p]), (fmt, p)
+
+
+def _gpu_weights(
+    fmt: str, rows: int, k: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Random weights of ``fmt`` packed for the benchmark: (packed, pairs or row scales,
+    the dense matrix in fp64)."""
+    if fmt == "bf16":
+        w = torch.randn(rows, k, generator=gen, device="cuda").to(torch.bfloat16)
+        return sk.pack_bf16(w), None, w.double()
+    if fmt == "fp8":
+        w8 = torch.randn(rows, k, generator=gen, device="cuda").to(torch.float8_e4m3fn)
+        scale = torch.rand(rows, generator=gen, device="cuda") + 0.5
+        return sk.pack_fp8(w8), scale, w8.double() * scale.double()[:, None]
+    q = torch.randint(0, 16, (rows, k), generator=gen, dtype=torch.uint8, device="cuda")
+    a = torch.rand(rows, k // sk.GROUP, generator=gen, device="cuda") * 0.01
+    b = torch.randn(rows, k // sk.GROUP, generator=gen, device="cuda") * 0.01
+    packed, pairs = sk.pack_int4(q, a, b)
+    return packed, pairs, sk.dequant_int4(q, a, b).double()
+
+
+def _run(
+    fmt: str, packed: torch.Tensor, pairs: torch.Tensor | None, x: torch.Tensor, ks: int, rows: int
+) -> torch.Tensor:
+    """y [N, rows] of one launch of the entry for x's N positions, K-slices of ``ks``."""
+    n, k = x.shape
+    y = torch.zeros(n, rows, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    grid, per = sk.grid_for(k, ks, sms)
+    kern = sk.SkinnyGemv(sk.build(), torch.cuda.current_device(), fmt, n, ks)
+    try:
+        kern.launch(
+            grid, sk.params(packed, pairs, x, y, ks, per), torch.cuda.current_stream().cuda_stream
+        )
+        torch.cuda.synchronize()
+    finally:
+        kern.unload()
+    return y
