@@ -113,17 +113,14 @@ def require_llguidance() -> Any:
     return llguidance
 
 
-def unsupported_reason(engine: str, speculative: bool) -> str | None:
-    """Why an engine cannot run a constrained request, or None when it can."""
+def unsupported_reason(engine: str) -> str | None:
+    """Why an engine cannot run a constrained request, or None when it can. (Under
+    --speculative it decodes without drafts: speculative.drafts_for.)"""
     if engine not in CONSTRAINED_ENGINES:
         return (
             f"constrained decoding runs on the {', '.join(CONSTRAINED_ENGINES)} engines; this "
             f"server runs the {engine} engine"
         )
-    if speculative:
-        # A draft would have to be checked against the grammar token by token before
-        # verification; not worth it until someone needs both at once.
-        return "constrained decoding does not combine with --speculative yet"
     return None
 
 

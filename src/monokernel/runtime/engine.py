@@ -430,7 +430,7 @@ class Engine:
         has them. Setting ``cancel`` (from any thread) ends the stream within a token."""
         params = (params or SamplingParams()).with_seed()
         # What this engine cannot apply is refused, not ignored.
-        why = unsupported_sampling_reason(params, self.engine_name, self.speculative is not None)
+        why = unsupported_sampling_reason(params, self.engine_name)
         if why is not None:
             raise InvalidRequestError(why)
         ids = prompt_ids if prompt_ids is not None else self.encode(prompt)
@@ -452,7 +452,7 @@ class Engine:
         """A fresh matcher for ``constraint``; ConstraintError (an InvalidRequestError) when
         this engine cannot run constrained requests, llguidance is missing, or the grammar is
         refused. Thread-safe, so a server can check a request before queueing it."""
-        reason = unsupported_reason(self.engine_name, self.speculative is not None)
+        reason = unsupported_reason(self.engine_name)
         if reason is not None:
             raise ConstraintError(reason)
         if self._grammars is None:

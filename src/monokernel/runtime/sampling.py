@@ -162,11 +162,10 @@ def _is_real(v: object) -> bool:
 PENALTY_ENGINES = ("reference", "torch", "monokernel")
 
 
-def unsupported_sampling_reason(
-    params: SamplingParams, engine: str, speculative: bool
-) -> str | None:
+def unsupported_sampling_reason(params: SamplingParams, engine: str) -> str | None:
     """Why an engine cannot honour ``params``' logit processing or logprobs, or None when
-    it can. The message starts with the first such field's name."""
+    it can. The message starts with the first such field's name. (Under --speculative such
+    a request decodes without drafts: speculative.drafts_for.)"""
     fields = params.host_fields()
     if not fields:
         return None
@@ -176,8 +175,6 @@ def unsupported_sampling_reason(
             f"{name} is supported by the {', '.join(PENALTY_ENGINES)} engines; this server "
             f"runs the {engine} engine"
         )
-    if speculative:
-        return f"{name} does not combine with --speculative yet"
     return None
 
 

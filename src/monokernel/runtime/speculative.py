@@ -176,9 +176,9 @@ def speculative_stream(
     ``forward`` of one token); ``greedy_pass``: its greedy picks for a pass with a draft.
     ``drafting`` False: no draft is made, every pass is ``step`` (a backend whose passes
     over several positions would not sum as its step does)."""
-    if request.matcher is not None:
-        # Drafts would need checking against the grammar before verification.
-        raise InvalidRequestError("constrained decoding does not combine with --speculative yet")
+    # Drafts would need checking against the grammar, and the penalties and logprobs go a
+    # token at a time: such a request decodes without drafts (Speculating.drafting).
+    assert request.matcher is None and not request.sampling.host_fields()
     if step is None:
         step = partial(verify_one, forward)
     sp, n = request.sampling, len(request.prompt_ids)
@@ -246,6 +246,19 @@ class Speculating:
         """Draft from the request's own tokens and verify several a pass; None: one token a
         pass."""
         self.speculative = config
+
+    def drafting(self, request: DecodeRequest) -> bool:
+        """Whether ``request`` decodes with drafts (``_speculate``): under --speculative,
+        unless it asks for what a verification pass does not do (a grammar's mask, logit
+        processing, logprobs). Those decode one token a pass, which gives the same tokens,
+        and report nothing drafted."""
+        self.speculation = None
+        if self.speculative is None:
+            return False
+        if request.matcher is not None or request.sampling.host_fields():
+            self.speculation = SpeculationStats()
+            return False
+        return True
 
     def _speculate(
         self,

@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("llguidance")
 
+from monokernel.runtime.backends.base import DecodeRequest
 from monokernel.runtime.backends.torch_compiled import TorchBackend
 from monokernel.runtime.constrained import (
     INSTALL_HINT,
@@ -166,22 +167,41 @@ def test_torch_backend_matches_reference_under_a_constraint(model_dir: Path) -> 
     assert got[0].token_ids != got[1].token_ids  # the mask did change the greedy output
 
 
-def test_speculative_and_other_engines_refuse() -> None:
+def test_other_engines_refuse() -> None:
     for engine in ("reference", "torch", "monokernel"):
-        assert unsupported_reason(engine, False) is None
-    assert "--speculative" in (unsupported_reason("torch", True) or "")
-    assert "runs on the reference, torch, monokernel engines" in (
-        unsupported_reason("hf", False) or ""
-    )
+        assert unsupported_reason(engine) is None
+    assert "runs on the reference, torch, monokernel engines" in (unsupported_reason("hf") or "")
 
 
-def test_speculative_engine_refuses(model_dir: Path) -> None:
+def test_under_speculative_a_constrained_request_decodes_without_drafts(
+    engine: Engine, model_dir: Path
+) -> None:
+    """The same tokens as an engine without --speculative, greedy and sampled, nothing
+    drafted; an unconstrained request on the same engine still drafts."""
     config = EngineConfig(
-        engine="reference", device="cpu", progress=False, speculative=SpeculativeConfig()
+        engine="reference",
+        device="cpu",
+        progress=False,
+        speculative=SpeculativeConfig(num_tokens=4, ngram_min=1),
     )
-    engine = Engine(model_dir, config)
-    with pytest.raises(ConstraintError, match="--speculative"):
-        engine.complete("x", SamplingParams(max_tokens=8, constraint=Constraint.json_object()))
+    spec = Engine(model_dir, config)
+    for t in (0.0, 0.9):
+        p = SamplingParams(
+            max_tokens=24, temperature=t, seed=5, constraint=Constraint.json_object()
+        )
+        got, want = spec.complete("x", p), engine.complete("x", p)
+        assert got.token_ids == want.token_ids
+        assert got.timings.drafted_tokens == 0
+
+    # Which requests draft: not those with a grammar, logit processing or logprobs.
+    def drafts(sp: SamplingParams, constraint: Constraint | None = None) -> bool:
+        matcher = None if constraint is None else spec.constraint_matcher(constraint)
+        return spec.backend.drafting(DecodeRequest((1, 2), sp, 4, frozenset(), matcher))
+
+    assert drafts(SamplingParams()) and drafts(SamplingParams(temperature=0.8, seed=1))
+    assert not drafts(SamplingParams(), Constraint.json_object())
+    assert not drafts(SamplingParams(presence_penalty=0.5))
+    assert not drafts(SamplingParams(logprobs=2))
 
 
 def test_missing_llguidance_says_how_to_install(

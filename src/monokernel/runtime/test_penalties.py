@@ -142,13 +142,12 @@ def test_logit_bias_past_the_vocabulary_is_refused() -> None:
 
 def test_unsupported_reason() -> None:
     p = SamplingParams(min_p=0.1)
-    assert unsupported_sampling_reason(SamplingParams(), "monokernel", True) is None
-    assert unsupported_sampling_reason(p, "torch", False) is None
-    assert unsupported_sampling_reason(p, "reference", False) is None
-    assert unsupported_sampling_reason(SamplingParams(logprobs=2), "monokernel", False) is None
-    why = unsupported_sampling_reason(p, "other", False) or ""
+    assert unsupported_sampling_reason(SamplingParams(), "monokernel") is None
+    assert unsupported_sampling_reason(p, "torch") is None
+    assert unsupported_sampling_reason(p, "reference") is None
+    assert unsupported_sampling_reason(SamplingParams(logprobs=2), "monokernel") is None
+    why = unsupported_sampling_reason(p, "other") or ""
     assert why.startswith("min_p ") and "reference, torch, monokernel engines" in why
-    assert "--speculative" in (unsupported_sampling_reason(p, "torch", True) or "")
 
 
 # ---- the engines ---------------------------------------------------------------------------

@@ -446,8 +446,8 @@ def requested_logprobs(req: CompletionRequest | ChatCompletionRequest) -> int | 
 
 def check_sampling_engine(engine: Engine, params: SamplingParams) -> None:
     """400 naming the field when the engine cannot apply the request's logit processing
-    or return its logprobs (anything with --speculative)."""
-    why = unsupported_sampling_reason(params, engine.engine_name, engine.speculative is not None)
+    or return its logprobs."""
+    why = unsupported_sampling_reason(params, engine.engine_name)
     if why is not None:
         raise bad_request(why, why.split(" ", 1)[0], "unsupported")
 

@@ -227,11 +227,11 @@ def _call_schema(fn: dict[str, Any], key: str) -> dict[str, Any]:
 
 def check_engine(engine: Engine, req: Request) -> None:
     """400 when the request asks for constrained decoding and this server's engine
-    cannot run it (any engine with --speculative), before the prompt is tokenised."""
+    cannot run it, before the prompt is tokenised."""
     field = constraint_field(req)
     if field is None:
         return
-    reason = unsupported_reason(engine.engine_name, engine.speculative is not None)
+    reason = unsupported_reason(engine.engine_name)
     if reason is not None:
         raise bad_request(f"{field}: {reason}", field, "unsupported")
 

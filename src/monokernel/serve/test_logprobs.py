@@ -15,6 +15,7 @@ pytest.importorskip("fastapi")
 
 from monokernel.runtime.engine import Engine
 from monokernel.serve.testing_names import CHAT, COMPLETIONS, MODEL_NAME
+from monokernel.serve.testing_structured import as_speculative
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -111,14 +112,14 @@ def test_bad_values_are_refused(
     assert r.json()["error"]["param"] == param, r.json()
 
 
-def test_logprobs_with_speculation_are_refused(
+def test_logprobs_under_speculation_are_those_without(
     served_reference: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = served_reference[0]
-    monkeypatch.setattr(engine, "speculative", object())
-    r = _post(served_reference, CHAT, {"logprobs": True})
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == "logprobs" and "--speculative" in error["message"]
-    monkeypatch.undo()
-    assert _post(served_reference, CHAT, {}).status_code == 200
+    """A server with --speculative decodes a request for logprobs without drafts: the same
+    reply, logprobs included."""
+    body = {"logprobs": True, "top_logprobs": 2, "temperature": 0}
+    want = _post(served_reference, CHAT, body)
+    as_speculative(monkeypatch, served_reference[0])
+    r = _post(served_reference, CHAT, body)
+    assert r.status_code == want.status_code == 200, r.text
+    assert r.json()["choices"] == want.json()["choices"]

@@ -13,6 +13,7 @@ pytest.importorskip("fastapi")
 
 from monokernel.runtime.engine import Engine
 from monokernel.serve.testing_names import CHAT, COMPLETIONS, MODEL_NAME
+from monokernel.serve.testing_structured import as_speculative
 
 USER = [{"role": "user", "content": "hi"}]
 ALL = {
@@ -135,12 +136,15 @@ def test_every_engine_takes_them(
         assert r.status_code == 200, (field, r.text)
 
 
-def test_speculative_refuses(
+def test_under_speculation_penalties_decode_as_without(
     served_reference: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(served_reference[0], "speculative", object())
-    for field, value in ALL.items():
-        r = _post(served_reference, CHAT, {field: value})
-        assert r.status_code == 400, r.text
-        assert r.json()["error"]["param"] == field
-        assert "--speculative" in r.json()["error"]["message"]
+    """A server with --speculative decodes a request with logit processing without
+    drafts: the same reply as without it."""
+    bodies = [{field: value, "temperature": 0} for field, value in ALL.items()]
+    want = [_post(served_reference, CHAT, b) for b in bodies]
+    as_speculative(monkeypatch, served_reference[0])
+    for body, w in zip(bodies, want, strict=True):
+        r = _post(served_reference, CHAT, body)
+        assert r.status_code == w.status_code == 200, (body, r.text)
+        assert r.json()["choices"] == w.json()["choices"]

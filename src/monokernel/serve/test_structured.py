@@ -21,7 +21,6 @@ from monokernel.serve.testing import refused_as  # noqa: E402
 from monokernel.serve.testing_names import CHAT, COMPLETIONS, MODEL_NAME  # noqa: E402
 from monokernel.serve.testing_structured import (  # noqa: E402
     SCHEMA,
-    UNSUPPORTED,
     USER,
     as_speculative,
     matches_schema,
@@ -250,21 +249,24 @@ def test_refusals_name_the_field(served: tuple[Engine, str]) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_speculation_refuses_constrained_requests(
+def test_constrained_requests_under_speculation_decode_as_without(
     served: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    as_speculative(monkeypatch, served[0])
-    for body in (
+    """A server with --speculative runs constrained requests without drafts: the same reply
+    as a server without it, nothing drafted."""
+    bodies = (
         {"response_format": {"type": "json_object"}},
         {"guided_json": SCHEMA},
         {"tools": [CLOCK], "tool_choice": "required"},
-    ):
-        r = _post(served, {"messages": USER, "max_tokens": 8} | body)
-        assert r.status_code == 400, r.text
-        message = r.json()["error"]["message"]
-        assert UNSUPPORTED in message
-    # Unconstrained requests still run.
-    assert _post(served, {"messages": USER, "max_tokens": 4}).status_code == 200
+    )
+    base = {"messages": USER, "max_tokens": 8, "temperature": 0}
+    plain = [_post(served, base | b) for b in bodies]
+    as_speculative(monkeypatch, served[0])
+    for body, want in zip(bodies, plain, strict=True):
+        r = _post(served, base | body)
+        assert r.status_code == want.status_code == 200, r.text
+        assert r.json()["choices"] == want.json()["choices"]
+        assert served[0].backend.speculation.drafted == 0
 
 
 def test_missing_llguidance_is_a_clear_400(

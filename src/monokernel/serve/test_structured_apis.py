@@ -24,7 +24,6 @@ from monokernel.serve.testing import refused_as
 from monokernel.serve.testing_names import MODEL_NAME
 from monokernel.serve.testing_structured import (
     SCHEMA,
-    UNSUPPORTED,
     USER,
     ZONE,
     as_speculative,
@@ -185,23 +184,20 @@ def test_anthropic_sdk_forced_tool_use(served: tuple[Engine, str]) -> None:
     assert r.json() == forced.json()
 
 
-def test_anthropic_speculation_refuses_forced_calls(
+def test_anthropic_forced_calls_under_speculation_decode_as_without(
     served: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    bodies = [
+        {"max_tokens": 8, "temperature": 0, "messages": USER, "tools": A_TOOLS}
+        | {"tool_choice": choice}
+        for choice in ({"type": "any"}, {"type": "tool", "name": "get_time"})
+    ]
+    plain = [_post(served, MESSAGES, b) for b in bodies]
     as_speculative(monkeypatch, served[0])
-    for choice in ({"type": "any"}, {"type": "tool", "name": "get_time"}):
-        r = _post(
-            served,
-            MESSAGES,
-            {"max_tokens": 8, "messages": USER, "tools": A_TOOLS} | {"tool_choice": choice},
-        )
-        assert r.status_code == 400, r.text
-        error = r.json()
-        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
-        assert UNSUPPORTED in error["error"]["message"]
-    # An unforced call still runs there.
-    body = {"max_tokens": 4, "messages": USER, "tools": A_TOOLS, "tool_choice": {"type": "auto"}}
-    assert _post(served, MESSAGES, body).status_code == 200
+    for body, want in zip(bodies, plain, strict=True):
+        r = _post(served, MESSAGES, body)
+        assert r.status_code == want.status_code == 200, r.text
+        assert r.json()["content"] == want.json()["content"]
 
 
 # ---- OpenAI Responses --------------------------------------------------------------------
@@ -333,19 +329,25 @@ def test_responses_refusals_name_the_field(served: tuple[Engine, str]) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_responses_speculation_refuses_constrained_requests(
+def test_responses_constrained_requests_under_speculation_decode_as_without(
     served: tuple[Engine, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    bodies = [
+        {"input": "Hi", "max_output_tokens": 8, "temperature": 0} | body
+        for body in (
+            {"text": {"format": {"type": "json_object"}}},
+            {"text": {"format": JSON_SCHEMA_FORMAT}},
+            {"tools": [R_WEATHER], "tool_choice": "required"},
+        )
+    ]
+    plain = [_post(served, RESPONSES, b) for b in bodies]
     as_speculative(monkeypatch, served[0])
-    for body, param in (
-        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
-        ({"text": {"format": JSON_SCHEMA_FORMAT}}, "text.format"),
-        ({"tools": [R_WEATHER], "tool_choice": "required"}, "tool_choice"),
-    ):
-        r = _post(served, RESPONSES, {"input": "Hi", "max_output_tokens": 8} | body)
-        assert r.status_code == 400, r.text
-        error = r.json()["error"]
-        assert UNSUPPORTED in error["message"] and error["param"] == param, error
-    # Unconstrained requests still run.
-    plain = {"input": "Hi", "max_output_tokens": 4, "text": {"format": {"type": "text"}}}
-    assert _post(served, RESPONSES, plain).status_code == 200
+    for body, want in zip(bodies, plain, strict=True):
+        r = _post(served, RESPONSES, body)
+        assert r.status_code == want.status_code == 200, r.text
+        assert _items(r.json()["output"]) == _items(want.json()["output"])
+
+
+def _items(output: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """A Responses output without its random ids."""
+    return [(o["type"], o.get("content"), o.get("name"), o.get("arguments")) for o in output]

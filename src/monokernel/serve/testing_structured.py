@@ -9,20 +9,20 @@ from pathlib import Path
 from typing import Any
 
 from monokernel.runtime.engine import Engine, EngineConfig
+from monokernel.runtime.speculative import SpeculativeConfig
 from monokernel.serve.app import create_app
 from monokernel.serve.settings import ServerSettings
 from monokernel.serve.testing import live_server, wait_ready
 from monokernel.serve.testing_names import MODEL_NAME
 from monokernel.testing.tiny_models import CHATML_TEMPLATE
 
-# What a server that cannot constrain says (any engine with --speculative).
-UNSUPPORTED = "constrained decoding does not combine with --speculative yet"
-
 
 def as_speculative(monkeypatch: Any, engine: Engine) -> None:
-    """Make ``engine`` look as if it ran with --speculative, which refuses constrained
-    requests (for the refusal tests; the engine itself still runs the tiny model)."""
-    monkeypatch.setattr(engine, "speculative", object())
+    """Make ``engine`` run with --speculative from now on (until the test ends), as a
+    server started with it does: its backend drafts."""
+    config = SpeculativeConfig()
+    monkeypatch.setattr(engine, "speculative", config)
+    monkeypatch.setattr(engine.backend, "speculative", config)
 
 
 # Short, so prompt and reply fit the tiny model's 256 positions; Hermes's <tool_call>

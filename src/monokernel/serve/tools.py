@@ -5,7 +5,7 @@ rendered through the model's own template, and the output format picked for pars
 ``tool_choice`` ``"required"`` or a named function can only be honoured by constraining
 decoding (the model may always answer in text otherwise): ``ToolRequest.force`` names the
 functions the reply must call, and serve/structured.py turns them into a grammar of the
-family's tool-call text (every engine; refused with --tp > 1 and --speculative).
+family's tool-call text (every engine; refused with --tp > 1).
 """
 
 from __future__ import annotations

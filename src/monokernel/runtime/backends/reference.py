@@ -33,12 +33,12 @@ class ReferenceBackend(Speculating):
 
     def stream(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[int]:
         sp = request.sampling
-        reason = unsupported_sampling_reason(sp, self.name, self.speculative is not None)
+        reason = unsupported_sampling_reason(sp, self.name)
         if reason is not None:
             raise InvalidRequestError(reason)
         prompt = torch.tensor(request.prompt_ids, dtype=torch.long, device=self.device)
         logits = self.model.prefill(prompt, self.cache)
-        if self.speculative is not None:
+        if self.drafting(request):
             yield from self._speculate(logits, request, cancel, self.cache.max_len)
             return
         pos = len(request.prompt_ids)  # where the token being sampled will sit

@@ -209,14 +209,14 @@ class TorchBackend(Speculating):
         n = len(ids)
         if n == 0 or n > self.max_seq_len:
             raise InvalidRequestError(f"prompt length {n} must be in [1, {self.max_seq_len}]")
-        reason = unsupported_sampling_reason(sp, self.name, self.speculative is not None)
+        reason = unsupported_sampling_reason(sp, self.name)
         if reason is not None:
             raise InvalidRequestError(reason)
         if self._threads is not None:
             self._threads.request_started()
         prompt = torch.tensor(ids, dtype=torch.long, device=self.device)
         logits = self.ref.prefill(prompt, self.cache)
-        if self.speculative is not None:
+        if self.drafting(request):
             yield from self._speculate(logits, request, cancel, self.max_seq_len)
             return
         tok = self.module.tok  # [1] int64 buffer, the step's input and greedy output
