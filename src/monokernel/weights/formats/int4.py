@@ -167,10 +167,10 @@ def group_cols(
     )
 
 
-def tile_pairs(a: torch.Tensor, b: torch.Tensor, base: float = 128.0) -> torch.Tensor:
+def tile_pairs(a: torch.Tensor, b: torch.Tensor, base: float) -> torch.Tensor:
     """a, b [rows, groups] -> the tile layout's pairs [rows / 16, groups, 8, 4]: rows g and
-    g + 8 of each tile as (a, b - base a), for a kernel that multiplies base + q (int4: 128;
-    int8 groups, int8.py: 1024)."""
+    g + 8 of each tile as (a, b - base a), for a kernel that multiplies base + q (int4:
+    TILE_BASE; int8 groups, int8.py: BASE)."""
     rows, groups = a.shape
     a, b = a.float(), b.float()
     ab = torch.stack((a, b - base * a), dim=2)  # [rows, groups, 2]

@@ -10,7 +10,11 @@ from typing import Any
 
 import torch
 
+from monokernel.weights.formats.int4 import TILE_BASE, TILE_UPPER
+
 BLOCK = 1024  # output columns a program writes
+# The tile layout's constants (int4.py), as the kernel's compile-time arguments.
+TILE_CONSTANTS = {"BASE": TILE_BASE, "UPPER": 1.0 / TILE_UPPER}
 
 
 @functools.cache
@@ -21,7 +25,7 @@ def _kernel() -> Any:
     @triton.jit
     def dequant_int4(
         data_ptr, pairs_ptr, out_ptr, cols, G: tl.constexpr, BLOCK: tl.constexpr,
-        TILES: tl.constexpr,
+        TILES: tl.constexpr, BASE: tl.constexpr, UPPER: tl.constexpr,
     ):  # fmt: skip
         # Program (row, column block): int4.py's layout read backwards, a weight at a time.
         row = tl.program_id(0).to(tl.int64)
@@ -55,9 +59,10 @@ def _kernel() -> Any:
         q = ((byte.to(tl.int32) >> nibble) & 15).to(tl.float32)
         a = tl.load(pair, mask=live, other=0.0)
         b = tl.load(pair + 1, mask=live, other=0.0)
-        # Tiles store (a', b - 1024 a'): a' (1024 + q) + b' for rows g of a tile, a' (1024 +
-        # 16 q) + b' for rows g + 8, the values the kernel multiplies by (int4.py).
-        w = a * (q * (1.0 + 15.0 * h) + 1024.0) + b if TILES else q * a + b
+        # Tiles store (a', b - BASE a'): a' (BASE + q) + b' for rows g of a tile, a' (BASE +
+        # UPPER q) + b' for rows g + 8, the values the kernel multiplies by (int4.py's
+        # TILE_BASE and 1 / TILE_UPPER).
+        w = a * (q * (1.0 + (UPPER - 1.0) * h) + BASE) + b if TILES else q * a + b
         tl.store(out_ptr + row * cols + col, w.to(tl.bfloat16), mask=live)
 
     return dequant_int4
@@ -67,8 +72,7 @@ def dequantize_bf16(data: torch.Tensor, pairs: torch.Tensor, cols: int) -> torch
     """The packed int4 matrix (data uint8 [rows, cols / 2], pairs float32 [rows, groups, 2],
     or the tile layout's: int4.py) as bf16 [rows, cols], on data's CUDA device: a * q + b
     (tiles: a' (1024 + q / m) + (b - 1024 a'), int4.py), which Triton may fuse into one
-    multiply-add, rounded
-    to bf16. So each weight is within one bf16 rounding of dense()'s
+    multiply-add, rounded to bf16. So each weight is within one bf16 rounding of dense()'s
     float32 value; where that is 0 a fused residue of the scale's own rounding, ~1e-8 of the
     step, may stand in for it."""
     tiled = data.dim() == 4  # the tile layout (int4.py)
@@ -76,5 +80,5 @@ def dequantize_bf16(data: torch.Tensor, pairs: torch.Tensor, cols: int) -> torch
     out = torch.empty(rows, cols, dtype=torch.bfloat16, device=data.device)
     group = cols // pairs.shape[1]
     grid = (rows, -(-cols // BLOCK))
-    _kernel()[grid](data, pairs, out, cols, G=group, BLOCK=BLOCK, TILES=tiled)
+    _kernel()[grid](data, pairs, out, cols, G=group, BLOCK=BLOCK, TILES=tiled, **TILE_CONSTANTS)
     return out

@@ -174,7 +174,7 @@ def test_the_registry_and_refusals() -> None:
 _INTERPRETED = """
 import torch
 from monokernel.weights.formats.int4 import Int4Groups
-from monokernel.weights.formats.int4_triton import BLOCK, _kernel
+from monokernel.weights.formats.int4_triton import BLOCK, TILE_CONSTANTS, _kernel
 cases = [(5, 576, 64, 0), (3, 1408, 32, 0), (2, 4096, 128, 0), (1, 96, 32, 0),
          (32, 576, 32, 1), (16, 1024, 128, 1), (48, 256, 64, 1)]
 for rows, cols, group, tiles in cases:
@@ -182,7 +182,9 @@ for rows, cols, group, tiles in cases:
     m = fmt.pack(torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols)))
     out = torch.empty(rows, cols, dtype=torch.bfloat16)
     grid = (rows, -(-cols // BLOCK))
-    _kernel()[grid](m.data, m.scales[0], out, cols, G=group, BLOCK=BLOCK, TILES=bool(tiles))
+    _kernel()[grid](
+        m.data, m.scales[0], out, cols, G=group, BLOCK=BLOCK, TILES=bool(tiles), **TILE_CONSTANTS
+    )
     w = fmt.dense(m, torch.float32)
     truncated = (w.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
     assert torch.equal(out, truncated), (rows, cols, group)
