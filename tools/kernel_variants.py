@@ -35,6 +35,7 @@ from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.backends.monokernel import MonokernelBackend
 from monokernel.runtime.backends.monokernel.kernel import KernelBuild
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.weights.quantize import QUANTIZE_METHODS
 from monokernel.weights.random_weights import random_weights
 
 
@@ -76,7 +77,7 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument(
         "--quantize",
-        choices=["fp8", "int8", "int4"],
+        choices=QUANTIZE_METHODS,
         help="the layers' weight format (--quantize)",
     )
     ap.add_argument("--json", dest="json_file")

@@ -25,6 +25,7 @@ from monokernel.kernels import layout
 from monokernel.kernels.plan import attn_units
 from monokernel.models.shapes import SHAPES
 from monokernel.runtime.backends.monokernel import MonokernelBackend
+from monokernel.weights.quantize import QUANTIZE_METHODS
 from monokernel.weights.random_weights import random_weights
 
 
@@ -44,7 +45,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--variant", action="append", default=[], help="NAME=NVCC_FLAGS")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--step", type=int, default=128)
-    ap.add_argument("--quantize", choices=["fp8", "int8", "int4"], help="the layers' weight format")
+    ap.add_argument("--quantize", choices=QUANTIZE_METHODS, help="the layers' weight format")
     ap.add_argument("--json", dest="json_file", help="every CTA's times (ns), by variant")
     args = ap.parse_args(argv)
     cfg = SHAPES[args.shape]

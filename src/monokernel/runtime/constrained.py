@@ -115,7 +115,7 @@ def require_llguidance() -> Any:
 
 def unsupported_reason(engine: str) -> str | None:
     """Why an engine cannot run a constrained request, or None when it can. (Under
-    --speculative it decodes without drafts: speculative.drafts_for.)"""
+    --speculative it decodes without drafts: Speculating.drafting.)"""
     if engine not in CONSTRAINED_ENGINES:
         return (
             f"constrained decoding runs on the {', '.join(CONSTRAINED_ENGINES)} engines; this "

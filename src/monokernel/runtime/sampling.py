@@ -165,7 +165,7 @@ PENALTY_ENGINES = ("reference", "torch", "monokernel")
 def unsupported_sampling_reason(params: SamplingParams, engine: str) -> str | None:
     """Why an engine cannot honour ``params``' logit processing or logprobs, or None when
     it can. The message starts with the first such field's name. (Under --speculative such
-    a request decodes without drafts: speculative.drafts_for.)"""
+    a request decodes without drafts: Speculating.drafting.)"""
     fields = params.host_fields()
     if not fields:
         return None

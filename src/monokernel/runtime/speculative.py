@@ -158,6 +158,13 @@ def verify_one(forward: Forward, token: int, at: int, params: SamplingParams) ->
     return sample(forward([token], at)[0], params, at + 1)
 
 
+def passes_serve(request: DecodeRequest) -> bool:
+    """Whether verification passes can serve ``request``: not with a grammar (each draft
+    would need checking against it first), logit processing or logprobs (they go a token at
+    a time)."""
+    return request.matcher is None and not request.sampling.host_fields()
+
+
 def speculative_stream(
     forward: Forward,
     first_logits: torch.Tensor,
@@ -176,9 +183,7 @@ def speculative_stream(
     ``forward`` of one token); ``greedy_pass``: its greedy picks for a pass with a draft.
     ``drafting`` False: no draft is made, every pass is ``step`` (a backend whose passes
     over several positions would not sum as its step does)."""
-    # Drafts would need checking against the grammar, and the penalties and logprobs go a
-    # token at a time: such a request decodes without drafts (Speculating.drafting).
-    assert request.matcher is None and not request.sampling.host_fields()
+    assert passes_serve(request), "such a request decodes without drafts (Speculating.drafting)"
     if step is None:
         step = partial(verify_one, forward)
     sp, n = request.sampling, len(request.prompt_ids)
@@ -249,16 +254,14 @@ class Speculating:
 
     def drafting(self, request: DecodeRequest) -> bool:
         """Whether ``request`` decodes with drafts (``_speculate``): under --speculative,
-        unless it asks for what a verification pass does not do (a grammar's mask, logit
-        processing, logprobs). Those decode one token a pass, which gives the same tokens,
-        and report nothing drafted."""
-        self.speculation = None
+        where passes_serve it. The others decode one token a pass, which gives the same
+        tokens; ``speculation`` is reset for the request (nothing drafted, or None without
+        --speculative)."""
         if self.speculative is None:
+            self.speculation = None
             return False
-        if request.matcher is not None or request.sampling.host_fields():
-            self.speculation = SpeculationStats()
-            return False
-        return True
+        self.speculation = SpeculationStats()
+        return passes_serve(request)
 
     def _speculate(
         self,
