@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from monokernel import envs
@@ -60,6 +60,10 @@ MAX_HEAD_DIM = 256
 # KernelDims.weight_format / head_format -> the C++ format type (csrc/formats/):
 # MK_WEIGHT_FORMAT / MK_HEAD_FORMAT.
 WEIGHT_FORMATS: dict[str, str] = {name: f.kernel_type for name, f in FORMATS.items()}
+
+
+# Positions a verify pass computes at most (dims.cuh checks the same bound).
+MAX_PASS_POSITIONS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +108,17 @@ class KernelDims:
     qkv_group: int = 0
     down_format: str = ""
     down_group: int = 0
+    # Positions one verify pass computes (MK_P; 1: the one-token step). A pass build is planned
+    # exactly as the step build of the same dims (its window and attention ranges), so each of
+    # its positions is computed as a step would compute it (docs/speculative.md).
+    positions: int = 1
 
     def __post_init__(self) -> None:
+        if not 1 <= self.positions <= MAX_PASS_POSITIONS or (self.positions > 1 and self.tp > 1):
+            raise ValueError(
+                f"positions {self.positions}: a verify pass computes 1 to {MAX_PASS_POSITIONS} "
+                "positions, on one GPU"
+            )
         if self.weight_tiles is None and self.weight_format == "int8" and self.weight_group:
             object.__setattr__(self, "weight_tiles", True)  # int8 groups exist only in tiles
         if self.weight_tiles is None and self.weight_format in TILE_FORMATS:
@@ -168,10 +181,24 @@ class KernelDims:
             "MK_HEAD_FORMAT": WEIGHT_FORMATS[self.head_format],
             "MK_TILES": int(bool(self.weight_tiles)),
             "MK_SUM_SPLIT": layout.sum_split(self),
+            "MK_P": self.positions,
             **(choices := self.choices(flags)),
-            "MK_SMEM_BYTES": layout.smem_bytes(self, choices["MK_ATTN_CHUNK"]),
+            "MK_SMEM_BYTES": self.checked_smem(choices["MK_ATTN_CHUNK"]),
         }
         return [f"-D{k}={v}" for k, v in vals.items()]
+
+    def checked_smem(self, attn_chunk: int) -> int:
+        """Shared memory of the build with this window; refuses a pass build whose positions'
+        vectors leave no room for the step build's window (it must keep the step's plan)."""
+        n = layout.smem_bytes(self, attn_chunk)
+        if n > layout.MAX_SMEM_BYTES:
+            raise UnsupportedModelError(
+                f"a verify pass of {self.positions} positions needs {n} bytes of shared memory "
+                f"a CTA with this shape's attention window of {attn_chunk} positions; a CTA "
+                f"has {layout.MAX_SMEM_BYTES} (hidden {self.hidden}, intermediate "
+                f"{self.intermediate}): fewer positions, or a smaller model"
+            )
+        return n
 
     def stage_format(self, stage: str = "") -> tuple[str, int]:
         """(format, group) of the layers' matrices, or of stage ``qkv`` / ``down``'s."""
@@ -397,7 +424,7 @@ class KernelDims:
         """Positions of one attention range held in shared memory (K and V, bf16): as many as
         the CTA's shared memory leaves room for (layout.py's carve-up), a multiple of 32, at
         most 512."""
-        return layout.max_attn_chunk(self)
+        return layout.max_attn_chunk(replace(self, positions=1))
 
     def attn_range(self) -> int:
         """Positions per head-unit range at short context (0: one range per window): two

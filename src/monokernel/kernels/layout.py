@@ -138,6 +138,8 @@ TILES = sym("tiles", "MK_TILES")  # 1: the layers' format streams 16-row tiles (
 # A tile GEMV's input sums a 32 columns: 2 where its groups are 16 columns (int8 groups of a
 # GGUF Q6_K), else 1.
 SUM_SPLIT = sym("sum_split", "MK_SUM_SPLIT")
+# Positions a verify pass computes (1: the one-token step; build.py KernelDims.positions).
+P = sym("positions", "MK_P")
 T = Expr("kThreads", lambda e: THREADS)
 W = Expr("kWarps", lambda e: WARPS)
 SLOTS = Expr("kSplitSlots", lambda e: SPLIT_SLOTS)
@@ -157,6 +159,7 @@ class Shape(Protocol):
     heads: int
     kv_heads: int
     weight_tiles: bool | None
+    positions: int
 
     def stage_formats(self) -> list[tuple[str, int]]: ...
 
@@ -174,6 +177,7 @@ def env(shape: Shape, attn_chunk: int = 0) -> dict[str, int]:
         "attn_chunk": attn_chunk,
         "tiles": int(bool(shape.weight_tiles)),
         "sum_split": sum_split(shape),
+        "positions": shape.positions,
     }
 
 
@@ -184,7 +188,7 @@ def sum_split(shape: Shape) -> int:
 
 # ---- shared memory, in floats ---------------------------------------------------------------
 
-# The longest input vector a stage reads.
+# The longest input vector a stage reads (one position's).
 XS = named("kXsFloats", emax(emax(H, Q), I))
 CH = named("kAttnCh", D // 8)  # 16-byte chunks in a key or value row
 GV = named("kAttnGv", T // CH)  # head units' P·V position groups
@@ -202,15 +206,24 @@ ATTN_SCRATCH_GROUP = named(
 PART = named("kPartFloats", SLOTS + TILES * (8 * 16 - SPLIT_SLOTS))
 # Stage D borrows the scratch: the split-K partials [WARPS, PART] | its normalised input [H] |
 # the next norm's staged gain [H] | a tile GEMV's input sums [XS / 32 per SUM_SPLIT].
-D_INPUT = named("kDInputFloats", W * PART + 2 * H + TILES * SUM_SPLIT * XS // 32)
+# A pass's D input is one [H] a position.
+D_INPUT = named("kDInputFloats", W * PART + (P + 1) * H + TILES * SUM_SPLIT * XS // 32)
 ATTN_SCRATCH = named("kAttnScratch", emax(emax(ATTN_SCRATCH_HEAD, ATTN_SCRATCH_GROUP), D_INPUT))
+# The same at one position: the reader merge's bound below must not move with the positions (a
+# pass's attention is planned exactly as a step's).
+ATTN_SCRATCH_STEP = named(
+    "kAttnScratchStep",
+    emax(
+        emax(ATTN_SCRATCH_HEAD, ATTN_SCRATCH_GROUP), W * PART + 2 * H + TILES * SUM_SPLIT * XS // 32
+    ),
+)
 RED_FLOATS = 64
 # The K/V window: K and V rows [CHUNK, D] bf16 | the RoPE row [D] | per ring stage an mbarrier
 # (2 floats) and two counters.
 WINDOW = named("kWindowFloats", ATTN_CHUNK * D + D + 4 * STAGES)
 # Stage C's reader merge: ranges whose partials [ns, Q] fit xs and statistics [ns, NH, 4] the
 # scratch.
-MERGE_NS = named("kMergeNs", emin(XS // Q, ATTN_SCRATCH // (4 * NH)))
+MERGE_NS = named("kMergeNs", emin(XS // Q, ATTN_SCRATCH_STEP // (4 * NH)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,8 +236,10 @@ class Region:
 # In order; each region starts 16-byte aligned (every size above is a multiple of 4 floats
 # except the window's tail, and the sampling scratch after it is rounded up).
 SMEM: tuple[Region, ...] = (
-    Region("xs", XS, "the current stage's input vector (the longest of H, Q, I)"),
-    Region("xres", H, "the residual after attention, from stage D to E"),
+    Region(
+        "xs", P * XS, "the current stage's input vectors (the longest of H, Q, I), one a position"
+    ),
+    Region("xres", P * H, "the residual after attention, from stage D to E, one a position"),
     Region("att", ATTN_SCRATCH, "stage B's scratch; stage D's input and gain borrow it"),
     Region("red", lit(RED_FLOATS), "block reductions"),
     Region("window", WINDOW, "the K/V window ring (attention_window.cuh)"),
@@ -381,7 +396,7 @@ PARAMS: tuple[Field, ...] = (
     Field("repetition", "float", ctypes.c_float, "repetition_penalty (with seen; 1: off)"),
     Field("min_p", "float", ctypes.c_float, "0: off"),
     Field("n_logprobs", "int", ctypes.c_int32, "alternatives a step's lp_out record holds"),
-    Field("lp_pad_", "int", ctypes.c_int32, "alignment"),
+    Field("pass_len", "int", ctypes.c_int32, "positions each pass computes (a pass build, MK_P)"),
 )
 
 # Appended in a -DMK_TP=N build (tp.cuh): the peers' receive buffers and this rank's place.
@@ -527,10 +542,11 @@ def barrier_words() -> int:
     return TICKET_STRIDE * (1 + WARPS)
 
 
-def token_words(grid: int) -> tuple[int, int]:
+def token_words(grid: int, positions: int = 1) -> tuple[int, int]:
     """(float32 words of Params::part_score, int32 words of Params::part_id) on ``grid``
-    CTAs: each CTA's best (score, id), or in part_score one tagged 64-bit word a CTA."""
-    return 2 * grid, grid
+    CTAs: each CTA's best (score, id), or in part_score one tagged 64-bit word a CTA and
+    position of a pass."""
+    return 2 * grid * positions, grid
 
 
 HOST_OUT_HEAD = 2  # host_out: [0] steps done, [1] done flag, then one word a token
@@ -600,19 +616,20 @@ def attention_slots(cfg: Config, grid: int) -> int:
     return cfg.num_heads * max(grid // cfg.num_heads, grid // cfg.num_kv_heads)
 
 
-def handoff_regions(cfg: Config, grid: int) -> tuple[HandoffRegion, ...]:
-    """The hand-off buffer's regions, in order, for ``cfg`` on ``grid`` CTAs. qkv has one
-    copy: only the attention units read it."""
+def handoff_regions(cfg: Config, grid: int, positions: int = 1) -> tuple[HandoffRegion, ...]:
+    """The hand-off buffer's regions, in order, for ``cfg`` on ``grid`` CTAs: in a copy, one
+    vector a position of a pass ([positions, n]). qkv has one copy: only the attention units
+    read it."""
     slots = attention_slots(cfg, grid)
-    c = FLOW_COPIES
+    c, n = FLOW_COPIES, positions
     return (
-        HandoffRegion("x", cfg.hidden_size, c),
-        HandoffRegion("qkv", cfg.q_size + 2 * cfg.kv_size, 1),
-        HandoffRegion("delta", cfg.hidden_size, c),
-        HandoffRegion("attn_out", cfg.q_size, c),
-        HandoffRegion("act", cfg.intermediate_size, c),
-        HandoffRegion("attn", slots * cfg.head_dim, c),
-        HandoffRegion("attn_ml", slots * 4, c),
+        HandoffRegion("x", n * cfg.hidden_size, c),
+        HandoffRegion("qkv", n * (cfg.q_size + 2 * cfg.kv_size), 1),
+        HandoffRegion("delta", n * cfg.hidden_size, c),
+        HandoffRegion("attn_out", n * cfg.q_size, c),
+        HandoffRegion("act", n * cfg.intermediate_size, c),
+        HandoffRegion("attn", n * slots * cfg.head_dim, c),
+        HandoffRegion("attn_ml", n * slots * 4, c),
     )
 
 
@@ -741,7 +758,7 @@ def header() -> str:
         "// a tile GEMV's input sums.",
         "constexpr int kAttPart = 0;",
         "constexpr int kAttXd = kWarps * kPartFloats;",
-        "constexpr int kAttGain = kAttXd + MK_H;",
+        "constexpr int kAttGain = kAttXd + MK_P * MK_H;",
         "constexpr int kAttSums = kAttGain + MK_H;",
         "static_assert(kAttSums + MK_TILES * MK_SUM_SPLIT * kXsFloats / 32 == kDInputFloats,",
         '              "layout.py: D_INPUT");',

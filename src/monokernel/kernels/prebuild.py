@@ -36,6 +36,12 @@ def main(argv: list[str]) -> int:
         "bf16,fp8,int8,int4,int4:32; int4 is in groups of 128 columns unless :GROUP says); "
         "a shape whose rows are not whole loads in a format is skipped for it",
     )
+    ap.add_argument(
+        "--positions",
+        type=int,
+        default=1,
+        help="positions a verify pass computes (1: the decode step's build; docs/speculative.md)",
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
     unknown = [n for n in args.shapes if n not in SHAPES]
@@ -49,7 +55,10 @@ def main(argv: list[str]) -> int:
             name, _, group = fmt.partition(":")
             g = int(group or DEFAULT_GROUP) if name == "int4" else 0
             d = dataclasses.replace(
-                KernelDims.from_config(SHAPES[n]), weight_format=name, weight_group=g
+                KernelDims.from_config(SHAPES[n]),
+                weight_format=name,
+                weight_group=g,
+                positions=args.positions,
             )
             try:
                 d.check_formats()

@@ -217,6 +217,34 @@ def test_int8_group_kernel_compiles(shape: str, group: int, tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr
 
 
+def test_verify_pass_builds_and_their_bounds() -> None:
+    """A pass build (MK_P) is the step build's dims with more positions: refused past 8, under
+    tensor parallelism, and where the positions' vectors leave shared memory no room for the
+    step build's window."""
+    step = _dims("smollm2-135m")
+    four = dataclasses.replace(step, positions=4)
+    assert "-DMK_P=4" in four.defines() and "-DMK_P=1" in step.defines()
+    assert four.choices() == step.choices()  # the same window, ranges and deals
+    for bad in (0, kbuild.MAX_PASS_POSITIONS + 1):
+        with pytest.raises(ValueError, match="1 to 8 positions"):
+            dataclasses.replace(step, positions=bad)
+    with pytest.raises(ValueError, match="on one GPU"):
+        dataclasses.replace(_tp_dims("qwen2.5-coder-1.5b"), positions=2)
+    with pytest.raises(UnsupportedModelError, match="verify pass of 4 positions"):
+        dataclasses.replace(_dims("llama-3.1-8b"), positions=4).defines()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("fmt", ["bf16", "int4"])
+def test_verify_pass_kernel_compiles(fmt: str, tmp_path: Path) -> None:
+    """The default model's shape as a pass build of 4 positions, in bf16 rows and in the int4
+    groups of 32 its GGUF's Q4_1 layers stream as."""
+    group = 32 if fmt == "int4" else 0
+    dims = _dims("smollm2-135m", weight_format=fmt, weight_group=group, positions=4)
+    proc = kbuild.compile_check(dims, tmp_path / "decode.o")
+    assert proc.returncode == 0, proc.stderr
+
+
 @needs_nvcc
 def test_mixed_stage_kernel_compiles(tmp_path: Path) -> None:
     """A GGUF Q4_K_M's plan (weights/quantize.py GroupsPlan): int4 tiles in groups of 32,

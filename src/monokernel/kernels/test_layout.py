@@ -5,6 +5,7 @@ the host allocates are the ones the kernel indexes."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import re
 
 import pytest
@@ -115,6 +116,12 @@ def test_handoff_regions() -> None:
     ]
     # Every region names a Params pointer the kernel reads it through.
     assert {r.name for r in regions} <= {f.name for f in layout.PARAMS}
+    # A verify pass's build holds one vector a position in each region's copy.
+    three = layout.handoff_regions(cfg, 132, positions=3)
+    assert [(r.name, r.floats, r.copies) for r in three] == [
+        (r.name, 3 * r.floats, r.copies) for r in regions
+    ]
+    assert layout.token_words(132, 3) == (2 * 132 * 3, 132)
 
 
 def test_shared_memory_carve_up() -> None:
@@ -129,6 +136,14 @@ def test_shared_memory_carve_up() -> None:
         assert dims.attn_chunk() == chunk, shape
         assert dims.smem_bytes() == smem, shape
         assert dims.merge_ranges() == merge, shape
+    # A pass build keeps its step build's window and merged ranges (a pass plans attention as
+    # steps do) and holds one input vector a position besides.
+    step = kbuild.KernelDims.from_config(SHAPES["smollm2-135m"])
+    four = dataclasses.replace(step, positions=4)
+    assert (four.attn_chunk(), four.merge_ranges()) == (step.attn_chunk(), step.merge_ranges())
+    # xs and xres three more vectors each; stage B's scratch, the largest user of att, still
+    # holds D's four inputs.
+    assert four.smem_bytes() - step.smem_bytes() == 4 * 3 * (1536 + 576)
     for cfg in SHAPES.values():
         dims = kbuild.KernelDims.from_config(cfg)
         assert dims.smem_bytes() <= layout.MAX_SMEM_BYTES

@@ -13,9 +13,47 @@
 // unit that finishes the head's last range. done: the value the head's completion counter
 // reaches with this layer's ranges (every CTA tracks the same running total, so the counter
 // is never reset).
+// The keys of positions pos0 <= j < pos, a pass's own (q: this query's index in the pass),
+// into the window rows the cache would have filled: each rotated (and normed) from its qkv
+// vector exactly as the step at j appended it (attention_head), then rounded to bf16 as the
+// cache holds it, so the scores are the step's to the bit. kf, vf: 2 D floats of scratch.
+__device__ __forceinline__ void window_own_rows(const Params& p, const LayerWeights& lw,
+                                                const AttnRange& r, int kvh, int pos0, int pos,
+                                                unsigned tag, float* win, float* kf) {
+  const int t = threadIdx.x;
+  constexpr int HALF = MK_D / 2;
+  float* vf = kf + MK_D;
+  bf16* kw = reinterpret_cast<bf16*>(win);
+  bf16* vw = kw + MK_ATTN_CHUNK * MK_D;
+  for (int j = max(pos0, r.lo); j < min(pos, r.lo + r.nc); ++j) {
+    const float* row = p.qkv + (j - pos0) * kQkv;
+    if (t < MK_D) {
+      kf[t] = ld_flow(row + MK_Q + kvh * MK_D + t, tag);
+      vf[t] = ld_flow(row + MK_Q + MK_KV + kvh * MK_D + t, tag);
+    }
+    __syncthreads();
+#if MK_QK_NORM
+    if (t < 32) head_rms(kf, lw.k_norm, p.eps, t);
+    __syncthreads();
+#endif
+    if (t < HALF) {
+      const float c = p.rope_cos[(size_t)j * HALF + t], s = p.rope_sin[(size_t)j * HALF + t];
+      const float2 k = rope_pair(kf[t], kf[t + HALF], c, s);
+      const size_t at = (size_t)(j - r.lo) * MK_D + t;
+      kw[at] = __float2bfloat16(k.x);
+      kw[at + HALF] = __float2bfloat16(k.y);
+      vw[at] = __float2bfloat16(vf[t]);
+      vw[at + HALF] = __float2bfloat16(vf[t + HALF]);
+    }
+    __syncthreads();
+  }
+}
+
+// q, pos0: this query's index in a pass and the pass's first position (0 and pos in a step).
 __device__ void attention_head(const Params& p, const LayerWeights& lw, int layer,
                                const AttnPlan& a, int pos, unsigned done, unsigned tag,
-                               float* sm, float* red, float* win) {
+                               float* sm, float* red, float* win, int q = 0, int pos0 = 0) {
+  if constexpr (MK_P == 1) q = 0;  // a step build: no offsets computed at run time
   const int t = threadIdx.x;
   constexpr int HALF = MK_D / 2;
   constexpr int CH = kAttnCh, GV = kAttnGv;
@@ -34,9 +72,9 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   float* smax = part + GV * MK_D;  // [WARPS] each warp's largest score
   float* lsum = smax + kWarps;   // [GV] each P·V group's sum of exp(score - max)
 
-  const float* pq = p.qkv + hq * MK_D;
-  const float* pk = p.qkv + MK_Q + kvh * MK_D;
-  const float* pv = p.qkv + MK_Q + MK_KV + kvh * MK_D;
+  const float* pq = p.qkv + q * kQkv + hq * MK_D;
+  const float* pk = p.qkv + q * kQkv + MK_Q + kvh * MK_D;
+  const float* pv = p.qkv + q * kQkv + MK_Q + MK_KV + kvh * MK_D;
   const int stages = max(1, (r.nc + kAttnP - 1) / kAttnP);  // filled by the prefetch
 #if !MK_QK_NORM
   // Thread t < HALF fetches the pairs (t, t + HALF) of q, k and v (all six words in flight
@@ -59,8 +97,9 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     for (int j = 0; j < 6; ++j) w[j] = __uint_as_float(u[j] & ~MK_TAG_BITS);
     qs[t] = (w[0] * c - w[1] * s) * scale;
     qs[t + HALF] = (w[1] * c + w[0] * s) * scale;
-    kn[t] = w[2] * c - w[3] * s;
-    kn[t + HALF] = w[3] * c + w[2] * s;
+    const float2 k = rope_pair(w[2], w[3], c, s);
+    kn[t] = k.x;
+    kn[t + HALF] = k.y;
     vn[t] = w[4];
     vn[t + HALF] = w[5];
   }
@@ -68,6 +107,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   skew(p, pos - p.start_pos, layer, kSkewAttentionQkvIn);
   if (t == 0)
     for (int s = 0; s < stages; ++s) window_done(win, s);
+  if constexpr (MK_P > 1) window_own_rows(p, lw, r, kvh, pos0, pos, tag, win, sc);
 #else
   if (t < MK_D) {  // all three loads in flight before waiting for any: one round trip
     const float* src[3] = {pq + t, pk + t, pv + t};
@@ -95,11 +135,12 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     const float q1 = qs[t], q2 = qs[t + HALF];
     qs[t] = (q1 * c - q2 * s) * scale;
     qs[t + HALF] = (q2 * c + q1 * s) * scale;
-    const float k1 = kn[t], k2 = kn[t + HALF];
-    kn[t] = k1 * c - k2 * s;
-    kn[t + HALF] = k2 * c + k1 * s;
+    const float2 k = rope_pair(kn[t], kn[t + HALF], c, s);
+    kn[t] = k.x;
+    kn[t + HALF] = k.y;
   }
   __syncthreads();
+  if constexpr (MK_P > 1) window_own_rows(p, lw, r, kvh, pos0, pos, tag, win, sc);
 #endif
   // The first query head of each group appends the new key/value; the others use the
   // shared-memory copies for this position, so no CTA waits on another's write.
@@ -198,7 +239,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     if (t < MK_D) {
       float o = 0.f;
       for (int gg = 0; gg < GV; ++gg) o += part[gg * MK_D + t];
-      st_flow_copies(p.attn_out + hq * MK_D + t, MK_Q, o / l, tag);
+      st_flow_copies(p.attn_out + q * MK_Q + hq * MK_D + t, MK_P * MK_Q, o / l, tag);
     }
     __syncthreads();
     return;
@@ -208,26 +249,31 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     if (t < MK_D) {
       float o = 0.f;
       for (int gg = 0; gg < GV; ++gg) o += part[gg * MK_D + t];
-      st_flow_copies(p.attn + (size_t)slot * MK_D + t, attn_slots(p) * MK_D, o, tag);
+      st_flow_copies(p.attn + attn_query_part(p, q) + (size_t)slot * MK_D + t,
+                     MK_P * attn_slots(p) * MK_D, o, tag);
     }
     if (t < 4) {
       const float v = t == 0 ? m : t == 1 ? l : 0.f;
-      st_flow_copies(p.attn_ml + 4 * slot + t, attn_slots(p) * 4, v, tag);
+      st_flow_copies(p.attn_ml + attn_query_ml(p, q) + 4 * slot + t, MK_P * attn_slots(p) * 4, v,
+                     tag);
     }
     __syncthreads();
     return;
   }
   const int slot = hq * a.ns + split;
+  float* const part_q = p.attn + attn_query_part(p, q);
+  float* const ml_q = p.attn_ml + attn_query_ml(p, q);
   if (t < MK_D) {
     float o = 0.f;
     for (int gg = 0; gg < GV; ++gg) o += part[gg * MK_D + t];
-    p.attn[(size_t)slot * MK_D + t] = o;
+    part_q[(size_t)slot * MK_D + t] = o;
   }
   if (t == 0) {
-    p.attn_ml[2 * slot] = m;
-    p.attn_ml[2 * slot + 1] = l;
+    ml_q[2 * slot] = m;
+    ml_q[2 * slot + 1] = l;
   }
-  attn_finish(p, p.attn_count + hq, done, 1, a.ns, hq * a.ns, 1, 0, hq, tag, red, sc);
+  attn_finish(p, p.attn_count + q * (MK_NH + MK_NKV) + hq, done, 1, a.ns, hq * a.ns, 1, 0, hq,
+              tag, red, sc, q);
   __syncthreads();
 }
 
@@ -253,5 +299,26 @@ __device__ __forceinline__ void attention_stage(const Params& p, const LayerWeig
 #endif
   } else {
     attention_head(p, lw, layer, a, pos, done_head, tag, sm, red, win);
+  }
+}
+
+// A pass's stage B: each query planned as the step at its position plans it, on the same
+// CTAs; query 0's window was filled a stage ahead, each later one's is filled here. Group
+// units (long context) have no pass: the host decodes those positions by steps.
+__device__ __forceinline__ void attention_stage_pass(const Params& p, const LayerWeights& lw,
+                                                     int layer, int pos0, int n,
+                                                     unsigned (&done)[MK_P], unsigned tag,
+                                                     float* sm, float* red, float* win) {
+  for (int q = 0; q < n; ++q) {
+    const int qp = pos0 + q;
+    const AttnPlan a = attn_plan(p, qp);
+    if (a.group) __trap();  // the host keeps a pass to contexts head units cover
+    if (a.ns > 1 && !attn_reader_merges(a)) done[q] += (unsigned)a.ns;
+    if ((int)blockIdx.x >= a.units) continue;
+    if (q) {
+      __syncthreads();  // the last query's reads of the window are done
+      attention_fill_query(p, layer, a, qp, pos0, win);
+    }
+    attention_head(p, lw, layer, a, qp, done[q], tag, sm, red, win, q, pos0);
   }
 }

@@ -71,6 +71,16 @@ __device__ __forceinline__ bool attn_reader_merges(const AttnPlan& a) {
   return !a.group && a.ns > 1 && a.ns <= kMergeNs;
 }
 
+// Where query q of a pass keeps its ranges' partials in p.attn and p.attn_ml (a step's at 0):
+// the regions hold MK_P queries' slots, whichever of the two merges a query's plan takes (the
+// reader merge's tagged [slots, 4] statistics, or the last unit's [slots, 2]).
+__device__ __forceinline__ size_t attn_query_part(const Params& p, int q) {
+  return MK_P == 1 ? 0 : (size_t)q * attn_slots(p) * MK_D;
+}
+__device__ __forceinline__ size_t attn_query_ml(const Params& p, int q) {
+  return MK_P == 1 ? 0 : (size_t)q * attn_slots(p) * 4;
+}
+
 // Where head unit (hq, range s) leaves its partial for a reader merge: the unnormalised
 // output [D] at p.attn + slot * D and (max, exp-sum, 0, 0) at p.attn_ml + 4 * slot, all
 // tagged (flow.cuh); slot = s * NH + hq, so range s of every head is one contiguous vector.
@@ -83,10 +93,11 @@ __device__ __forceinline__ int attn_part_slot(int hq, int split) { return split 
 // chunks, inside which the swizzle moves values, so the combine runs in place without a
 // barrier inside it. Each combining thread also weighs its head's ranges itself (a few exps
 // a thread) instead of one thread a head doing it for all behind one more barrier.
+// q: the query of a pass (its partials lie q slots-worth into each copy).
 __device__ __forceinline__ void load_attn_merged(const Params& p, int ns, unsigned tag,
-                                                 float* xs, float* st) {
-  const float* part = flow_copy(p.attn, attn_slots(p) * MK_D);
-  const float* stats = flow_copy(p.attn_ml, attn_slots(p) * 4);
+                                                 float* xs, float* st, int q = 0) {
+  const float* part = flow_copy(p.attn, MK_P * attn_slots(p) * MK_D) + attn_query_part(p, q);
+  const float* stats = flow_copy(p.attn_ml, MK_P * attn_slots(p) * 4) + attn_query_ml(p, q);
   constexpr int NA = FlowChunks<kMergeNs * MK_Q>::N;
   constexpr int NB = FlowChunks<4 * kMergeNs * MK_NH>::N;
   flow_fetch<NA, NB>(xs, part, tag, ns * MK_Q / 4, st, stats, tag, ns * MK_NH);
@@ -251,6 +262,26 @@ __device__ __forceinline__ void attention_prefetch(const Params& p, int layer, i
   }
 }
 
+// A pass's query at qp > pos0 (the pass's first position) on this CTA's unit of plan a: its
+// range's cached positions (those before pos0; the pass's own come from its qkv vectors,
+// attention_head) and the RoPE row of qp, filled now and waited for by the unit, in as many
+// ring stages as the unit spins on. After a __syncthreads that ends the window's last reads.
+__device__ __forceinline__ void attention_fill_query(const Params& p, int layer,
+                                                     const AttnPlan& a, int qp, int pos0,
+                                                     float* win) {
+  if (threadIdx.x != 0) return;
+  int kvh, split;
+  attn_unit(a, blockIdx.x, kvh, split);
+  const AttnRange r = attn_range(split, a.ns, qp);
+  const int cached = max(0, min(r.nc, pos0 - r.lo));
+  fence_window();
+  const int stages = max(1, min(kAttnStages, (r.nc + kAttnP - 1) / kAttnP));
+  for (int s = 0; s < stages; ++s) {
+    const int cnt = max(0, min(kAttnP, cached - s * kAttnP));
+    window_fill(p, layer, kvh, r.lo + s * kAttnP, cnt, s, s == 0 ? qp : -1, win);
+  }
+}
+
 // Every thread spins until ring stage `stage`'s current fill has landed. The caller bumps
 // the stage's waited count (window_done) after a __syncthreads that follows every thread's
 // spin, so no thread reads a parity that has already moved on.
@@ -287,16 +318,20 @@ __device__ __forceinline__ void attention_window_drain(float* win) {
 // nh heads; the partial of head h, range s is slot base + s * ss + h * sh of p.attn [*, D] and
 // p.attn_ml [*, 2] (max, exp-sum); outputs go to heads out0 .. out0 + nh - 1. scratch: nh * ns
 // floats of shared memory nobody else uses now.
+// q: the query of a pass whose output this is (attn_out + q Q, copies MK_P Q apart).
 __device__ __forceinline__ void attn_merge(const Params& p, int nh, int ns, int base, int ss,
-                                           int sh, int out0, unsigned tag, float* scratch) {
+                                           int sh, int out0, unsigned tag, float* scratch,
+                                           int q = 0) {
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const float* const part_q = p.attn + attn_query_part(p, q);
+  const float* const ml_q = p.attn_ml + attn_query_ml(p, q);
   for (int h = warp; h < nh; h += kWarps) {
     float mx = -INFINITY;
-    for (int s = lane; s < ns; s += 32) mx = fmaxf(mx, __ldcg(p.attn_ml + 2 * (base + s * ss + h * sh)));
+    for (int s = lane; s < ns; s += 32) mx = fmaxf(mx, __ldcg(ml_q + 2 * (base + s * ss + h * sh)));
     mx = warp_max(mx);
     float den = 0.f;
     for (int s = lane; s < ns; s += 32) {
-      const float* ml = p.attn_ml + 2 * (base + s * ss + h * sh);
+      const float* ml = ml_q + 2 * (base + s * ss + h * sh);
       const float m = __ldcg(ml);
       const float w = m == -INFINITY ? 0.f : expf(m - mx);
       scratch[h * ns + s] = w;
@@ -311,8 +346,8 @@ __device__ __forceinline__ void attn_merge(const Params& p, int nh, int ns, int 
     float acc = 0.f;
 #pragma unroll 4
     for (int s = 0; s < ns; ++s)
-      acc = fmaf(scratch[h * ns + s], __ldcg(p.attn + (size_t)(base + s * ss + h * sh) * MK_D + d), acc);
-    st_flow_copies(p.attn_out + (size_t)(out0 + h) * MK_D + d, MK_Q, acc, tag);
+      acc = fmaf(scratch[h * ns + s], __ldcg(part_q + (size_t)(base + s * ss + h * sh) * MK_D + d), acc);
+    st_flow_copies(p.attn_out + q * MK_Q + (size_t)(out0 + h) * MK_D + d, MK_P * MK_Q, acc, tag);
   }
 }
 
@@ -320,7 +355,7 @@ __device__ __forceinline__ void attn_merge(const Params& p, int nh, int ns, int 
 // count reaches with this layer's last range) and, if it was the last, merge.
 __device__ __forceinline__ void attn_finish(const Params& p, unsigned* counter, unsigned done,
                                             int nh, int ns, int base, int ss, int sh, int out0,
-                                            unsigned tag, float* red, float* scratch) {
+                                            unsigned tag, float* red, float* scratch, int q = 0) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -329,7 +364,7 @@ __device__ __forceinline__ void attn_finish(const Params& p, unsigned* counter, 
     __threadfence();
   }
   __syncthreads();
-  if (red[32] != 0.f) attn_merge(p, nh, ns, base, ss, sh, out0, tag, scratch);
+  if (red[32] != 0.f) attn_merge(p, nh, ns, base, ss, sh, out0, tag, scratch, q);
 }
 
 // Floats as ints that order the same way (for shared-memory atomicMax), and back.
@@ -340,6 +375,12 @@ __device__ __forceinline__ int ord_key(float f) {
 
 __device__ __forceinline__ float ord_float(int k) {
   return __int_as_float(k >= 0 ? k : k ^ 0x7fffffff);
+}
+
+// RoPE of the pair (x1, x2) by (cos, sin): one expression wherever a key is rotated, so a
+// pass's own keys (attention.cuh window_own_rows) are the step's to the bit.
+__device__ __forceinline__ float2 rope_pair(float x1, float x2, float c, float s) {
+  return make_float2(x1 * c - x2 * s, x2 * c + x1 * s);
 }
 
 __device__ __forceinline__ void head_rms(float* v, const float* gain, float eps, int lane) {

@@ -85,6 +85,7 @@ struct Cta {
   unsigned bar;        // grid barriers passed (the monotonic counter's target)
   unsigned attn_done;  // attention ranges finished so far, per head and per KV head group
   unsigned attn_done_g;
+  unsigned attn_done_q[MK_P];  // a pass build's (head units): per query of the pass
   // First batches held in registers across hand-offs, one buffer per stage shape.
   QkvLoad preAF[kPreAF];
   WeightLoad preC[SC::Shape::B];
@@ -130,6 +131,8 @@ struct Cta {
     words = kTokenWords && !filtered;
     bar = 0;
     attn_done = 0, attn_done_g = 0;
+#pragma unroll
+    for (int q = 0; q < MK_P; ++q) attn_done_q[q] = 0;
   }
 };
 
@@ -144,16 +147,21 @@ struct Layer {
 };
 
 // One decode step. Its position and input token are derived where used, not held across
-// the layer loop, where each would take a register.
+// the layer loop, where each would take a register. In a pass build (MK_P > 1) a step is a
+// verify pass over `count` positions from pos(): the inputs are the forced tokens
+// (Params::forced, count a pass).
 struct Step {
   int index;
   int start;  // Params::start_pos
   int token;  // the last token drawn (Params::first_token before the first step)
-  // The position of this step's input token.
-  __device__ __forceinline__ int pos() const { return start + index; }
-  // This step's input token: the last one drawn, or the one the host forces (debug runs).
-  __device__ __forceinline__ int input(const Params& p) const {
-    return p.forced ? p.forced[index] : token;
+  int count = 1;  // positions of this pass (1 in a step build)
+  // The position of this step's (first) input token.
+  __device__ __forceinline__ int pos() const { return start + index * (MK_P == 1 ? 1 : count); }
+  // This step's input token (position q of a pass): the last one drawn, or the one the host
+  // forces (debug runs).
+  __device__ __forceinline__ int input(const Params& p, int q = 0) const {
+    if constexpr (MK_P == 1) return p.forced ? p.forced[index] : token;
+    return p.forced ? p.forced[index * count + q] : token;
   }
 };
 

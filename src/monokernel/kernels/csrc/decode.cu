@@ -25,7 +25,7 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) mk_decode(const __grid
 
   int token = p.first_token;
   for (int step = 0; step < p.n_steps; ++step) {
-    const Step s{step, p.start_pos, token};
+    const Step s{step, p.start_pos, token, MK_P == 1 ? 1 : p.pass_len};
     debug_stall(p, step);
     mark_ns(p, step, kMarkStepStartNs);
     mark(p, step, kMarkStepStart);
@@ -38,8 +38,14 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) mk_decode(const __grid
       mlp_gate_up(p, c, s, l);    // D: x + delta, RMSNorm, gate/up, SiLU·mul -> act
       mlp_down(p, c, s, l);       // E: down projection + residual -> x
     }
-    const uint32_t key = lm_head(p, c, s);  // F: final norm + LM head -> each CTA's best
-    const Sampled next = sample(p, c, s, key);
+    Sampled next;
+    if constexpr (MK_P > 1) {  // a verify pass: every position's head and token
+      lm_head_pass(p, c, s);
+      next = sample_pass(p, c, s);
+    } else {
+      const uint32_t key = lm_head(p, c, s);  // F: final norm + LM head -> each CTA's best
+      next = sample(p, c, s, key);
+    }
     token = next.next;
     if (next.done) break;
   }

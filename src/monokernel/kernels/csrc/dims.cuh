@@ -30,6 +30,11 @@
 #ifndef MK_V_ALL
 #define MK_V_ALL MK_V
 #endif
+#ifndef MK_P
+#define MK_P 1  // positions a verify pass computes (build.py KernelDims.positions)
+#endif
+static_assert(MK_P >= 1 && MK_P <= 8 && (MK_P == 1 || MK_TP == 1),
+              "MK_P: a verify pass computes 1 to 8 positions, on one GPU");
 
 #define MK_TP_MAX 8  // peer pointers in Params
 static_assert(MK_TP >= 1 && MK_TP <= MK_TP_MAX, "MK_TP must be in [1, 8]");

@@ -93,3 +93,37 @@ __device__ __forceinline__ void gemv_drawn(Matrix<F> M, const RowTickets& tk, un
   while (one(a, b) && one(b, a)) {
   }
 }
+
+// gemv_drawn over a verify pass's n inputs (gemv_pass.cuh): each drawn row dotted with every
+// position's, out(q, r, value) by lane 0, each the step's value to the bit.
+template <int K, class F, class Out, int BATCH = (RowShape<F, K, 1>::N + 1) / 2>
+__device__ __forceinline__ void gemv_drawn_pass(Matrix<F> M, const RowTickets& tk, unsigned got,
+                                                const float* __restrict__ xs, int stride, int n,
+                                                int lane, Out out, const float (&scale)[MK_P]) {
+  using S = RowShape<F, K, BATCH>;
+  using L = typename F::Load;
+  L a[S::B], b[S::B];
+  int r = tk.row(__shfl_sync(0xffffffffu, got, 0));
+  if (r < 0) return;
+  issue_first<F, K, BATCH>(a, M.at((size_t)r * K), lane);
+  if (lane == 0) got = draw_ticket(tk.counter);
+  auto one = [&](L(&cur)[S::B], L(&nxt)[S::B]) {
+    const int rn = tk.row(__shfl_sync(0xffffffffu, got, 0));
+    if (rn >= 0 && lane == 0) got = draw_ticket(tk.counter);
+    issue_first<F, K, BATCH>(nxt, M.at((size_t)(rn >= 0 ? rn : r) * K), lane, rn >= 0);
+    const float rs = M.row_scale(r);
+    float d[MK_P];
+    row_partials<F, K, BATCH>(cur, M.at((size_t)r * K), xs, stride, n, lane, d);
+#pragma unroll
+    for (int q = 0; q < MK_P; ++q) {
+      if (q < n) {
+        const float v = warp_sum(d[q]);
+        if (lane == 0) out(q, r, F::kScaled ? v * (scale[q] * rs) : v * scale[q]);
+      }
+    }
+    r = rn;
+    return rn >= 0;
+  };
+  while (one(a, b) && one(b, a)) {
+  }
+}

@@ -443,6 +443,130 @@ __device__ __forceinline__ float load_vec(float* xs, const float* src, unsigned 
   return 1.f;
 }
 
+// ---- a verify pass (MK_P > 1): a hand-off region holds one vector a position ----
+//
+// Position q's vector of K floats lies at q K in a copy (its copies MK_P K floats apart), and
+// in shared memory at q K too. Each position's chunks go to the threads a step's one vector
+// gives them, and are untagged and summed by the same code, so every position's norm is the
+// step's to the bit; all positions' chunks are in flight in one round trip.
+
+// dst[q K ..+ K) <- src[q K ..+ K) for q < n (tag), swizzled where SW; and where dst2 is
+// given, dst2 likewise from src2 (tag2, never swizzled) in the same round trips.
+template <int K, bool SW>
+__device__ __forceinline__ void flow_fetch_pass(float* dst, const float* src, unsigned tag,
+                                                int n, float* dst2 = nullptr,
+                                                const float* src2 = nullptr, unsigned tag2 = 0u) {
+  constexpr int N = FlowChunks<K>::N;
+  const int idx = (int)threadIdx.x;
+  const long long t0 = clock64();
+  const unsigned all = flow_mask<N, kThreads>(idx, K / 4);
+  unsigned pend[MK_P], pend2[MK_P];
+#pragma unroll
+  for (int q = 0; q < MK_P; ++q) {
+    pend[q] = q < n ? all : 0u;
+    pend2[q] = q < n && dst2 ? all : 0u;
+  }
+  for (;;) {
+    unsigned any = 0;
+#pragma unroll
+    for (int q = 0; q < MK_P; ++q) any |= pend[q] | pend2[q];
+    if (!any) return;
+#pragma unroll
+    for (int q = 0; q < MK_P; ++q) {
+      flow_issue<N, kThreads, SW>(idx, dst + q * K, src + q * K, pend[q]);
+      flow_issue<N, kThreads>(idx, dst2 + q * K, src2 + q * K, pend2[q]);
+    }
+    asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
+#pragma unroll
+    for (int q = 0; q < MK_P; ++q) {
+      pend[q] = flow_stale<N, kThreads, SW>(idx, dst + q * K, tag, pend[q]);
+      pend2[q] = flow_stale<N, kThreads>(idx, dst2 + q * K, tag2, pend2[q]);
+    }
+    if (clock64() - t0 > 20000000000LL) __trap();
+  }
+}
+
+// load_flow for the n positions of a pass: xs[q K ..) <- position q of src, times gain;
+// ss[q]: this thread's sum of squares of position q's values.
+template <int K>
+__device__ __forceinline__ void load_flow_pass(float* xs, const float* src, unsigned tag, int n,
+                                               float (&ss)[MK_P], const float* gain = nullptr) {
+  constexpr int N = FlowChunks<K>::N;
+  flow_fetch_pass<K, true>(xs, src, tag, n);
+#pragma unroll
+  for (int q = 0; q < MK_P; ++q)
+    ss[q] = q < n ? flow_untag_chunks<N, kThreads>(xs + q * K, threadIdx.x, K, gain) : 0.f;
+}
+
+// The norms' scales of a pass's n positions (norm_scale each; one barrier between two, so no
+// position's sums overwrite the last one's before every thread has read them).
+template <int K>
+__device__ __forceinline__ void norm_scales(const float (&ss)[MK_P], int n, float* red, float eps,
+                                            float (&scale)[MK_P]) {
+#pragma unroll
+  for (int q = 0; q < MK_P; ++q) {
+    scale[q] = 1.f;
+    if (q < n) {
+      if (q) __syncthreads();
+      scale[q] = norm_scale<K>(ss[q], red, eps);
+    }
+  }
+}
+
+// load_vec for a pass: the vectors of src's n positions into xs, normalised (the scales
+// deferred to the dot products) or not (scales 1).
+template <int K>
+__device__ __forceinline__ void load_vec_pass(float* xs, const float* src, unsigned tag, int n,
+                                              bool norm, float eps, float* red,
+                                              float (&scale)[MK_P],
+                                              const float* gain = nullptr) {
+  float ss[MK_P];
+  load_flow_pass<K>(xs, src, tag, n, ss, norm ? gain : nullptr);
+  if (norm) {
+    norm_scales<K>(ss, n, red, eps, scale);
+  } else {
+#pragma unroll
+    for (int q = 0; q < MK_P; ++q) scale[q] = 1.f;
+    __syncthreads();
+  }
+}
+
+// load_flow_sum for a pass: a[q K ..) <- x + delta of position q (b: scratch for delta,
+// n K floats), scaled[q K ..) <- that times gain, swizzled; ss[q] its sum of squares, summed
+// in the order of the step's (multi-chunk) path, which the one-chunk path's equals.
+template <int K>
+__device__ __forceinline__ void load_flow_sum_pass(float* a, const float* src_a, unsigned tag_a,
+                                                   float* b, const float* src_b, unsigned tag_b,
+                                                   float* scaled, const float* gain, int n,
+                                                   float (&ss)[MK_P]) {
+  constexpr int N = FlowChunks<K>::N;
+  flow_fetch_pass<K, false>(a, src_a, tag_a, n, b, src_b, tag_b);
+#pragma unroll
+  for (int q = 0; q < MK_P; ++q) {
+    float s = 0.f;
+    if (q < n) {
+      float* aq = a + q * K;
+      const float* bq = b + q * K;
+      float* sq = scaled + q * K;
+      const int so = swz_off(sq + 4 * threadIdx.x);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int i = 4 * (threadIdx.x + j * kThreads);
+        if (i < K) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const float v = flow_untag(aq[i + k]) + flow_untag(bq[i + k]);
+            aq[i + k] = v;
+            sq[i + so + k] = gain ? v * gain[i + k] : v;
+            s += v * v;
+          }
+        }
+      }
+    }
+    ss[q] = s;
+  }
+}
+
 // Whether every CTA owns a row of the stages whose outputs order the buffers' reuse (see the
 // top of this file): C (rows H, split units per CTA), D (I gate/up pairs, a warp each) and
 // E (rows H); in a tile format (gemv_tiles.cuh) whole tiles, numbered across CTAs first.

@@ -305,3 +305,5 @@ __device__ __forceinline__ void gemv_pairs(Matrix<F> M, int pairs, int p0, int s
     }
   }
 }
+
+#include "gemv_pass.cuh"  // a verify pass's GEMVs over row formats

@@ -92,7 +92,7 @@ struct Params {
   float repetition;                 // repetition_penalty (with seen; 1: off)
   float min_p;                      // 0: off
   int n_logprobs;                   // alternatives a step's lp_out record holds
-  int lp_pad_;                      // alignment
+  int pass_len;                     // positions each pass computes (a pass build, MK_P)
 #if MK_TP > 1
   unsigned* tp_recv[8];  // rank k's receive buffer (peer pointers)
   unsigned* tp_mine;     // this rank's own buffer (== tp_recv[tp_rank])
@@ -168,7 +168,7 @@ static_assert(offsetof(Params, frequency) == 348, "layout.py");
 static_assert(offsetof(Params, repetition) == 352, "layout.py");
 static_assert(offsetof(Params, min_p) == 356, "layout.py");
 static_assert(offsetof(Params, n_logprobs) == 360, "layout.py");
-static_assert(offsetof(Params, lp_pad_) == 364, "layout.py");
+static_assert(offsetof(Params, pass_len) == 364, "layout.py");
 #if MK_TP > 1
 static_assert(offsetof(Params, tp_recv) == 368, "layout.py");
 static_assert(offsetof(Params, tp_mine) == 432, "layout.py");
@@ -250,16 +250,18 @@ constexpr int kAttnScratchGroup =
     4 * kGroup + 2 * MK_D + (kThreads / kAttnCh + 3) / 4 * 4 + cmax(kGroup * (5 * MK_D / 2 + kAttnPmax), 8 * kThreads);
 constexpr int kPartFloats = kSplitSlots + MK_TILES * 96;
 constexpr int kDInputFloats =
-    kWarps * kPartFloats + 2 * MK_H + MK_TILES * MK_SUM_SPLIT * kXsFloats / 32;
+    kWarps * kPartFloats + (MK_P + 1) * MK_H + MK_TILES * MK_SUM_SPLIT * kXsFloats / 32;
 constexpr int kAttnScratch = cmax(cmax(kAttnScratchHead, kAttnScratchGroup), kDInputFloats);
+constexpr int kAttnScratchStep =
+    cmax(cmax(kAttnScratchHead, kAttnScratchGroup), kWarps * kPartFloats + 2 * MK_H + MK_TILES * MK_SUM_SPLIT * kXsFloats / 32);
 constexpr int kWindowFloats = MK_ATTN_CHUNK * MK_D + MK_D + 4 * kAttnStages;
-constexpr int kMergeNs = cmin(kXsFloats / MK_Q, kAttnScratch / (4 * MK_NH));
-// the current stage's input vector (the longest of H, Q, I)
+constexpr int kMergeNs = cmin(kXsFloats / MK_Q, kAttnScratchStep / (4 * MK_NH));
+// the current stage's input vectors (the longest of H, Q, I), one a position
 constexpr int kSmemXs = 0;
-// the residual after attention, from stage D to E
-constexpr int kSmemXres = kSmemXs + kXsFloats;
+// the residual after attention, from stage D to E, one a position
+constexpr int kSmemXres = kSmemXs + MK_P * kXsFloats;
 // stage B's scratch; stage D's input and gain borrow it
-constexpr int kSmemAtt = kSmemXres + MK_H;
+constexpr int kSmemAtt = kSmemXres + MK_P * MK_H;
 // block reductions
 constexpr int kSmemRed = kSmemAtt + kAttnScratch;
 // the K/V window ring (attention_window.cuh)
@@ -271,7 +273,7 @@ constexpr int kSmemFloats = kSmemSample + 784;
 // a tile GEMV's input sums.
 constexpr int kAttPart = 0;
 constexpr int kAttXd = kWarps * kPartFloats;
-constexpr int kAttGain = kAttXd + MK_H;
+constexpr int kAttGain = kAttXd + MK_P * MK_H;
 constexpr int kAttSums = kAttGain + MK_H;
 static_assert(kAttSums + MK_TILES * MK_SUM_SPLIT * kXsFloats / 32 == kDInputFloats,
               "layout.py: D_INPUT");

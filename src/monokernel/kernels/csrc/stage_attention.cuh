@@ -10,8 +10,12 @@
 
 __device__ __forceinline__ void attention(const Params& p, Cta& c, const Step& s,
                                           const Layer& l) {
-  attention_stage(p, l.w, l.index, s.pos(), c.attn_done, c.attn_done_g, l.tag, c.att, c.red,
-                  c.kvwin);
+  if constexpr (MK_P > 1)
+    attention_stage_pass(p, l.w, l.index, s.pos(), s.count, c.attn_done_q, l.tag, c.att, c.red,
+                         c.kvwin);
+  else
+    attention_stage(p, l.w, l.index, s.pos(), c.attn_done, c.attn_done_g, l.tag, c.att, c.red,
+                    c.kvwin);
   skew(p, s.index, l.index, kSkewAttentionDone);
   hand_off(p, c, s, l, kMarkAttentionWork, kMarkAttentionWait,
            [&] { o_proj_first(p, c, l.w); });

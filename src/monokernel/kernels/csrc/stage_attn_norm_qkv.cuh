@@ -17,7 +17,7 @@ __device__ __forceinline__ void attn_norm_qkv_first(const Params& p, Cta& c,
 // 4-float chunks, the ones whose gain it staged (stage_gain), so it reads its gain without a
 // barrier. Returns the norm's 1/rms, deferred to the dot products (norm_scale).
 __device__ __forceinline__ float embed_norm(const Params& p, float* xs, int tok, unsigned tag_x,
-                                            const float* gain, float* red) {
+                                            const float* gain, float* red, int q = 0) {
   const bf16* row = p.embed + (size_t)tok * MK_H;
   const int so = swz_off(xs + 4 * threadIdx.x);  // the same for every chunk of this thread
   cp_async_wait_all();                           // this thread's staged gain chunks
@@ -29,14 +29,50 @@ __device__ __forceinline__ float embed_norm(const Params& p, float* xs, int tok,
     for (int k = 0; k < 4; ++k) {
       xs[i + so + k] = gain ? v[k] * gain[i + k] : v[k];
       ss += v[k] * v[k];
-      if (blockIdx.x == 0) st_flow_copies(p.x + i + k, MK_H, v[k], tag_x);
+      if (blockIdx.x == 0) st_flow_copies(p.x + q * MK_H + i + k, MK_P * MK_H, v[k], tag_x);
     }
   }
   return norm_scale<MK_H>(ss, red, p.eps);
 }
 
+// A pass's stage A: each position's embedding or residual, normed as a step norms it, and
+// the QKV projection of each into its position's qkv vector (gemv_pass.cuh).
+__device__ __forceinline__ void attn_norm_qkv_pass(const Params& p, Cta& c, const Step& s,
+                                                   const Layer& l) {
+  const int n = s.count;
+  float ra[MK_P];
+  if (l.index == 0) {
+#pragma unroll
+    for (int q = 0; q < MK_P; ++q) {
+      ra[q] = 1.f;
+      if (q < n) {
+        if (q) __syncthreads();  // norm_scale's sums in red, read by every thread
+        ra[q] = embed_norm(p, c.xs + q * MK_H, s.input(p, q), l.tag_x,
+                           staged_gain(c.gn, l.w.attn_gain), c.red, q);
+      }
+    }
+  } else {
+    load_vec_pass<MK_H>(c.xs, flow_copy(p.x, MK_P * MK_H), l.tag_x, n, true, p.eps, c.red, ra,
+                        staged_gain(c.gn, l.w.attn_gain));
+  }
+  skew(p, s.index, l.index, kSkewAttnNormQkvInput);
+  gemv_split_pass<MK_H, kSplitQkv>(
+      l.w.wqkv, kQkv, c.xs, MK_H, n, c.part(), c.warp, c.lane, c.preA(),
+      [&](int q, int r, float d) { st_flow(p.qkv + q * kQkv + r, d, l.tag); }, (int)blockIdx.x,
+      MK_QKV_BIAS ? l.w.bqkv : nullptr, ra);
+  mark(p, s, l, kMarkAttnNormQkvWork);
+  skew(p, s.index, l.index, kSkewAttnNormQkvDone);
+  handoff_arrive(c.flow, p.barrier, c.bar);
+  handoff_wait(c.flow, p.barrier, c.bar);
+  mark(p, s, l, kMarkAttnNormQkvWait);
+}
+
 __device__ __forceinline__ void attn_norm_qkv(const Params& p, Cta& c, const Step& s,
                                               const Layer& l) {
+  if constexpr (MK_P > 1) {
+    attn_norm_qkv_pass(p, c, s, l);
+    return;
+  }
   // The norm's 1/rms where it is deferred to the dot products.
   const float ra =
       l.index == 0

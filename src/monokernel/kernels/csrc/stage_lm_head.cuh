@@ -17,6 +17,72 @@ __device__ __forceinline__ HeadLoad (&head_first(Cta& c,
     return own;
 }
 
+// A pass's stage F: each position's final norm and LM head as a step's (the rows streamed once
+// for all of them: gemv_pass.cuh), and this CTA's best draw of each, published as token word
+// q * grid + cta (greedy or Gumbel-max only: the host keeps top-k / top-p, grammars,
+// penalties and logprobs to steps).
+__device__ __forceinline__ void lm_head_pass(const Params& p, Cta& c, const Step& s) {
+  const int n = s.count;
+  const bool cancel_early = c.host_cta && c.t == 0 && *p.host_cancel != 0;
+  if (!c.words) __trap();
+  float rf[MK_P];
+  load_vec_pass<MK_H>(c.xs, flow_copy(p.x, MK_P * MK_H), flow_tag(s.index, MK_L - 1), n, true,
+                      p.eps, c.red, rf, staged_gain(c.gn, p.norm_gain));
+  uint32_t key[MK_P];
+  float best[MK_P];
+  int best_id[MK_P];
+#pragma unroll
+  for (int q = 0; q < MK_P; ++q) {
+    key[q] = draw_key(p.seed_lo, p.seed_hi, s.pos() + q + 1);  // position q's new token's
+    best[q] = -INFINITY;
+    best_id[q] = 0x7fffffff;
+  }
+  const int f_static = static_rows(MK_V, SF::GROUPS);
+  const unsigned f_got = MK_F_DRAWN && c.lane == 0 ? draw_ticket(ticket_counter(p.barrier)) : 0u;
+  auto out = [&](int q, int r, float logit) {
+    if (p.debug_logits) p.debug_logits[((size_t)s.index * n + q) * MK_V + r] = logit;
+    const int id = Net::token_id(p, r);
+#pragma unroll
+    for (int j = 0; j < MK_P; ++j) {
+      if (j == q) {
+        const float sc = c.greedy ? logit : logit / p.temperature + gumbel(key[j], id);
+        if (better(sc, id, best[j], best_id[j])) { best[j] = sc; best_id[j] = id; }
+      }
+    }
+  };
+  HeadLoad own[SF::Shape::B];  // dead where kSharedPreAF
+#pragma unroll
+  for (int i = 0; i < SF::Shape::B; ++i) own[i] = weight_words(c.preAF[i]);
+  gemv_split_pass<MK_H, kSplitF, true>(p.lm_head, f_static, c.xs, MK_H, n, c.part(), c.warp,
+                                       c.lane, head_first<kSharedPreAF>(c, own), out,
+                                       (int)blockIdx.x, nullptr, rf);
+  if (MK_F_DRAWN)
+    gemv_drawn_pass<MK_H>(p.lm_head, row_tickets(p.barrier, f_static, MK_V, s.index), f_got,
+                          c.xs, MK_H, n, c.lane, out, rf);
+#pragma unroll
+  for (int q = 0; q < MK_P; ++q) {
+    if (q < n) {
+      float b = best[q];
+      int bi = best_id[q];
+      warp_argmax(b, bi);
+      if (c.lane == 0) {
+        c.red[c.warp] = b;
+        c.ss.h32[c.warp] = (unsigned)bi;
+      }
+      __syncthreads();
+      if (c.t == 0) {
+        for (int w = 1; w < kWarps; ++w)
+          if (better(c.red[w], (int)c.ss.h32[w], b, bi)) { b = c.red[w]; bi = (int)c.ss.h32[w]; }
+        publish_token_word(token_words(p) + q * gridDim.x, b, bi, cancel_early, s.index);
+      }
+      __syncthreads();
+    }
+  }
+  attn_norm_qkv_first(p, c, p.layers[0]);  // the next pass's
+  mark(p, s.index, kMarkLmHeadWork);
+  mark(p, s.index, kMarkLmHeadWait);
+}
+
 // Returns the step's draw key (sampling.cuh), which the sampler uses too.
 __device__ __forceinline__ uint32_t lm_head(const Params& p, Cta& c, const Step& s) {
   // The host's cancel word: one PCIe round trip a token, read before the LM head and used

@@ -51,7 +51,28 @@ __device__ __forceinline__ void mlp_down_hand_off(const Params& p, Cta& c, const
   }
 }
 
+// A pass's stage E: each position's down projection plus its residual into its x.
+__device__ __forceinline__ void mlp_down_pass(const Params& p, Cta& c, const Step& s,
+                                              const Layer& l) {
+  const int n = s.count;
+  float one[MK_P];
+  load_vec_pass<MK_I>(c.xs, flow_copy(p.act, MK_P * MK_I), l.tag, n, false, p.eps, c.red, one);
+  skew(p, s.index, l.index, kSkewMlpDownInput);
+  gemv_split_pass<MK_I, MK_SPLIT_E>(
+      l.w.wdown, MK_H, c.xs, MK_I, n, c.part(), c.warp, c.lane, c.preE,
+      [&](int q, int r, float d) {
+        st_flow_copies(p.x + q * MK_H + r, MK_P * MK_H, c.xres[q * MK_H + r] + d, l.tag);
+      },
+      (int)blockIdx.x, nullptr, one);
+  skew(p, s.index, l.index, kSkewMlpDownDone);
+  mlp_down_hand_off<QkvFormat, HeadFormat>(p, c, s, l);
+}
+
 __device__ __forceinline__ void mlp_down(const Params& p, Cta& c, const Step& s, const Layer& l) {
+  if constexpr (MK_P > 1) {
+    mlp_down_pass(p, c, s, l);
+    return;
+  }
   load_vec<MK_I>(c.xs, flow_copy(p.act, MK_I), l.tag, false, p.eps, c.red);
   skew(p, s.index, l.index, kSkewMlpDownInput);
   gemv_split<MK_I, MK_SPLIT_E>(l.w.wdown, MK_H, c.xs, c.part(), c.warp, c.lane, c.preE,

@@ -42,34 +42,93 @@ __device__ __forceinline__ void mlp_gate_up_first(const Params&, Cta& c, const L
   }
 }
 
-// The gate/up GEMV: silu(gate) * up into act, each times rd (the norm's deferred 1/rms).
+// The gate/up GEMV: silu(gate) * up into act, each times rd (the norm's deferred 1/rms). q:
+// the position of a pass (its input at xd + q H, its output at act + q I).
 template <class WF = WeightFormat>
-__device__ __forceinline__ void gate_up_gemv(const Params& p, Cta& c, const Layer& l, float rd) {
+__device__ __forceinline__ void gate_up_gemv(const Params& p, Cta& c, const Layer& l, float rd,
+                                             int q = 0) {
   const Matrix<WF>& wgu = l.w.wgu;
+  float* act = p.act + q * MK_I;
   if constexpr (WF::kTiles) {
     // A tile of 16 rows is 8 gate/up pairs (rows 2i, 2i + 1): one combining thread a pair.
-    gemv_tiles<MK_H, kSplitD>(wgu, 2 * MK_I, c.xd, c.att + kAttSums, c.part(), c.warp, c.lane,
-                              c.preG,
+    gemv_tiles<MK_H, kSplitD>(wgu, 2 * MK_I, c.xd + q * MK_H, c.att + kAttSums, c.part(),
+                              c.warp, c.lane, c.preG,
                               [&](int tile, int i, float g, float u) {
                                 g *= rd;
                                 u *= rd;
-                                st_flow_copies(p.act + 8 * tile + i, MK_I,
+                                st_flow_copies(act + 8 * tile + i, MK_P * MK_I,
                                                g / (1.f + expf(-g)) * u, l.tag);
                               },
                               (int)blockIdx.x);
   } else {
-    gemv_pairs<MK_H>(wgu, MK_I, c.gw, c.tw, c.xd, c.lane, c.preG, c.preU,
+    gemv_pairs<MK_H>(wgu, MK_I, c.gw, c.tw, c.xd + q * MK_H, c.lane, c.preG, c.preU,
                      [&](int r, float g, float u) {
                        g *= rd;
                        u *= rd;
                        if (c.lane == 0)
-                         st_flow_copies(p.act + r, MK_I, g / (1.f + expf(-g)) * u, l.tag);
+                         st_flow_copies(act + r, MK_P * MK_I, g / (1.f + expf(-g)) * u, l.tag);
                      });
   }
 }
 
+// The gate/up GEMV of a pass in a row format: each pair's rows streamed once for its n
+// positions (gemv_pass.cuh).
+template <class WF = WeightFormat>
+__device__ __forceinline__ void gate_up_pass(const Params& p, Cta& c, const Layer& l,
+                                             const float (&rd)[MK_P], int n) {
+  const Matrix<WF>& wgu = l.w.wgu;
+  gemv_pairs_pass<MK_H>(wgu, MK_I, c.gw, c.tw, c.xd, MK_H, n, c.lane, c.preG, c.preU,
+                        [&](int q, int r, float g, float u) {
+                          const float s = pick(rd, q);
+                          g *= s;
+                          u *= s;
+                          if (c.lane == 0)
+                            st_flow_copies(p.act + q * MK_I + r, MK_P * MK_I,
+                                           g / (1.f + expf(-g)) * u, l.tag);
+                        });
+}
+
+// A tile format's later position: the first loads of D's tiles again (from L2).
+template <class WF = WeightFormat>
+__device__ __forceinline__ void gate_up_again(Cta& c, const LayerWeights& lw) {
+  if constexpr (WF::kTiles) {
+    const Matrix<WF>& wgu = lw.wgu;
+    issue_split_first<MK_H, kSplitD>(c.preG, wgu, 2 * MK_I, c.warp, c.lane);
+  }
+}
+
+// A pass's stage D: each position's residual and norm as a step's, then its gate/up GEMV.
+__device__ __forceinline__ void mlp_gate_up_pass(const Params& p, Cta& c, const Step& s,
+                                                 const Layer& l) {
+  const int n = s.count;
+  float ss[MK_P], rd[MK_P];
+  load_flow_sum_pass<MK_H>(c.xres, flow_copy(p.x, MK_P * MK_H), l.tag_x, c.xs,
+                           flow_copy(p.delta, MK_P * MK_H), l.tag, c.xd,
+                           staged_gain(c.gn, l.w.ffn_gain), n, ss);
+  norm_scales<MK_H>(ss, n, c.red, p.eps, rd);
+  skew(p, s.index, l.index, kSkewMlpGateUpInput);
+  issue_pair_rows(c, l.w, MK_D_PRE, 2);
+  if constexpr (WeightFormat::kTiles) {
+    for (int q = 0; q < n; ++q) {
+      if (q) gate_up_again(c, l.w);
+      gate_up_gemv(p, c, l, pick(rd, q), q);
+    }
+  } else {
+    gate_up_pass(p, c, l, rd, n);
+  }
+  skew(p, s.index, l.index, kSkewMlpGateUpDone);
+  hand_off(p, c, s, l, kMarkMlpGateUpWork, kMarkMlpGateUpWait, [&] {
+    mlp_down_first(p, c, l.w);
+    if (l.index + 1 < MK_L) attention_prefetch(p, l.index + 1, s.pos(), c.kvwin);
+  });
+}
+
 __device__ __forceinline__ void mlp_gate_up(const Params& p, Cta& c, const Step& s,
                                             const Layer& l) {
+  if constexpr (MK_P > 1) {
+    mlp_gate_up_pass(p, c, s, l);
+    return;
+  }
   const float s2 = Net::mlp_residual(p, l.w, c.xs, c.xres, c.xd,
                                      staged_gain(c.gn, l.w.ffn_gain), l.red, l.tag, l.tag_x);
   issue_pair_rows(c, l.w, MK_D_PRE, 2);

@@ -32,6 +32,61 @@ __device__ __noinline__ Drawn draw_whole(const Params& p, uint32_t key, unsigned
   return {token, bar};
 }
 
+// A pass's tokens: each position's best over the CTAs' words, as a step's. Teacher-forced
+// (the pass build's inputs are Params::forced), every position's token is reported, in
+// order: token index s count + q.
+__device__ __forceinline__ Sampled sample_pass(const Params& p, Cta& c, const Step& s) {
+  const int n = s.count;
+  bool cancel_seen = false;
+  for (int q = 0; q < n; ++q) {
+    float b = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int cta = c.t; cta < (int)gridDim.x; cta += kThreads) {
+      const unsigned long long w = wait_token_word(token_words(p) + q * gridDim.x, cta, s.index);
+      const float sc = token_word_score(w);
+      const int i = token_word_id(w);
+      cancel_seen |= token_word_cancel(w);
+      if (better(sc, i, b, bi)) { b = sc; bi = i; }
+    }
+    warp_argmax(b, bi);
+    __syncthreads();
+    if (c.lane == 0) {
+      c.red[c.warp] = b;
+      c.ss.h32[c.warp] = (unsigned)bi;
+    }
+    __syncthreads();
+    if (c.t == 0) {
+      for (int w = 1; w < kWarps; ++w)
+        if (better(c.red[w], (int)c.ss.h32[w], b, bi)) { b = c.red[w]; bi = (int)c.ss.h32[w]; }
+      c.ss.misc[q] = bi;
+    }
+  }
+  // Every word is in (acquired): this pass's KV appends are visible to the copies.
+  const bool cancelled = __syncthreads_or(cancel_seen);
+  if (s.index + 1 < p.n_steps) attention_prefetch(p, 0, s.pos() + n, c.kvwin);
+  int tok[MK_P];
+  bool done = s.index + 1 == p.n_steps || cancelled;
+#pragma unroll
+  for (int q = 0; q < MK_P; ++q) {
+    tok[q] = q < n ? c.ss.misc[q] : 0;
+    for (int i = 0; i < p.n_stop && q < n; ++i) done |= p.stop_ids[i] == tok[q];
+  }
+  __syncthreads();
+  if (c.host_cta && c.t == 0) {
+#pragma unroll
+    for (int q = 0; q < MK_P; ++q)
+      if (q < n) p.host_out[kHostOutHead + s.index * n + q] = tok[q] + 1;
+    p.host_out[0] = (s.index + 1) * n;
+    if (done) {
+      __threadfence_system();
+      p.host_out[1] = 1;
+    }
+  }
+  mark(p, s.index, kMarkSampleWork);
+  mark_ns(p, s.index, kMarkStepEndNs);
+  return {c.ss.misc[n - 1], done};
+}
+
 __device__ __forceinline__ Sampled sample(const Params& p, Cta& c, const Step& s, uint32_t key) {
   int next;
   bool cancelled = false;  // the host's cancel word as the token words carried it

@@ -132,6 +132,9 @@ class Launch:
     mask_tag: int = 0  # a constrained launch's first mask tag (grammar_mask.py); 0: none
     # The penalties' and logprobs' Params fields (logit_rules.py LogitRules.fields).
     rules: Mapping[str, object] = field(default_factory=lambda: NEUTRAL)
+    # Positions each step computes: a pass build's (KernelDims.positions) teacher-forced
+    # passes (verify_pass.py); 1 in a step build.
+    pass_len: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,14 +244,17 @@ class DecodeKernel:
         cfg, dev, f32, i32 = self.cfg, self.device, torch.float32, torch.int32
         self.layer_table = layer_table(self.packed).to(dev)  # [L, 14]
         # Every tagged vector in one buffer, zeroed per launch (one memset).
-        self.handoff_regions = layout.handoff_regions(cfg, self.grid)
+        positions = self.dims.positions  # a pass build's: one vector a position
+        self.handoff_regions = layout.handoff_regions(cfg, self.grid, positions)
         total = sum(r.total for r in self.handoff_regions)
         self.use_handoff(torch.empty(total, dtype=f32, device=dev))
-        self.attn_count = torch.zeros(cfg.num_heads + cfg.num_kv_heads, dtype=i32, device=dev)
+        self.attn_count = torch.zeros(
+            positions * (cfg.num_heads + cfg.num_kv_heads), dtype=i32, device=dev
+        )
         self.logits = torch.empty(cfg.vocab_size, dtype=f32, device=dev)  # [V]
         # Each CTA's best (score, id) (top-k / top-p, TP), or in part_score the CTAs' tagged
         # 64-bit token words (kernels/csrc/token_words.cuh), zeroed per launch.
-        scores, ids = layout.token_words(self.grid)
+        scores, ids = layout.token_words(self.grid, positions)
         self.part_score = torch.zeros(scores, dtype=f32, device=dev)
         self.part_id = torch.empty(ids, dtype=i32, device=dev)
         self.flags = torch.zeros(layout.FLAG_WORDS, dtype=i32, device=dev)
@@ -385,6 +391,7 @@ class DecodeKernel:
             attn_group_from=self.attn_group_from,
             **dict(zip(("debug_stall_step", "debug_stall_hard"), debug_stall(), strict=True)),
             mask_tag=launch.mask_tag,
+            pass_len=launch.pass_len,
             **launch.rules,
         )
         if tp is None:
@@ -420,10 +427,11 @@ class DecodeKernel:
         """After ``prepare``: fill the Params, clear the host words, launch. ``timed``: events
         recorded right before and after the launch."""
         params = self.params(launch, probe)
-        self.clear_host_words(launch.n_steps)
+        tokens = launch.n_steps * launch.pass_len
+        self.clear_host_words(tokens)
         if timed is not None:
             timed[0].record(self.stream)
-        self.launch(params, launch.start_pos + launch.n_steps)
+        self.launch(params, launch.start_pos + tokens)
         if timed is not None:
             timed[1].record(self.stream)
 

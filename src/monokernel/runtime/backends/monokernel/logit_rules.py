@@ -38,7 +38,6 @@ NEUTRAL: Mapping[str, object] = MappingProxyType(
         repetition=1.0,
         min_p=0.0,
         n_logprobs=0,
-        lp_pad_=0,
     )
 )
 

@@ -1,0 +1,198 @@
+// The GEMVs of a verify pass (MK_P > 1; docs/speculative.md): the n positions' inputs lie
+// `stride` floats apart in shared memory, and each loaded chunk of a row is dotted with all
+// of them, so a pass streams each row once and pays each GEMV's latency once. Each
+// position's sums are made in the order a step makes its one (row_partial's chunks, then
+// warp_sum, then the split-K slices in warp order), so every position is the step's to the
+// bit. Row formats only; a tile format's pass runs gemv_tiles once a position (the stages).
+// Included by gemv.cuh after gemv_split and gemv_pairs.
+#pragma once
+
+// Lane partials of row w with each position's input (row_partial's, position by position).
+template <class F, int K, int BATCH>
+__device__ __forceinline__ void row_partials(
+    const typename F::Load (&first)[RowShape<F, K, BATCH>::B], typename F::Ptr w,
+    const float* __restrict__ xs, int stride, int n, int lane, float (&acc)[MK_P]) {
+  using S = RowShape<F, K, BATCH>;
+  int o[MK_P];
+#pragma unroll
+  for (int q = 0; q < MK_P; ++q) {
+    acc[q] = 0.f;
+    o[q] = lane_half<F>(xs + q * stride, lane);
+  }
+#pragma unroll
+  for (int i = 0; i < S::B; ++i) {
+    const int c = i * 32 + lane;
+#pragma unroll
+    for (int q = 0; q < MK_P; ++q)
+      if (q < n && c < S::C) acc[q] += dot_load<F>(first[i], xs + q * stride, c, o[q]);
+  }
+#pragma unroll
+  for (int b0 = S::B; b0 < S::N; b0 += S::B) {
+    typename F::Load buf[S::B];
+#pragma unroll
+    for (int i = 0; i < S::B; ++i) {
+      const int c = (b0 + i) * 32 + lane;
+      if (b0 + i < S::N && c < S::C) buf[i] = F::load(w, c);
+    }
+#pragma unroll
+    for (int i = 0; i < S::B; ++i) {
+      const int c = (b0 + i) * 32 + lane;
+#pragma unroll
+      for (int q = 0; q < MK_P; ++q)
+        if (q < n && b0 + i < S::N && c < S::C)
+          acc[q] += dot_load<F>(buf[i], xs + q * stride, c, o[q]);
+    }
+  }
+}
+
+// v[q] for a run-time q, kept in registers (an indexed array would live in local memory).
+__device__ __forceinline__ float pick(const float (&v)[MK_P], int q) {
+  float r = v[0];
+#pragma unroll
+  for (int j = 1; j < MK_P; ++j)
+    if (j == q) r = v[j];
+  return r;
+}
+
+// gemv_split_rows over a pass's n inputs: out(q, r, value) once per position and row. A round
+// holds kSplitSlots / MK_P rows (each row's MK_P sums side by side in part); the rows' sums
+// are the step's whatever the round (each is its own slices added in warp order).
+template <int K, int SPLIT, bool PINGPONG, class F, class Out>
+__device__ __forceinline__ void gemv_split_rows_pass(
+    Matrix<F> M, int rows, const float* __restrict__ xs, int stride, int n, float* part, int warp,
+    int lane, typename F::Load (&pre)[Split<F, K, SPLIT>::Shape::B], Out out, int cta,
+    const float* __restrict__ bias, const float (&scale)[MK_P]) {
+  using P = Split<F, K, SPLIT>;
+  using L = typename F::Load;
+  using S = typename P::Shape;
+  constexpr bool PIPE = S::N <= S::B;
+  constexpr int R = kSplitSlots / MK_P;
+  static_assert(!PINGPONG || R % 2 == 0, "a whole round must end with the next row in pre");
+  const int units = gridDim.x * P::GROUPS;
+  const int g = warp / P::S, s = warp % P::S;
+  const int u0 = cta * P::GROUPS + g;
+  const int iters = (rows - cta * P::GROUPS + units - 1) / units;  // max over groups
+  const float* xp = xs + s * P::KP;
+  const RowScales<F> scales(M, u0, units, iters, rows, lane);
+  auto row = [&](L(&cur)[S::B], L(&nxt)[S::B], int it, int it0) {
+    const int r = u0 + it * units;
+    const int rn = r + units;
+    const auto wn = M.at((size_t)(rn < rows ? rn : (r < rows ? r : rows - 1)) * K + s * P::KP);
+    if (PIPE) issue_first<F, P::KP, kBatch>(nxt, wn, lane, rn < rows);
+    float d[MK_P];
+#pragma unroll
+    for (int q = 0; q < MK_P; ++q) d[q] = 0.f;
+    if (r < rows) {
+      row_partials<F, P::KP, kBatch>(cur, M.at((size_t)r * K + s * P::KP), xp, stride, n, lane, d);
+#pragma unroll
+      for (int q = 0; q < MK_P; ++q) d[q] = warp_sum(d[q]);
+    }
+    if constexpr (F::kScaled) {
+      const float sc = r < rows ? scales.at(M, it, r) : 0.f;
+#pragma unroll
+      for (int q = 0; q < MK_P; ++q) d[q] *= sc;
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int q = 0; q < MK_P; ++q) part[warp * kSplitSlots + (it - it0) * MK_P + q] = d[q];
+    }
+    if (!PIPE) issue_first<F, P::KP, kBatch>(nxt, wn, lane, rn < rows);
+  };
+  for (int it0 = 0; it0 < iters; it0 += R) {
+    const int it1 = min(iters, it0 + R);
+    if (PINGPONG) {
+      L alt[S::B];
+      for (int it = it0; it < it1; it += 2) {
+        row(pre, alt, it, it0);
+        if (it + 1 < it1) row(alt, pre, it + 1, it0);
+      }
+    } else {
+      for (int it = it0; it < it1; ++it) {
+        L nxt[S::B];
+        row(pre, nxt, it, it0);
+#pragma unroll
+        for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
+      }
+    }
+    __syncthreads();
+    // Thread (group gg, slot j, position q) adds the slices of row u(gg) + (it0 + j) * units.
+    for (int t = threadIdx.x; t < P::GROUPS * R * MK_P; t += kThreads) {
+      const int q = t % MK_P, j = (t / MK_P) % R, gg = t / (MK_P * R);
+      const int r = cta * P::GROUPS + gg + (it0 + j) * units;
+      if (q < n && it0 + j < it1 && r < rows) {
+        float v = 0.f;
+#pragma unroll
+        for (int k = 0; k < P::S; ++k) v += part[(gg * P::S + k) * kSplitSlots + j * MK_P + q];
+        v *= pick(scale, q);
+        if (bias) v += bias[r];
+        out(q, r, v);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// gemv_pairs over a pass's n inputs: out(q, pair, gate, up).
+template <int K, class F, class Out>
+__device__ __forceinline__ void gemv_pairs_pass(
+    Matrix<F> M, int pairs, int p0, int step, const float* __restrict__ xs, int stride, int n,
+    int lane, typename F::Load (&pre0)[RowShape<F, K, MK_BATCH2>::B],
+    typename F::Load (&pre1)[RowShape<F, K, MK_BATCH2>::B], Out out) {
+  using S = RowShape<F, K, MK_BATCH2>;
+  const int count = 2 * ((pairs - p0 + step - 1) / step);
+  float sc = 1.f;
+  if constexpr (F::kScaled) {
+    const size_t r = 2 * ((size_t)p0 + (size_t)(lane >> 1) * step) + (lane & 1);
+    if (lane < count && r < 2 * (size_t)pairs) sc = M.row_scale(r);
+  }
+  for (int p = p0, k = 0; p < pairs; p += step, ++k) {
+    typename F::Load n0[S::B], n1[S::B];
+    const int pn = p + step;
+    const size_t q2 = (size_t)(pn < pairs ? pn : p);
+    float a[MK_P], b[MK_P];
+    row_partials<F, K, MK_BATCH2>(pre0, M.at((size_t)(2 * p) * K), xs, stride, n, lane, a);
+    row_partials<F, K, MK_BATCH2>(pre1, M.at((size_t)(2 * p + 1) * K), xs, stride, n, lane, b);
+    float s0 = 1.f, s1 = 1.f;
+    if constexpr (F::kScaled) {
+      const bool held = 2 * k + 1 < 32;
+      s0 = held ? __shfl_sync(0xffffffffu, sc, 2 * k) : M.row_scale(2 * (size_t)p);
+      s1 = held ? __shfl_sync(0xffffffffu, sc, 2 * k + 1) : M.row_scale(2 * (size_t)p + 1);
+    }
+#pragma unroll
+    for (int q = 0; q < MK_P; ++q) {
+      if (q < n) {
+        if constexpr (F::kScaled)
+          out(q, p, warp_sum(a[q]) * s0, warp_sum(b[q]) * s1);
+        else
+          out(q, p, warp_sum(a[q]), warp_sum(b[q]));
+      }
+    }
+    issue_first<F, K, MK_BATCH2>(n0, M.at((2 * q2) * K), lane, pn < pairs);
+    issue_first<F, K, MK_BATCH2>(n1, M.at((2 * q2 + 1) * K), lane, pn < pairs);
+#pragma unroll
+    for (int i = 0; i < S::B; ++i) {
+      pre0[i] = n0[i];
+      pre1[i] = n1[i];
+    }
+  }
+}
+
+// gemv_split over a pass's n inputs (xs + q stride): out(q, r, value). A tile format runs
+// gemv_tiles once a position, its first batch issued again for each later one.
+template <int K, int SPLIT, bool PINGPONG = false, class F, class Out>
+__device__ __forceinline__ void gemv_split_pass(
+    Matrix<F> M, int rows, float* xs, int stride, int n, float* part, int warp, int lane,
+    typename F::Load (&pre)[Split<F, K, SPLIT>::Shape::B], Out out, int cta,
+    const float* __restrict__ bias, const float (&scale)[MK_P]) {
+  if constexpr (F::kTiles) {
+    for (int q = 0; q < n; ++q) {
+      if (q) issue_split_first<K, SPLIT>(pre, M, rows, warp, lane, cta);
+      gemv_split<K, SPLIT, PINGPONG>(
+          M, rows, xs + q * stride, part, warp, lane, pre, [&](int r, float v) { out(q, r, v); },
+          cta, bias, pick(scale, q));
+    }
+  } else {
+    gemv_split_rows_pass<K, SPLIT, PINGPONG>(M, rows, xs, stride, n, part, warp, lane, pre, out,
+                                             cta, bias, scale);
+  }
+}

@@ -1,0 +1,92 @@
+"""Verify passes on the monokernel (issue 36; docs/speculative.md): one launch step computes
+P positions of a request in one pass over the weights, each position exactly as a decode
+step at that position computes it (kernels/csrc: the ``MK_P`` pass build).
+
+A pass build (``KernelDims.positions`` = P) runs beside the backend's step build over the
+same weights and KV cache. Its inputs are teacher-forced for now: the tokens of every
+position of every pass are given (``Params::forced``), and every position's draw comes back.
+Drafting and accepting inside the kernel are not built yet, so nothing user-facing runs a
+pass: ``--speculative`` on the monokernel is still refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import torch
+
+from monokernel.errors import InvalidRequestError
+from monokernel.runtime.backends.monokernel.kernel import (
+    DecodeKernel,
+    KernelStuckError,
+    Launch,
+    Probe,
+    stall_seconds,
+)
+from monokernel.runtime.sampling import SamplingParams
+
+
+class PassKernel:
+    """A pass build of ``step``'s dims with ``positions`` positions a pass, over ``step``'s
+    weights and cache."""
+
+    def __init__(self, step: DecodeKernel, positions: int) -> None:
+        dims = dataclasses.replace(step.dims, positions=positions)
+        self.positions = positions
+        self.kernel = DecodeKernel(
+            step.cfg, dims, step.packed, step.cache, step.max_seq_len, step.device
+        )
+
+    def teacher_forced(
+        self,
+        start_pos: int,
+        forced: Sequence[int],
+        pass_len: int,
+        logits: bool = True,
+        timing: tuple[torch.Tensor, int] | None = None,
+    ) -> tuple[torch.Tensor | None, list[int], float]:
+        """Passes of ``pass_len`` positions from ``start_pos``, fed ``forced`` (a whole number
+        of passes; the cache holds the positions below ``start_pos``): every position's
+        logits [len(forced), V] float32 (None without ``logits``: a timing run) and greedy
+        token, and the seconds a pass took (CUDA events around the launch). ``timing``: the
+        buffer (layout.timing_words) that pass ``timing[1]`` marks (probes.stage_profile)."""
+        k = self.kernel
+        n = len(forced)
+        if not 1 <= pass_len <= self.positions or n % pass_len or n == 0:
+            raise InvalidRequestError(
+                f"{n} forced tokens in passes of {pass_len}: whole passes of 1 to "
+                f"{self.positions} positions needed"
+            )
+        if not 0 <= start_pos <= k.max_seq_len - n:
+            raise InvalidRequestError(
+                f"{n} positions from {start_pos} do not fit the cache of {k.max_seq_len}"
+            )
+        dev = k.device
+        ids = torch.tensor(list(forced), dtype=torch.int32, device=dev)  # [n]
+        out = torch.full((n, k.cfg.vocab_size), float("nan"), device=dev) if logits else None
+        greedy = SamplingParams(temperature=0.0, max_tokens=n)
+        k.make_current()
+        with torch.cuda.device(dev):
+            k.prepare(())
+            begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            launch = Launch(int(forced[0]), start_pos, n // pass_len, greedy, pass_len=pass_len)
+            probe = Probe(forced=ids, debug_logits=out)
+            if timing is not None:
+                probe = Probe(forced=ids, debug_logits=out, timing=timing[0], timing_step=timing[1])
+            k.start(launch, probe, (begin, end))
+            t0 = time.monotonic()
+            while not end.query():
+                if time.monotonic() - t0 > stall_seconds():
+                    raise KernelStuckError(f"a verify pass did not finish in {stall_seconds()} s")
+                time.sleep(1e-4)
+        words = k.token_words
+        ran = int(words[0])
+        if ran != n:
+            raise RuntimeError(f"the pass build reported {ran} of {n} positions")
+        tokens = [int(words[2 + i]) - 1 for i in range(n)]
+        return out, tokens, begin.elapsed_time(end) * 1e-3 * pass_len / n
+
+    def close(self) -> None:
+        self.kernel.close()

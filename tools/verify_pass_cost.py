@@ -1,0 +1,143 @@
+"""What a verify pass costs on the monokernel (issue 36): µs per pass of 1 to P positions
+against the step build's µs per step, teacher-forced on random weights of a shape in one
+process (docs/speculative.md). GPU only.
+
+    python tools/verify_pass_cost.py smollm2-135m --quantize int4:32 --positions 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from monokernel import envs
+from monokernel.models.shapes import SHAPES
+from monokernel.testing.gpu_models import random_ids
+from monokernel.weights.random_weights import random_weights
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("--quantize", default="bf16", help="bf16, or int4:GROUP (rows)")
+    ap.add_argument("--positions", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--passes", type=int, default=128, help="passes a timed launch runs")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--profile", action="store_true", help="also CTA 0's stage profile of a step and a pass"
+    )
+    ap.add_argument(
+        "--skew",
+        action="store_true",
+        help="-DMK_SKEW=1 builds: every CTA's time at each stage's edges in the middle layer of "
+        "a step and of a pass of 1 and of P (median and latest over the CTAs, µs)",
+    )
+    args = ap.parse_args(argv)
+    if args.skew:  # every build of this run records the skew points (csrc/probes.cuh)
+        flags = f"{envs.MONOKERNEL_NVCC_FLAGS} -DMK_SKEW=1".strip()
+        with envs.overridden(MONOKERNEL_NVCC_FLAGS=flags):
+            return measure(args)
+    return measure(args)
+
+
+def measure(args: argparse.Namespace) -> int:
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+    from monokernel.runtime.backends.monokernel.verify_pass import PassKernel
+    from monokernel.weights.group_quant import quantize_rtn
+    from monokernel.weights.quantize import is_quantized
+
+    cfg, dev = SHAPES[args.shape], torch.device("cuda")
+    weights = random_weights(cfg, device=dev, seed=51)
+    n_max = args.passes * args.positions
+    total = args.prompt + n_max
+    if args.quantize.startswith("int4"):
+        group = int(args.quantize.partition(":")[2] or 128)
+        groups = {k: quantize_rtn(v, group) for k, v in weights.items() if is_quantized(k)}
+        with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="rows"):
+            mk = MonokernelBackend(
+                cfg, weights, total, dev, quantize="int4", groups=groups,
+                prefill_precision="fp32",
+            )  # fmt: skip
+    else:
+        mk = MonokernelBackend(cfg, weights, total, dev)
+    seq = random_ids(total, cfg.vocab_size, seed=52)
+    mk.teacher_forced_logits(seq[: args.prompt], seq[args.prompt : args.prompt + 8])  # prefill
+    forced = torch.tensor(seq[args.prompt - 1 : args.prompt - 1 + args.passes], dtype=torch.int32)
+    mk.kernel.timed_decode(forced.to(dev), args.prompt - 1)  # warm-up
+    step = min(mk.kernel.timed_decode(forced.to(dev), args.prompt - 1) for _ in range(3))
+    passes = PassKernel(mk.kernel, args.positions)
+    rows = []
+    for n in range(1, args.positions + 1):
+        fed = seq[args.prompt - 1 : args.prompt - 1 + args.passes * n]
+        passes.teacher_forced(args.prompt - 1, fed, n, logits=False)  # warm-up
+        t = min(passes.teacher_forced(args.prompt - 1, fed, n, logits=False)[2] for _ in range(3))
+        rows.append({"positions": n, "us_per_pass": t * 1e6, "vs_step": t / step})
+    profiles = {}
+    if args.profile:
+        from monokernel.kernels import layout
+        from monokernel.runtime.backends.monokernel.probes import stage_profile
+
+        profiles["step"] = mk.probes.profile_step(seq[: args.prompt], 16, 8)
+        for n in (1, args.positions):
+            buf = torch.zeros(
+                layout.timing_words(cfg.num_layers, mk.kernel.grid), dtype=torch.int64, device=dev
+            )
+            fed = seq[args.prompt - 1 : args.prompt - 1 + 16 * n]
+            passes.teacher_forced(args.prompt - 1, fed, n, logits=False, timing=(buf, 8))
+            torch.cuda.synchronize()
+            profiles[f"pass{n}"] = stage_profile(buf.tolist(), cfg.num_layers)
+    if args.skew:
+        from monokernel.kernels import layout
+
+        grid, layers = mk.kernel.grid, cfg.num_layers
+
+        def points(raw: list[int]) -> dict[str, tuple[float, float]]:
+            per = {name: [raw[layout.skew_slot(layers, c, name)] for c in range(grid)]
+                   for name in layout.SKEW_NAMES}  # fmt: skip
+            first = min(v for vs in per.values() for v in vs if v)
+            return {
+                name: (
+                    (sorted(v for v in vs if v)[len([v for v in vs if v]) // 2] - first) / 1e3,
+                    (max(vs) - first) / 1e3,
+                )
+                for name, vs in per.items()
+                if any(vs)
+            }
+
+        skews = {"step": points(mk.probes.timed_run(seq[: args.prompt], 16, 8, skew=True))}
+        for n in (1, args.positions):
+            size = layout.timing_words(layers, grid, skew=True)
+            buf = torch.zeros(size, dtype=torch.int64, device=dev)
+            fed = seq[args.prompt - 1 : args.prompt - 1 + 16 * n]
+            passes.teacher_forced(args.prompt - 1, fed, n, logits=False, timing=(buf, 8))
+            torch.cuda.synchronize()
+            skews[f"pass{n}"] = points(buf.tolist())
+        print("µs from the layer's first point, median / latest CTA")
+        print(f"{'point':<24}" + "".join(f"{n:>16}" for n in skews))
+        for name in layout.SKEW_NAMES:
+            cells = [skews[n].get(name) for n in skews]
+            print(f"{name:<24}" + "".join(
+                f"{c[0]:8.2f}{c[1]:8.2f}" if c else f"{'-':>16}" for c in cells))  # fmt: skip
+    passes.close()
+    mk.close()
+    out = {"shape": args.shape, "format": args.quantize, "device": torch.cuda.get_device_name(),
+           "us_per_step": step * 1e6, "passes": rows, "profiles": profiles}  # fmt: skip
+    if args.json:
+        print(json.dumps(out))
+    print(f"{args.shape} {args.quantize} on {out['device']}: step {step * 1e6:.1f} µs")
+    for r in rows:
+        print(f"  pass of {r['positions']}: {r['us_per_pass']:.1f} µs ({r['vs_step']:.3f}x a step)")
+    if profiles:
+        names = list(profiles)
+        print("µs (CTA 0) " + " ".join(f"{n:>9}" for n in names))
+        for key in profiles["step"]:
+            print(f"{key:<10} " + " ".join(f"{profiles[n].get(key, 0.0):9.1f}" for n in names))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
