@@ -60,17 +60,18 @@ __device__ __forceinline__ int lane_half(const float* xs, int lane) {
   return swz_off(xs + F::kPerLoad * lane);
 }
 
-// This lane's chunks of row w in order, each as visit(load, c): the first batch from `first`
-// (issued earlier), then batch by batch, each batch's loads all out before any is used.
-template <class F, int K, int BATCH, class Visit>
-__device__ __forceinline__ void row_chunks(
-    const typename F::Load (&first)[RowShape<F, K, BATCH>::B], typename F::Ptr w, int lane,
-    Visit visit) {
+// Lane-partial dot of row w with xs; the first batch was issued earlier into `first`.
+template <class F, int K, int BATCH>
+__device__ __forceinline__ float row_partial(
+    const typename F::Load (&first)[RowShape<F, K, BATCH>::B], typename F::Ptr w,
+    const float* __restrict__ xs, int lane) {
   using S = RowShape<F, K, BATCH>;
+  const int o = lane_half<F>(xs, lane);
+  float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < S::B; ++i) {
     const int c = i * 32 + lane;
-    if (c < S::C) visit(first[i], c);
+    if (c < S::C) acc += dot_load<F>(first[i], xs, c, o);
   }
 #pragma unroll
   for (int b0 = S::B; b0 < S::N; b0 += S::B) {
@@ -83,21 +84,9 @@ __device__ __forceinline__ void row_chunks(
 #pragma unroll
     for (int i = 0; i < S::B; ++i) {
       const int c = (b0 + i) * 32 + lane;
-      if (b0 + i < S::N && c < S::C) visit(buf[i], c);
+      if (b0 + i < S::N && c < S::C) acc += dot_load<F>(buf[i], xs, c, o);
     }
   }
-}
-
-// Lane-partial dot of row w with xs; the first batch was issued earlier into `first`.
-template <class F, int K, int BATCH>
-__device__ __forceinline__ float row_partial(
-    const typename F::Load (&first)[RowShape<F, K, BATCH>::B], typename F::Ptr w,
-    const float* __restrict__ xs, int lane) {
-  const int o = lane_half<F>(xs, lane);
-  float acc = 0.f;
-  row_chunks<F, K, BATCH>(first, w, lane, [&](const typename F::Load& u, int c) {
-    acc += dot_load<F>(u, xs, c, o);
-  });
   return acc;
 }
 

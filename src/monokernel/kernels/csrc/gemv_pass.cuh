@@ -12,17 +12,37 @@ template <class F, int K, int BATCH>
 __device__ __forceinline__ void row_partials(
     const typename F::Load (&first)[RowShape<F, K, BATCH>::B], typename F::Ptr w,
     const float* __restrict__ xs, int stride, int n, int lane, float (&acc)[MK_P]) {
+  using S = RowShape<F, K, BATCH>;
   int o[MK_P];
 #pragma unroll
   for (int q = 0; q < MK_P; ++q) {
     acc[q] = 0.f;
     o[q] = lane_half<F>(xs + q * stride, lane);
   }
-  row_chunks<F, K, BATCH>(first, w, lane, [&](const typename F::Load& u, int c) {
+#pragma unroll
+  for (int i = 0; i < S::B; ++i) {
+    const int c = i * 32 + lane;
 #pragma unroll
     for (int q = 0; q < MK_P; ++q)
-      if (q < n) acc[q] += dot_load<F>(u, xs + q * stride, c, o[q]);
-  });
+      if (q < n && c < S::C) acc[q] += dot_load<F>(first[i], xs + q * stride, c, o[q]);
+  }
+#pragma unroll
+  for (int b0 = S::B; b0 < S::N; b0 += S::B) {
+    typename F::Load buf[S::B];
+#pragma unroll
+    for (int i = 0; i < S::B; ++i) {
+      const int c = (b0 + i) * 32 + lane;
+      if (b0 + i < S::N && c < S::C) buf[i] = F::load(w, c);
+    }
+#pragma unroll
+    for (int i = 0; i < S::B; ++i) {
+      const int c = (b0 + i) * 32 + lane;
+#pragma unroll
+      for (int q = 0; q < MK_P; ++q)
+        if (q < n && b0 + i < S::N && c < S::C)
+          acc[q] += dot_load<F>(buf[i], xs + q * stride, c, o[q]);
+    }
+  }
 }
 
 // v[q] for a run-time q, kept in registers (an indexed array would live in local memory).
