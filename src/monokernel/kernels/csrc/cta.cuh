@@ -136,21 +136,6 @@ struct Cta {
   }
 };
 
-// The CTA's best (score, id) over every thread's (b, bi): each warp's (warp_argmax), then
-// thread 0 takes the warps' in warp order (through red and ss.h32), so thread 0's b, bi are
-// the CTA's. Callers keep red and ss.h32 untouched until a __syncthreads after this.
-__device__ __forceinline__ void cta_best(Cta& c, float& b, int& bi) {
-  warp_argmax(b, bi);
-  if (c.lane == 0) {
-    c.red[c.warp] = b;
-    c.ss.h32[c.warp] = (unsigned)bi;
-  }
-  __syncthreads();
-  if (c.t == 0)
-    for (int w = 1; w < kWarps; ++w)
-      if (better(c.red[w], (int)c.ss.h32[w], b, bi)) { b = c.red[w]; bi = (int)c.ss.h32[w]; }
-}
-
 // One layer of one step: its weights (a reference into global memory, re-read at each use:
 // fewer live registers than holding the pointers) and the tags of its hand-offs (flow.cuh).
 struct Layer {

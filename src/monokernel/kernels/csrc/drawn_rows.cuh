@@ -64,13 +64,14 @@ __device__ __forceinline__ unsigned draw_ticket(unsigned* counter) {
 }
 
 // Whole rows of W [rows, K] (one warp a row) from the tickets of tk, the first of which
-// (`got`, lane 0's) was drawn earlier: row(r, cur) reduces row r from its first batch in cur
-// (row_partial loads the rest). A row goes out in two batches; each row's first batch goes
-// out before the row ahead of it is reduced, and the two buffers take turns, so no copy
-// between them waits for loads in flight (gemv_split's PINGPONG).
-template <int K, class F, int BATCH, class Row>
-__device__ __forceinline__ void drawn_rows(Matrix<F> M, const RowTickets& tk, unsigned got,
-                                           int lane, Row row) {
+// (`got`, lane 0's) was drawn earlier. out(r, value) is called by lane 0. A row goes out in
+// two batches; each row's first batch goes out before the row ahead of it is reduced, and the
+// two buffers take turns, so no copy between them waits for loads in flight (gemv_split's
+// PINGPONG).
+template <int K, class F, class Out, int BATCH = (RowShape<F, K, 1>::N + 1) / 2>
+__device__ __forceinline__ void gemv_drawn(Matrix<F> M, const RowTickets& tk, unsigned got,
+                                           const float* __restrict__ xs, int lane, Out out,
+                                           float scale) {
   using S = RowShape<F, K, BATCH>;
   using L = typename F::Load;
   L a[S::B], b[S::B];
@@ -83,7 +84,9 @@ __device__ __forceinline__ void drawn_rows(Matrix<F> M, const RowTickets& tk, un
     const int rn = tk.row(__shfl_sync(0xffffffffu, got, 0));  // drawn a row ago
     if (rn >= 0 && lane == 0) got = draw_ticket(tk.counter);
     issue_first<F, K, BATCH>(nxt, M.at((size_t)(rn >= 0 ? rn : r) * K), lane, rn >= 0);
-    row(r, cur);
+    const float rs = M.row_scale(r);
+    const float d = warp_sum(row_partial<F, K, BATCH>(cur, M.at((size_t)r * K), xs, lane));
+    if (lane == 0) out(r, F::kScaled ? d * (scale * rs) : d * scale);
     r = rn;
     return rn >= 0;
   };
@@ -91,27 +94,23 @@ __device__ __forceinline__ void drawn_rows(Matrix<F> M, const RowTickets& tk, un
   }
 }
 
-// drawn_rows with xs: out(r, value) is called by lane 0.
-template <int K, class F, class Out, int BATCH = (RowShape<F, K, 1>::N + 1) / 2>
-__device__ __forceinline__ void gemv_drawn(Matrix<F> M, const RowTickets& tk, unsigned got,
-                                           const float* __restrict__ xs, int lane, Out out,
-                                           float scale) {
-  using L = typename F::Load;
-  drawn_rows<K, F, BATCH>(M, tk, got, lane, [&](int r, L(&cur)[RowShape<F, K, BATCH>::B]) {
-    const float rs = M.row_scale(r);
-    const float d = warp_sum(row_partial<F, K, BATCH>(cur, M.at((size_t)r * K), xs, lane));
-    if (lane == 0) out(r, F::kScaled ? d * (scale * rs) : d * scale);
-  });
-}
-
-// drawn_rows over a verify pass's n inputs (gemv_pass.cuh): each drawn row dotted with every
+// gemv_drawn over a verify pass's n inputs (gemv_pass.cuh): each drawn row dotted with every
 // position's, out(q, r, value) by lane 0, each the step's value to the bit.
 template <int K, class F, class Out, int BATCH = (RowShape<F, K, 1>::N + 1) / 2>
 __device__ __forceinline__ void gemv_drawn_pass(Matrix<F> M, const RowTickets& tk, unsigned got,
                                                 const float* __restrict__ xs, int stride, int n,
                                                 int lane, Out out, const float (&scale)[MK_P]) {
+  using S = RowShape<F, K, BATCH>;
   using L = typename F::Load;
-  drawn_rows<K, F, BATCH>(M, tk, got, lane, [&](int r, L(&cur)[RowShape<F, K, BATCH>::B]) {
+  L a[S::B], b[S::B];
+  int r = tk.row(__shfl_sync(0xffffffffu, got, 0));
+  if (r < 0) return;
+  issue_first<F, K, BATCH>(a, M.at((size_t)r * K), lane);
+  if (lane == 0) got = draw_ticket(tk.counter);
+  auto one = [&](L(&cur)[S::B], L(&nxt)[S::B]) {
+    const int rn = tk.row(__shfl_sync(0xffffffffu, got, 0));
+    if (rn >= 0 && lane == 0) got = draw_ticket(tk.counter);
+    issue_first<F, K, BATCH>(nxt, M.at((size_t)(rn >= 0 ? rn : r) * K), lane, rn >= 0);
     const float rs = M.row_scale(r);
     float d[MK_P];
     row_partials<F, K, BATCH>(cur, M.at((size_t)r * K), xs, stride, n, lane, d);
@@ -122,5 +121,9 @@ __device__ __forceinline__ void gemv_drawn_pass(Matrix<F> M, const RowTickets& t
         if (lane == 0) out(q, r, F::kScaled ? v * (scale[q] * rs) : v * scale[q]);
       }
     }
-  });
+    r = rn;
+    return rn >= 0;
+  };
+  while (one(a, b) && one(b, a)) {
+  }
 }

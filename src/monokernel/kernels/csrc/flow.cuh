@@ -376,31 +376,6 @@ __device__ __forceinline__ float load_flow(float* xs, const float* src, unsigned
   }
 }
 
-// a[i] <- a[i] + b[i], tags cleared, over this thread's chunks of K (flow_fetch's deal);
-// scaled (may be null) also gets a[i] * gain[i] (gain may be null: a[i]), swizzled. Returns
-// the sum of squares of the sums.
-template <int K>
-__device__ __forceinline__ float add_chunks(float* a, const float* b, float* scaled,
-                                            const float* gain) {
-  constexpr int N = FlowChunks<K>::N;
-  float ss = 0.f;
-  const int so = scaled ? swz_off(scaled + 4 * threadIdx.x) : 0;  // same for every chunk
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const int i = 4 * (threadIdx.x + j * kThreads);
-    if (i < K) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float v = flow_untag(a[i + k]) + flow_untag(b[i + k]);
-        a[i + k] = v;
-        if (scaled) scaled[i + so + k] = gain ? v * gain[i + k] : v;
-        ss += v * v;
-      }
-    }
-  }
-  return ss;
-}
-
 // Two vectors of K in one round trip: a <- src_a (tag_a), b <- src_b (tag_b) (b is scratch,
 // unused when the chunks come through registers). Then a[i] += b[i] for this thread's
 // elements; returns their sum of squares (stage D's residual: x + the O-projection's output).
@@ -436,7 +411,22 @@ __device__ __forceinline__ float load_flow_sum(float* a, const float* src_a, uns
     return ss;
   }
   flow_fetch<N, N>(a, src_a, tag_a, K / 4, b, src_b, tag_b, K / 4);
-  return add_chunks<K>(a, b, scaled, gain);
+  float ss = 0.f;
+  const int so = scaled ? swz_off(scaled + 4 * threadIdx.x) : 0;  // same for every chunk
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int i = 4 * (threadIdx.x + j * kThreads);
+    if (i < K) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float v = flow_untag(a[i + k]) + flow_untag(b[i + k]);
+        a[i + k] = v;
+        if (scaled) scaled[i + so + k] = gain ? v * gain[i + k] : v;
+        ss += v * v;
+      }
+    }
+  }
+  return ss;
 }
 
 // xs[0..K) <- src (fp32, written by other CTAs with `tag`, above), swizzled as every GEMV
@@ -549,10 +539,32 @@ __device__ __forceinline__ void load_flow_sum_pass(float* a, const float* src_a,
                                                    float* b, const float* src_b, unsigned tag_b,
                                                    float* scaled, const float* gain, int n,
                                                    float (&ss)[MK_P]) {
+  constexpr int N = FlowChunks<K>::N;
   flow_fetch_pass<K, false>(a, src_a, tag_a, n, b, src_b, tag_b);
 #pragma unroll
-  for (int q = 0; q < MK_P; ++q)
-    ss[q] = q < n ? add_chunks<K>(a + q * K, b + q * K, scaled + q * K, gain) : 0.f;
+  for (int q = 0; q < MK_P; ++q) {
+    float s = 0.f;
+    if (q < n) {
+      float* aq = a + q * K;
+      const float* bq = b + q * K;
+      float* sq = scaled + q * K;
+      const int so = swz_off(sq + 4 * threadIdx.x);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int i = 4 * (threadIdx.x + j * kThreads);
+        if (i < K) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const float v = flow_untag(aq[i + k]) + flow_untag(bq[i + k]);
+            aq[i + k] = v;
+            sq[i + so + k] = gain ? v * gain[i + k] : v;
+            s += v * v;
+          }
+        }
+      }
+    }
+    ss[q] = s;
+  }
 }
 
 // Whether every CTA owns a row of the stages whose outputs order the buffers' reuse (see the

@@ -153,28 +153,6 @@ __device__ __forceinline__ void issue_row(typename F::Load (&buf)[RowShape<F, K,
 
 #include "gemv_tiles.cuh"  // gemv_split's branch for tile formats
 
-// One round of a split GEMV's rows it0 .. it1 - 1: row(cur, nxt, it, it0) reduces row it from
-// its first batch in cur and issues the next row's into nxt. PINGPONG: the rows alternate
-// between pre and a second buffer, so no copy joins them (an even round ends with the next
-// row in pre); else each row's successor is copied into pre.
-template <bool PINGPONG, class L, int B, class Row>
-__device__ __forceinline__ void round_rows(L (&pre)[B], int it0, int it1, Row row) {
-  if (PINGPONG) {
-    L alt[B];
-    for (int it = it0; it < it1; it += 2) {
-      row(pre, alt, it, it0);
-      if (it + 1 < it1) row(alt, pre, it + 1, it0);
-    }
-  } else {
-    for (int it = it0; it < it1; ++it) {
-      L nxt[B];
-      row(pre, nxt, it, it0);
-#pragma unroll
-      for (int i = 0; i < B; ++i) pre[i] = nxt[i];
-    }
-  }
-}
-
 // gemv_split over rows (a row format).
 template <int K, int SPLIT, bool PINGPONG = false, class F, class Out>
 __device__ __forceinline__ void gemv_split_rows(
@@ -210,11 +188,23 @@ __device__ __forceinline__ void gemv_split_rows(
     if (lane == 0) part[warp * kSplitSlots + (it - it0)] = d;
     if (!PIPE) issue_first<F, P::KP, kBatch>(nxt, wn, lane, rn < rows);
   };
-  static_assert(!PINGPONG || kSplitSlots % 2 == 0,
-                "a whole round must end with the next row in pre");
   for (int it0 = 0; it0 < iters; it0 += kSplitSlots) {
     const int it1 = min(iters, it0 + kSplitSlots);
-    round_rows<PINGPONG>(pre, it0, it1, row);
+    if (PINGPONG) {
+      static_assert(kSplitSlots % 2 == 0, "a whole round must end with the next row in pre");
+      L alt[S::B];
+      for (int it = it0; it < it1; it += 2) {
+        row(pre, alt, it, it0);
+        if (it + 1 < it1) row(alt, pre, it + 1, it0);
+      }
+    } else {
+      for (int it = it0; it < it1; ++it) {
+        L nxt[S::B];
+        row(pre, nxt, it, it0);
+#pragma unroll
+        for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
+      }
+    }
     __syncthreads();
     // Thread (group gg, slot j) adds the slices of row u(gg) + (it0 + j) * units.
     for (int q = threadIdx.x; q < P::GROUPS * kSplitSlots; q += kThreads) {

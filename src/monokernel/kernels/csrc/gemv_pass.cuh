@@ -100,7 +100,20 @@ __device__ __forceinline__ void gemv_split_rows_pass(
   };
   for (int it0 = 0; it0 < iters; it0 += R) {
     const int it1 = min(iters, it0 + R);
-    round_rows<PINGPONG>(pre, it0, it1, row);
+    if (PINGPONG) {
+      L alt[S::B];
+      for (int it = it0; it < it1; it += 2) {
+        row(pre, alt, it, it0);
+        if (it + 1 < it1) row(alt, pre, it + 1, it0);
+      }
+    } else {
+      for (int it = it0; it < it1; ++it) {
+        L nxt[S::B];
+        row(pre, nxt, it, it0);
+#pragma unroll
+        for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
+      }
+    }
     __syncthreads();
     // Thread (group gg, slot j, position q) adds the slices of row u(gg) + (it0 + j) * units.
     for (int t = threadIdx.x; t < P::GROUPS * R * MK_P; t += kThreads) {

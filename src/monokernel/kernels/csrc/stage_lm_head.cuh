@@ -64,9 +64,17 @@ __device__ __forceinline__ void lm_head_pass(const Params& p, Cta& c, const Step
     if (q < n) {
       float b = best[q];
       int bi = best_id[q];
-      cta_best(c, b, bi);
-      if (c.t == 0)
+      warp_argmax(b, bi);
+      if (c.lane == 0) {
+        c.red[c.warp] = b;
+        c.ss.h32[c.warp] = (unsigned)bi;
+      }
+      __syncthreads();
+      if (c.t == 0) {
+        for (int w = 1; w < kWarps; ++w)
+          if (better(c.red[w], (int)c.ss.h32[w], b, bi)) { b = c.red[w]; bi = (int)c.ss.h32[w]; }
         publish_token_word(token_words(p) + q * gridDim.x, b, bi, cancel_early, s.index);
+      }
       __syncthreads();
     }
   }
@@ -116,13 +124,22 @@ __device__ __forceinline__ uint32_t lm_head(const Params& p, Cta& c, const Step&
   if (MK_F_DRAWN)
     gemv_drawn<MK_H>(p.lm_head, row_tickets(p.barrier, f_static, MK_V, s.index), f_got, c.xs,
                      c.lane, out, rf);
-  cta_best(c, best, best_id);
+  warp_argmax(best, best_id);
+  if (c.lane == 0) {
+    c.red[c.warp] = best;
+    c.ss.h32[c.warp] = (unsigned)best_id;
+  }
+  __syncthreads();
   if (c.t == 0) {
+    float b = c.red[0];
+    int bi = (int)c.ss.h32[0];
+    for (int w = 1; w < kWarps; ++w)
+      if (better(c.red[w], (int)c.ss.h32[w], b, bi)) { b = c.red[w]; bi = (int)c.ss.h32[w]; }
     if (c.words) {
-      publish_token_word(token_words(p), best, best_id, cancel_early, s.index);
+      publish_token_word(token_words(p), b, bi, cancel_early, s.index);
     } else {
-      p.part_score[blockIdx.x] = best;
-      p.part_id[blockIdx.x] = best_id;
+      p.part_score[blockIdx.x] = b;
+      p.part_id[blockIdx.x] = bi;
       if (c.host_cta) p.flags[kFlagCancel] = cancel_early;
     }
   }

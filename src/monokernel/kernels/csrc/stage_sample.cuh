@@ -48,9 +48,18 @@ __device__ __forceinline__ Sampled sample_pass(const Params& p, Cta& c, const St
       cancel_seen |= token_word_cancel(w);
       if (better(sc, i, b, bi)) { b = sc; bi = i; }
     }
-    __syncthreads();  // the last position's reduction has read red
-    cta_best(c, b, bi);
-    if (c.t == 0) c.ss.misc[q] = bi;
+    warp_argmax(b, bi);
+    __syncthreads();
+    if (c.lane == 0) {
+      c.red[c.warp] = b;
+      c.ss.h32[c.warp] = (unsigned)bi;
+    }
+    __syncthreads();
+    if (c.t == 0) {
+      for (int w = 1; w < kWarps; ++w)
+        if (better(c.red[w], (int)c.ss.h32[w], b, bi)) { b = c.red[w]; bi = (int)c.ss.h32[w]; }
+      c.ss.misc[q] = bi;
+    }
   }
   // Every word is in (acquired): this pass's KV appends are visible to the copies.
   const bool cancelled = __syncthreads_or(cancel_seen);
@@ -109,9 +118,16 @@ __device__ __forceinline__ Sampled sample(const Params& p, Cta& c, const Step& s
       cancelled = __syncthreads_or(cancel_seen);
       if (s.index + 1 < p.n_steps) attention_prefetch(p, 0, s.pos() + 1, c.kvwin);
     }
-    __syncthreads();  // red's last readers are done
-    cta_best(c, b, bi);
+    warp_argmax(b, bi);
+    __syncthreads();
+    if (c.lane == 0) {
+      c.red[c.warp] = b;
+      c.ss.h32[c.warp] = (unsigned)bi;
+    }
+    __syncthreads();
     if (c.t == 0) {
+      for (int w = 1; w < kWarps; ++w)
+        if (better(c.red[w], (int)c.ss.h32[w], b, bi)) { b = c.red[w]; bi = (int)c.ss.h32[w]; }
       Net::exchange(p, s.index, b, bi, c.ss.misc);  // tensor parallelism: the ranks' winner
       c.ss.misc[0] = bi;
     }
