@@ -35,6 +35,17 @@ __device__ __forceinline__ float embed_norm(const Params& p, float* xs, int tok,
   return norm_scale<MK_H>(ss, red, p.eps);
 }
 
+// Stage A's marks and its hand-off. Stage B's first loads (the K/V window) went out a stage
+// ahead: nothing to issue here.
+__device__ __forceinline__ void attn_norm_qkv_end(const Params& p, Cta& c, const Step& s,
+                                                  const Layer& l) {
+  mark(p, s, l, kMarkAttnNormQkvWork);
+  skew(p, s.index, l.index, kSkewAttnNormQkvDone);
+  handoff_arrive(c.flow, p.barrier, c.bar);
+  handoff_wait(c.flow, p.barrier, c.bar);
+  mark(p, s, l, kMarkAttnNormQkvWait);
+}
+
 // A pass's stage A: each position's embedding or residual, normed as a step norms it, and
 // the QKV projection of each into its position's qkv vector (gemv_pass.cuh).
 __device__ __forceinline__ void attn_norm_qkv_pass(const Params& p, Cta& c, const Step& s,
@@ -60,11 +71,7 @@ __device__ __forceinline__ void attn_norm_qkv_pass(const Params& p, Cta& c, cons
       l.w.wqkv, kQkv, c.xs, MK_H, n, c.part(), c.warp, c.lane, c.preA(),
       [&](int q, int r, float d) { st_flow(p.qkv + q * kQkv + r, d, l.tag); }, (int)blockIdx.x,
       MK_QKV_BIAS ? l.w.bqkv : nullptr, ra);
-  mark(p, s, l, kMarkAttnNormQkvWork);
-  skew(p, s.index, l.index, kSkewAttnNormQkvDone);
-  handoff_arrive(c.flow, p.barrier, c.bar);
-  handoff_wait(c.flow, p.barrier, c.bar);
-  mark(p, s, l, kMarkAttnNormQkvWait);
+  attn_norm_qkv_end(p, c, s, l);
 }
 
 __device__ __forceinline__ void attn_norm_qkv(const Params& p, Cta& c, const Step& s,
@@ -84,10 +91,5 @@ __device__ __forceinline__ void attn_norm_qkv(const Params& p, Cta& c, const Ste
       l.w.wqkv, kQkv, c.xs, c.part(), c.warp, c.lane, c.preA(),
       [&](int r, float d) { st_flow(p.qkv + r, d, l.tag); }, (int)blockIdx.x,
       MK_QKV_BIAS ? l.w.bqkv : nullptr, ra);
-  mark(p, s, l, kMarkAttnNormQkvWork);
-  skew(p, s.index, l.index, kSkewAttnNormQkvDone);
-  // Stage B's first loads (the K/V window) went out a stage ahead: nothing to issue here.
-  handoff_arrive(c.flow, p.barrier, c.bar);
-  handoff_wait(c.flow, p.barrier, c.bar);
-  mark(p, s, l, kMarkAttnNormQkvWait);
+  attn_norm_qkv_end(p, c, s, l);
 }
