@@ -309,7 +309,12 @@ __device__ __forceinline__ void attention_stage_pass(const Params& p, const Laye
                                                      int layer, int pos0, int n,
                                                      unsigned (&done)[MK_P], unsigned tag,
                                                      float* sm, float* red, float* win) {
-  for (int q = 0; q < n; ++q) {
+  // q a constant in each unrolled iteration: done[] stays in registers (indexed at run time,
+  // it and the CTA's state around it would live in local memory, and every shared-memory
+  // pointer read back from there turns generic).
+#pragma unroll
+  for (int q = 0; q < MK_P; ++q) {
+    if (q >= n) break;
     const int qp = pos0 + q;
     const AttnPlan a = attn_plan(p, qp);
     if (a.group) __trap();  // the host keeps a pass to contexts head units cover
