@@ -373,6 +373,12 @@ PARAMS: tuple[Field, ...] = (
         "host-mapped: [n_steps, LOGPROB_WORDS] each step's logprob, then (id bits, logprob) "
         "pairs; or null",
     ),
+    _p(
+        "history",
+        "int*",
+        "[max_len] the request's tokens by position: a pass build drafts from it and appends "
+        "what it accepts (csrc/draft.cuh); or null",
+    ),
     Field("max_len", "int", ctypes.c_int32, "cache positions"),
     Field("first_token", "int", ctypes.c_int32, "the first step's input token"),
     Field("start_pos", "int", ctypes.c_int32, "position of first_token"),
@@ -397,6 +403,8 @@ PARAMS: tuple[Field, ...] = (
     Field("min_p", "float", ctypes.c_float, "0: off"),
     Field("n_logprobs", "int", ctypes.c_int32, "alternatives a step's lp_out record holds"),
     Field("pass_len", "int", ctypes.c_int32, "positions each pass computes (a pass build, MK_P)"),
+    Field("draft_min", "int", ctypes.c_int32, "the shortest suffix a draft matches (n-gram)"),
+    Field("draft_max", "int", ctypes.c_int32, "the longest suffix a draft matches (n-gram)"),
 )
 
 # Appended in a -DMK_TP=N build (tp.cuh): the peers' receive buffers and this rank's place.
@@ -532,8 +540,10 @@ def skew_slot(layers: int, cta: int, point: str) -> int:
 
 FLAGS: tuple[tuple[str, str], ...] = (
     ("cancel", "the host's cancel word as seen at the step's barrier (barrier path)"),
+    ("drafted", "a pass build's drafted tokens so far (the host CTA's count)"),
+    ("accepted", "a pass build's accepted drafts so far (the host CTA's count)"),
 )
-FLAG_WORDS = 4  # int32 words of Params::flags (three spare)
+FLAG_WORDS = 4  # int32 words of Params::flags (one spare)
 
 
 def barrier_words() -> int:

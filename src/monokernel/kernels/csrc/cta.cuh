@@ -154,14 +154,16 @@ struct Step {
   int index;
   int start;  // Params::start_pos
   int token;  // the last token drawn (Params::first_token before the first step)
-  int count = 1;  // positions of this pass (1 in a step build)
+  int count = 1;           // positions of this pass (1 in a step build)
+  int pos0 = 0;            // a pass's first position
+  const int* in = nullptr;  // a pass's input tokens (shared memory), where not forced
   // The position of this step's (first) input token.
-  __device__ __forceinline__ int pos() const { return start + index * (MK_P == 1 ? 1 : count); }
+  __device__ __forceinline__ int pos() const { return MK_P == 1 ? start + index : pos0; }
   // This step's input token (position q of a pass): the last one drawn, or the one the host
-  // forces (debug runs).
+  // forces (debug runs); a pass's drafted ones after its first.
   __device__ __forceinline__ int input(const Params& p, int q = 0) const {
     if constexpr (MK_P == 1) return p.forced ? p.forced[index] : token;
-    return p.forced ? p.forced[index * count + q] : token;
+    return p.forced ? p.forced[index * count + q] : in[q];
   }
 };
 

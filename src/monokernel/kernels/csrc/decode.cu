@@ -14,18 +14,13 @@
 #include "stage_mlp_gate_up.cuh"
 #include "stage_o_proj.cuh"
 #include "stage_sample.cuh"
+#include "verify_passes.cuh"
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1) mk_decode(const __grid_constant__ Params p) {
-  extern __shared__ __align__(16) float smem[];
-  Cta c;
-  c.init(p, smem);
-  attn_norm_qkv_first(p, c, p.layers[0]);
-  attention_window_init(c.kvwin);
-  attention_prefetch(p, 0, p.start_pos, c.kvwin);
-
+// The step build's loop: one token a step.
+__device__ __forceinline__ void decode_steps(const Params& p, Cta& c) {
   int token = p.first_token;
   for (int step = 0; step < p.n_steps; ++step) {
-    const Step s{step, p.start_pos, token, MK_P == 1 ? 1 : p.pass_len};
+    const Step s{step, p.start_pos, token};
     debug_stall(p, step);
     mark_ns(p, step, kMarkStepStartNs);
     mark(p, step, kMarkStepStart);
@@ -38,16 +33,25 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1) mk_decode(const __grid
       mlp_gate_up(p, c, s, l);    // D: x + delta, RMSNorm, gate/up, SiLU·mul -> act
       mlp_down(p, c, s, l);       // E: down projection + residual -> x
     }
-    Sampled next;
-    if constexpr (MK_P > 1) {  // a verify pass: every position's head and token
-      lm_head_pass(p, c, s);
-      next = sample_pass(p, c, s);
-    } else {
-      const uint32_t key = lm_head(p, c, s);  // F: final norm + LM head -> each CTA's best
-      next = sample(p, c, s, key);
-    }
+    const uint32_t key = lm_head(p, c, s);  // F: final norm + LM head -> each CTA's best
+    const Sampled next = sample(p, c, s, key);
     token = next.next;
     if (next.done) break;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1) mk_decode(const __grid_constant__ Params p) {
+  extern __shared__ __align__(16) float smem[];
+  Cta c;
+  c.init(p, smem);
+  attn_norm_qkv_first(p, c, p.layers[0]);
+  attention_window_init(c.kvwin);
+  attention_prefetch(p, 0, p.start_pos, c.kvwin);
+
+  if constexpr (MK_P > 1) {
+    verify_passes(p, c);  // a pass build's loop (verify_passes.cuh)
+  } else {
+    decode_steps(p, c);
   }
   cp_async_wait_all();  // the next step's gain, staged for a step that will not run
   attention_window_drain(c.kvwin);

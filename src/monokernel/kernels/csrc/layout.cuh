@@ -69,6 +69,7 @@ struct Params {
   unsigned* seen;                   // [V_all] penalties: 1 if in the prompt, + 2 a time generated; or null
   float* raw_logits;                // [V_all] logits before the mask and penalties (logprobs; TP: rank 0 gathers them), or null
   volatile float* lp_out;           // host-mapped: [n_steps, LOGPROB_WORDS] each step's logprob, then (id bits, logprob) pairs; or null
+  int* history;                     // [max_len] the request's tokens by position: a pass build drafts from it and appends what it accepts (csrc/draft.cuh); or null
   int max_len;                      // cache positions
   int first_token;                  // the first step's input token
   int start_pos;                    // position of first_token
@@ -93,6 +94,8 @@ struct Params {
   float min_p;                      // 0: off
   int n_logprobs;                   // alternatives a step's lp_out record holds
   int pass_len;                     // positions each pass computes (a pass build, MK_P)
+  int draft_min;                    // the shortest suffix a draft matches (n-gram)
+  int draft_max;                    // the longest suffix a draft matches (n-gram)
 #if MK_TP > 1
   unsigned* tp_recv[8];  // rank k's receive buffer (peer pointers)
   unsigned* tp_mine;     // this rank's own buffer (== tp_recv[tp_rank])
@@ -145,40 +148,43 @@ static_assert(offsetof(Params, logit_bias) == 240, "layout.py");
 static_assert(offsetof(Params, seen) == 248, "layout.py");
 static_assert(offsetof(Params, raw_logits) == 256, "layout.py");
 static_assert(offsetof(Params, lp_out) == 264, "layout.py");
-static_assert(offsetof(Params, max_len) == 272, "layout.py");
-static_assert(offsetof(Params, first_token) == 276, "layout.py");
-static_assert(offsetof(Params, start_pos) == 280, "layout.py");
-static_assert(offsetof(Params, n_steps) == 284, "layout.py");
-static_assert(offsetof(Params, n_stop) == 288, "layout.py");
-static_assert(offsetof(Params, top_k) == 292, "layout.py");
-static_assert(offsetof(Params, temperature) == 296, "layout.py");
-static_assert(offsetof(Params, top_p) == 300, "layout.py");
-static_assert(offsetof(Params, seed_lo) == 304, "layout.py");
-static_assert(offsetof(Params, seed_hi) == 308, "layout.py");
-static_assert(offsetof(Params, eps) == 312, "layout.py");
-static_assert(offsetof(Params, timing_step) == 316, "layout.py");
-static_assert(offsetof(Params, attn_splits) == 320, "layout.py");
-static_assert(offsetof(Params, attn_group_splits) == 324, "layout.py");
-static_assert(offsetof(Params, attn_group_from) == 328, "layout.py");
-static_assert(offsetof(Params, debug_stall_step) == 332, "layout.py");
-static_assert(offsetof(Params, debug_stall_hard) == 336, "layout.py");
-static_assert(offsetof(Params, mask_tag) == 340, "layout.py");
-static_assert(offsetof(Params, presence) == 344, "layout.py");
-static_assert(offsetof(Params, frequency) == 348, "layout.py");
-static_assert(offsetof(Params, repetition) == 352, "layout.py");
-static_assert(offsetof(Params, min_p) == 356, "layout.py");
-static_assert(offsetof(Params, n_logprobs) == 360, "layout.py");
-static_assert(offsetof(Params, pass_len) == 364, "layout.py");
+static_assert(offsetof(Params, history) == 272, "layout.py");
+static_assert(offsetof(Params, max_len) == 280, "layout.py");
+static_assert(offsetof(Params, first_token) == 284, "layout.py");
+static_assert(offsetof(Params, start_pos) == 288, "layout.py");
+static_assert(offsetof(Params, n_steps) == 292, "layout.py");
+static_assert(offsetof(Params, n_stop) == 296, "layout.py");
+static_assert(offsetof(Params, top_k) == 300, "layout.py");
+static_assert(offsetof(Params, temperature) == 304, "layout.py");
+static_assert(offsetof(Params, top_p) == 308, "layout.py");
+static_assert(offsetof(Params, seed_lo) == 312, "layout.py");
+static_assert(offsetof(Params, seed_hi) == 316, "layout.py");
+static_assert(offsetof(Params, eps) == 320, "layout.py");
+static_assert(offsetof(Params, timing_step) == 324, "layout.py");
+static_assert(offsetof(Params, attn_splits) == 328, "layout.py");
+static_assert(offsetof(Params, attn_group_splits) == 332, "layout.py");
+static_assert(offsetof(Params, attn_group_from) == 336, "layout.py");
+static_assert(offsetof(Params, debug_stall_step) == 340, "layout.py");
+static_assert(offsetof(Params, debug_stall_hard) == 344, "layout.py");
+static_assert(offsetof(Params, mask_tag) == 348, "layout.py");
+static_assert(offsetof(Params, presence) == 352, "layout.py");
+static_assert(offsetof(Params, frequency) == 356, "layout.py");
+static_assert(offsetof(Params, repetition) == 360, "layout.py");
+static_assert(offsetof(Params, min_p) == 364, "layout.py");
+static_assert(offsetof(Params, n_logprobs) == 368, "layout.py");
+static_assert(offsetof(Params, pass_len) == 372, "layout.py");
+static_assert(offsetof(Params, draft_min) == 376, "layout.py");
+static_assert(offsetof(Params, draft_max) == 380, "layout.py");
 #if MK_TP > 1
-static_assert(offsetof(Params, tp_recv) == 368, "layout.py");
-static_assert(offsetof(Params, tp_mine) == 432, "layout.py");
-static_assert(offsetof(Params, tp_rank) == 440, "layout.py");
-static_assert(offsetof(Params, vocab_start) == 444, "layout.py");
-static_assert(offsetof(Params, tp_tag) == 448, "layout.py");
-static_assert(offsetof(Params, tp_pad_) == 452, "layout.py");
-static_assert(sizeof(Params) == 456, "layout.py");
+static_assert(offsetof(Params, tp_recv) == 384, "layout.py");
+static_assert(offsetof(Params, tp_mine) == 448, "layout.py");
+static_assert(offsetof(Params, tp_rank) == 456, "layout.py");
+static_assert(offsetof(Params, vocab_start) == 460, "layout.py");
+static_assert(offsetof(Params, tp_tag) == 464, "layout.py");
+static_assert(offsetof(Params, tp_pad_) == 468, "layout.py");
+static_assert(sizeof(Params) == 472, "layout.py");
 #else
-static_assert(sizeof(Params) == 368, "layout.py");
+static_assert(sizeof(Params) == 384, "layout.py");
 #endif
 
 // ---- Params::timing: int64 slots of the profiled step (probes.cuh) ----
@@ -230,6 +236,8 @@ constexpr int kSkewBase = kMarkWords;
 // ---- small buffers' words ----
 enum Flag : int {  // Params::flags
   kFlagCancel = 0,  // the host's cancel word as seen at the step's barrier (barrier path)
+  kFlagDrafted = 1,  // a pass build's drafted tokens so far (the host CTA's count)
+  kFlagAccepted = 2,  // a pass build's accepted drafts so far (the host CTA's count)
 };
 constexpr int kFlagWords = 4;
 constexpr int kSamplePart = 256;  // sample_part: words a CTA's slot

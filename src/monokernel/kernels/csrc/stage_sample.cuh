@@ -32,10 +32,10 @@ __device__ __noinline__ Drawn draw_whole(const Params& p, uint32_t key, unsigned
   return {token, bar};
 }
 
-// A pass's tokens: each position's best over the CTAs' words, as a step's. Teacher-forced
-// (the pass build's inputs are Params::forced), every position's token is reported, in
-// order: token index s count + q.
-__device__ __forceinline__ Sampled sample_pass(const Params& p, Cta& c, const Step& s) {
+// A pass's draws: each position's best over the CTAs' words, as a step's, into c.ss.misc[q]
+// (every thread may read them on return). Returns whether the host asked to stop. Every word
+// is in (acquired) on return: this pass's KV appends are visible to the next window copies.
+__device__ __forceinline__ bool sample_pass(const Params& p, Cta& c, const Step& s) {
   const int n = s.count;
   bool cancel_seen = false;
   for (int q = 0; q < n; ++q) {
@@ -61,30 +61,7 @@ __device__ __forceinline__ Sampled sample_pass(const Params& p, Cta& c, const St
       c.ss.misc[q] = bi;
     }
   }
-  // Every word is in (acquired): this pass's KV appends are visible to the copies.
-  const bool cancelled = __syncthreads_or(cancel_seen);
-  if (s.index + 1 < p.n_steps) attention_prefetch(p, 0, s.pos() + n, c.kvwin);
-  int tok[MK_P];
-  bool done = s.index + 1 == p.n_steps || cancelled;
-#pragma unroll
-  for (int q = 0; q < MK_P; ++q) {
-    tok[q] = q < n ? c.ss.misc[q] : 0;
-    for (int i = 0; i < p.n_stop && q < n; ++i) done |= p.stop_ids[i] == tok[q];
-  }
-  __syncthreads();
-  if (c.host_cta && c.t == 0) {
-#pragma unroll
-    for (int q = 0; q < MK_P; ++q)
-      if (q < n) p.host_out[kHostOutHead + s.index * n + q] = tok[q] + 1;
-    p.host_out[0] = (s.index + 1) * n;
-    if (done) {
-      __threadfence_system();
-      p.host_out[1] = 1;
-    }
-  }
-  mark(p, s.index, kMarkSampleWork);
-  mark_ns(p, s.index, kMarkStepEndNs);
-  return {c.ss.misc[n - 1], done};
+  return __syncthreads_or(cancel_seen);
 }
 
 __device__ __forceinline__ Sampled sample(const Params& p, Cta& c, const Step& s, uint32_t key) {

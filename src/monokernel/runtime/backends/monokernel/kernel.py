@@ -135,6 +135,10 @@ class Launch:
     # Positions each step computes: a pass build's (KernelDims.positions) teacher-forced
     # passes (verify_pass.py); 1 in a step build.
     pass_len: int = 1
+    # A pass build drafting from the request's tokens (verify_pass.py): the device address of
+    # its int32 history [max_len] (0: none), and the n-gram bounds (shortest, longest).
+    history: int = 0
+    ngram: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,6 +396,9 @@ class DecodeKernel:
             **dict(zip(("debug_stall_step", "debug_stall_hard"), debug_stall(), strict=True)),
             mask_tag=launch.mask_tag,
             pass_len=launch.pass_len,
+            history=launch.history,
+            draft_min=launch.ngram[0],
+            draft_max=launch.ngram[1],
             **launch.rules,
         )
         if tp is None:

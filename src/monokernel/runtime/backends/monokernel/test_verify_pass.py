@@ -61,3 +61,47 @@ def test_each_position_of_a_pass_is_the_step_at_it(fmt: str, prompt: int) -> Non
     finally:
         passes.close()
         mk.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not hopper_with(8), reason="needs a Hopper GPU, 8 GiB")
+@pytest.mark.parametrize("fmt", ["int4-32", "bf16"])
+def test_passes_that_draft_draw_what_steps_draw(fmt: str) -> None:
+    """Greedy passes that draft from the request's own tokens (a prompt of one random run
+    three times over) and keep what their draws confirm give the tokens the step build
+    draws, with and without a stop id among them; some tokens are drafted."""
+    from monokernel.runtime.backends.base import CancelToken, DecodeRequest
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+    from monokernel.runtime.backends.monokernel.verify_pass import PassKernel
+    from monokernel.runtime.sampling import SamplingParams
+    from monokernel.weights.group_quant import quantize_rtn
+    from monokernel.weights.quantize import is_quantized
+
+    cfg, dev = SHAPES["smollm2-135m"], torch.device("cuda")
+    weights = random_weights(cfg, device=dev, seed=44)
+    prompt = random_ids(40, cfg.vocab_size, seed=45) * 3
+    steps_n = 96
+    if fmt == "int4-32":
+        groups = {k: quantize_rtn(v, 32) for k, v in weights.items() if is_quantized(k)}
+        with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="rows"):
+            mk = MonokernelBackend(
+                cfg, weights, len(prompt) + steps_n, dev, quantize="int4", groups=groups,
+                prefill_precision="fp32",
+            )  # fmt: skip
+    else:
+        mk = MonokernelBackend(cfg, weights, len(prompt) + steps_n, dev)
+    greedy = SamplingParams(temperature=0.0)
+    request = DecodeRequest(tuple(prompt), greedy, steps_n, frozenset())
+    steps = list(mk.stream(request, CancelToken()))  # the first from the prefill's logits
+    passes = PassKernel(mk.kernel, POSITIONS)
+    try:
+        got, drafted, _ = passes.generate(prompt + steps[:1], steps_n - 1)
+        assert got == steps[1:]
+        assert drafted > 0
+        stop = steps[40]
+        first = steps.index(stop, 1)
+        got, _, _ = passes.generate(prompt + steps[:1], steps_n - 1, stop_ids=[stop])
+        assert got == steps[1 : first + 1]
+    finally:
+        passes.close()
+        mk.close()

@@ -3,10 +3,10 @@ P positions of a request in one pass over the weights, each position exactly as 
 step at that position computes it (kernels/csrc: the ``MK_P`` pass build).
 
 A pass build (``KernelDims.positions`` = P) runs beside the backend's step build over the
-same weights and KV cache. Its inputs are teacher-forced for now: the tokens of every
-position of every pass are given (``Params::forced``), and every position's draw comes back.
-Drafting and accepting inside the kernel are not built yet, so nothing user-facing runs a
-pass: ``--speculative`` on the monokernel is still refused.
+same weights and KV cache, either teacher-forced (the tokens of every position of every
+pass given, ``Params::forced``, every position's draw reported) or drafting from the
+request's own tokens and keeping what the draws confirm (``generate``). Nothing user-facing
+runs a pass yet: ``--speculative`` on the monokernel is still refused.
 """
 
 from __future__ import annotations
@@ -87,6 +87,45 @@ class PassKernel:
             raise RuntimeError(f"the pass build reported {ran} of {n} positions")
         tokens = [int(words[2 + i]) - 1 for i in range(n)]
         return out, tokens, begin.elapsed_time(end) * 1e-3 * pass_len / n
+
+    def generate(
+        self,
+        tokens: Sequence[int],
+        n: int,
+        ngram: tuple[int, int] = (2, 4),
+        stop_ids: Sequence[int] = (),
+    ) -> tuple[list[int], int, int]:
+        """Greedy decoding with drafts from the request's own tokens, verified in passes:
+        ``tokens`` are the request so far (the cache holds all but the last, which is the
+        first pass's input), ``n`` the tokens to draw at most. Returns the tokens drawn (as
+        decoding step by step draws them), and the drafted and accepted counts."""
+        k = self.kernel
+        start = len(tokens) - 1
+        if not 0 <= start < k.max_seq_len - 1 or n < 1 or start + n > k.max_seq_len:
+            raise InvalidRequestError(
+                f"{n} tokens after {len(tokens)} do not fit the cache of {k.max_seq_len}"
+            )
+        dev = k.device
+        history = torch.zeros(k.max_seq_len, dtype=torch.int32, device=dev)  # [max_len]
+        history[: len(tokens)] = torch.tensor(list(tokens), dtype=torch.int32)
+        greedy = SamplingParams(temperature=0.0, max_tokens=n)
+        k.make_current()
+        with torch.cuda.device(dev):
+            k.prepare(stop_ids)
+            launch = Launch(
+                int(tokens[-1]), start, n, greedy, n_stop=len(stop_ids),
+                pass_len=self.positions, history=history.data_ptr(), ngram=ngram,
+            )  # fmt: skip
+            k.start(launch)
+            t0 = time.monotonic()
+            while not k.finished():
+                if time.monotonic() - t0 > stall_seconds():
+                    raise KernelStuckError(f"verify passes did not finish in {stall_seconds()} s")
+                time.sleep(1e-4)
+            flags = k.flags.tolist()
+        words = k.token_words
+        ran = int(words[0])
+        return [int(words[2 + i]) - 1 for i in range(ran)], flags[1], flags[2]
 
     def close(self) -> None:
         self.kernel.close()
