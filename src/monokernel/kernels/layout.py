@@ -195,6 +195,8 @@ GV = named("kAttnGv", T // CH)  # head units' P·V position groups
 # Stage B's scratch, head units (attention.cuh): q, k, v [3D] | probabilities [THREADS] |
 # per-group partial outputs [GV, D] | per-warp score maxima [WARPS] + per-group exp-sums [GV].
 ATTN_SCRATCH_HEAD = named("kAttnScratchHead", 3 * D + T + GV * D + round4(W + GV))
+# A pass's head units (attention_pass.cuh): the same with q, k, v [3D] one a query.
+ATTN_SCRATCH_QUERIES = named("kAttnScratchQueries", 3 * P * D + T + GV * D + round4(W + GV))
 # Group units (attention_group.cuh): running and stage max [4G] | k, v [2D] | exp-sums
 # [THREADS / CH] | q [G, D] + padded q [G, 3D/2] + probabilities [G, PMAX], all three reused
 # as the per-group partial outputs [NG, G, D] (<= 8 THREADS).
@@ -208,7 +210,7 @@ PART = named("kPartFloats", SLOTS + TILES * (8 * 16 - SPLIT_SLOTS))
 # the next norm's staged gain [H] | a tile GEMV's input sums [XS / 32 per SUM_SPLIT].
 # A pass's D input is one [H] a position.
 D_INPUT = named("kDInputFloats", W * PART + (P + 1) * H + TILES * SUM_SPLIT * XS // 32)
-ATTN_SCRATCH = named("kAttnScratch", emax(emax(ATTN_SCRATCH_HEAD, ATTN_SCRATCH_GROUP), D_INPUT))
+ATTN_SCRATCH = named("kAttnScratch", emax(emax(ATTN_SCRATCH_QUERIES, ATTN_SCRATCH_GROUP), D_INPUT))
 # The same at one position: the reader merge's bound below must not move with the positions (a
 # pass's attention is planned exactly as a step's).
 ATTN_SCRATCH_STEP = named(
@@ -218,9 +220,9 @@ ATTN_SCRATCH_STEP = named(
     ),
 )
 RED_FLOATS = 64
-# The K/V window: K and V rows [CHUNK, D] bf16 | the RoPE row [D] | per ring stage an mbarrier
-# (2 floats) and two counters.
-WINDOW = named("kWindowFloats", ATTN_CHUNK * D + D + 4 * STAGES)
+# The K/V window: K and V rows [CHUNK, D] bf16 | the RoPE rows [P, D] (cos [P, D/2] | sin
+# [P, D/2]: a pass's positions) | per ring stage an mbarrier (2 floats) and two counters.
+WINDOW = named("kWindowFloats", ATTN_CHUNK * D + P * D + 4 * STAGES)
 # Stage C's reader merge: ranges whose partials [ns, Q] fit xs and statistics [ns, NH, 4] the
 # scratch.
 MERGE_NS = named("kMergeNs", emin(XS // Q, ATTN_SCRATCH_STEP // (4 * NH)))
@@ -542,8 +544,9 @@ FLAGS: tuple[tuple[str, str], ...] = (
     ("cancel", "the host's cancel word as seen at the step's barrier (barrier path)"),
     ("drafted", "a pass build's drafted tokens so far (the host CTA's count)"),
     ("accepted", "a pass build's accepted drafts so far (the host CTA's count)"),
+    ("verified", "a pass build's passes that carried a draft (the host CTA's count)"),
 )
-FLAG_WORDS = 4  # int32 words of Params::flags (one spare)
+FLAG_WORDS = 4  # int32 words of Params::flags
 
 
 def barrier_words() -> int:

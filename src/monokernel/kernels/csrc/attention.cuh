@@ -49,103 +49,25 @@ __device__ __forceinline__ void window_own_rows(const Params& p, const LayerWeig
   }
 }
 
-// q, pos0: this query's index in a pass and the pass's first position (0 and pos in a step).
-__device__ void attention_head(const Params& p, const LayerWeights& lw, int layer,
-                               const AttnPlan& a, int pos, unsigned done, unsigned tag,
-                               float* sm, float* red, float* win, int q = 0, int pos0 = 0) {
-  if constexpr (MK_P == 1) q = 0;  // a step build: no offsets computed at run time
+struct AttnStats {
+  float m, l;  // the range's largest score and its sum of exp(score - m)
+};
+
+// Query qs (normed, rotated, pre-scaled) over the cnt positions of a range: window rows off ..
+// off + nc - 1 (cached, or a pass's own), then, where nc < cnt, the new position's fp32 key kn
+// and value vn. Each P·V group's partial output lands in part (sc + THREADS); returns the
+// softmax statistics once every group's is in. sc: the head scratch from the probabilities on.
+__device__ __forceinline__ AttnStats attend(const Params& p, int layer, int pos, int off,
+                                            int nc, int cnt, bool reader, const float* qs,
+                                            const float* kn, const float* vn, float* sc,
+                                            const float* win) {
   const int t = threadIdx.x;
-  constexpr int HALF = MK_D / 2;
   constexpr int CH = kAttnCh, GV = kAttnGv;
-  const int hq = blockIdx.x / a.ns, split = blockIdx.x % a.ns, kvh = hq / kGroup;
-  const bool reader = attn_reader_merges(a);
-  const AttnRange r = attn_range(split, a.ns, pos);
-  const int cnt = r.hi - r.lo;  // <= CHUNK <= THREADS: one position per thread
-  const uint4* ks = reinterpret_cast<const uint4*>(win);
-  const uint4* vs = ks + MK_ATTN_CHUNK * CH;
-  const float* rope = win + MK_ATTN_CHUNK * MK_D;
-  float* qs = sm;                  // [D] query, normed, rotated, pre-scaled
-  float* kn = qs + MK_D;           // [D] the new key (position pos)
-  float* vn = kn + MK_D;           // [D] the new value
-  float* sc = vn + MK_D;           // [THREADS] probabilities
-  float* part = sc + kThreads;   // [GV, D] per-group partial outputs
+  const uint4* ks = reinterpret_cast<const uint4*>(win) + off * CH;
+  const uint4* vs = reinterpret_cast<const uint4*>(win) + MK_ATTN_CHUNK * CH + off * CH;
+  float* part = sc + kThreads;     // [GV, D] per-group partial outputs
   float* smax = part + GV * MK_D;  // [WARPS] each warp's largest score
-  float* lsum = smax + kWarps;   // [GV] each P·V group's sum of exp(score - max)
-
-  const float* pq = p.qkv + q * kQkv + hq * MK_D;
-  const float* pk = p.qkv + q * kQkv + MK_Q + kvh * MK_D;
-  const float* pv = p.qkv + q * kQkv + MK_Q + MK_KV + kvh * MK_D;
-  const int stages = max(1, (r.nc + kAttnP - 1) / kAttnP);  // filled by the prefetch
-#if !MK_QK_NORM
-  // Thread t < HALF fetches the pairs (t, t + HALF) of q, k and v (all six words in flight
-  // at once: one round trip; the window, which holds the RoPE row, is in by then, filled a
-  // stage ahead) and rotates them itself: one barrier before the scores instead of the two
-  // a qk-norm needs.
-  for (int s = 0; s < stages; ++s) window_spin(win, s);
-  if (t < HALF) {
-    // The six words settle together: every stale one re-read in the same round.
-    const float* src[6] = {pq + t, pq + t + HALF, pk + t, pk + t + HALF, pv + t, pv + t + HALF};
-    unsigned u[6];
-#pragma unroll
-    for (int j = 0; j < 6; ++j) u[j] = ld_flow_word(src[j]);
-    const float c = rope[t], s = rope[HALF + t];
-    const float scale = rsqrtf((float)MK_D);
-    const unsigned tags[6] = {tag, tag, tag, tag, tag, tag};
-    flow_settle(u, [&](int j) { return src[j]; }, tags);
-    float w[6];
-#pragma unroll
-    for (int j = 0; j < 6; ++j) w[j] = __uint_as_float(u[j] & ~MK_TAG_BITS);
-    qs[t] = (w[0] * c - w[1] * s) * scale;
-    qs[t + HALF] = (w[1] * c + w[0] * s) * scale;
-    const float2 k = rope_pair(w[2], w[3], c, s);
-    kn[t] = k.x;
-    kn[t + HALF] = k.y;
-    vn[t] = w[4];
-    vn[t + HALF] = w[5];
-  }
-  __syncthreads();
-  skew(p, pos - p.start_pos, layer, kSkewAttentionQkvIn);
-  if (t == 0)
-    for (int s = 0; s < stages; ++s) window_done(win, s);
-  if constexpr (MK_P > 1) window_own_rows(p, lw, r, kvh, pos0, pos, tag, win, sc);
-#else
-  if (t < MK_D) {  // all three loads in flight before waiting for any: one round trip
-    const float* src[3] = {pq + t, pk + t, pv + t};
-    unsigned u[3] = {ld_flow_word(src[0]), ld_flow_word(src[1]), ld_flow_word(src[2])};
-    const unsigned tags[3] = {tag, tag, tag};
-    flow_settle(u, [&](int j) { return src[j]; }, tags);
-    qs[t] = flow_untag(__uint_as_float(u[0]));
-    kn[t] = flow_untag(__uint_as_float(u[1]));
-    vn[t] = flow_untag(__uint_as_float(u[2]));
-  }
-  for (int s = 0; s < stages; ++s) window_spin(win, s);
-  __syncthreads();
-  skew(p, pos - p.start_pos, layer, kSkewAttentionQkvIn);
-  if (t == 0)
-    for (int s = 0; s < stages; ++s) window_done(win, s);
-#if MK_QK_NORM
-  const int lane = t & 31, warp = t >> 5;
-  if (warp == 0) head_rms(qs, lw.q_norm, p.eps, lane);
-  if (warp == 1) head_rms(kn, lw.k_norm, p.eps, lane);
-  __syncthreads();
-#endif
-  if (t < HALF) {
-    const float c = rope[t], s = rope[HALF + t];
-    const float scale = rsqrtf((float)MK_D);
-    const float q1 = qs[t], q2 = qs[t + HALF];
-    qs[t] = (q1 * c - q2 * s) * scale;
-    qs[t + HALF] = (q2 * c + q1 * s) * scale;
-    const float2 k = rope_pair(kn[t], kn[t + HALF], c, s);
-    kn[t] = k.x;
-    kn[t + HALF] = k.y;
-  }
-  __syncthreads();
-  if constexpr (MK_P > 1) window_own_rows(p, lw, r, kvh, pos0, pos, tag, win, sc);
-#endif
-  // The first query head of each group appends the new key/value; the others use the
-  // shared-memory copies for this position, so no CTA waits on another's write.
-  if (hq % kGroup == 0 && split == 0) append_kv(p, layer, kvh, pos, kn, vn);
-
+  float* lsum = smax + kWarps;     // [GV] each P·V group's sum of exp(score - max)
   // Scores: a group of CHP lanes reads one key row of the window (contiguous 16-byte chunks,
   // so no bank conflicts) and shuffle-reduces the dot product, U positions at a time
   // (independent chains: fewer dependent passes); the new position (jj == nc, when the
@@ -170,7 +92,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
         const int jj = (pass * U + u) * PPP + t / CHP;
         d[u] = 0.f;
         if (k < CH) {
-          if (jj < r.nc) {
+          if (jj < nc) {
             d[u] = dot_bf16x8(ks[jj * CH + k], q0, q1);
           } else if (jj < cnt) {
             const float4* kp = reinterpret_cast<const float4*>(kn) + 2 * k;
@@ -216,7 +138,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
     for (int i = g; i < cnt; i += GV) {
       const float w = expf(sc[i] - m);
       lg += w;
-      if (i == r.nc) {
+      if (i == nc) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] = fmaf(w, vn[8 * c + e], acc[e]);
       } else {
@@ -235,6 +157,20 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   }
   __syncthreads();
   for (int gg = 0; gg < GV; ++gg) l += lsum[gg];
+  return {m, l};
+}
+
+// A head unit's result for query q of a pass (0 in a step) over range `split` of plan a, from
+// attend's statistics and partial outputs (sc + THREADS).
+__device__ __forceinline__ void attention_out(const Params& p, const AttnPlan& a, int hq,
+                                              int split, int q, const AttnStats& st,
+                                              unsigned done, unsigned tag, float* red,
+                                              float* sc) {
+  const int t = threadIdx.x;
+  constexpr int GV = kAttnGv;
+  const float* part = sc + kThreads;
+  const bool reader = attn_reader_merges(a);
+  const float m = st.m, l = st.l;
   if (a.ns == 1) {
     if (t < MK_D) {
       float o = 0.f;
@@ -277,6 +213,104 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   __syncthreads();
 }
 
+// q, pos0: this query's index in a pass and the pass's first position (0 and pos in a step).
+__device__ void attention_head(const Params& p, const LayerWeights& lw, int layer,
+                               const AttnPlan& a, int pos, unsigned done, unsigned tag,
+                               float* sm, float* red, float* win, int q = 0, int pos0 = 0) {
+  if constexpr (MK_P == 1) q = 0;  // a step build: no offsets computed at run time
+  const int t = threadIdx.x;
+  constexpr int HALF = MK_D / 2;
+  const int hq = blockIdx.x / a.ns, split = blockIdx.x % a.ns, kvh = hq / kGroup;
+  const bool reader = attn_reader_merges(a);
+  const AttnRange r = attn_range(split, a.ns, pos);
+  const int cnt = r.hi - r.lo;  // <= CHUNK <= THREADS: one position per thread
+  const float* rope = win + MK_ATTN_CHUNK * MK_D;
+  float* qs = sm;         // [D] query, normed, rotated, pre-scaled
+  float* kn = qs + MK_D;  // [D] the new key (position pos)
+  float* vn = kn + MK_D;  // [D] the new value
+  float* sc = vn + MK_D;  // [THREADS] probabilities, then attend's partials
+
+  const float* pq = p.qkv + q * kQkv + hq * MK_D;
+  const float* pk = p.qkv + q * kQkv + MK_Q + kvh * MK_D;
+  const float* pv = p.qkv + q * kQkv + MK_Q + MK_KV + kvh * MK_D;
+  // The ring stages filled for this query: by the prefetch (a pass's first query: its window,
+  // attention_window.cuh pass_window) or by attention_fill_query.
+  const int stages =
+      MK_P > 1 && q == 0 ? window_stages(pass_window(split, a.ns, pos).nc) : window_stages(r.nc);
+#if !MK_QK_NORM
+  // Thread t < HALF fetches the pairs (t, t + HALF) of q, k and v (all six words in flight
+  // at once: one round trip; the window, which holds the RoPE row, is in by then, filled a
+  // stage ahead) and rotates them itself: one barrier before the scores instead of the two
+  // a qk-norm needs.
+  for (int s = 0; s < stages; ++s) window_spin(win, s);
+  if (t < HALF) {
+    // The six words settle together: every stale one re-read in the same round.
+    const float* src[6] = {pq + t, pq + t + HALF, pk + t, pk + t + HALF, pv + t, pv + t + HALF};
+    unsigned u[6];
+#pragma unroll
+    for (int j = 0; j < 6; ++j) u[j] = ld_flow_word(src[j]);
+    const float c = rope[t], s = rope[MK_P * HALF + t];
+    const float scale = rsqrtf((float)MK_D);
+    const unsigned tags[6] = {tag, tag, tag, tag, tag, tag};
+    flow_settle(u, [&](int j) { return src[j]; }, tags);
+    float w[6];
+#pragma unroll
+    for (int j = 0; j < 6; ++j) w[j] = __uint_as_float(u[j] & ~MK_TAG_BITS);
+    qs[t] = (w[0] * c - w[1] * s) * scale;
+    qs[t + HALF] = (w[1] * c + w[0] * s) * scale;
+    const float2 k = rope_pair(w[2], w[3], c, s);
+    kn[t] = k.x;
+    kn[t + HALF] = k.y;
+    vn[t] = w[4];
+    vn[t + HALF] = w[5];
+  }
+  __syncthreads();
+  skew(p, pos - p.start_pos, layer, kSkewAttentionQkvIn);
+  if (t == 0)
+    for (int s = 0; s < stages; ++s) window_done(win, s);
+  if constexpr (MK_P > 1) window_own_rows(p, lw, r, kvh, pos0, pos, tag, win, sc);
+#else
+  if (t < MK_D) {  // all three loads in flight before waiting for any: one round trip
+    const float* src[3] = {pq + t, pk + t, pv + t};
+    unsigned u[3] = {ld_flow_word(src[0]), ld_flow_word(src[1]), ld_flow_word(src[2])};
+    const unsigned tags[3] = {tag, tag, tag};
+    flow_settle(u, [&](int j) { return src[j]; }, tags);
+    qs[t] = flow_untag(__uint_as_float(u[0]));
+    kn[t] = flow_untag(__uint_as_float(u[1]));
+    vn[t] = flow_untag(__uint_as_float(u[2]));
+  }
+  for (int s = 0; s < stages; ++s) window_spin(win, s);
+  __syncthreads();
+  skew(p, pos - p.start_pos, layer, kSkewAttentionQkvIn);
+  if (t == 0)
+    for (int s = 0; s < stages; ++s) window_done(win, s);
+#if MK_QK_NORM
+  const int lane = t & 31, warp = t >> 5;
+  if (warp == 0) head_rms(qs, lw.q_norm, p.eps, lane);
+  if (warp == 1) head_rms(kn, lw.k_norm, p.eps, lane);
+  __syncthreads();
+#endif
+  if (t < HALF) {
+    const float c = rope[t], s = rope[MK_P * HALF + t];
+    const float scale = rsqrtf((float)MK_D);
+    const float q1 = qs[t], q2 = qs[t + HALF];
+    qs[t] = (q1 * c - q2 * s) * scale;
+    qs[t + HALF] = (q2 * c + q1 * s) * scale;
+    const float2 k = rope_pair(kn[t], kn[t + HALF], c, s);
+    kn[t] = k.x;
+    kn[t + HALF] = k.y;
+  }
+  __syncthreads();
+  if constexpr (MK_P > 1) window_own_rows(p, lw, r, kvh, pos0, pos, tag, win, sc);
+#endif
+  // The first query head of each group appends the new key/value; the others use the
+  // shared-memory copies for this position, so no CTA waits on another's write.
+  if (hq % kGroup == 0 && split == 0) append_kv(p, layer, kvh, pos, kn, vn);
+
+  const AttnStats st = attend(p, layer, pos, 0, r.nc, cnt, reader, qs, kn, vn, sc, win);
+  attention_out(p, a, hq, split, q, st, done, tag, red, sc);
+}
+
 // Stage B for this CTA: its unit of this step's plan, if it has one. done_head / done_group:
 // the running totals of the two kinds' completion counters, which every CTA (with a unit or
 // not) advances alike by the ranges this layer adds.
@@ -299,31 +333,5 @@ __device__ __forceinline__ void attention_stage(const Params& p, const LayerWeig
 #endif
   } else {
     attention_head(p, lw, layer, a, pos, done_head, tag, sm, red, win);
-  }
-}
-
-// A pass's stage B: each query planned as the step at its position plans it, on the same
-// CTAs; query 0's window was filled a stage ahead, each later one's is filled here. Group
-// units (long context) have no pass: the host decodes those positions by steps.
-__device__ __forceinline__ void attention_stage_pass(const Params& p, const LayerWeights& lw,
-                                                     int layer, int pos0, int n,
-                                                     unsigned (&done)[MK_P], unsigned tag,
-                                                     float* sm, float* red, float* win) {
-  // q a constant in each unrolled iteration: done[] stays in registers (indexed at run time,
-  // it and the CTA's state around it would live in local memory, and every shared-memory
-  // pointer read back from there turns generic).
-#pragma unroll
-  for (int q = 0; q < MK_P; ++q) {
-    if (q >= n) break;
-    const int qp = pos0 + q;
-    const AttnPlan a = attn_plan(p, qp);
-    if (a.group) __trap();  // the host keeps a pass to contexts head units cover
-    if (a.ns > 1 && !attn_reader_merges(a)) done[q] += (unsigned)a.ns;
-    if ((int)blockIdx.x >= a.units) continue;
-    if (q) {
-      __syncthreads();  // the last query's reads of the window are done
-      attention_fill_query(p, layer, a, qp, pos0, win);
-    }
-    attention_head(p, lw, layer, a, qp, done[q], tag, sm, red, win, q, pos0);
   }
 }

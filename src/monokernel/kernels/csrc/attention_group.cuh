@@ -73,7 +73,7 @@ __device__ void attention_group(const Params& p, const LayerWeights& lw, int lay
   const float scale = rsqrtf((float)D);
   for (int i = t; i < (G + 1) * HALF; i += kThreads) {
     const int h = i / HALF, j = i % HALF;
-    const float c = rope[j], s = rope[HALF + j];
+    const float c = rope[j], s = rope[MK_P * HALF + j];
     const float f = h < G ? scale : 1.f;
     const float* v = h < G ? qs + h * D : kn;
     const float v1 = v[j], v2 = v[j + HALF];

@@ -20,7 +20,7 @@ constexpr int kAttnP = MK_ATTN_CHUNK / kAttnStages;  // positions per ring stage
 static_assert(MK_ATTN_CHUNK % 32 == 0 && MK_ATTN_CHUNK <= 512 && kAttnP <= kAttnPmax,
               "MK_ATTN_CHUNK must be a multiple of 32, at most 512");
 // The window (layout.py WINDOW): K [CHUNK, D] bf16 | V [CHUNK, D] bf16 | RoPE cos, sin of the
-// new position [D/2 + D/2] fp32 | STAGES mbarriers (u64) | fills waited for per stage (u32;
+// new position [D/2 + D/2] fp32 (a pass build's: of its MK_P positions, [MK_P D/2] each) | STAGES mbarriers (u64) | fills waited for per stage (u32;
 // parity = the phase to wait on) | fills issued per stage (u32). Ring stage s is rows
 // [s*P, (s+1)*P) of K and V.
 //
@@ -147,6 +147,27 @@ __device__ __forceinline__ AttnRange attn_range(int split, int ns, int pos) {
   return r;
 }
 
+// The ring stages a window fill of `rows` cached positions takes (the first also brings the
+// RoPE row, so at least one).
+__device__ __forceinline__ int window_stages(int rows) {
+  return max(1, min(kAttnStages, (rows + kAttnP - 1) / kAttnP));
+}
+
+// What a pass build's window holds for head-unit range `split` of ns at pos0, the pass's
+// first position: the cached positions (those before pos0) of the union of that split's
+// ranges for MK_P queries from pos0 under ns (attn_range moves lo and hi up with the
+// position), at most a window of them. Every query of a pass that keeps pos0's plan reads
+// its cached positions in there, so one fill a stage ahead serves all of them
+// (attention_pass.cuh). lo: the union's first position; nc: the rows filled.
+__device__ __forceinline__ AttnRange pass_window(int split, int ns, int pos0) {
+  const AttnRange first = attn_range(split, ns, pos0), last = attn_range(split, ns, pos0 + MK_P - 1);
+  AttnRange w;
+  w.lo = first.lo;
+  w.hi = max(first.lo, min(last.hi, pos0));
+  w.nc = min(w.hi - w.lo, MK_ATTN_CHUNK);
+  return w;
+}
+
 // The KV head whose cache this CTA's unit reads, and the unit's range index.
 __device__ __forceinline__ void attn_unit(const AttnPlan& a, int unit, int& kvh, int& split) {
   split = unit % a.ns;
@@ -158,7 +179,7 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 }
 
 __device__ __forceinline__ unsigned long long* window_mbar(float* win, int stage) {
-  return reinterpret_cast<unsigned long long*>(win + MK_ATTN_CHUNK * MK_D + MK_D) + stage;
+  return reinterpret_cast<unsigned long long*>(win + MK_ATTN_CHUNK * MK_D + MK_P * MK_D) + stage;
 }
 
 __device__ __forceinline__ unsigned* window_waited(float* win) {
@@ -218,7 +239,9 @@ __device__ __forceinline__ void append_kv(const Params& p, int layer, int kvh, i
 __device__ __forceinline__ void window_fill(const Params& p, int layer, int kvh, int first,
                                             int cnt, int stage, int rope_pos, float* win) {
   const size_t row0 = kv_row(p, layer, kvh, first);
-  const unsigned kv_bytes = (unsigned)cnt * MK_D * 2, rope_bytes = rope_pos >= 0 ? MK_D * 2 : 0;
+  // RoPE rows from rope_pos: a pass build's for each of its positions that the cache holds.
+  const int rope_rows = rope_pos < 0 ? 0 : MK_P == 1 ? 1 : min(MK_P, p.max_len - rope_pos);
+  const unsigned kv_bytes = (unsigned)cnt * MK_D * 2, rope_bytes = (unsigned)rope_rows * MK_D * 2;
   unsigned long long* mbar = window_mbar(win, stage);
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(mbar)),
                "r"(2 * kv_bytes + 2 * rope_bytes)
@@ -231,7 +254,7 @@ __device__ __forceinline__ void window_fill(const Params& p, int layer, int kvh,
   if (rope_bytes) {
     float* rope = win + MK_ATTN_CHUNK * MK_D;
     bulk_copy(rope, p.rope_cos + (size_t)rope_pos * (MK_D / 2), rope_bytes, mbar);
-    bulk_copy(rope + MK_D / 2, p.rope_sin + (size_t)rope_pos * (MK_D / 2), rope_bytes, mbar);
+    bulk_copy(rope + MK_P * MK_D / 2, p.rope_sin + (size_t)rope_pos * (MK_D / 2), rope_bytes, mbar);
   }
   window_issued(win)[stage] += 1u;
 }
@@ -253,9 +276,11 @@ __device__ __forceinline__ void attention_prefetch(const Params& p, int layer, i
   if ((int)blockIdx.x >= a.units || threadIdx.x != 0) return;
   int kvh, split;
   attn_unit(a, blockIdx.x, kvh, split);
-  const AttnRange r = attn_range(split, a.ns, pos);
+  AttnRange r = attn_range(split, a.ns, pos);
+  if constexpr (MK_P > 1)
+    if (!a.group) r = pass_window(split, a.ns, pos);
   fence_window();
-  const int stages = max(1, min(kAttnStages, (r.nc + kAttnP - 1) / kAttnP));
+  const int stages = window_stages(r.nc);
   for (int s = 0; s < stages; ++s) {
     const int cnt = max(0, min(kAttnP, r.nc - s * kAttnP));
     window_fill(p, layer, kvh, r.lo + s * kAttnP, cnt, s, s == 0 ? pos : -1, win);
@@ -275,7 +300,7 @@ __device__ __forceinline__ void attention_fill_query(const Params& p, int layer,
   const AttnRange r = attn_range(split, a.ns, qp);
   const int cached = max(0, min(r.nc, pos0 - r.lo));
   fence_window();
-  const int stages = max(1, min(kAttnStages, (r.nc + kAttnP - 1) / kAttnP));
+  const int stages = window_stages(r.nc);
   for (int s = 0; s < stages; ++s) {
     const int cnt = max(0, min(kAttnP, cached - s * kAttnP));
     window_fill(p, layer, kvh, r.lo + s * kAttnP, cnt, s, s == 0 ? qp : -1, win);

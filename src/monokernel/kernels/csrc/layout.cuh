@@ -238,6 +238,7 @@ enum Flag : int {  // Params::flags
   kFlagCancel = 0,  // the host's cancel word as seen at the step's barrier (barrier path)
   kFlagDrafted = 1,  // a pass build's drafted tokens so far (the host CTA's count)
   kFlagAccepted = 2,  // a pass build's accepted drafts so far (the host CTA's count)
+  kFlagVerified = 3,  // a pass build's passes that carried a draft (the host CTA's count)
 };
 constexpr int kFlagWords = 4;
 constexpr int kSamplePart = 256;  // sample_part: words a CTA's slot
@@ -254,15 +255,17 @@ constexpr int kAttnCh = MK_D / 8;
 constexpr int kAttnGv = kThreads / kAttnCh;
 constexpr int kAttnScratchHead =
     3 * MK_D + kThreads + kAttnGv * MK_D + (kWarps + kAttnGv + 3) / 4 * 4;
+constexpr int kAttnScratchQueries =
+    3 * MK_P * MK_D + kThreads + kAttnGv * MK_D + (kWarps + kAttnGv + 3) / 4 * 4;
 constexpr int kAttnScratchGroup =
     4 * kGroup + 2 * MK_D + (kThreads / kAttnCh + 3) / 4 * 4 + cmax(kGroup * (5 * MK_D / 2 + kAttnPmax), 8 * kThreads);
 constexpr int kPartFloats = kSplitSlots + MK_TILES * 96;
 constexpr int kDInputFloats =
     kWarps * kPartFloats + (MK_P + 1) * MK_H + MK_TILES * MK_SUM_SPLIT * kXsFloats / 32;
-constexpr int kAttnScratch = cmax(cmax(kAttnScratchHead, kAttnScratchGroup), kDInputFloats);
+constexpr int kAttnScratch = cmax(cmax(kAttnScratchQueries, kAttnScratchGroup), kDInputFloats);
 constexpr int kAttnScratchStep =
     cmax(cmax(kAttnScratchHead, kAttnScratchGroup), kWarps * kPartFloats + 2 * MK_H + MK_TILES * MK_SUM_SPLIT * kXsFloats / 32);
-constexpr int kWindowFloats = MK_ATTN_CHUNK * MK_D + MK_D + 4 * kAttnStages;
+constexpr int kWindowFloats = MK_ATTN_CHUNK * MK_D + MK_P * MK_D + 4 * kAttnStages;
 constexpr int kMergeNs = cmin(kXsFloats / MK_Q, kAttnScratchStep / (4 * MK_NH));
 // the current stage's input vectors (the longest of H, Q, I), one a position
 constexpr int kSmemXs = 0;

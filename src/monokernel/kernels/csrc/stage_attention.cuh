@@ -4,7 +4,7 @@
 // (head units: one query head over a range that fits the window), attention_group.cuh (group
 // units: a KV head's query group over a range of any length, for long context).
 #pragma once
-#include "attention.cuh"
+#include "attention_pass.cuh"
 #include "cta.cuh"
 #include "stage_o_proj.cuh"
 

@@ -85,6 +85,7 @@ __device__ __forceinline__ void verify_passes(const Params& p, Cta& c) {
       if (!forced) {
         p.flags[kFlagDrafted] += n - 1;
         p.flags[kFlagAccepted] += keep - 1;
+        p.flags[kFlagVerified] += n > 1;
       }
       if (done) {
         __threadfence_system();
