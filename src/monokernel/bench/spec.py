@@ -1,7 +1,8 @@
 """``monokernel bench --workload``: n-gram speculative decoding on agent-shaped prompts
 (issue 36).
 
-Each engine (``torch``, ``reference``: the backends that verify drafts) is opened once, on
+Each engine (``torch``, ``reference``, ``monokernel``: the backends that verify drafts; the
+monokernel's greedy requests in its pass build, docs/speculative.md) is opened once, on
 the checkpoint's weights, with a cache for the longest request of the chosen workloads
 (workloads/spec_workloads.py). Every request of every workload then runs greedy, to the
 model's EOS or the workload's token cap, once without drafts and once per K of
@@ -52,7 +53,8 @@ if TYPE_CHECKING:
 
 KIND = "monokernel-bench-spec"
 SCHEMA_VERSION = 1
-ENGINES = ("torch", "reference")  # our backends that verify drafts (runtime/speculative.py)
+# Our backends that verify drafts (runtime/speculative.py; the monokernel's in its pass build).
+ENGINES = ("torch", "reference", "monokernel")
 
 Log = Callable[[str], None]
 

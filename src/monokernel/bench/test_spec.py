@@ -68,8 +68,8 @@ def test_reference_engine_records_every_mode(
 @pytest.mark.parametrize(
     ("argv", "why"),
     [
-        (["--engines", "monokernel"], "the monokernel does not verify drafts yet"),
-        (["--engines", "torch,hf"], "verify drafts (torch, reference); not 'hf'"),
+        (["--engines", "monokernel", "--num-speculative-tokens", "8"], "at most 7 drafted"),
+        (["--engines", "torch,hf"], "verify drafts (torch, reference, monokernel); not 'hf'"),
         (["--num-speculative-tokens", "4,40"], "must be an integer in [1, 32]; got 40"),
         (["--prompt-tokens", "64"], "--workload does not take --prompt-tokens"),
         (["--shape", "llama-3.2-1b"], "--workload does not take --shape"),

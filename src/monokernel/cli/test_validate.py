@@ -168,7 +168,7 @@ def test_console_refusal_has_no_traceback() -> None:
 @pytest.mark.parametrize(
     ("engine", "tp", "message"),
     [
-        ("monokernel", 1, "the monokernel does not verify drafts yet"),
+        ("monokernel", 1, "the monokernel verifies at most 7 drafted tokens a pass; got 8"),
         ("auto", 2, "not with --tp > 1"),
     ],
 )
@@ -179,7 +179,7 @@ def test_speculative_is_refused_where_it_cannot_run(engine: str, tp: int, messag
 
     args = argparse.Namespace(
         speculative="ngram",
-        num_speculative_tokens=4,
+        num_speculative_tokens=8,
         ngram_max=4,
         ngram_min=2,
         engine=engine,
@@ -189,4 +189,8 @@ def test_speculative_is_refused_where_it_cannot_run(engine: str, tp: int, messag
     assert config is None and error is not None and message in error
     assert error.startswith("argument --speculative: ")
     ok, none = speculative_config(argparse.Namespace(**{**vars(args), "engine": "auto", "tp": 1}))
+    assert none is None and ok is not None and ok.num_tokens == 8
+    four = argparse.Namespace(**{**vars(args), "engine": "monokernel", "tp": 1})
+    four.num_speculative_tokens = 4
+    ok, none = speculative_config(four)
     assert none is None and ok is not None and ok.num_tokens == 4

@@ -182,7 +182,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "scale per output channel, int4 with a scale and offset per 128 input columns; the "
         "LM head and the embedding keep the checkpoint's format",
     )
-    spec = p.add_argument_group("speculative decoding (torch and reference engines)")
+    spec = p.add_argument_group("speculative decoding (docs/speculative.md)")
     spec.add_argument(
         "--speculative",
         choices=["ngram"],
@@ -211,6 +211,7 @@ def speculative_config(
     if args.speculative is None:
         return None, None
     from monokernel.errors import InvalidRequestError
+    from monokernel.kernels.build import MAX_PASS_POSITIONS
     from monokernel.runtime.speculative import SpeculativeConfig
 
     try:
@@ -219,10 +220,11 @@ def speculative_config(
         )
     except InvalidRequestError as e:
         return None, f"argument --speculative: {e}"
-    if args.engine == "monokernel":
+    if args.engine == "monokernel" and config.num_tokens >= MAX_PASS_POSITIONS:
         return None, (
-            "argument --speculative: runs on the torch and reference engines; the monokernel "
-            "does not verify drafts yet (--engine auto or torch)"
+            f"argument --speculative: the monokernel verifies at most "
+            f"{MAX_PASS_POSITIONS - 1} drafted tokens a pass; got {config.num_tokens} "
+            "(--num-speculative-tokens)"
         )
     if args.tp > 1:
         return None, "argument --speculative: not with --tp > 1 (the monokernel's TP build)"

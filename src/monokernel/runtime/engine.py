@@ -84,8 +84,9 @@ class EngineConfig:
     max_model_len: int | None = None
     progress: bool = True  # download and load progress on stderr, and notes on slow steps
     tp: int = 1  # tensor-parallel GPUs (monokernel only): cuda:0..tp-1, or from --device cuda:N
-    # Draft from the request's own tokens and verify several a pass (torch and reference
-    # engines; runtime/speculative.py). None: one token a pass.
+    # Draft from the request's own tokens and verify several a pass (runtime/speculative.py;
+    # the monokernel's greedy requests in its pass build, docs/speculative.md). None: one
+    # token a pass.
     speculative: SpeculativeConfig | None = None
     # Reuse the KV cache of earlier requests' common prefix (backends that can: monokernel).
     # None: the backend's default (on; MONOKERNEL_PREFIX_REUSE=0 turns it off).
@@ -178,16 +179,10 @@ class Engine:
         if self.config.quantize is not None:
             check_method(self.config.quantize)
         self.speculative = self.config.speculative
-        if self.speculative is not None and self.engine_name == "monokernel":
-            if self.config.engine != "auto":
-                raise InvalidRequestError(
-                    "--speculative runs on the torch and reference engines; the monokernel "
-                    "does not verify drafts yet (use --engine torch)"
-                )
-            self.engine_name = fallback_engine()
-            self.engine_note = (
-                "speculative decoding is not in the monokernel yet; using the "
-                f"{self.engine_name} engine"
+        if self.speculative is not None and self.config.tp > 1:
+            raise InvalidRequestError(
+                "--speculative is not with --tp > 1 (the monokernel's TP build has no verify "
+                "pass); use one GPU"
             )
         # A checkpoint loaded here is the engine's own: its tensors go straight to the device
         # in the engine's dtype, and the monokernel may repack them in place. One the caller
@@ -262,11 +257,13 @@ class Engine:
         if self.speculative is not None:
             self.backend.set_speculative(self.speculative)  # type: ignore[attr-defined]
             if not self.backend.drafts_verified():  # type: ignore[attr-defined]
-                self.engine_note = (
-                    (self.engine_note + "; " if self.engine_note else "")
-                    + f"the {self.engine_name} engine on {self.device} does not verify drafts "
-                    "token-identically to plain decoding, so it makes none (docs/speculative.md)"
+                why = getattr(self.backend, "drafts_note", None) or (
+                    f"the {self.engine_name} engine on {self.device} does not verify drafts "
+                    "token-identically to plain decoding"
                 )
+                self.engine_note = (
+                    self.engine_note + "; " if self.engine_note else ""
+                ) + f"{why}, so it makes none (docs/speculative.md)"
         set_reuse = getattr(self.backend, "set_prefix_reuse", None)
         if self.config.prefix_reuse is not None and callable(set_reuse):
             set_reuse(self.config.prefix_reuse)

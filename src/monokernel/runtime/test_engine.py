@@ -14,8 +14,10 @@ from monokernel.models.config import ModelConfig
 from monokernel.runtime import backends
 from monokernel.runtime import engine as engine_mod
 from monokernel.runtime.backends.base import CancelToken
+from monokernel.runtime.backends.reference import ReferenceBackend
 from monokernel.runtime.memory_plan import ContextPlan, ContextTooLargeError
 from monokernel.testing.tiny_models import make_tiny_model_dir
+from monokernel.weights.names import Weights
 
 
 @pytest.fixture(scope="module")
@@ -205,22 +207,42 @@ def test_when_nothing_fits_the_monokernel_error_stands(
         Engine(model_dir, EngineConfig(device="cpu", progress=False))
 
 
-def test_speculative_auto_takes_torch_and_a_named_monokernel_is_refused(
+class DraftlessMonokernel(ReferenceBackend):
+    """A monokernel stand-in whose shape has no pass build (MonokernelBackend.drafts_note)."""
+
+    name = "monokernel"
+    drafts_note = "no pass build fits this shape"
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Weights,
+        max_seq_len: int,
+        device: torch.device,
+        **_: object,
+    ) -> None:
+        super().__init__(cfg, weights, max_seq_len, device)
+
+    def drafts_verified(self) -> bool:
+        return False
+
+
+def test_speculative_reaches_the_monokernel_which_says_why_it_makes_no_drafts(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from monokernel.runtime.speculative import SpeculativeConfig
 
-    _monokernel_resolves(monkeypatch, "NeverBuiltMonokernel")
+    _monokernel_resolves(monkeypatch, "DraftlessMonokernel")
     spec = SpeculativeConfig(ngram_min=1)
     config = EngineConfig(device="cpu", max_model_len=96, progress=False, speculative=spec)
     eng = Engine(model_dir, config)
-    assert eng.engine_name == "torch" and type(eng.backend).__name__ == "TorchBackend"
+    assert eng.engine_name == "monokernel" and eng.backend.speculative == spec
     assert eng.engine_note == (
-        "speculative decoding is not in the monokernel yet; using the torch engine"
+        "no pass build fits this shape, so it makes none (docs/speculative.md)"
     )
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     out = eng.complete("abc abc abc abc", sp)
-    assert out.timings.drafted_tokens is not None and out.timings.accepted_tokens is not None
-    named = EngineConfig(engine="monokernel", device="cpu", progress=False, speculative=spec)
-    with pytest.raises(InvalidRequestError, match="does not verify drafts yet"):
-        Engine(model_dir, named)
+    assert len(out.token_ids) == 12 and out.timings.drafted_tokens == 0
+    two = EngineConfig(device="cpu", progress=False, speculative=spec, tp=2)
+    with pytest.raises(InvalidRequestError, match="not with --tp > 1"):
+        Engine(model_dir, two)

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from monokernel import envs
-from monokernel.errors import BackendUnavailableError, InvalidRequestError
+from monokernel.errors import BackendUnavailableError, InvalidRequestError, UnsupportedModelError
 from monokernel.kernels import build as kbuild
 from monokernel.models.config import ModelConfig
 from monokernel.runtime import kv_memory
@@ -38,8 +38,10 @@ from monokernel.runtime.backends.monokernel.request import (
     WARMUP_SAMPLING,
     RequestDriver,
 )
+from monokernel.runtime.backends.monokernel.verify_pass import Drafting, PassKernel
 from monokernel.runtime.prefill_graphs import graphs_enabled
 from monokernel.runtime.prefix_cache import PrefixCache
+from monokernel.runtime.speculative import SpeculationStats, SpeculativeConfig, passes_serve
 from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.formats import DEFAULT_FORMAT
 from monokernel.weights.group_quant import GroupQuant
@@ -202,6 +204,12 @@ class MonokernelBackend:
         )
         self.kernel = DecodeKernel(cfg, dims, packed, self.kv.cache, max_seq_len, device)
         self.driver = RequestDriver(self.kernel, self.kv)
+        # Speculative decoding (set_speculative): the config, the pass build, why a shape has
+        # none, and the last request's counts.
+        self.speculative: SpeculativeConfig | None = None
+        self.passes: PassKernel | None = None
+        self.drafts_note: str | None = None
+        self.speculation = SpeculationStats()
         self.probes = Probes(self.driver)
         self.closed = False
         # What the search timed (None: it did not run).
@@ -235,6 +243,8 @@ class MonokernelBackend:
         return self.driver.failure
 
     def stream(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[int]:
+        drafting = self._drafting(request)
+        self.speculation = drafting.stats if drafting is not None else SpeculationStats()
         yield from self.driver.run(
             request.prompt_ids,
             request.max_new_tokens,
@@ -244,7 +254,51 @@ class MonokernelBackend:
             first_from_prefill=self.first_from_prefill,
             matcher=request.matcher,
             logprobs=request.logprobs,
+            drafting=drafting,
         )
+
+    # ---- speculative decoding (docs/speculative.md) ---------------------------------------
+
+    def set_speculative(self, config: SpeculativeConfig | None) -> None:
+        """Draft from each greedy request's own tokens and verify K + 1 positions a pass
+        inside the kernel (a pass build of K + 1 positions beside the step build, over the
+        same weights and cache; built, or found cached, now). A shape whose passes do not
+        fit a CTA makes no drafts (``drafts_verified``; ``drafts_note`` says why)."""
+        positions = None if config is None else config.num_tokens + 1
+        if self.passes is not None and self.passes.positions != positions:
+            self.passes.close()
+            self.passes = None
+        self.speculative, self.drafts_note = config, None
+        if config is None or positions is None or self.passes is not None:
+            return
+        if positions > kbuild.MAX_PASS_POSITIONS:
+            raise InvalidRequestError(
+                f"--num-speculative-tokens {config.num_tokens}: the monokernel verifies at most "
+                f"{kbuild.MAX_PASS_POSITIONS - 1} drafted tokens a pass"
+            )
+        try:
+            self.passes = PassKernel(self.kernel, positions)
+        except UnsupportedModelError as e:
+            self.drafts_note = str(e)
+
+    def drafts_verified(self) -> bool:
+        """Whether requests get drafts (the pass build exists for this shape)."""
+        return self.passes is not None
+
+    def _drafting(self, request: DecodeRequest) -> Drafting | None:
+        """How ``request`` runs on the pass build, or None where it decodes by steps: a
+        sampled request (the pass keeps greedy draws), one that passes cannot serve
+        (speculative.passes_serve), or one whose positions reach the long-context attention
+        that passes do not have."""
+        config, passes = self.speculative, self.passes
+        if config is None or passes is None or not request.sampling.greedy:
+            return None
+        if not passes_serve(request):
+            return None
+        context = len(request.prompt_ids) + request.max_new_tokens + passes.positions
+        if not passes.covers(min(context, self.max_seq_len)):
+            return None
+        return Drafting(passes, (config.ngram_min, config.ngram_max), SpeculationStats())
 
     def teacher_forced_logits(
         self, prompt_ids: Sequence[int], next_ids: Sequence[int]
@@ -259,6 +313,7 @@ class MonokernelBackend:
         if self.closed:
             return
         self.closed = True
+        self.set_speculative(None)
         self.kernel.close()
         self.kv.close()
         # Nothing of the closed backend keeps the weights, the cache or the buffers alive.

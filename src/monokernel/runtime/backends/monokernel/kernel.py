@@ -434,11 +434,16 @@ class DecodeKernel:
         """After ``prepare``: fill the Params, clear the host words, launch. ``timed``: events
         recorded right before and after the launch."""
         params = self.params(launch, probe)
-        tokens = launch.n_steps * launch.pass_len
+        # Teacher-forced passes report every position they compute; a pass build that drafts
+        # reports the tokens it keeps (n_steps at most) and computes up to pass_len - 1
+        # positions past the last of them.
+        drafting = launch.history != 0
+        tokens = launch.n_steps if drafting else launch.n_steps * launch.pass_len
         self.clear_host_words(tokens)
         if timed is not None:
             timed[0].record(self.stream)
-        self.launch(params, launch.start_pos + tokens)
+        past = launch.pass_len - 1 if drafting else 0
+        self.launch(params, min(self.max_seq_len, launch.start_pos + tokens + past))
         if timed is not None:
             timed[1].record(self.stream)
 

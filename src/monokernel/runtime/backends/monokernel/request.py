@@ -9,6 +9,7 @@ when the CancelToken is set or the iterator is closed) stops it within a token.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Generator, Iterator, Sequence
 
 import torch
@@ -29,6 +30,7 @@ from monokernel.runtime.backends.monokernel.kernel import (
 from monokernel.runtime.backends.monokernel.kv import KVStore
 from monokernel.runtime.backends.monokernel.logit_rules import LogitRules
 from monokernel.runtime.backends.monokernel.token_reader import read_tokens
+from monokernel.runtime.backends.monokernel.verify_pass import Drafting, draft_counts
 from monokernel.runtime.constrained import TokenMatcher
 from monokernel.runtime.logprobs import TokenLogprobs, token_logprobs
 from monokernel.runtime.prefix_cache import fed_tokens
@@ -102,6 +104,7 @@ class RequestDriver:
         first_from_prefill: bool = False,
         matcher: TokenMatcher | None = None,
         logprobs: list[TokenLogprobs] | None = None,
+        drafting: Drafting | None = None,
     ) -> Iterator[int]:
         """The generated ids of one launch. ``probe``: a debug or profiling launch's extra
         inputs; ``forced_ids``: the host copy of ``probe.forced``, so the prefix bookkeeping
@@ -115,10 +118,14 @@ class RequestDriver:
         and each kernel step's mask reaches the kernel while it runs the step before
         (grammar_mask.py). The penalties, min_p and logit_bias apply in the kernel
         (logit_rules.py); with ``sampling.logprobs`` set, each token's TokenLogprobs is
-        appended to ``logprobs`` before the token is yielded."""
+        appended to ``logprobs`` before the token is yielded. ``drafting``: a greedy
+        request's launch on a pass build that drafts from the request's own tokens and keeps
+        what its draws confirm (verify_pass.py): the same tokens, fewer passes where the
+        output repeats its context; its counts land in ``drafting.stats``."""
         if self.failure is not None:
             raise EngineFailedError(self.failure)
-        kernel, prefix = self.kernel, self.kv.prefix
+        prefix = self.kv.prefix
+        kernel = self.kernel if drafting is None else drafting.passes.kernel
         n = len(prompt_ids)
         # What the cache already holds of the prompt (live cache or snapshot) is checked ids
         # and in-vocabulary outputs: only the rest needs checking. The fill follows this plan.
@@ -172,6 +179,15 @@ class RequestDriver:
             mask_tag = begin_masks((kernel.grammar,), matcher, n_steps)
         if launched:
             launch = Launch(step_in, held, n_steps, sampling, len(stop_ids), mask_tag, rules)
+            if drafting is not None:
+                with torch.cuda.device(self.device):
+                    drafting.passes.load_history((*prompt_ids[:held], step_in))
+                launch = dataclasses.replace(
+                    launch,
+                    pass_len=drafting.passes.positions,
+                    history=drafting.passes.history.data_ptr(),
+                    ngram=drafting.ngram,
+                )
             kernel.start(launch, probe)
         finished = failed = False
 
@@ -219,12 +235,18 @@ class RequestDriver:
                         f"the monokernel cannot run more requests ({e}); restart the process"
                     )
                     raise EngineFailedError(self.failure) from e
+            if launched and drafting is not None and not failed:
+                counts = draft_counts(kernel)
+                drafting.stats.passes += counts.passes
+                drafting.stats.drafted += counts.drafted
+                drafting.stats.accepted += counts.accepted
             if failed:
                 prefix.invalidate()
             else:
                 # The kernel has stopped: out[0] counts its completed steps, each of which
                 # wrote the K/V of the token it was fed (more than were yielded, if the
-                # consumer stopped early).
+                # consumer stopped early); a pass build's, the tokens it kept, whose inputs'
+                # K/V it wrote (the rows of drafts it did not keep are not counted).
                 steps = int(out[0]) if launched else 0
                 generated = [w - 1 for w in out[2 : 2 + max(0, steps - 1)]]  # id + 1
                 ran = (*prompt_ids[:held], step_in)

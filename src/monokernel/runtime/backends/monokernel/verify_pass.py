@@ -5,8 +5,8 @@ step at that position computes it (kernels/csrc: the ``MK_P`` pass build).
 A pass build (``KernelDims.positions`` = P) runs beside the backend's step build over the
 same weights and KV cache, either teacher-forced (the tokens of every position of every
 pass given, ``Params::forced``, every position's draw reported) or drafting from the
-request's own tokens and keeping what the draws confirm (``generate``). Nothing user-facing
-runs a pass yet: ``--speculative`` on the monokernel is still refused.
+request's own tokens and keeping what the draws confirm: ``generate`` here, and the
+backend's greedy requests under ``--speculative`` (``Drafting``, request.py).
 """
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from monokernel.errors import InvalidRequestError
+from monokernel.kernels import layout
+from monokernel.kernels.plan import head_units_fit
 from monokernel.runtime.backends.monokernel.kernel import (
     DecodeKernel,
     KernelStuckError,
@@ -26,6 +29,7 @@ from monokernel.runtime.backends.monokernel.kernel import (
     stall_seconds,
 )
 from monokernel.runtime.sampling import SamplingParams
+from monokernel.runtime.speculative import SpeculationStats
 
 
 class PassKernel:
@@ -38,6 +42,23 @@ class PassKernel:
         self.kernel = DecodeKernel(
             step.cfg, dims, step.packed, step.cache, step.max_seq_len, step.device
         )
+        # What the kernel drafts from (Params::history): position i's token, the request's
+        # and then each one kept, which the kernel appends itself.
+        self.history = torch.zeros(step.max_seq_len, dtype=torch.int32, device=step.device)
+
+    def covers(self, context: int) -> bool:
+        """Whether passes run at every position below ``context``: a pass has head units
+        only (group units, for long context, decode by steps)."""
+        k = self.kernel
+        fit = head_units_fit(context, k.build.attn_chunk, k.attn_splits)
+        return fit and context < k.attn_group_from
+
+    def load_history(self, tokens: Sequence[int]) -> None:
+        """The request so far into the history, on the current stream, with the kernel's
+        stream waiting for it."""
+        k = self.kernel
+        self.history[: len(tokens)].copy_(torch.tensor(list(tokens), dtype=torch.int32))
+        k.stream.wait_stream(torch.cuda.current_stream(k.device))
 
     def teacher_forced(
         self,
@@ -105,16 +126,14 @@ class PassKernel:
             raise InvalidRequestError(
                 f"{n} tokens after {len(tokens)} do not fit the cache of {k.max_seq_len}"
             )
-        dev = k.device
-        history = torch.zeros(k.max_seq_len, dtype=torch.int32, device=dev)  # [max_len]
-        history[: len(tokens)] = torch.tensor(list(tokens), dtype=torch.int32)
         greedy = SamplingParams(temperature=0.0, max_tokens=n)
         k.make_current()
-        with torch.cuda.device(dev):
+        with torch.cuda.device(k.device):
             k.prepare(stop_ids)
+            self.load_history(tokens)
             launch = Launch(
                 int(tokens[-1]), start, n, greedy, n_stop=len(stop_ids),
-                pass_len=self.positions, history=history.data_ptr(), ngram=ngram,
+                pass_len=self.positions, history=self.history.data_ptr(), ngram=ngram,
             )  # fmt: skip
             k.start(launch)
             t0 = time.monotonic()
@@ -122,10 +141,26 @@ class PassKernel:
                 if time.monotonic() - t0 > stall_seconds():
                     raise KernelStuckError(f"verify passes did not finish in {stall_seconds()} s")
                 time.sleep(1e-4)
-            flags = k.flags.tolist()
+            counts = draft_counts(k)
         words = k.token_words
         ran = int(words[0])
-        return [int(words[2 + i]) - 1 for i in range(ran)], flags[1], flags[2]
+        return [int(words[2 + i]) - 1 for i in range(ran)], counts.drafted, counts.accepted
 
     def close(self) -> None:
         self.kernel.close()
+
+
+def draft_counts(kernel: DecodeKernel) -> SpeculationStats:
+    """What a finished drafting launch of ``kernel`` counted (kernels/layout.py FLAGS)."""
+    flags = dict(zip((name for name, _ in layout.FLAGS), kernel.flags.tolist(), strict=False))
+    return SpeculationStats(flags["verified"], flags["drafted"], flags["accepted"])
+
+
+@dataclass(frozen=True, slots=True)
+class Drafting:
+    """A request's launch on a pass build that drafts (RequestDriver.run): the build, the
+    n-gram bounds (shortest, longest suffix matched) and where its counts go."""
+
+    passes: PassKernel
+    ngram: tuple[int, int]
+    stats: SpeculationStats
