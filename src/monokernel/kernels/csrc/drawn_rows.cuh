@@ -102,6 +102,10 @@ __device__ __forceinline__ void gemv_drawn_pass(Matrix<F> M, const RowTickets& t
                                                 int lane, Out out, const float (&scale)[MK_P]) {
   using S = RowShape<F, K, BATCH>;
   using L = typename F::Load;
+  if (n == 1) {  // a draftless pass: the step's own loop
+    gemv_drawn<K, F>(M, tk, got, xs, lane, [&](int r, float v) { out(0, r, v); }, scale[0]);
+    return;
+  }
   L a[S::B], b[S::B];
   int r = tk.row(__shfl_sync(0xffffffffu, got, 0));
   if (r < 0) return;

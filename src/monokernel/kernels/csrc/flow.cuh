@@ -520,6 +520,12 @@ __device__ __forceinline__ void load_vec_pass(float* xs, const float* src, unsig
                                               bool norm, float eps, float* red,
                                               float (&scale)[MK_P],
                                               const float* gain = nullptr) {
+  if (n == 1) {  // a draftless pass: the step's own load
+#pragma unroll
+    for (int q = 1; q < MK_P; ++q) scale[q] = 1.f;
+    scale[0] = load_vec<K>(xs, src, tag, norm, eps, red, norm ? gain : nullptr);
+    return;
+  }
   float ss[MK_P];
   load_flow_pass<K>(xs, src, tag, n, ss, norm ? gain : nullptr);
   if (norm) {
@@ -539,6 +545,12 @@ __device__ __forceinline__ void load_flow_sum_pass(float* a, const float* src_a,
                                                    float* b, const float* src_b, unsigned tag_b,
                                                    float* scaled, const float* gain, int n,
                                                    float (&ss)[MK_P]) {
+  if (n == 1) {  // a draftless pass: the step's own load
+#pragma unroll
+    for (int q = 1; q < MK_P; ++q) ss[q] = 0.f;
+    ss[0] = load_flow_sum<K>(a, src_a, tag_a, b, src_b, tag_b, scaled, gain);
+    return;
+  }
   constexpr int N = FlowChunks<K>::N;
   flow_fetch_pass<K, false>(a, src_a, tag_a, n, b, src_b, tag_b);
 #pragma unroll

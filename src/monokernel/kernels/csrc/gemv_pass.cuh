@@ -141,6 +141,11 @@ __device__ __forceinline__ void gemv_pairs_pass(
     int lane, typename F::Load (&pre0)[RowShape<F, K, MK_BATCH2>::B],
     typename F::Load (&pre1)[RowShape<F, K, MK_BATCH2>::B], Out out) {
   using S = RowShape<F, K, MK_BATCH2>;
+  if (n == 1) {  // a draftless pass: the step's own loop
+    gemv_pairs<K>(M, pairs, p0, step, xs, lane, pre0, pre1,
+                  [&](int pp, float g, float u) { out(0, pp, g, u); });
+    return;
+  }
   const int count = 2 * ((pairs - p0 + step - 1) / step);
   float sc = 1.f;
   if constexpr (F::kScaled) {
@@ -186,15 +191,18 @@ __device__ __forceinline__ void gemv_split_pass(
     Matrix<F> M, int rows, float* xs, int stride, int n, float* part, int warp, int lane,
     typename F::Load (&pre)[Split<F, K, SPLIT>::Shape::B], Out out, int cta,
     const float* __restrict__ bias, const float (&scale)[MK_P]) {
-  if constexpr (F::kTiles) {
-    for (int q = 0; q < n; ++q) {
-      if (q) issue_split_first<K, SPLIT>(pre, M, rows, warp, lane, cta);
-      gemv_split<K, SPLIT, PINGPONG>(
-          M, rows, xs + q * stride, part, warp, lane, pre, [&](int r, float v) { out(q, r, v); },
-          cta, bias, pick(scale, q));
+  if constexpr (!F::kTiles) {
+    if (n > 1) {
+      gemv_split_rows_pass<K, SPLIT, PINGPONG>(M, rows, xs, stride, n, part, warp, lane, pre,
+                                               out, cta, bias, scale);
+      return;
     }
-  } else {
-    gemv_split_rows_pass<K, SPLIT, PINGPONG>(M, rows, xs, stride, n, part, warp, lane, pre, out,
-                                             cta, bias, scale);
+  }
+  // A draftless pass (one position) runs the step's own loop.
+  for (int q = 0; q < n; ++q) {
+    if (q) issue_split_first<K, SPLIT>(pre, M, rows, warp, lane, cta);
+    gemv_split<K, SPLIT, PINGPONG>(
+        M, rows, xs + q * stride, part, warp, lane, pre, [&](int r, float v) { out(q, r, v); },
+        cta, bias, pick(scale, q));
   }
 }
