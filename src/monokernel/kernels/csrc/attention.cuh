@@ -290,16 +290,7 @@ __device__ void attention_head(const Params& p, const LayerWeights& lw, int laye
   if (warp == 1) head_rms(kn, lw.k_norm, p.eps, lane);
   __syncthreads();
 #endif
-  if (t < HALF) {
-    const float c = rope[t], s = rope[MK_P * HALF + t];
-    const float scale = rsqrtf((float)MK_D);
-    const float q1 = qs[t], q2 = qs[t + HALF];
-    qs[t] = (q1 * c - q2 * s) * scale;
-    qs[t + HALF] = (q2 * c + q1 * s) * scale;
-    const float2 k = rope_pair(kn[t], kn[t + HALF], c, s);
-    kn[t] = k.x;
-    kn[t + HALF] = k.y;
-  }
+  if (t < HALF) rope_normed(qs, kn, t, rope[t], rope[MK_P * HALF + t]);
   __syncthreads();
   if constexpr (MK_P > 1) window_own_rows(p, lw, r, kvh, pos0, pos, tag, win, sc);
 #endif

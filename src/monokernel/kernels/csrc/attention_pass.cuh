@@ -36,7 +36,6 @@ __device__ void attention_queries(const Params& p, const LayerWeights& lw, int l
   float* kn = qs + MK_P * MK_D;  // [MK_P, D] their keys, normed and rotated
   float* vn = kn + MK_P * MK_D;  // [MK_P, D] their values
   float* sc = vn + MK_P * MK_D;  // [THREADS] probabilities, then attend's partials
-  const float scale = rsqrtf((float)MK_D);
   const float* rope = win + MK_ATTN_CHUNK * MK_D;  // the pass's RoPE rows, with the window
   bf16* const kw = reinterpret_cast<bf16*>(win);
   bf16* const vw = kw + MK_ATTN_CHUNK * MK_D;
@@ -70,6 +69,7 @@ __device__ void attention_queries(const Params& p, const LayerWeights& lw, int l
 #pragma unroll
     for (int j = 0; j < 6; ++j) x[j] = __uint_as_float(u[j] & ~MK_TAG_BITS);
 #if !MK_QK_NORM
+    const float scale = rsqrtf((float)MK_D);
     qq[i] = (x[0] * c - x[1] * s) * scale;
     qq[i + HALF] = (x[1] * c + x[0] * s) * scale;
     const float2 k = rope_pair(x[2], x[3], c, s);
@@ -105,12 +105,7 @@ __device__ void attention_queries(const Params& p, const LayerWeights& lw, int l
   }
   __syncthreads();
   if (q < n) {
-    const float q1 = qq[i], q2 = qq[i + HALF];
-    qq[i] = (q1 * c - q2 * s) * scale;
-    qq[i + HALF] = (q2 * c + q1 * s) * scale;
-    const float2 k = rope_pair(kq[i], kq[i + HALF], c, s);
-    kq[i] = k.x;
-    kq[i + HALF] = k.y;
+    const float2 k = rope_normed(qq, kq, i, c, s);
     const float x[6] = {0.f, 0.f, k.x, k.y, vq[i], vq[i + HALF]};
     if (own_row) own_kv(kw + own * MK_D, vw + own * MK_D, i, x);
     if (appends) {

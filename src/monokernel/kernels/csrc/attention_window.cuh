@@ -408,6 +408,21 @@ __device__ __forceinline__ float2 rope_pair(float x1, float x2, float c, float s
   return make_float2(x1 * c - x2 * s, x2 * c + x1 * s);
 }
 
+// Pair (i, i + HALF) of a normed query (then pre-scaled for the scores) and of its key,
+// rotated in place by (cos, sin): qk-norm's rotation, a step's and a pass's alike. Returns the
+// key's pair.
+__device__ __forceinline__ float2 rope_normed(float* q, float* k, int i, float c, float s) {
+  constexpr int HALF = MK_D / 2;
+  const float scale = rsqrtf((float)MK_D);
+  const float q1 = q[i], q2 = q[i + HALF];
+  q[i] = (q1 * c - q2 * s) * scale;
+  q[i + HALF] = (q2 * c + q1 * s) * scale;
+  const float2 r = rope_pair(k[i], k[i + HALF], c, s);
+  k[i] = r.x;
+  k[i + HALF] = r.y;
+  return r;
+}
+
 __device__ __forceinline__ void head_rms(float* v, const float* gain, float eps, int lane) {
   // One warp normalises one head vector in place (fp32 throughout).
   float ss = 0.f;

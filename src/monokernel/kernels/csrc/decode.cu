@@ -7,12 +7,8 @@
 // grid barrier; before waiting for its input, each warp issues the first loads of its next
 // stage (cta.cuh hand_off), so HBM keeps streaming meanwhile. Tensor parallelism differs only
 // inside Net (tp.cuh); the buffers shared with the host are described in layout.cuh.
-#include "stage_attention.cuh"
-#include "stage_attn_norm_qkv.cuh"
+#include "layers.cuh"
 #include "stage_lm_head.cuh"
-#include "stage_mlp_down.cuh"
-#include "stage_mlp_gate_up.cuh"
-#include "stage_o_proj.cuh"
 #include "stage_sample.cuh"
 #include "verify_passes.cuh"
 
@@ -21,18 +17,7 @@ __device__ __forceinline__ void decode_steps(const Params& p, Cta& c) {
   int token = p.first_token;
   for (int step = 0; step < p.n_steps; ++step) {
     const Step s{step, p.start_pos, token};
-    debug_stall(p, step);
-    mark_ns(p, step, kMarkStepStartNs);
-    mark(p, step, kMarkStepStart);
-    for (int layer = 0; layer < MK_L; ++layer) {
-      const Layer l{p.layers[layer], layer, flow_tag(step, layer), flow_tag(step, layer - 1),
-                    Net::reduce_tag(p, step, layer)};
-      attn_norm_qkv(p, c, s, l);  // A: RMSNorm + QKV projection -> qkv
-      attention(p, c, s, l);      // B: qk-norm + RoPE + KV append + attention -> attn_out
-      o_proj(p, c, s, l);         // C: O projection -> delta
-      mlp_gate_up(p, c, s, l);    // D: x + delta, RMSNorm, gate/up, SiLU·mul -> act
-      mlp_down(p, c, s, l);       // E: down projection + residual -> x
-    }
+    run_layers(p, c, s);
     const uint32_t key = lm_head(p, c, s);  // F: final norm + LM head -> each CTA's best
     const Sampled next = sample(p, c, s, key);
     token = next.next;

@@ -11,12 +11,8 @@
 // the next pass before anything reads them.
 #pragma once
 #include "draft.cuh"
-#include "stage_attention.cuh"
-#include "stage_attn_norm_qkv.cuh"
+#include "layers.cuh"
 #include "stage_lm_head.cuh"
-#include "stage_mlp_down.cuh"
-#include "stage_mlp_gate_up.cuh"
-#include "stage_o_proj.cuh"
 #include "stage_sample.cuh"
 
 __device__ __forceinline__ void verify_passes(const Params& p, Cta& c) {
@@ -36,18 +32,7 @@ __device__ __forceinline__ void verify_passes(const Params& p, Cta& c) {
       __syncthreads();  // in[0] for every thread
     }
     const Step s{step, p.start_pos, token, n, pos, in};
-    debug_stall(p, step);
-    mark_ns(p, step, kMarkStepStartNs);
-    mark(p, step, kMarkStepStart);
-    for (int layer = 0; layer < MK_L; ++layer) {
-      const Layer l{p.layers[layer], layer, flow_tag(step, layer), flow_tag(step, layer - 1),
-                    Net::reduce_tag(p, step, layer)};
-      attn_norm_qkv(p, c, s, l);
-      attention(p, c, s, l);
-      o_proj(p, c, s, l);
-      mlp_gate_up(p, c, s, l);
-      mlp_down(p, c, s, l);
-    }
+    run_layers(p, c, s);
     lm_head_pass(p, c, s);
     const bool cancelled = sample_pass(p, c, s);
     const int* drawn = c.ss.misc;
