@@ -323,6 +323,6 @@ __device__ __forceinline__ void attention_stage(const Params& p, const LayerWeig
     __trap();  // the host launched the build without group units for too long a context
 #endif
   } else {
-    attention_head(p, lw, layer, a, pos, done_head, tag, sm, red, win);
+    attention_head(p, lw, layer, a, pos, done_head, tag, sm, red, win, 0, pos);
   }
 }

@@ -132,14 +132,19 @@ __device__ void attention_queries(const Params& p, const LayerWeights& lw, int l
   }
 }
 
-// A pass's stage B. Where every query keeps pos0's plan and this unit's ranges for them fit
-// the window, attention_queries; else (a pass across a plan's edge, or ranges that outgrow
+// A pass's stage B. A draftless pass (one position) is the step's stage B. Where every query
+// keeps pos0's plan and this unit's ranges for them fit the window, attention_queries; else (a pass across a plan's edge, or ranges that outgrow
 // the window) each query as a step's unit, one after another, each later one filling its own
 // window. Group units (long context) have no pass: the host keeps passes to head units.
 __device__ __forceinline__ void attention_stage_pass(const Params& p, const LayerWeights& lw,
                                                      int layer, int pos0, int n,
                                                      unsigned (&done)[MK_P], unsigned tag,
                                                      float* sm, float* red, float* win) {
+  if (n == 1) {  // a draftless pass: the step's own unit
+    unsigned no_group = 0;  // never advanced: a pass has head units only
+    attention_stage(p, lw, layer, pos0, done[0], no_group, tag, sm, red, win);
+    return;
+  }
   // q a constant in each unrolled iteration: done[] stays in registers (indexed at run time,
   // it and the CTA's state around it would live in local memory, and every shared-memory
   // pointer read back from there turns generic).
