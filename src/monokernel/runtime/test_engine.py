@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,6 @@ from monokernel.runtime.backends.base import CancelToken
 from monokernel.runtime.backends.reference import ReferenceBackend
 from monokernel.runtime.memory_plan import ContextPlan, ContextTooLargeError
 from monokernel.testing.tiny_models import make_tiny_model_dir
-from monokernel.weights.names import Weights
 
 
 @pytest.fixture(scope="module")
@@ -213,15 +213,8 @@ class DraftlessMonokernel(ReferenceBackend):
     name = "monokernel"
     drafts_note = "no pass build fits this shape"
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        weights: Weights,
-        max_seq_len: int,
-        device: torch.device,
-        **_: object,
-    ) -> None:
-        super().__init__(cfg, weights, max_seq_len, device)
+    def __init__(self, *args: Any, **_: object) -> None:  # the monokernel's keywords unused
+        super().__init__(*args[:4])
 
     def drafts_verified(self) -> bool:
         return False
