@@ -133,9 +133,10 @@ __device__ void attention_queries(const Params& p, const LayerWeights& lw, int l
 }
 
 // A pass's stage B. A draftless pass (one position) is the step's stage B. Where every query
-// keeps pos0's plan and this unit's ranges for them fit the window, attention_queries; else (a pass across a plan's edge, or ranges that outgrow
-// the window) each query as a step's unit, one after another, each later one filling its own
-// window. Group units (long context) have no pass: the host keeps passes to head units.
+// keeps pos0's plan and this unit's ranges for them fit the window, attention_queries; else
+// (a pass across a plan's edge, or ranges that outgrow the window) each query as a step's
+// unit, one after another, each later one filling its own window. Group units (long context)
+// have no pass: the host keeps passes to head units.
 __device__ __forceinline__ void attention_stage_pass(const Params& p, const LayerWeights& lw,
                                                      int layer, int pos0, int n,
                                                      unsigned (&done)[MK_P], unsigned tag,

@@ -20,8 +20,9 @@ constexpr int kAttnP = MK_ATTN_CHUNK / kAttnStages;  // positions per ring stage
 static_assert(MK_ATTN_CHUNK % 32 == 0 && MK_ATTN_CHUNK <= 512 && kAttnP <= kAttnPmax,
               "MK_ATTN_CHUNK must be a multiple of 32, at most 512");
 // The window (layout.py WINDOW): K [CHUNK, D] bf16 | V [CHUNK, D] bf16 | RoPE cos, sin of the
-// new position [D/2 + D/2] fp32 (a pass build's: of its MK_P positions, [MK_P D/2] each) | STAGES mbarriers (u64) | fills waited for per stage (u32;
-// parity = the phase to wait on) | fills issued per stage (u32). Ring stage s is rows
+// new position [D/2 + D/2] fp32 (a pass build's: of its MK_P positions, [MK_P D/2] each) |
+// STAGES mbarriers (u64) | fills waited for per stage (u32; parity = the phase to wait on) |
+// fills issued per stage (u32). Ring stage s is rows
 // [s*P, (s+1)*P) of K and V.
 //
 // Head units' ranges at short context (MK_ATTN_RANGE, build.py attn_range): a head's positions
@@ -160,7 +161,8 @@ __device__ __forceinline__ int window_stages(int rows) {
 // its cached positions in there, so one fill a stage ahead serves all of them
 // (attention_pass.cuh). lo: the union's first position; nc: the rows filled.
 __device__ __forceinline__ AttnRange pass_window(int split, int ns, int pos0) {
-  const AttnRange first = attn_range(split, ns, pos0), last = attn_range(split, ns, pos0 + MK_P - 1);
+  const AttnRange first = attn_range(split, ns, pos0);
+  const AttnRange last = attn_range(split, ns, pos0 + MK_P - 1);
   AttnRange w;
   w.lo = first.lo;
   w.hi = max(first.lo, min(last.hi, pos0));
@@ -268,8 +270,10 @@ __device__ __forceinline__ void fence_window() {
 // `pos`, and the RoPE row of `pos` (with stage 0). Nothing here depends on the step's QKV
 // projection, so it goes out a stage ahead (at stage D's hand-off, during the previous
 // layer's down projection; for layer 0, after the barrier that ends the previous step, which orders that
-// step's KV appends). Head units' ranges fit the window, so this fills all of them; group
-// units stream the rest of their range through the ring themselves.
+// step's KV appends). Head units' ranges fit the window, so this fills all of them (a pass
+// build's head units: their pass window, the union of their ranges for the pass's positions,
+// and every position's RoPE row); group units stream the rest of their range through the
+// ring themselves.
 __device__ __forceinline__ void attention_prefetch(const Params& p, int layer, int pos,
                                                    float* win) {
   const AttnPlan a = attn_plan(p, pos);
