@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from typing import Any
 
 import torch
 
@@ -27,6 +29,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--passes", type=int, default=128, help="passes a timed launch runs")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--relaunch",
+        action="store_true",
+        help="also what one more launch costs a request (drafted.py's hand-over between the "
+        "step and pass builds): 256 greedy tokens in one launch against launches of 8",
+    )
     ap.add_argument(
         "--profile", action="store_true", help="also CTA 0's stage profile of a step and a pass"
     )
@@ -122,21 +130,48 @@ def measure(args: argparse.Namespace) -> int:
             cells = [skews[n].get(name) for n in skews]
             print(f"{name:<24}" + "".join(
                 f"{c[0]:8.2f}{c[1]:8.2f}" if c else f"{'-':>16}" for c in cells))  # fmt: skip
+    relaunch = relaunch_cost(mk, seq[: args.prompt]) if args.relaunch else None
     passes.close()
     mk.close()
     out = {"shape": args.shape, "format": args.quantize, "device": torch.cuda.get_device_name(),
-           "us_per_step": step * 1e6, "passes": rows, "profiles": profiles}  # fmt: skip
+           "us_per_step": step * 1e6, "passes": rows, "profiles": profiles,
+           "us_per_relaunch": relaunch}  # fmt: skip
     if args.json:
         print(json.dumps(out))
     print(f"{args.shape} {args.quantize} on {out['device']}: step {step * 1e6:.1f} µs")
     for r in rows:
         print(f"  pass of {r['positions']}: {r['us_per_pass']:.1f} µs ({r['vs_step']:.3f}x a step)")
+    if relaunch is not None:
+        print(f"  one more launch: {relaunch:.1f} µs ({relaunch / (step * 1e6):.3f}x a step)")
     if profiles:
         names = list(profiles)
         print("µs (CTA 0) " + " ".join(f"{n:>9}" for n in names))
         for key in profiles["step"]:
             print(f"{key:<10} " + " ".join(f"{profiles[n].get(key, 0.0):9.1f}" for n in names))
     return 0
+
+
+def relaunch_cost(mk: Any, prompt: list[int], n: int = 256, each: int = 8) -> float:
+    """µs one more launch adds to a greedy request of ``n`` tokens (wall time, host path
+    included): the request in launches of ``each`` tokens, each continuing the last
+    (RequestDriver.launch), against it in one; the best of 3 each."""
+    from monokernel.runtime.backends.monokernel.drafted import GREEDY
+
+    def timed(size: int) -> tuple[float, list[int]]:
+        tokens, first = list(prompt), True
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while len(tokens) - len(prompt) < n:
+            left = min(size, n - (len(tokens) - len(prompt)))
+            tokens += mk.driver.launch(tokens, left, GREEDY, (), None, continued=not first)
+            first = False
+        return time.perf_counter() - t0, tokens[len(prompt) :]
+
+    whole = min(timed(n) for _ in range(3))
+    split = min(timed(each) for _ in range(3))
+    if whole[1] != split[1]:
+        raise RuntimeError("launches that continue the last gave other tokens than one launch")
+    return (split[0] - whole[0]) / (n // each - 1) * 1e6
 
 
 if __name__ == "__main__":

@@ -38,9 +38,11 @@ from monokernel.bench.measure import engine_grammar, engine_tp, split_engine
 from monokernel.bench.records import prompt_label
 from monokernel.bench.sweep import EngineLimits, SweepConfig, run_benchmark
 from monokernel.bench.table import format_table
+from monokernel.cli.validate import positive_int
+from monokernel.errors import InvalidRequestError
 from monokernel.models.config import ModelConfig
 from monokernel.models.shapes import SHAPES
-from monokernel.runtime.speculative import DEFAULT_DRAFT
+from monokernel.runtime.speculative import DEFAULT_DRAFT, SpeculativeConfig
 from monokernel.weights.random_weights import random_weights
 from monokernel.workloads.spec_workloads import WORKLOADS
 
@@ -173,6 +175,14 @@ def _parser() -> argparse.ArgumentParser:
         help="with --workload: the drafts' K, comma-separated, each run against no drafts "
         f"(default {DEFAULT_DRAFT}, as run's)",
     )
+    for bound in ("max", "min"):
+        ap.add_argument(
+            f"--ngram-{bound}",
+            type=positive_int,
+            metavar="N",
+            help=f"with --workload: the drafts' {bound}imum suffix match, as run's (default "
+            "each engine's, as run's)",
+        )
     ap.add_argument(
         "--turn-tokens",
         type=nonnegative_int,
@@ -326,6 +336,13 @@ def _workload_main(args: argparse.Namespace) -> int:
     args.engines = args.engines or WORKLOAD_ENGINES
     args.num_speculative_tokens = args.num_speculative_tokens or (DEFAULT_DRAFT,)
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
+    try:  # the n-gram bounds' own message, before a model loads
+        config = SpeculativeConfig(ngram_max=args.ngram_max, ngram_min=args.ngram_min)
+        for name in names:
+            config.bounds(split_engine(name)[0])
+    except InvalidRequestError as e:
+        print(f"monokernel bench: {e}", file=sys.stderr)
+        return 2
     if (why := engine_error(names, args.num_speculative_tokens)) is not None:
         print(f"monokernel bench: {why}", file=sys.stderr)
         return 2
@@ -344,9 +361,11 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.workload:
         return _workload_main(args)
-    if args.num_speculative_tokens is not None:
-        print("monokernel bench: --num-speculative-tokens needs --workload", file=sys.stderr)
-        return 2
+    for flag in ("num_speculative_tokens", "ngram_max", "ngram_min"):
+        if getattr(args, flag) is not None:
+            name = "--" + flag.replace("_", "-")
+            print(f"monokernel bench: {name} needs --workload", file=sys.stderr)
+            return 2
     args.shape = args.shape or DEFAULT_SHAPE
     args.engines = args.engines or DEFAULT_ENGINES
     args.prompt_tokens = args.prompt_tokens or (64,)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from monokernel.bench.measure import time_tokens
+from monokernel.bench.measure import split_engine, time_tokens
 from monokernel.bench.stats import summarize
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import SamplingParams
@@ -90,8 +90,9 @@ class SpecBenchConfig:
     ks: tuple[int, ...]  # the --num-speculative-tokens values, each against no drafts
     repeats: int = 1
     max_tokens: int | None = None  # a cap for every request; None: each workload's own
-    ngram_max: int = 4
-    ngram_min: int = 2
+    # The drafts' n-gram bounds; None: each engine's default (SpeculativeConfig.bounds).
+    ngram_max: int | None = None
+    ngram_min: int | None = None
     context: int = 0  # cache positions to allocate; 0: what the longest request needs
     warmup_tokens: int = 32  # the untimed requests first (torch.compile, graph capture)
     time_budget_s: float | None = None  # start no (engine, workload) after this long
@@ -104,10 +105,15 @@ class SpecBenchConfig:
             raise ValueError("repeats must be >= 1")
         if self.max_tokens is not None and self.max_tokens < 2:
             raise ValueError("max tokens must be >= 2 (a decode rate needs two tokens)")
-        for k in self.ks:  # SpeculativeConfig's own bounds, with its message
-            SpeculativeConfig("ngram", k, self.ngram_max, self.ngram_min)
+        for engine in self.engines:  # SpeculativeConfig's own bounds, with its message
+            for k in self.ks:
+                SpeculativeConfig("ngram", k, self.ngram_max, self.ngram_min).bounds(
+                    split_engine(engine)[0]
+                )
 
     def speculative(self, k: int) -> SpeculativeConfig | None:
+        """The drafts' config for K = ``k`` (None for 0: no drafts); each backend takes its
+        own n-gram bounds where none is set (SpeculativeConfig.bounds)."""
         return None if k == 0 else SpeculativeConfig("ngram", k, self.ngram_max, self.ngram_min)
 
     def gen_cap(self, workload: SpecWorkload) -> int:
@@ -265,8 +271,8 @@ def make_record(
         else {
             "method": spec.method,
             "num_tokens": spec.num_tokens,
-            "ngram_max": spec.ngram_max,
-            "ngram_min": spec.ngram_min,
+            "ngram_max": spec.bounds(split_engine(engine)[0])[0],
+            "ngram_min": spec.bounds(split_engine(engine)[0])[1],
         },
         "status": "ok",
         "requests": len(prompts),
@@ -349,7 +355,11 @@ def _summary(rec: dict[str, Any]) -> str:
 
 
 def warm_up(
-    backend: SpecBackend, prompt: Sequence[int], tokens: int, config: SpecBenchConfig
+    backend: SpecBackend,
+    engine: str,
+    prompt: Sequence[int],
+    tokens: int,
+    config: SpecBenchConfig,
 ) -> None:
     """Untimed requests in every mode: compilation, graph capture and first-use costs of
     the verification pass land here. ``tokens``: at most the workload's cap, which the
@@ -396,7 +406,7 @@ def run_spec_bench(
             backend = open_backend(engine, max_len)
             first = config.workloads[0]
             tokens = min(config.warmup_tokens, config.gen_cap(first))
-            warm_up(backend, prompts[first.name][0], tokens, config)
+            warm_up(backend, engine, prompts[first.name][0], tokens, config)
             for w in config.workloads:
                 if _over_budget(config, start):
                     doc["skipped"].append(
@@ -519,7 +529,6 @@ def format_table(doc: dict[str, Any]) -> str:
 def engine_error(labels: Sequence[str], ks: Sequence[int]) -> str | None:
     """Why these engines and Ks cannot run the workloads (None when they can): the
     monokernel and bad Ks with ``run --speculative``'s own messages."""
-    from monokernel.bench.measure import split_engine
     from monokernel.cli.validate import speculative_config
 
     for label in labels:
@@ -527,8 +536,8 @@ def engine_error(labels: Sequence[str], ks: Sequence[int]) -> str | None:
             flags = argparse.Namespace(
                 speculative="ngram",
                 num_speculative_tokens=k,
-                ngram_max=4,
-                ngram_min=2,
+                ngram_max=None,
+                ngram_min=None,
                 engine=split_engine(label)[0],
                 tp=1,
             )
@@ -597,6 +606,8 @@ def run_workloads(
         context=args.context,
         time_budget_s=args.time_budget,
         stop_token_ids=frozenset(ckpt.eos_token_ids),
+        ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min,
     )
     limit = ckpt.config.max_position_embeddings
     for w in workloads:

@@ -75,6 +75,7 @@ def test_reference_engine_records_every_mode(
         (["--shape", "llama-3.2-1b"], "--workload does not take --shape"),
         (["--hf-cache", "dynamic", "--seed", "1"], "does not take --hf-cache, --seed"),
         (["--gen-tokens", "64,128"], "one --gen-tokens value"),
+        (["--ngram-max", "3", "--ngram-min", "4"], "--ngram-min <= --ngram-max"),
     ],
 )
 def test_refusals_before_loading(
@@ -85,8 +86,9 @@ def test_refusals_before_loading(
 
 
 def test_speculative_flags_need_a_workload(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--device", "cpu", "--num-speculative-tokens", "4"]) == 2
-    assert "needs --workload" in capsys.readouterr().err
+    for flag in ("--num-speculative-tokens", "--ngram-max", "--ngram-min"):
+        assert main(["--device", "cpu", flag, "4"]) == 2
+        assert f"{flag} needs --workload" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--workload", "spec-nope"])
 

@@ -194,3 +194,37 @@ def test_speculative_is_refused_where_it_cannot_run(engine: str, tp: int, messag
     four.num_speculative_tokens = 4
     ok, none = speculative_config(four)
     assert none is None and ok is not None and ok.num_tokens == 4
+
+
+@pytest.mark.parametrize(
+    ("engine", "given", "bounds"),
+    [
+        ("monokernel", (None, None), (6, 3)),  # its passes cost ~3 steps: long matches only
+        ("torch", (None, None), (4, 2)),
+        ("monokernel", (8, None), (8, 3)),  # a given bound is kept, the other defaults
+        ("reference", (None, 1), (4, 1)),
+        ("monokernel", (2, None), "got 3 and 2 (monokernel's defaults fill the one not given)"),
+        ("torch", (None, 5), "got 5 and 4"),
+    ],
+)
+def test_ngram_bounds_default_by_engine(
+    engine: str, given: tuple[int | None, int | None], bounds: tuple[int, int] | str
+) -> None:
+    import argparse
+
+    from monokernel.cli.validate import speculative_config
+
+    args = argparse.Namespace(
+        speculative="ngram",
+        num_speculative_tokens=3,
+        ngram_max=given[0],
+        ngram_min=given[1],
+        engine=engine,
+        tp=1,
+    )
+    config, error = speculative_config(args)
+    if isinstance(bounds, str):
+        assert config is None and error is not None and bounds in error
+    else:
+        assert error is None and config is not None
+        assert config.bounds(engine) == bounds

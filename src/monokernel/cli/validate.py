@@ -197,10 +197,17 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         help=f"tokens drafted a pass at most (1-{MAX_DRAFT}, default {DEFAULT_DRAFT})",
     )
     spec.add_argument(
-        "--ngram-max", type=positive_int, default=4, help="longest suffix matched (default 4)"
+        "--ngram-max",
+        type=positive_int,
+        default=None,
+        help="longest suffix matched (default 4; 6 on the monokernel, whose requests move "
+        "from steps to passes where this many tokens repeat)",
     )
     spec.add_argument(
-        "--ngram-min", type=positive_int, default=2, help="shortest suffix matched (default 2)"
+        "--ngram-min",
+        type=positive_int,
+        default=None,
+        help="shortest suffix matched (default 2; 3 on the monokernel)",
     )
 
 
@@ -218,6 +225,7 @@ def speculative_config(
         config = SpeculativeConfig(
             args.speculative, args.num_speculative_tokens, args.ngram_max, args.ngram_min
         )
+        config.bounds("monokernel" if args.engine == "monokernel" else "")
     except InvalidRequestError as e:
         return None, f"argument --speculative: {e}"
     if args.engine == "monokernel" and config.num_tokens >= MAX_PASS_POSITIONS:

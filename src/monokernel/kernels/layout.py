@@ -407,6 +407,7 @@ PARAMS: tuple[Field, ...] = (
     Field("pass_len", "int", ctypes.c_int32, "positions each pass computes (a pass build, MK_P)"),
     Field("draft_min", "int", ctypes.c_int32, "the shortest suffix a draft matches (n-gram)"),
     Field("draft_max", "int", ctypes.c_int32, "the longest suffix a draft matches (n-gram)"),
+    Field("draft_exit", "int", ctypes.c_int32, "1: drafting ends where drafts stop paying"),
 )
 
 # Appended in a -DMK_TP=N build (tp.cuh): the peers' receive buffers and this rank's place.

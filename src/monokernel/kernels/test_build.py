@@ -235,15 +235,18 @@ def test_verify_pass_builds_and_their_bounds() -> None:
 
 
 @needs_nvcc
-@pytest.mark.parametrize("fmt", ["bf16", "int4", "bf16-qk-norm"])
-def test_verify_pass_kernel_compiles(fmt: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("fmt", "positions"), [("bf16", 4), ("int4", 4), ("bf16-qk-norm", 4), ("int4", 6)]
+)
+def test_verify_pass_kernel_compiles(fmt: str, positions: int, tmp_path: Path) -> None:
     """The default model's shape as a pass build of 4 positions, in bf16 rows and in the int4
-    groups of 32 its GGUF's Q4_1 layers stream as; and with a qk-norm (Qwen3's), whose
-    attention path no shape of ours has room to build as a pass."""
+    groups of 32 its GGUF's Q4_1 layers stream as; with a qk-norm (Qwen3's), whose attention
+    path no shape of ours has room to build as a pass; and of 6 positions (K = 5), whose
+    GEMV rounds cannot hold 32 / 6 rows (gemv_pass.cuh)."""
     group = 32 if fmt == "int4" else 0
     weights = fmt.removesuffix("-qk-norm")
-    dims = _dims("smollm2-135m", weight_format=weights, weight_group=group, positions=4,
-                 qk_norm=fmt.endswith("qk-norm"))  # fmt: skip
+    dims = _dims("smollm2-135m", weight_format=weights, weight_group=group,
+                 positions=positions, qk_norm=fmt.endswith("qk-norm"))  # fmt: skip
     proc = kbuild.compile_check(dims, tmp_path / "decode.o")
     assert proc.returncode == 0, proc.stderr
 

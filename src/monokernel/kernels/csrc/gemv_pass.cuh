@@ -57,8 +57,9 @@ __device__ __forceinline__ float pick(const float (&v)[MK_P], int q) {
 }
 
 // gemv_split_rows over a pass's n inputs: out(q, r, value) once per position and row. A round
-// holds kSplitSlots / MK_P rows (each row's MK_P sums side by side in part); the rows' sums
-// are the step's whatever the round (each is its own slices added in warp order).
+// holds kSplitSlots / MK_P rows (each row's MK_P sums side by side in part; an even number of
+// rows where two buffers take turns); the rows' sums are the step's whatever the round (each
+// is its own slices added in warp order).
 template <int K, int SPLIT, bool PINGPONG, class F, class Out>
 __device__ __forceinline__ void gemv_split_rows_pass(
     Matrix<F> M, int rows, const float* __restrict__ xs, int stride, int n, float* part, int warp,
@@ -68,8 +69,8 @@ __device__ __forceinline__ void gemv_split_rows_pass(
   using L = typename F::Load;
   using S = typename P::Shape;
   constexpr bool PIPE = S::N <= S::B;
-  constexpr int R = kSplitSlots / MK_P;
-  static_assert(!PINGPONG || R % 2 == 0, "a whole round must end with the next row in pre");
+  constexpr int R = PINGPONG ? kSplitSlots / MK_P / 2 * 2 : kSplitSlots / MK_P;
+  static_assert(R >= (PINGPONG ? 2 : 1), "a whole round must end with the next row in pre");
   const int units = gridDim.x * P::GROUPS;
   const int g = warp / P::S, s = warp % P::S;
   const int u0 = cta * P::GROUPS + g;

@@ -96,6 +96,7 @@ struct Params {
   int pass_len;                     // positions each pass computes (a pass build, MK_P)
   int draft_min;                    // the shortest suffix a draft matches (n-gram)
   int draft_max;                    // the longest suffix a draft matches (n-gram)
+  int draft_exit;                   // 1: drafting ends where drafts stop paying
 #if MK_TP > 1
   unsigned* tp_recv[8];  // rank k's receive buffer (peer pointers)
   unsigned* tp_mine;     // this rank's own buffer (== tp_recv[tp_rank])
@@ -175,16 +176,17 @@ static_assert(offsetof(Params, n_logprobs) == 368, "layout.py");
 static_assert(offsetof(Params, pass_len) == 372, "layout.py");
 static_assert(offsetof(Params, draft_min) == 376, "layout.py");
 static_assert(offsetof(Params, draft_max) == 380, "layout.py");
+static_assert(offsetof(Params, draft_exit) == 384, "layout.py");
 #if MK_TP > 1
-static_assert(offsetof(Params, tp_recv) == 384, "layout.py");
-static_assert(offsetof(Params, tp_mine) == 448, "layout.py");
-static_assert(offsetof(Params, tp_rank) == 456, "layout.py");
-static_assert(offsetof(Params, vocab_start) == 460, "layout.py");
-static_assert(offsetof(Params, tp_tag) == 464, "layout.py");
-static_assert(offsetof(Params, tp_pad_) == 468, "layout.py");
-static_assert(sizeof(Params) == 472, "layout.py");
+static_assert(offsetof(Params, tp_recv) == 392, "layout.py");
+static_assert(offsetof(Params, tp_mine) == 456, "layout.py");
+static_assert(offsetof(Params, tp_rank) == 464, "layout.py");
+static_assert(offsetof(Params, vocab_start) == 468, "layout.py");
+static_assert(offsetof(Params, tp_tag) == 472, "layout.py");
+static_assert(offsetof(Params, tp_pad_) == 476, "layout.py");
+static_assert(sizeof(Params) == 480, "layout.py");
 #else
-static_assert(sizeof(Params) == 384, "layout.py");
+static_assert(sizeof(Params) == 392, "layout.py");
 #endif
 
 // ---- Params::timing: int64 slots of the profiled step (probes.cuh) ----

@@ -8,7 +8,10 @@
 // the draft after it, plus the first that differs (or the one after the last draft): the
 // tokens decoding step by step would draw, each drawn by the step's own rule at its position.
 // n_steps counts tokens; the pass's rows of the KV cache past what it keeps are rewritten by
-// the next pass before anything reads them.
+// the next pass before anything reads them. With Params::draft_exit the launch ends where
+// passes stop paying (a pass costs more than a step: docs/speculative.md): before a pass with
+// no draft (the first pass always runs, so every launch moves on) and after one that kept none
+// of its draft; the host goes on by steps (runtime/backends/monokernel/drafted.py).
 #pragma once
 #include "draft.cuh"
 #include "layers.cuh"
@@ -30,6 +33,13 @@ __device__ __forceinline__ void verify_passes(const Params& p, Cta& c) {
       n = 1;
       if (most > 0) n += draft_tokens(p, c, pos, most, in);
       __syncthreads();  // in[0] for every thread
+      if (p.draft_exit && n == 1 && step > 0) {  // every CTA drafted the same: all leave
+        if (c.host_cta && c.t == 0) {
+          __threadfence_system();
+          p.host_out[1] = 1;
+        }
+        break;
+      }
     }
     const Step s{step, p.start_pos, token, n, pos, in};
     run_layers(p, c, s);
@@ -55,7 +65,7 @@ __device__ __forceinline__ void verify_passes(const Params& p, Cta& c) {
           break;
         }
       }
-      done |= emitted + keep >= p.n_steps;
+      done |= emitted + keep >= p.n_steps || (p.draft_exit && keep == 1);
     } else {
       done |= step + 1 == p.n_steps;
     }

@@ -298,7 +298,8 @@ class MonokernelBackend:
         context = len(request.prompt_ids) + request.max_new_tokens + passes.positions
         if not passes.covers(min(context, self.max_seq_len)):
             return None
-        return Drafting(passes, (config.ngram_min, config.ngram_max), SpeculationStats())
+        longest, shortest = config.bounds("monokernel")
+        return Drafting(passes, (shortest, longest), SpeculationStats())
 
     def teacher_forced_logits(
         self, prompt_ids: Sequence[int], next_ids: Sequence[int]

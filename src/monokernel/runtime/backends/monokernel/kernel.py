@@ -139,6 +139,9 @@ class Launch:
     # its int32 history [max_len] (0: none), and the n-gram bounds (shortest, longest).
     history: int = 0
     ngram: tuple[int, int] = (0, 0)
+    # Drafting ends where passes stop paying: before a pass with no draft (not the first) and
+    # after one that kept none of its draft (drafted.py goes on by steps).
+    draft_exit: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,6 +402,7 @@ class DecodeKernel:
             history=launch.history,
             draft_min=launch.ngram[0],
             draft_max=launch.ngram[1],
+            draft_exit=int(launch.draft_exit),
             **launch.rules,
         )
         if tp is None:

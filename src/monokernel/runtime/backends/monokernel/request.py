@@ -16,6 +16,7 @@ import torch
 
 from monokernel.errors import EngineFailedError, InvalidRequestError
 from monokernel.runtime.backends.base import CancelToken
+from monokernel.runtime.backends.monokernel.drafted import drafted_tokens
 from monokernel.runtime.backends.monokernel.grammar_mask import GrammarMask
 from monokernel.runtime.backends.monokernel.kernel import (
     MAX_STOP_IDS,
@@ -33,7 +34,7 @@ from monokernel.runtime.backends.monokernel.token_reader import read_tokens
 from monokernel.runtime.backends.monokernel.verify_pass import Drafting, draft_counts
 from monokernel.runtime.constrained import TokenMatcher
 from monokernel.runtime.logprobs import TokenLogprobs, token_logprobs
-from monokernel.runtime.prefix_cache import fed_tokens
+from monokernel.runtime.prefix_cache import ReusePlan, fed_tokens
 from monokernel.runtime.sampling import SamplingParams, check_bias_ids, penalize, sample
 
 # Where a request's first token comes from. "prefill": the prompt's last logits, computed by
@@ -106,6 +107,34 @@ class RequestDriver:
         logprobs: list[TokenLogprobs] | None = None,
         drafting: Drafting | None = None,
     ) -> Iterator[int]:
+        """The generated ids of a request: one launch (``launch``), or with ``drafting`` the
+        launches of drafted.py, steps and passes taking turns."""
+        if drafting is None:
+            yield from self.launch(
+                prompt_ids, max_new_tokens, sampling, stop_ids, cancel, probe, forced_ids,
+                first_from_prefill, matcher, logprobs,
+            )  # fmt: skip
+        else:
+            yield from drafted_tokens(
+                self, prompt_ids, max_new_tokens, stop_ids, cancel, first_from_prefill, drafting
+            )
+
+    def launch(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        stop_ids: Sequence[int],
+        cancel: CancelToken | None,
+        probe: Probe = NO_PROBE,
+        forced_ids: Sequence[int] | None = None,
+        first_from_prefill: bool = False,
+        matcher: TokenMatcher | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
+        drafting: Drafting | None = None,
+        continued: bool = False,
+        handback: Callable[[int], bool] | None = None,
+    ) -> Generator[int, None, None]:
         """The generated ids of one launch. ``probe``: a debug or profiling launch's extra
         inputs; ``forced_ids``: the host copy of ``probe.forced``, so the prefix bookkeeping
         knows which tokens the kernel's steps wrote into the cache. ``first_from_prefill``:
@@ -120,8 +149,11 @@ class RequestDriver:
         (logit_rules.py); with ``sampling.logprobs`` set, each token's TokenLogprobs is
         appended to ``logprobs`` before the token is yielded. ``drafting``: a greedy
         request's launch on a pass build that drafts from the request's own tokens and keeps
-        what its draws confirm (verify_pass.py): the same tokens, fewer passes where the
-        output repeats its context; its counts land in ``drafting.stats``."""
+        what its draws confirm (verify_pass.py), until a pass has no draft or keeps none of
+        it; its counts land in ``drafting.stats``. ``continued``: the cache holds positions
+        [0, len(prompt_ids) - 1) of ``prompt_ids`` (the launch before left them): no prefix
+        lookup, no prefill. ``handback(token)``, called as each token lands: True stops the
+        kernel after the step it is running, whose tokens are yielded too (drafted.py)."""
         if self.failure is not None:
             raise EngineFailedError(self.failure)
         prefix = self.kv.prefix
@@ -129,7 +161,7 @@ class RequestDriver:
         n = len(prompt_ids)
         # What the cache already holds of the prompt (live cache or snapshot) is checked ids
         # and in-vocabulary outputs: only the rest needs checking. The fill follows this plan.
-        plan = prefix.plan(prompt_ids)
+        plan = ReusePlan(n - 1) if continued else prefix.plan(prompt_ids)
         n_steps = checked_steps(
             prompt_ids, stop_ids, max_new_tokens, self.max_seq_len, self.vocab_size, plan.reuse
         )
@@ -187,6 +219,7 @@ class RequestDriver:
                     pass_len=drafting.passes.positions,
                     history=drafting.passes.history.data_ptr(),
                     ngram=drafting.ngram,
+                    draft_exit=True,
                 )
             kernel.start(launch, probe)
         finished = failed = False
@@ -208,10 +241,15 @@ class RequestDriver:
             if first is not None and not (cancel is not None and cancel.is_set()):
                 if first_logprobs is not None and logprobs is not None:
                     logprobs.append(first_logprobs)
+                if handback is not None and handback(first) and launched:
+                    kernel.cancel()
                 yield first  # the kernel is already running on the next one
             if launched:
+                landed = read_tokens(out, cancel, check)
+                if handback is not None:
+                    landed = _tapped(landed, lambda _, t: kernel.cancel() if handback(t) else None)
                 finished = yield from kernel_tokens(
-                    read_tokens(out, cancel, check),
+                    landed,
                     n_steps,
                     matcher,
                     (kernel.grammar,),
@@ -235,6 +273,9 @@ class RequestDriver:
                         f"the monokernel cannot run more requests ({e}); restart the process"
                     )
                     raise EngineFailedError(self.failure) from e
+            if launched and drafting is not None:  # the history: the kernel appends its tokens
+                kept = [w - 1 for w in out[2 : 2 + int(out[0])]]
+                drafting.passes.held_history(() if failed else (*prompt_ids[:held], step_in, *kept))
             if launched and drafting is not None and not failed:
                 counts = draft_counts(kernel)
                 drafting.stats.passes += counts.passes

@@ -45,6 +45,9 @@ class PassKernel:
         # What the kernel drafts from (Params::history): position i's token, the request's
         # and then each one kept, which the kernel appends itself.
         self.history = torch.zeros(step.max_seq_len, dtype=torch.int32, device=step.device)
+        # The history's leading tokens as the device holds them: a request's later launches
+        # copy only what they add (load_history).
+        self._held: tuple[int, ...] = ()
 
     def covers(self, context: int) -> bool:
         """Whether passes run at every position below ``context``: a pass has head units
@@ -55,10 +58,22 @@ class PassKernel:
 
     def load_history(self, tokens: Sequence[int]) -> None:
         """The request so far into the history, on the current stream, with the kernel's
-        stream waiting for it."""
-        k = self.kernel
-        self.history[: len(tokens)].copy_(torch.tensor(list(tokens), dtype=torch.int32))
+        stream waiting for it; where the history already begins with what it held
+        (``held_history``), only the rest is copied."""
+        k, tokens = self.kernel, tuple(tokens)
+        same = len(self._held)
+        if same > len(tokens) or tokens[:same] != self._held:
+            same = 0
+        if same < len(tokens):
+            tail = torch.tensor(tokens[same:], dtype=torch.int32)
+            self.history[same : len(tokens)].copy_(tail)
+        self._held = tokens
         k.stream.wait_stream(torch.cuda.current_stream(k.device))
+
+    def held_history(self, tokens: Sequence[int]) -> None:
+        """After a drafting launch: the history now begins with ``tokens`` (what was loaded
+        and what the kernel appended); () where that is not known."""
+        self._held = tuple(tokens)
 
     def teacher_forced(
         self,
