@@ -135,14 +135,18 @@ def measure(args: argparse.Namespace) -> int:
     mk.close()
     out = {"shape": args.shape, "format": args.quantize, "device": torch.cuda.get_device_name(),
            "us_per_step": step * 1e6, "passes": rows, "profiles": profiles,
-           "us_per_relaunch": relaunch}  # fmt: skip
+           "relaunch": relaunch}  # fmt: skip
     if args.json:
         print(json.dumps(out))
     print(f"{args.shape} {args.quantize} on {out['device']}: step {step * 1e6:.1f} µs")
     for r in rows:
         print(f"  pass of {r['positions']}: {r['us_per_pass']:.1f} µs ({r['vs_step']:.3f}x a step)")
     if relaunch is not None:
-        print(f"  one more launch: {relaunch:.1f} µs ({relaunch / (step * 1e6):.3f}x a step)")
+        us = relaunch["us_per_relaunch"]
+        print(f"  one more launch: {us:.1f} µs ({us / (step * 1e6):.3f}x a step); a launch's "
+              f"host before it {relaunch['us_host_before_launch']:.1f}, its first token "
+              f"{relaunch['us_launch_to_first_token']:.1f}, its return after the last "
+              f"{relaunch['us_last_token_to_return']:.1f} µs (medians)")  # fmt: skip
     if profiles:
         names = list(profiles)
         print("µs (CTA 0) " + " ".join(f"{n:>9}" for n in names))
@@ -151,11 +155,23 @@ def measure(args: argparse.Namespace) -> int:
     return 0
 
 
-def relaunch_cost(mk: Any, prompt: list[int], n: int = 256, each: int = 8) -> float:
+def relaunch_cost(mk: Any, prompt: list[int], n: int = 256, each: int = 8) -> dict[str, float]:
     """µs one more launch adds to a greedy request of ``n`` tokens (wall time, host path
     included): the request in launches of ``each`` tokens, each continuing the last
-    (RequestDriver.launch), against it in one; the best of 3 each."""
+    (RequestDriver.launch), against it in one; the best of 3 each. Beside it, the medians
+    over the split run's launches of where a launch's time goes: the host before the launch,
+    the launch to its first token, the last token to the launch's return."""
     from monokernel.runtime.backends.monokernel.drafted import GREEDY
+
+    started: list[float] = []
+    start = mk.kernel.start
+
+    def marked_start(*args: Any, **kwargs: Any) -> None:
+        started.append(time.perf_counter())
+        start(*args, **kwargs)
+
+    mk.kernel.start = marked_start
+    phases: list[tuple[float, float, float]] = []
 
     def timed(size: int) -> tuple[float, list[int]]:
         tokens, first = list(prompt), True
@@ -163,15 +179,31 @@ def relaunch_cost(mk: Any, prompt: list[int], n: int = 256, each: int = 8) -> fl
         t0 = time.perf_counter()
         while len(tokens) - len(prompt) < n:
             left = min(size, n - (len(tokens) - len(prompt)))
-            tokens += mk.driver.launch(tokens, left, GREEDY, (), None, continued=not first)
+            t_call = time.perf_counter()
+            landed = []
+            for t in mk.driver.launch(tokens, left, GREEDY, (), None, continued=not first):
+                landed.append((t, time.perf_counter()))
+            t_done = time.perf_counter()
+            phases.append(
+                (started[-1] - t_call, landed[0][1] - started[-1], t_done - landed[-1][1])
+            )
+            tokens += [t for t, _ in landed]
             first = False
         return time.perf_counter() - t0, tokens[len(prompt) :]
 
     whole = min(timed(n) for _ in range(3))
+    phases.clear()
     split = min(timed(each) for _ in range(3))
+    mk.kernel.start = start
     if whole[1] != split[1]:
         raise RuntimeError("launches that continue the last gave other tokens than one launch")
-    return (split[0] - whole[0]) / (n // each - 1) * 1e6
+    mid = [sorted(p[k] for p in phases[1:])[len(phases) // 2] * 1e6 for k in range(3)]
+    return {
+        "us_per_relaunch": (split[0] - whole[0]) / (n // each - 1) * 1e6,
+        "us_host_before_launch": mid[0],
+        "us_launch_to_first_token": mid[1],
+        "us_last_token_to_return": mid[2],
+    }
 
 
 if __name__ == "__main__":
