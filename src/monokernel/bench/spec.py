@@ -2,7 +2,7 @@
 (issue 36).
 
 Each engine (``torch``, ``reference``, ``monokernel``: the backends that verify drafts; the
-monokernel's greedy requests in its pass build, docs/speculative.md) is opened once, on
+monokernel's in its pass build, docs/speculative.md) is opened once, on
 the checkpoint's weights, with a cache for the longest request of the chosen workloads
 (workloads/spec_workloads.py). Every request of every workload then runs greedy, to the
 model's EOS or the workload's token cap, once without drafts and once per K of

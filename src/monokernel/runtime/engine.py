@@ -85,8 +85,8 @@ class EngineConfig:
     progress: bool = True  # download and load progress on stderr, and notes on slow steps
     tp: int = 1  # tensor-parallel GPUs (monokernel only): cuda:0..tp-1, or from --device cuda:N
     # Draft from the request's own tokens and verify several a pass (runtime/speculative.py;
-    # the monokernel's greedy requests in its pass build, docs/speculative.md). None: one
-    # token a pass.
+    # the monokernel's greedy and temperature-sampled requests in its pass build,
+    # docs/speculative.md). None: one token a pass.
     speculative: SpeculativeConfig | None = None
     # Reuse the KV cache of earlier requests' common prefix (backends that can: monokernel).
     # None: the backend's default (on; MONOKERNEL_PREFIX_REUSE=0 turns it off).

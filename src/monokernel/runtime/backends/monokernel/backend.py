@@ -38,7 +38,7 @@ from monokernel.runtime.backends.monokernel.request import (
     WARMUP_SAMPLING,
     RequestDriver,
 )
-from monokernel.runtime.backends.monokernel.verify_pass import Drafting, PassKernel
+from monokernel.runtime.backends.monokernel.verify_pass import Drafting, PassKernel, drawn_in_passes
 from monokernel.runtime.prefill_graphs import graphs_enabled
 from monokernel.runtime.prefix_cache import PrefixCache
 from monokernel.runtime.speculative import SpeculationStats, SpeculativeConfig, passes_serve
@@ -260,7 +260,7 @@ class MonokernelBackend:
     # ---- speculative decoding (docs/speculative.md) ---------------------------------------
 
     def set_speculative(self, config: SpeculativeConfig | None) -> None:
-        """Draft from each greedy request's own tokens and verify K + 1 positions a pass
+        """Draft from each request's own tokens and verify K + 1 positions a pass
         inside the kernel (a pass build of K + 1 positions beside the step build, over the
         same weights and cache; built, or found cached, now). A shape whose passes do not
         fit a CTA makes no drafts (``drafts_verified``; ``drafts_note`` says why)."""
@@ -286,12 +286,14 @@ class MonokernelBackend:
         return self.passes is not None
 
     def _drafting(self, request: DecodeRequest) -> Drafting | None:
-        """How ``request`` runs on the pass build, or None where it decodes by steps: a
-        sampled request (the pass keeps greedy draws), one that passes cannot serve
-        (speculative.passes_serve), or one whose positions reach the long-context attention
-        that passes do not have."""
+        """How ``request`` runs on the pass build, or None where it decodes by steps: one
+        drawn by top-k, top-p or min_p (verify_pass.drawn_in_passes), one that passes cannot
+        serve (speculative.passes_serve), or one whose positions reach the long-context
+        attention that passes do not have."""
         config, passes = self.speculative, self.passes
-        if config is None or passes is None or not request.sampling.greedy:
+        if config is None or passes is None:
+            return None
+        if not drawn_in_passes(request.sampling, self.kernel.cfg.vocab_size):
             return None
         if not passes_serve(request):
             return None

@@ -1,5 +1,6 @@
-"""A greedy request under ``--speculative`` on the monokernel: launches of the step build
-and of the pass build taking turns (docs/speculative.md).
+"""A request under ``--speculative`` on the monokernel (greedy, or sampled by temperature
+alone: verify_pass.drawn_in_passes): launches of the step build and of the pass build
+taking turns (docs/speculative.md).
 
 A pass costs more than a step (on the default model a pass of 4 positions ~3 steps, of one
 ~1.3), so it pays only where its draft is nearly sure to be kept. The request therefore
@@ -7,8 +8,9 @@ decodes by steps until its last ``ngram_max`` tokens occurred earlier in it (the
 copying its context), then by passes that draft and verify in the kernel, until a pass has
 no draft or keeps none of it (``Params::draft_exit``), then by steps again. The host watches
 for the repeat while the step build runs (one dictionary lookup a token, off the GPU's path)
-and stops it after the step it is running; each hand-over costs one launch and no token, and
-every token is the one decoding by steps alone draws.
+and stops it after the step it is running; each hand-over costs one launch and no token.
+Both builds draw a position's token by the same rule from the same key (the seed and the
+position), so every token is the one decoding by steps alone draws, sampled or not.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ from monokernel.runtime.speculative import NgramDrafter, SpeculativeConfig
 if TYPE_CHECKING:
     from monokernel.runtime.backends.monokernel.request import RequestDriver
     from monokernel.runtime.backends.monokernel.verify_pass import Drafting
-
-GREEDY = SamplingParams(temperature=0.0)
 
 
 class RepeatWatch:
@@ -52,13 +52,14 @@ def drafted_tokens(
     driver: RequestDriver,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
+    sampling: SamplingParams,
     stop_ids: Sequence[int],
     cancel: CancelToken | None,
     first_from_prefill: bool,
     drafting: Drafting,
 ) -> Iterator[int]:
-    """The greedy ids of one request, by steps where nothing repeats and by passes where
-    the output repeats its context."""
+    """The ids of one request, by steps where nothing repeats and by passes where the
+    output repeats its context."""
     tokens = list(prompt_ids)
     watch = RepeatWatch(tokens, drafting.ngram[1])
     left, passes, first = max_new_tokens, False, True
@@ -66,14 +67,14 @@ def drafted_tokens(
         got: list[int] = []
         if passes:  # until a pass has no draft or keeps none of it
             launch = driver.launch(
-                tokens, left, GREEDY, stop_ids, cancel, drafting=drafting, continued=True
+                tokens, left, sampling, stop_ids, cancel, drafting=drafting, continued=True
             )
             yield from _kept(launch, got)
             for t in got:
                 watch.add(t)
         else:  # until the watch sees a repeat (it sees every token the launch yields)
             launch = driver.launch(
-                tokens, left, GREEDY, stop_ids, cancel,
+                tokens, left, sampling, stop_ids, cancel,
                 first_from_prefill=first and first_from_prefill, continued=not first,
                 handback=watch.add,
             )  # fmt: skip

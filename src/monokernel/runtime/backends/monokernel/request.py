@@ -116,8 +116,9 @@ class RequestDriver:
             )  # fmt: skip
         else:
             yield from drafted_tokens(
-                self, prompt_ids, max_new_tokens, stop_ids, cancel, first_from_prefill, drafting
-            )
+                self, prompt_ids, max_new_tokens, sampling, stop_ids, cancel, first_from_prefill,
+                drafting,
+            )  # fmt: skip
 
     def launch(
         self,
@@ -147,7 +148,7 @@ class RequestDriver:
         and each kernel step's mask reaches the kernel while it runs the step before
         (grammar_mask.py). The penalties, min_p and logit_bias apply in the kernel
         (logit_rules.py); with ``sampling.logprobs`` set, each token's TokenLogprobs is
-        appended to ``logprobs`` before the token is yielded. ``drafting``: a greedy
+        appended to ``logprobs`` before the token is yielded. ``drafting``: a
         request's launch on a pass build that drafts from the request's own tokens and keeps
         what its draws confirm (verify_pass.py), until a pass has no draft or keeps none of
         it; its counts land in ``drafting.stats``. ``continued``: the cache holds positions

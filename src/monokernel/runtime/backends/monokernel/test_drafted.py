@@ -16,6 +16,8 @@ import pytest
 
 from monokernel.runtime.backends.base import CancelToken
 from monokernel.runtime.backends.monokernel.drafted import RepeatWatch, drafted_tokens
+from monokernel.runtime.backends.monokernel.verify_pass import drawn_in_passes
+from monokernel.runtime.sampling import SamplingParams
 from monokernel.runtime.speculative import NgramDrafter, SpeculativeConfig
 
 K, NGRAM = 3, (2, 4)
@@ -28,6 +30,8 @@ class ScriptedDriver:
     prompt: list[int]
     script: list[int]
     launches: list[tuple[str, bool, bool, int]] = field(default_factory=list)
+    # Every launch gets it.
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
 
     def launch(
         self,
@@ -41,7 +45,7 @@ class ScriptedDriver:
         continued: bool = False,
         handback: Callable[[int], bool] | None = None,
     ) -> Iterator[int]:
-        assert sampling.greedy and list(prompt_ids[: len(self.prompt)]) == self.prompt
+        assert sampling is self.sampling and list(prompt_ids[: len(self.prompt)]) == self.prompt
         kind = "steps" if drafting is None else "passes"
         self.launches.append((kind, continued, first_from_prefill, len(prompt_ids)))
         tokens = list(prompt_ids)
@@ -95,6 +99,7 @@ def _drafted(
             driver,
             driver.prompt,
             n,
+            driver.sampling,
             stops,
             cancel,
             first_from_prefill,
@@ -156,6 +161,7 @@ def test_budgets_stops_and_cancel_end_where_steps_would() -> None:
         driver,
         driver.prompt,
         400,
+        driver.sampling,
         (),
         cancel,
         True,
@@ -179,3 +185,26 @@ def test_repeat_watch() -> None:
     assert not watch.repeat
     assert [watch.add(t) for t in (1, 6, 7, 8, 9, 2)] == [False, False, False, True, True, False]
     assert watch.repeat is False
+
+
+def test_a_sampled_request_takes_the_same_turns_with_its_own_sampling() -> None:
+    driver = _case(0)
+    driver.sampling = SamplingParams(temperature=0.7, seed=3)
+    assert _drafted(driver, 200) == driver.script[:200]
+    assert "passes" in [k for k, *_ in driver.launches]
+
+
+@pytest.mark.parametrize(
+    ("sampling", "in_passes"),
+    [
+        (SamplingParams(temperature=0.0), True),
+        (SamplingParams(temperature=0.7, seed=1), True),
+        (SamplingParams(temperature=0.7, seed=1, top_k=100), False),
+        (SamplingParams(temperature=0.7, seed=1, top_k=49152), True),  # the whole vocabulary
+        (SamplingParams(temperature=0.7, seed=1, top_p=0.9), False),
+        (SamplingParams(temperature=0.7, seed=1, min_p=0.05), False),
+        (SamplingParams(temperature=0.0, top_p=0.9), True),  # greedy ignores top-p
+    ],
+)
+def test_which_draws_a_pass_makes(sampling: SamplingParams, in_passes: bool) -> None:
+    assert drawn_in_passes(sampling, 49152) is in_passes

@@ -2,8 +2,9 @@
 request runs on the pass build, which drafts from the request's own tokens and keeps what
 its draws confirm. It must stream token for token what decoding by steps streams, end where
 a budget or a stop id ends it even inside an accepted run, stop on a cancel, and leave the
-cache such that a later request reusing its prefix decodes as it would have. Requests that
-passes cannot serve (sampled ones) decode by steps and make no drafts.
+cache such that a later request reusing its prefix decodes as it would have. A request
+sampled by temperature alone draws in passes what steps draw; one drawn by top-p, which
+passes cannot serve, decodes by steps and makes no drafts.
 
 GPU tests (marker ``gpu``): a Hopper GPU.
 """
@@ -87,8 +88,18 @@ def test_a_cancel_stops_the_passes_and_the_cache_stays_right() -> None:
     assert _stream(follow, 64, SPEC) == want
 
 
-def test_a_sampled_request_decodes_by_steps() -> None:
-    sampled = SamplingParams(temperature=0.8, seed=5)
+def test_a_request_sampled_by_temperature_draws_in_passes_what_steps_draw() -> None:
+    # Each position's seeded Gumbel-max draw is the step's, so a drafted token is kept with
+    # the probability the model gives it and the stream is plain sampling's.
+    sampled = SamplingParams(temperature=0.3, seed=5)
+    plain = _stream(PROMPT, N, sampling=sampled)
+    assert _stream(PROMPT, N, SPEC, sampling=sampled) == plain
+    stats = _backend().speculation
+    assert stats.passes > 0 and stats.drafted >= stats.accepted > 0
+
+
+def test_a_top_p_request_decodes_by_steps() -> None:
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
     plain = _stream(PROMPT, 64, sampling=sampled)
     assert _stream(PROMPT, 64, SPEC, sampling=sampled) == plain
     assert _backend().speculation.drafted == 0

@@ -6,7 +6,8 @@ A pass build (``KernelDims.positions`` = P) runs beside the backend's step build
 same weights and KV cache, either teacher-forced (the tokens of every position of every
 pass given, ``Params::forced``, every position's draw reported) or drafting from the
 request's own tokens and keeping what the draws confirm: ``generate`` here, and the
-backend's greedy requests under ``--speculative`` (``Drafting``, request.py).
+backend's requests under ``--speculative``, greedy or sampled by temperature alone
+(``Drafting``, request.py; drafted.py).
 """
 
 from __future__ import annotations
@@ -163,6 +164,16 @@ class PassKernel:
 
     def close(self) -> None:
         self.kernel.close()
+
+
+def drawn_in_passes(sampling: SamplingParams, vocab_size: int) -> bool:
+    """Whether a pass build draws ``sampling``'s tokens as the step build does: greedy, or
+    by temperature alone (the seeded Gumbel-max draw of each position's own key), not top-k,
+    top-p or min_p, whose draws need the whole distribution (a step's grid-wide draw)."""
+    if sampling.greedy:
+        return True
+    whole_vocab = sampling.top_k <= 0 or sampling.top_k >= vocab_size
+    return whole_vocab and sampling.top_p >= 1.0 and sampling.min_p == 0.0
 
 
 def draft_counts(kernel: DecodeKernel) -> SpeculationStats:
