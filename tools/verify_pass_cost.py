@@ -158,7 +158,7 @@ def measure(args: argparse.Namespace) -> int:
 def relaunch_cost(mk: Any, prompt: list[int], n: int = 256, each: int = 8) -> dict[str, float]:
     """µs one more launch adds to a greedy request of ``n`` tokens (wall time, host path
     included): the request in launches of ``each`` tokens, each continuing the last
-    (RequestDriver.launch), against it in one; the best of 3 each. Beside it, the medians
+    (RequestDriver.run), against it in one; the best of 3 each. Beside it, the medians
     over the split run's launches of where a launch's time goes: the host before the launch,
     the launch to its first token, the last token to the launch's return."""
     from monokernel.runtime.sampling import SamplingParams
@@ -183,7 +183,7 @@ def relaunch_cost(mk: Any, prompt: list[int], n: int = 256, each: int = 8) -> di
             left = min(size, n - (len(tokens) - len(prompt)))
             t_call = time.perf_counter()
             landed = []
-            for t in mk.driver.launch(tokens, left, greedy, (), None, continued=not first):
+            for t in mk.driver.run(tokens, left, greedy, (), None, continued=not first):
                 landed.append((t, time.perf_counter()))
             t_done = time.perf_counter()
             phases.append(

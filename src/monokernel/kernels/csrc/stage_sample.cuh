@@ -18,6 +18,13 @@ struct Drawn {
   unsigned bar;  // the CTA's grid-barrier count after the draw
 };
 
+// Whether `id` is one of the launch's stop ids.
+__device__ __forceinline__ bool is_stop(const Params& p, int id) {
+  bool stop = false;
+  for (int i = 0; i < p.n_stop; ++i) stop |= p.stop_ids[i] == id;
+  return stop;
+}
+
 // A draw from the whole distribution (top-k / top-p / min_p, or with logprobs), every CTA.
 // Not inlined: its passes need registers that the decode loop's own code keeps (inlined, it
 // cost the Llama-3.2-1B shape ~9 µs a greedy token in spills; perf-notes).
@@ -115,7 +122,7 @@ __device__ __forceinline__ Sampled sample(const Params& p, Cta& c, const Step& s
   }
   if (p.seen && blockIdx.x == 0 && c.t == 0) count_token(p, next);
   bool done = s.index + 1 == p.n_steps || Net::stop_asked(p, c.words, cancelled);
-  for (int i = 0; i < p.n_stop; ++i) done |= p.stop_ids[i] == next;
+  done |= is_stop(p, next);
   if (c.host_cta && c.t == 0 && Net::speaks(p)) {
     // Nonzero once written: the host polls each token's word (zeroed before the launch) in
     // order, so it needs no order among them; only `done` is fenced after them all.

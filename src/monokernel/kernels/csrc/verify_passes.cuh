@@ -46,28 +46,24 @@ __device__ __forceinline__ void verify_passes(const Params& p, Cta& c) {
     lm_head_pass(p, c, s);
     const bool cancelled = sample_pass(p, c, s);
     const int* drawn = c.ss.misc;
-    // Kept: every draw when forced; else the draws while each equals the draft after it, and
-    // the first that does not.
+    // Kept: every draw when forced; else the draws while each equals the draft after it and
+    // the first that does not, within the budget and up to a stop id.
     int keep = n;
-    if (!forced) {
+    bool done = cancelled;
+    if (forced) {
+      done |= step + 1 == p.n_steps;
+    } else {
       keep = 1;
       while (keep < n && drawn[keep - 1] == in[keep]) ++keep;
-    }
-    bool done = cancelled;
-    if (!forced) {
       keep = min(keep, p.n_steps - emitted);
       for (int i = 0; i < keep; ++i) {
-        bool stop = false;
-        for (int k = 0; k < p.n_stop; ++k) stop |= p.stop_ids[k] == drawn[i];
-        if (stop) {
+        if (is_stop(p, drawn[i])) {
           keep = i + 1;
           done = true;
           break;
         }
       }
       done |= emitted + keep >= p.n_steps || (p.draft_exit && keep == 1);
-    } else {
-      done |= step + 1 == p.n_steps;
     }
     if (!done) attention_prefetch(p, 0, pos + keep, c.kvwin);
     if (c.t == 0 && p.history) {

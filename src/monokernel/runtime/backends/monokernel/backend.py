@@ -20,6 +20,7 @@ from monokernel.kernels import build as kbuild
 from monokernel.models.config import ModelConfig
 from monokernel.runtime import kv_memory
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
+from monokernel.runtime.backends.monokernel.drafted import drafted_tokens
 from monokernel.runtime.backends.monokernel.handoff_placement import (
     HandoffChoice,
     choose_handoff,
@@ -245,6 +246,12 @@ class MonokernelBackend:
     def stream(self, request: DecodeRequest, cancel: CancelToken) -> Iterator[int]:
         drafting = self._drafting(request)
         self.speculation = drafting.stats if drafting is not None else SpeculationStats()
+        if drafting is not None:  # steps and passes taking turns
+            yield from drafted_tokens(
+                self.driver, request.prompt_ids, request.max_new_tokens, request.sampling,
+                sorted(request.stop_token_ids), cancel, self.first_from_prefill, drafting,
+            )  # fmt: skip
+            return
         yield from self.driver.run(
             request.prompt_ids,
             request.max_new_tokens,
@@ -254,7 +261,6 @@ class MonokernelBackend:
             first_from_prefill=self.first_from_prefill,
             matcher=request.matcher,
             logprobs=request.logprobs,
-            drafting=drafting,
         )
 
     # ---- speculative decoding (docs/speculative.md) ---------------------------------------

@@ -66,14 +66,14 @@ def drafted_tokens(
     while left > 0:
         got: list[int] = []
         if passes:  # until a pass has no draft or keeps none of it
-            launch = driver.launch(
+            launch = driver.run(
                 tokens, left, sampling, stop_ids, cancel, drafting=drafting, continued=True
             )
             yield from _kept(launch, got)
             for t in got:
                 watch.add(t)
         else:  # until the watch sees a repeat (it sees every token the launch yields)
-            launch = driver.launch(
+            launch = driver.run(
                 tokens, left, sampling, stop_ids, cancel,
                 first_from_prefill=first and first_from_prefill, continued=not first,
                 handback=watch.add,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +47,15 @@ def stall_seconds() -> float:
     """No token for this long while the kernel runs: its request fails
     (MONOKERNEL_STALL_SECONDS)."""
     return float(envs.MONOKERNEL_STALL_SECONDS)
+
+
+def wait_until(done: Callable[[], bool], what: str) -> None:
+    """Poll ``done`` until it holds; KernelStuckError naming ``what`` after stall_seconds()."""
+    t0 = time.monotonic()
+    while not done():
+        if time.monotonic() - t0 > stall_seconds():
+            raise KernelStuckError(f"{what} did not finish in {stall_seconds()} s")
+        time.sleep(1e-4)
 
 
 def debug_stall() -> tuple[int, int]:
@@ -494,11 +503,7 @@ class DecodeKernel:
             self.prepare(())
             begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             self.start(Launch(0, start_pos, n, greedy), Probe(forced=forced), (begin, end))
-            t0 = time.monotonic()
-            while not end.query():
-                if time.monotonic() - t0 > stall_seconds():
-                    raise KernelStuckError(f"a timed decode did not finish in {stall_seconds()} s")
-                time.sleep(1e-4)
+            wait_until(end.query, "a timed decode")
         ran = int(self.token_words[0])
         if ran != n:
             raise RuntimeError(f"the kernel ran {ran} of {n} timed steps")

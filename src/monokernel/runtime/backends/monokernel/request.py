@@ -10,13 +10,12 @@ when the CancelToken is set or the iterator is closed) stops it within a token.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 
 from monokernel.errors import EngineFailedError, InvalidRequestError
 from monokernel.runtime.backends.base import CancelToken
-from monokernel.runtime.backends.monokernel.drafted import drafted_tokens
 from monokernel.runtime.backends.monokernel.grammar_mask import GrammarMask
 from monokernel.runtime.backends.monokernel.kernel import (
     MAX_STOP_IDS,
@@ -94,33 +93,6 @@ class RequestDriver:
         self.failure: str | None = None
 
     def run(
-        self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int,
-        sampling: SamplingParams,
-        stop_ids: Sequence[int],
-        cancel: CancelToken | None,
-        probe: Probe = NO_PROBE,
-        forced_ids: Sequence[int] | None = None,
-        first_from_prefill: bool = False,
-        matcher: TokenMatcher | None = None,
-        logprobs: list[TokenLogprobs] | None = None,
-        drafting: Drafting | None = None,
-    ) -> Iterator[int]:
-        """The generated ids of a request: one launch (``launch``), or with ``drafting`` the
-        launches of drafted.py, steps and passes taking turns."""
-        if drafting is None:
-            yield from self.launch(
-                prompt_ids, max_new_tokens, sampling, stop_ids, cancel, probe, forced_ids,
-                first_from_prefill, matcher, logprobs,
-            )  # fmt: skip
-        else:
-            yield from drafted_tokens(
-                self, prompt_ids, max_new_tokens, sampling, stop_ids, cancel, first_from_prefill,
-                drafting,
-            )  # fmt: skip
-
-    def launch(
         self,
         prompt_ids: Sequence[int],
         max_new_tokens: int,

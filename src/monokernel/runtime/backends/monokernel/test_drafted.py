@@ -33,7 +33,7 @@ class ScriptedDriver:
     # Every launch gets it.
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
 
-    def launch(
+    def run(
         self,
         prompt_ids: Sequence[int],
         max_new_tokens: int,

@@ -13,7 +13,6 @@ backend's requests under ``--speculative``, greedy or sampled by temperature alo
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,13 +21,7 @@ import torch
 from monokernel.errors import InvalidRequestError
 from monokernel.kernels import layout
 from monokernel.kernels.plan import head_units_fit
-from monokernel.runtime.backends.monokernel.kernel import (
-    DecodeKernel,
-    KernelStuckError,
-    Launch,
-    Probe,
-    stall_seconds,
-)
+from monokernel.runtime.backends.monokernel.kernel import DecodeKernel, Launch, Probe, wait_until
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.runtime.speculative import SpeculationStats
 
@@ -113,11 +106,7 @@ class PassKernel:
             if timing is not None:
                 probe = Probe(forced=ids, debug_logits=out, timing=timing[0], timing_step=timing[1])
             k.start(launch, probe, (begin, end))
-            t0 = time.monotonic()
-            while not end.query():
-                if time.monotonic() - t0 > stall_seconds():
-                    raise KernelStuckError(f"a verify pass did not finish in {stall_seconds()} s")
-                time.sleep(1e-4)
+            wait_until(end.query, "a verify pass")
         words = k.token_words
         ran = int(words[0])
         if ran != n:
@@ -152,11 +141,7 @@ class PassKernel:
                 pass_len=self.positions, history=self.history.data_ptr(), ngram=ngram,
             )  # fmt: skip
             k.start(launch)
-            t0 = time.monotonic()
-            while not k.finished():
-                if time.monotonic() - t0 > stall_seconds():
-                    raise KernelStuckError(f"verify passes did not finish in {stall_seconds()} s")
-                time.sleep(1e-4)
+            wait_until(k.finished, "verify passes")
             counts = draft_counts(k)
         words = k.token_words
         ran = int(words[0])
