@@ -20,6 +20,8 @@ from monokernel.models.shapes import SHAPES
 from monokernel.testing.gpu_models import random_ids
 from monokernel.weights.random_weights import random_weights
 
+RELAUNCH_TOKENS = 256  # a --relaunch request's tokens
+
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -61,7 +63,8 @@ def measure(args: argparse.Namespace) -> int:
     cfg, dev = SHAPES[args.shape], torch.device("cuda")
     weights = random_weights(cfg, device=dev, seed=51)
     n_max = args.passes * args.positions
-    total = args.prompt + n_max
+    # --relaunch decodes RELAUNCH_TOKENS after the prompt, whatever the passes need.
+    total = args.prompt + max(n_max, RELAUNCH_TOKENS if args.relaunch else 0)
     if args.quantize.startswith("int4"):
         group = int(args.quantize.partition(":")[2] or 128)
         groups = {k: quantize_rtn(v, group) for k, v in weights.items() if is_quantized(k)}
@@ -155,7 +158,9 @@ def measure(args: argparse.Namespace) -> int:
     return 0
 
 
-def relaunch_cost(mk: Any, prompt: list[int], n: int = 256, each: int = 8) -> dict[str, float]:
+def relaunch_cost(
+    mk: Any, prompt: list[int], n: int = RELAUNCH_TOKENS, each: int = 8
+) -> dict[str, float]:
     """µs one more launch adds to a greedy request of ``n`` tokens (wall time, host path
     included): the request in launches of ``each`` tokens, each continuing the last
     (RequestDriver.run), against it in one; the best of 3 each. Beside it, the medians
