@@ -263,22 +263,33 @@ class DecodeKernel:
         positions = self.dims.positions  # a pass build's: one vector a position
         self.handoff_regions = layout.handoff_regions(cfg, self.grid, positions)
         total = sum(r.total for r in self.handoff_regions)
+        self._static: dict[str, object] | None = None  # Params fields no launch changes
         self.use_handoff(torch.empty(total, dtype=f32, device=dev))
-        self.attn_count = torch.zeros(
-            positions * (cfg.num_heads + cfg.num_kv_heads), dtype=i32, device=dev
-        )
         self.logits = torch.empty(cfg.vocab_size, dtype=f32, device=dev)  # [V]
-        # Each CTA's best (score, id) (top-k / top-p, TP), or in part_score the CTAs' tagged
-        # 64-bit token words (kernels/csrc/token_words.cuh), zeroed per launch.
+        # What the kernel counts on from zero besides the hand-off vectors, zeroed per launch
+        # in one memset: part_score (each CTA's best (score, id) for top-k / top-p and TP, or
+        # the CTAs' tagged 64-bit token words, kernels/csrc/token_words.cuh), the per-head
+        # attention counters, the flags and the barrier words, each from a 512-byte boundary
+        # as separate allocations would lie.
         scores, ids = layout.token_words(self.grid, positions)
-        self.part_score = torch.zeros(scores, dtype=f32, device=dev)
+        sizes = {
+            "part_score": scores,
+            "attn_count": positions * (cfg.num_heads + cfg.num_kv_heads),
+            "flags": layout.FLAG_WORDS,
+            "barrier": layout.barrier_words(),
+        }
+        spans = [(n + 127) // 128 * 128 for n in sizes.values()]
+        self.zeroed = torch.zeros(sum(spans), dtype=i32, device=dev)
+        parts = dict(zip(sizes, torch.split(self.zeroed, spans), strict=True))
+        self.part_score = parts["part_score"][:scores].view(f32)
+        self.attn_count = parts["attn_count"][: sizes["attn_count"]]
+        self.flags = parts["flags"][: layout.FLAG_WORDS]
+        self.barrier = parts["barrier"][: layout.barrier_words()]
         self.part_id = torch.empty(ids, dtype=i32, device=dev)
-        self.flags = torch.zeros(layout.FLAG_WORDS, dtype=i32, device=dev)
         # The CTAs' partials of a whole-vocabulary draw (top-k / top-p / min_p, logprobs).
         self.sample_part = torch.zeros(
             layout.sample_part_words(self.grid), dtype=torch.int64, device=dev
         )
-        self.barrier = torch.zeros(layout.barrier_words(), dtype=i32, device=dev)
         self.stop_ids = torch.zeros(MAX_STOP_IDS, dtype=i32, device=dev)
         # Count, done, one word a token, and one more that stays 0 (token_reader.py).
         self.host_out = launcher.HostMapped(layout.host_out_words(self.max_seq_len + 1))
@@ -307,7 +318,7 @@ class DecodeKernel:
                 f"hand-off buffer: {total} float32 elements on {self.device} needed; "
                 f"got {buf.numel()} {buf.dtype} on {buf.device}"
             )
-        self.handoff = buf
+        self.handoff, self._static = buf, None
         parts = torch.split(buf, [r.total for r in self.handoff_regions])
         self.regions = {
             r.name: part[: r.floats] for r, part in zip(self.handoff_regions, parts, strict=True)
@@ -354,8 +365,8 @@ class DecodeKernel:
                 self.stop_ids[: len(stop_ids)].copy_(
                     torch.tensor(sorted(stop_ids), dtype=torch.int32)
                 )
-            for buf in (self.barrier, self.attn_count, self.flags, self.handoff, self.part_score):
-                buf.zero_()
+            self.zeroed.zero_()
+            self.handoff.zero_()
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def params(
@@ -367,30 +378,19 @@ class DecodeKernel:
         if seed is None:
             raise InvalidRequestError("sampling needs a fixed seed (SamplingParams.with_seed)")
         fields: dict[str, object] = dict(
+            # The weights' addresses per launch: use_weights (on this kernel or on the step
+            # build whose weights a pass build shares) may move them.
             layers=_ptr(self.layer_table),
             embed=_ptr(pk.embed),
             lm_head=layout.matrix_view(pk.matrices["lm_head"]),
             norm_gain=_ptr(pk.norm_gain),
             rope_cos=_ptr(pk.rope_cos),
             rope_sin=_ptr(pk.rope_sin),
-            k_cache=_ptr(self.cache.k),
-            v_cache=_ptr(self.cache.v),
-            **{name: _ptr(region) for name, region in self.regions.items()},
-            attn_count=_ptr(self.attn_count),
-            logits=_ptr(self.logits),
-            part_score=_ptr(self.part_score),
-            part_id=_ptr(self.part_id),
-            flags=_ptr(self.flags),
-            sample_part=_ptr(self.sample_part),
-            barrier=_ptr(self.barrier),
+            **self._own_fields(),
             forced=_ptr(probe.forced),
             debug_logits=_ptr(probe.debug_logits),
-            stop_ids=_ptr(self.stop_ids),
-            host_out=self.host_out.device_ptr,
-            host_cancel=self.host_cancel.device_ptr,
             timing=_ptr(probe.timing),
             mask=_ptr(self.grammar.buffer) if launch.mask_tag else 0,
-            max_len=self.max_seq_len,
             first_token=launch.first_token,
             start_pos=launch.start_pos,
             n_steps=launch.n_steps,
@@ -400,11 +400,7 @@ class DecodeKernel:
             top_p=float(sampling.top_p),
             seed_lo=seed & 0xFFFFFFFF,
             seed_hi=(seed >> 32) & 0xFFFFFFFF,
-            eps=float(self.cfg.rms_norm_eps),
             timing_step=probe.timing_step,
-            attn_splits=self.attn_splits,
-            attn_group_splits=self.attn_group_splits,
-            attn_group_from=self.attn_group_from,
             **dict(zip(("debug_stall_step", "debug_stall_hard"), debug_stall(), strict=True)),
             mask_tag=launch.mask_tag,
             pass_len=launch.pass_len,
@@ -426,6 +422,32 @@ class DecodeKernel:
             tp_tag=tp.tag,
             tp_pad_=0,
         )
+
+    def _own_fields(self) -> dict[str, object]:
+        """The Params fields of this kernel's own buffers, cache and plan, which no launch
+        changes: built once (again after use_handoff), not a dict of addresses a launch."""
+        if self._static is None:
+            self._static = dict(
+                k_cache=_ptr(self.cache.k),
+                v_cache=_ptr(self.cache.v),
+                **{name: _ptr(region) for name, region in self.regions.items()},
+                attn_count=_ptr(self.attn_count),
+                logits=_ptr(self.logits),
+                part_score=_ptr(self.part_score),
+                part_id=_ptr(self.part_id),
+                flags=_ptr(self.flags),
+                sample_part=_ptr(self.sample_part),
+                barrier=_ptr(self.barrier),
+                stop_ids=_ptr(self.stop_ids),
+                host_out=self.host_out.device_ptr,
+                host_cancel=self.host_cancel.device_ptr,
+                max_len=self.max_seq_len,
+                eps=float(self.cfg.rms_norm_eps),
+                attn_splits=self.attn_splits,
+                attn_group_splits=self.attn_group_splits,
+                attn_group_from=self.attn_group_from,
+            )
+        return self._static
 
     def clear_host_words(self, n_steps: int) -> None:
         """Before a launch of ``n_steps``: zero the host-mapped words the kernel reports
