@@ -62,7 +62,10 @@ def drafted_tokens(
     output repeats its context."""
     tokens = list(prompt_ids)
     watch = RepeatWatch(tokens, drafting.ngram[1])
-    left, passes, first = max_new_tokens, False, True
+    # What one launch of the whole request could draw (request.checked_steps): a launch that
+    # ends at the cache's end does not hand over.
+    left = min(max_new_tokens, driver.max_seq_len - len(tokens) + 1)
+    passes, first = False, True
     while left > 0:
         got: list[int] = []
         if passes:  # until a pass has no draft or keeps none of it

@@ -30,6 +30,7 @@ class ScriptedDriver:
     prompt: list[int]
     script: list[int]
     launches: list[tuple[str, bool, bool, int]] = field(default_factory=list)
+    max_seq_len: int = 4096
     # Every launch gets it.
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
 
@@ -46,6 +47,9 @@ class ScriptedDriver:
         handback: Callable[[int], bool] | None = None,
     ) -> Iterator[int]:
         assert sampling is self.sampling and list(prompt_ids[: len(self.prompt)]) == self.prompt
+        # request.checked_steps: a launch draws what the cache has room for.
+        assert len(prompt_ids) <= self.max_seq_len
+        max_new_tokens = min(max_new_tokens, self.max_seq_len - len(prompt_ids) + 1)
         kind = "steps" if drafting is None else "passes"
         self.launches.append((kind, continued, first_from_prefill, len(prompt_ids)))
         tokens = list(prompt_ids)
@@ -208,3 +212,10 @@ def test_a_sampled_request_takes_the_same_turns_with_its_own_sampling() -> None:
 )
 def test_which_draws_a_pass_makes(sampling: SamplingParams, in_passes: bool) -> None:
     assert drawn_in_passes(sampling, 49152) is in_passes
+
+
+def test_a_budget_past_the_cache_ends_where_the_cache_does() -> None:
+    driver = _case(5)
+    driver.max_seq_len = len(driver.prompt) + 150  # room for 151 tokens, as steps have
+    assert _drafted(driver, 400) == driver.script[:151]
+    assert "passes" in [k for k, *_ in driver.launches]
