@@ -39,10 +39,9 @@ from monokernel.bench.records import prompt_label
 from monokernel.bench.sweep import EngineLimits, SweepConfig, run_benchmark
 from monokernel.bench.table import format_table
 from monokernel.cli.validate import positive_int
-from monokernel.errors import InvalidRequestError
 from monokernel.models.config import ModelConfig
 from monokernel.models.shapes import SHAPES
-from monokernel.runtime.speculative import DEFAULT_DRAFT, SpeculativeConfig
+from monokernel.runtime.speculative import DEFAULT_DRAFT
 from monokernel.weights.random_weights import random_weights
 from monokernel.workloads.spec_workloads import WORKLOADS
 
@@ -336,14 +335,8 @@ def _workload_main(args: argparse.Namespace) -> int:
     args.engines = args.engines or WORKLOAD_ENGINES
     args.num_speculative_tokens = args.num_speculative_tokens or (DEFAULT_DRAFT,)
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
-    try:  # the n-gram bounds' own message, before a model loads
-        config = SpeculativeConfig(ngram_max=args.ngram_max, ngram_min=args.ngram_min)
-        for name in names:
-            config.bounds(split_engine(name)[0])
-    except InvalidRequestError as e:
-        print(f"monokernel bench: {e}", file=sys.stderr)
-        return 2
-    if (why := engine_error(names, args.num_speculative_tokens)) is not None:
+    why = engine_error(names, args.num_speculative_tokens, args.ngram_max, args.ngram_min)
+    if why is not None:
         print(f"monokernel bench: {why}", file=sys.stderr)
         return 2
     device = _device(args.device)

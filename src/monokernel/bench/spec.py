@@ -262,18 +262,20 @@ def make_record(
         copied = [sum(f for f, _ in found), sum(n for _, n in found)]
     mismatch = _mismatch(expected, runs)
     spec = config.speculative(k)
+    described: dict[str, Any] | None = None
+    if spec is not None:
+        longest, shortest = spec.bounds(split_engine(engine)[0])
+        described = {
+            "method": spec.method,
+            "num_tokens": spec.num_tokens,
+            "ngram_max": longest,
+            "ngram_min": shortest,
+        }
     rec: dict[str, Any] = {
         "engine": engine,
         "workload": workload.name,
         "k": k,
-        "speculative": None
-        if spec is None
-        else {
-            "method": spec.method,
-            "num_tokens": spec.num_tokens,
-            "ngram_max": spec.bounds(split_engine(engine)[0])[0],
-            "ngram_min": spec.bounds(split_engine(engine)[0])[1],
-        },
+        "speculative": described,
         "status": "ok",
         "requests": len(prompts),
         "prompt_tokens": [len(p) for p in prompts],
@@ -526,9 +528,14 @@ def format_table(doc: dict[str, Any]) -> str:
 # -- from monokernel bench's flags -----------------------------------------------------------
 
 
-def engine_error(labels: Sequence[str], ks: Sequence[int]) -> str | None:
-    """Why these engines and Ks cannot run the workloads (None when they can): the
-    monokernel and bad Ks with ``run --speculative``'s own messages."""
+def engine_error(
+    labels: Sequence[str],
+    ks: Sequence[int],
+    ngram_max: int | None = None,
+    ngram_min: int | None = None,
+) -> str | None:
+    """Why these engines, Ks and n-gram bounds (None: each engine's) cannot run the
+    workloads (None when they can), with ``run --speculative``'s own messages."""
     from monokernel.cli.validate import speculative_config
 
     for label in labels:
@@ -536,8 +543,8 @@ def engine_error(labels: Sequence[str], ks: Sequence[int]) -> str | None:
             flags = argparse.Namespace(
                 speculative="ngram",
                 num_speculative_tokens=k,
-                ngram_max=None,
-                ngram_min=None,
+                ngram_max=ngram_max,
+                ngram_min=ngram_min,
                 engine=split_engine(label)[0],
                 tp=1,
             )

@@ -40,10 +40,15 @@ class RepeatWatch:
 
     def add(self, token: int) -> bool:
         """``token`` appended; whether the tokens now end with a repeat."""
+        return self.extend((token,))
+
+    def extend(self, tokens: Sequence[int]) -> bool:
+        """``tokens`` appended; whether the tokens now end with a repeat (one lookup, after
+        the last of them)."""
         if self._index is None:
             self._index = NgramDrafter(self._config, self._pending)
             self._pending = []
-        self._index.extend((token,))
+        self._index.extend(tokens)
         self.repeat = bool(self._index.draft(1))
         return self.repeat
 
@@ -73,8 +78,7 @@ def drafted_tokens(
                 tokens, left, sampling, stop_ids, cancel, drafting=drafting, continued=True
             )
             yield from _kept(launch, got)
-            for t in got:
-                watch.add(t)
+            watch.extend(got)
         else:  # until the watch sees a repeat (it sees every token the launch yields)
             launch = driver.run(
                 tokens, left, sampling, stop_ids, cancel,

@@ -246,14 +246,16 @@ class RequestDriver:
                         f"the monokernel cannot run more requests ({e}); restart the process"
                     )
                     raise EngineFailedError(self.failure) from e
-            if launched and drafting is not None:  # the history: the kernel appends its tokens
-                kept = [w - 1 for w in out[2 : 2 + int(out[0])]]
-                drafting.passes.held_history(() if failed else (*prompt_ids[:held], step_in, *kept))
-            if launched and drafting is not None and not failed:
-                counts = draft_counts(kernel)
-                drafting.stats.passes += counts.passes
-                drafting.stats.drafted += counts.drafted
-                drafting.stats.accepted += counts.accepted
+            if launched and drafting is not None:
+                if failed:
+                    drafting.passes.held_history(())
+                else:  # the history: what was loaded and the tokens the kernel appended
+                    kept = [w - 1 for w in out[2 : 2 + int(out[0])]]
+                    drafting.passes.held_history((*prompt_ids[:held], step_in, *kept))
+                    counts = draft_counts(kernel)
+                    drafting.stats.passes += counts.passes
+                    drafting.stats.drafted += counts.drafted
+                    drafting.stats.accepted += counts.accepted
             if failed:
                 prefix.invalidate()
             else:
