@@ -202,7 +202,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", dest="json_file", help="write the results here (after every cell)")
     ap.add_argument("--plot", metavar="DIR", help="write PNG figures here (needs matplotlib)")
     ap.add_argument(
-        "--profile", action="store_true", help="monokernel: time each stage of one step"
+        "--profile",
+        action="store_true",
+        help="monokernel: time each stage of one step (every GPU's under @tpN)",
     )
     ap.add_argument("--device", default="auto", help="auto | cuda | cuda:N | cpu")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])

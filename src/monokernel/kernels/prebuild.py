@@ -21,8 +21,20 @@ from concurrent.futures import ThreadPoolExecutor
 from monokernel import envs
 from monokernel.errors import UnsupportedModelError
 from monokernel.kernels.build import KernelDims, build
+from monokernel.models.config import ModelConfig
 from monokernel.models.shapes import SHAPES
 from monokernel.weights.formats.int4 import DEFAULT_GROUP
+from monokernel.weights.shard import check_tp, rank_config, shard_config
+
+
+def _rank_dims(cfg: ModelConfig, tp: int, rank: int) -> KernelDims:
+    """Rank ``rank``'s build of a request over ``tp`` GPUs (its heads, intermediate and
+    vocabulary rows; the TP backend's kernel_dims), or the one-GPU build."""
+    if tp == 1:
+        return KernelDims.from_config(cfg)
+    check_tp(cfg, tp)
+    rc = rank_config(shard_config(cfg, rank, tp))
+    return dataclasses.replace(KernelDims.from_config(rc), tp=tp, vocab_all=cfg.vocab_size)
 
 
 def main(argv: list[str]) -> int:
@@ -42,6 +54,12 @@ def main(argv: list[str]) -> int:
         default=1,
         help="positions a verify pass computes (1: the decode step's build; docs/speculative.md)",
     )
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="GPUs a request runs on: each rank's build of a tensor-parallel request",
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
     unknown = [n for n in args.shapes if n not in SHAPES]
@@ -54,19 +72,24 @@ def main(argv: list[str]) -> int:
         for fmt in formats:
             name, _, group = fmt.partition(":")
             g = int(group or DEFAULT_GROUP) if name == "int4" else 0
-            d = dataclasses.replace(
-                KernelDims.from_config(SHAPES[n]),
-                weight_format=name,
-                weight_group=g,
-                positions=args.positions,
-            )
             try:
-                d.check_formats()
+                ranks = {_rank_dims(SHAPES[n], args.tp, r) for r in range(args.tp)}
+                ranks = {
+                    dataclasses.replace(
+                        d, weight_format=name, weight_group=g, positions=args.positions
+                    )
+                    for d in ranks
+                }
+                for d in ranks:
+                    d.check_formats()
             except UnsupportedModelError as e:
                 print(f"{n} {fmt}: skipped ({e})")
                 continue
             label = n if fmt == "bf16" else f"{n} {fmt}"
-            jobs += [(label, dataclasses.replace(d, group_units=g)) for g in (True, False)]
+            label += f" tp{args.tp}" if args.tp > 1 else ""
+            jobs += [
+                (label, dataclasses.replace(d, group_units=u)) for d in ranks for u in (True, False)
+            ]
 
     def one(job: tuple[str, KernelDims]) -> str:
         t0 = time.perf_counter()

@@ -280,3 +280,16 @@ def test_debug_build_compiles(tmp_path: Path) -> None:
     dims = _dims("odd", group_units=False)
     proc = kbuild.compile_check(dims, tmp_path / "decode.o", ("-G", "-DMK_DEBUG=1"))
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_prebuild_makes_the_builds_the_tp_backend_loads(tp: int) -> None:
+    """A cache prebuilt for --tp N is hit by the TP backend: each rank's dims are the ones
+    its Rank asks kernel_dims for (bf16), so their cache keys agree."""
+    from monokernel.kernels.prebuild import _rank_dims
+    from monokernel.runtime.backends.monokernel.kernel import kernel_dims
+
+    cfg = SHAPES["qwen2.5-coder-1.5b"]
+    for r in range(tp):
+        rc = rank_config(shard_config(cfg, r, tp)) if tp > 1 else cfg
+        assert _rank_dims(cfg, tp, r) == kernel_dims(rc, tp, "bf16", 0, cfg.vocab_size)

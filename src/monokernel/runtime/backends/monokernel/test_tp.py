@@ -210,6 +210,24 @@ def test_tp2_greedy_matches_tp1(greedy: SamplingParams) -> None:
 
 @pytest.mark.gpu
 @needs_hopper_pair
+def test_tp2_profile_times_every_rank() -> None:
+    """profile_step reads each rank's stage marks: every rank's stages add up to its step, and
+    the ranks, which wait on each other's partial sums twice a layer, take the same step."""
+    cfg, _, tp = _tp_setup("qwen2.5-coder-1.5b")
+    prof = tp.profile_step(_tokens(PROMPT, cfg.vocab_size, seed=3), 16, 8)
+    ranks = [
+        {k: v for k, v in prof.items() if not k.startswith("r1.")},
+        {k[3:]: v for k, v in prof.items() if k.startswith("r1.")},
+    ]
+    for r, stages in enumerate(ranks):
+        parts = sum(v for k, v in stages.items() if k.count(".") == 1)  # <stage>.work / .wait
+        assert stages["total"] > 0, r
+        assert abs(parts - stages["total"]) <= 1e-3 * stages["total"], (r, parts, stages)
+    assert abs(prof["total"] - prof["r1.total"]) <= 0.1 * prof["total"]
+
+
+@pytest.mark.gpu
+@needs_hopper_pair
 def test_tp2_graphed_prefill_fills_the_caches_as_the_eager_one() -> None:
     """Each rank's block graphs (captured at load) between the eagerly issued exchanges fill
     every rank's cache as the eager sharded prefill does (cuBLAS may pick other kernels for

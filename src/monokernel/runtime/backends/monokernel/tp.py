@@ -50,6 +50,7 @@ from monokernel.runtime.backends.monokernel.peer import (
     enable_peer_access,
     multicast_off,
 )
+from monokernel.runtime.backends.monokernel.probes import stage_profile
 from monokernel.runtime.backends.monokernel.request import (
     WARMUP_SAMPLING,
     begin_masks,
@@ -470,7 +471,42 @@ class MonokernelTPBackend:
             torch.cuda.synchronize(rk.device)
         return torch.cat([s.to(self.device) for s in shards], dim=1)
 
+    def timed_run(
+        self, prompt_ids: Sequence[int], n_steps: int, step: int, skew: bool = False
+    ) -> list[list[int]]:
+        """Each rank's raw timing slots of step ``step`` of a greedy run (kernels/layout.py
+        names them; ``skew``: room for a -DMK_SKEW=1 build's per-CTA points), by rank: the
+        single-GPU backend's probe (probes.py) on every GPU of the request."""
+        timing = [
+            torch.zeros(
+                layout.timing_words(rk.cfg.num_layers, rk.kernel.grid, skew),
+                dtype=torch.int64,
+                device=rk.device,
+            )
+            for rk in self.ranks
+        ]
+        probes = [Probe(timing=t, timing_step=step) for t in timing]
+        greedy = SamplingParams(temperature=0.0, max_tokens=n_steps)
+        for _ in self._run(prompt_ids, n_steps, greedy, (), None, probes):
+            pass
+        return [t.tolist() for t in timing]  # .tolist() waits for each GPU
+
+    def profile_step(self, prompt_ids: Sequence[int], n_steps: int, step: int) -> dict[str, float]:
+        """The stages of one decode step as CTA 0 of each rank sees them (probes.py
+        stage_profile): rank 0's keys as one GPU's, the others' prefixed ``r<rank>.``. A stage
+        whose wait grows at TP>1 waits for a peer's partial sums."""
+        out: dict[str, float] = {}
+        for r, t in enumerate(self.timed_run(prompt_ids, n_steps, step)):
+            prefix = "" if r == 0 else f"r{r}."
+            for k, v in stage_profile(t, self.cfg.num_layers).items():
+                out[prefix + k] = v
+        return out
+
     def close(self) -> None:
+        # The prefill's block graphs hold their memory pools until they are dropped: a caller
+        # that opens the next backend before this object is collected would capture beside
+        # them (test_tp's fourth int4 backend ran out of memory mid-capture).
+        self.prefill.graphs = None
         with _keeps_device():
             for rk in self.ranks:
                 rk.close()
