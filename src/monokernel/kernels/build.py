@@ -392,12 +392,17 @@ class KernelDims:
         each, for reasons of the stage's register schedule not yet understood; the 32B
         shape (intermediate 5.4 x hidden) runs at 94% of the bandwidth with 5. int4: 2 in
         both builds (a load is 24 bytes of registers with its group's pair): 8B 3,288 ->
-        2,887 µs/token against 4, the 1B and the 1.5B unchanged (1 or 3 no better)."""
+        2,887 µs/token against 4, the 1B and the 1.5B unchanged (1 or 3 no better). A TP
+        rank of that shape (the 32B at TP=2: hidden 5,120, intermediate 13,824) runs 5 in
+        both builds: 7 / 4 cost it 44% (perf-notes step 95)."""
         if self.weight_format == "int4":
             return 2
+        wide_short = self.hidden > 4096 and self.intermediate < 4 * self.hidden
+        if self.tp > 1 and wide_short:
+            return 5
         if self.group_units:
             return 4
-        if self.hidden > 4096 and self.intermediate < 4 * self.hidden:
+        if wide_short:
             return 4 if self.qk_norm else 7
         if self.hidden >= 2048:
             return 5

@@ -115,6 +115,14 @@ def test_per_shape_choices() -> None:
     assert [d.gate_up_batch() for d in int4] == [2, 2, 2, 2]
     assert [d.lm_head_drawn_rows() for d in (llama, qwen, small)] == [0, 8, 8]
     assert _tp_dims("qwen2.5-coder-1.5b").lm_head_drawn_rows() == 0
+    # The 14B's shape on one GPU, and the same shape as a rank of the 32B at TP=2.
+    wide = _dims("qwen2.5-coder-14b")
+    narrow = dataclasses.replace(wide, group_units=False)
+    assert [wide.gate_up_batch(), narrow.gate_up_batch()] == [4, 7]
+    ranks = [
+        dataclasses.replace(_tp_dims("qwen2.5-coder-32b"), group_units=g) for g in (True, False)
+    ]
+    assert [d.gate_up_batch() for d in ranks] == [5, 5]
     assert [d.attn_range() for d in (llama, qwen)] == [256, 128]
     assert _define(_tp_dims("qwen2.5-coder-1.5b"), "MK_TP") == "2"
 
