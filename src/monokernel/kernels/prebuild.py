@@ -73,12 +73,14 @@ def main(argv: list[str]) -> int:
             name, _, group = fmt.partition(":")
             g = int(group or DEFAULT_GROUP) if name == "int4" else 0
             try:
-                ranks = {_rank_dims(SHAPES[n], args.tp, r) for r in range(args.tp)}
-                ranks = {
+                ranks = {  # one build where the ranks' shapes agree
                     dataclasses.replace(
-                        d, weight_format=name, weight_group=g, positions=args.positions
+                        _rank_dims(SHAPES[n], args.tp, r),
+                        weight_format=name,
+                        weight_group=g,
+                        positions=args.positions,
                     )
-                    for d in ranks
+                    for r in range(args.tp)
                 }
                 for d in ranks:
                     d.check_formats()

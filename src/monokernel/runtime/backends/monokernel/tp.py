@@ -493,8 +493,10 @@ class MonokernelTPBackend:
 
     def profile_step(self, prompt_ids: Sequence[int], n_steps: int, step: int) -> dict[str, float]:
         """The stages of one decode step as CTA 0 of each rank sees them (probes.py
-        stage_profile): rank 0's keys as one GPU's, the others' prefixed ``r<rank>.``. A stage
-        whose wait grows at TP>1 waits for a peer's partial sums."""
+        stage_profile): rank 0's keys as one GPU's, the others' prefixed ``r<rank>.``. The
+        waits for the peers' partial sums fall in the work of the stage that reads them (D
+        after the O projection; A and the LM head after the down projection): the stage skew
+        (tools/stage_skew.py --tp) shows them apart."""
         out: dict[str, float] = {}
         for r, t in enumerate(self.timed_run(prompt_ids, n_steps, step)):
             prefix = "" if r == 0 else f"r{r}."
