@@ -505,11 +505,17 @@ class MonokernelTPBackend:
         return out
 
     def close(self) -> None:
-        # The prefill's block graphs hold their memory pools until they are dropped: a caller
-        # that opens the next backend before this object is collected would capture beside
-        # them (test_tp's fourth int4 backend ran out of memory mid-capture).
-        self.prefill.graphs = None
+        """Free the device memory; the backend is unusable afterwards (a second call does
+        nothing)."""
+        if not self.ranks:
+            return
         with _keeps_device():
             for rk in self.ranks:
                 rk.close()
         self.ranks = []
+        # Nothing of the closed backend keeps the weights, caches or buffers alive (the
+        # single-GPU backend's rule): the sharded prefill holds every rank's prefiller and its
+        # block graphs' memory pools, and a caller that opens the next backend before this
+        # object is collected would capture beside them (test_tp's fourth int4 backend ran
+        # out of memory mid-capture).
+        del self.prefill
