@@ -586,13 +586,24 @@ MAX_LOGPROBS = 20  # alternatives an lp_out record holds (sampling.MAX_LOGPROBS)
 LOGPROB_WORDS = 1 + 2 * MAX_LOGPROBS
 
 
+def tp_reduce_bytes(tp: int, hidden: int) -> int:
+    """The reduction area at the start of a rank's receive buffer (csrc/tp.cuh): [2 parities]
+    [tp ranks][FLOW_COPIES][hidden] tagged flow words, zeroed before each launch."""
+    return 2 * tp * FLOW_COPIES * hidden * 4
+
+
 def tp_recv_bytes(tp: int, hidden: int, vocab: int) -> int:
-    """One rank's receive buffer (csrc/tp.cuh): [2 parities][tp][hidden] 8-byte
-    {value, tag} pairs for the residual all-reduces, [2][tp] 16-byte token units, the whole
-    ``vocab``'s logits as [2][vocab] {value, tag} pairs (top-k / top-p), the rank's untagged
-    copy of them [vocab] fp32 (padded to 8 bytes), and the raw logits for logprobs as
-    [2][vocab] pairs."""
-    return 2 * tp * hidden * 8 + 2 * tp * 16 + 2 * vocab * 8 + (vocab + 1) // 2 * 8 + 2 * vocab * 8
+    """One rank's receive buffer (csrc/tp.cuh): the reduction area (tp_reduce_bytes), [2][tp]
+    16-byte token units, the whole ``vocab``'s logits as [2][vocab] {value, tag} pairs
+    (top-k / top-p), the rank's untagged copy of them [vocab] fp32 (padded to 8 bytes), and
+    the raw logits for logprobs as [2][vocab] pairs."""
+    return (
+        tp_reduce_bytes(tp, hidden)
+        + 2 * tp * 16
+        + 2 * vocab * 8
+        + (vocab + 1) // 2 * 8
+        + 2 * vocab * 8
+    )
 
 
 # ---- the hand-off buffer --------------------------------------------------------------------

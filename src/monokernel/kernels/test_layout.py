@@ -95,10 +95,12 @@ def test_small_buffers() -> None:
     assert layout.barrier_words() == 32 * (1 + 16)
     assert layout.token_words(132) == (264, 132)
     assert layout.host_out_words(10) == 12
-    want = 2 * 2 * 1536 * 8 + 2 * 2 * 16 + 2 * 151936 * 8 + 151936 * 4 + 2 * 151936 * 8
+    assert layout.tp_reduce_bytes(2, 1536) == 2 * 2 * layout.FLOW_COPIES * 1536 * 4
+    want = layout.tp_reduce_bytes(2, 1536) + 2 * 2 * 16 + 2 * 151936 * 8 + 151936 * 4 + 2 * 151936 * 8
     assert layout.tp_recv_bytes(2, 1536, 151936) == want
     # The raw logits' pairs stay 8-byte aligned after an odd vocabulary's fp32 copy.
-    assert layout.tp_recv_bytes(2, 8, 5) - 2 * 5 * 8 == 2 * 2 * 8 * 8 + 2 * 2 * 16 + 2 * 5 * 8 + 24
+    rest = layout.tp_reduce_bytes(2, 8) + 2 * 2 * 16 + 2 * 5 * 8 + 24
+    assert layout.tp_recv_bytes(2, 8, 5) - 2 * 5 * 8 == rest
 
 
 def test_handoff_regions() -> None:

@@ -38,10 +38,14 @@ __device__ __forceinline__ unsigned flow_tag(int step, int layer) {
   return (unsigned)(1 + step * (MK_L + 1) + layer + 1) & MK_TAG_BITS;
 }
 
+// v as a hand-off word: rounded to nearest on the magnitude (sign-magnitude: symmetric),
+// then tagged.
+__device__ __forceinline__ unsigned flow_word(float v, unsigned tag) {
+  return ((__float_as_uint(v) + 0x80u) & ~MK_TAG_BITS) | tag;
+}
+
 __device__ __forceinline__ void st_flow(float* p, float v, unsigned tag) {
-  // Round to nearest on the magnitude (sign-magnitude: symmetric), then tag.
-  const unsigned u = ((__float_as_uint(v) + 0x80u) & ~MK_TAG_BITS) | tag;
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(u) : "memory");
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(flow_word(v, tag)) : "memory");
 }
 
 // Copies of the hand-off vectors that every CTA reads (x, delta, act, attn_out and the reader

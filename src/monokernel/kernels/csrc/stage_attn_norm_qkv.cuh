@@ -13,11 +13,13 @@ __device__ __forceinline__ void attn_norm_qkv_first(const Params& p, Cta& c,
 }
 
 // Layer 0's input: the token's embedding row times the norm's gain into xs (swizzled, a GEMV
-// input) and, by CTA 0, the row into x (tag_x) for the residual. Each thread takes whole
-// 4-float chunks, the ones whose gain it staged (stage_gain), so it reads its gain without a
-// barrier. Returns the norm's 1/rms, deferred to the dot products (norm_scale).
-__device__ __forceinline__ float embed_norm(const Params& p, float* xs, int tok, unsigned tag_x,
-                                            const float* gain, float* red, int q = 0) {
+// input) and the row kept as the residual (Net::keep_embedding: x, tag_x, or xres). Each
+// thread takes whole 4-float chunks, the ones whose gain it staged (stage_gain), so it reads
+// its gain without a barrier. Returns the norm's 1/rms, deferred to the dot products
+// (norm_scale).
+__device__ __forceinline__ float embed_norm(const Params& p, float* xs, float* xres, int tok,
+                                            unsigned tag_x, const float* gain, float* red,
+                                            int q = 0) {
   const bf16* row = p.embed + (size_t)tok * MK_H;
   const int so = swz_off(xs + 4 * threadIdx.x);  // the same for every chunk of this thread
   cp_async_wait_all();                           // this thread's staged gain chunks
@@ -29,7 +31,7 @@ __device__ __forceinline__ float embed_norm(const Params& p, float* xs, int tok,
     for (int k = 0; k < 4; ++k) {
       xs[i + so + k] = gain ? v[k] * gain[i + k] : v[k];
       ss += v[k] * v[k];
-      if (blockIdx.x == 0) st_flow_copies(p.x + q * MK_H + i + k, MK_P * MK_H, v[k], tag_x);
+      Net::keep_embedding(p, xres, q, i + k, v[k], tag_x);
     }
   }
   return norm_scale<MK_H>(ss, red, p.eps);
@@ -58,7 +60,7 @@ __device__ __forceinline__ void attn_norm_qkv_pass(const Params& p, Cta& c, cons
       ra[q] = 1.f;
       if (q < n) {
         if (q) __syncthreads();  // norm_scale's sums in red, read by every thread
-        ra[q] = embed_norm(p, c.xs + q * MK_H, s.input(p, q), l.tag_x,
+        ra[q] = embed_norm(p, c.xs + q * MK_H, c.xres, s.input(p, q), l.tag_x,
                            staged_gain(c.gn, l.w.attn_gain), c.red, q);
       }
     }
@@ -83,8 +85,9 @@ __device__ __forceinline__ void attn_norm_qkv(const Params& p, Cta& c, const Ste
   // The norm's 1/rms where it is deferred to the dot products.
   const float ra =
       l.index == 0
-          ? embed_norm(p, c.xs, s.input(p), l.tag_x, staged_gain(c.gn, l.w.attn_gain), c.red)
-          : Net::residual_input(p, c.xs, c.xres, l.red, l.tag_x, c.red,
+          ? embed_norm(p, c.xs, c.xres, s.input(p), l.tag_x, staged_gain(c.gn, l.w.attn_gain),
+                       c.red)
+          : Net::residual_input(p, c.xs, c.xres, c.xd, l.red, l.tag_x, c.red,
                                 staged_gain(c.gn, l.w.attn_gain));
   skew(p, s.index, l.index, kSkewAttnNormQkvInput);
   gemv_split<MK_H, kSplitQkv>(

@@ -89,7 +89,7 @@ __device__ __forceinline__ uint32_t lm_head(const Params& p, Cta& c, const Step&
   // after it, so it hides behind the LM head.
   const bool cancel_early = c.host_cta && c.t == 0 && *p.host_cancel != 0;
   // The last layer's residual; the norm's 1/rms where it is deferred to the dot products.
-  const float rf = Net::residual_input(p, c.xs, c.xres, Net::reduce_tag(p, s.index + 1, 0),
+  const float rf = Net::residual_input(p, c.xs, c.xres, c.xd, Net::reduce_tag(p, s.index + 1, 0),
                                        flow_tag(s.index, MK_L - 1), c.red,
                                        staged_gain(c.gn, p.norm_gain));
   // The penalties' counts: the previous token's, counted by a CTA whose later outputs this

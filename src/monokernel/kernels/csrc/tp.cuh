@@ -1,20 +1,25 @@
 // Tensor parallelism inside the decode kernel (MK_TP > 1 only; docs/tensor-parallel.md).
 //
-// The protocol of allreduce_bench.cu, fused into the GEMV epilogues: the thread that finishes
-// row r of a partial [H] output (O-proj, down) stores {value, tag} with one 8-byte volatile
-// store straight into slot [my rank][r] of EVERY rank's receive buffer (its own included,
-// where the other CTAs of this rank read it). A reader spins per element until the tag of
-// this generation is there for all ranks, then sums the slots in rank order 0..N-1: the same
-// bits on every CTA of every GPU, which the ranks need to stay in lock step (a one-ulp
-// difference could pick different tokens). Tags only grow (the host carries them across
-// launches and never uses 0, the zeroed buffers' value), so nothing is ever reset.
+// The residual's all-reduces are the single-GPU hand-offs (flow.cuh) spread over the ranks:
+// the thread that finishes row r of a partial [H] output (O-proj, down) stores it as a
+// tagged flow word straight into slot [my rank][r] of every copy in EVERY rank's receive
+// buffer (its own included, where the other CTAs of this rank read it). A CTA fetches every
+// rank's slot into shared memory in one round trip (flow_fetch: cp.async, nothing held in
+// registers), re-fetching only the chunks still stale, then sums the slots in rank order
+// 0..N-1: the same bits on every CTA of every GPU, which the ranks need to stay in lock step
+// (a one-ulp difference could pick different tokens). The residual itself stays in each
+// CTA's xres from stage A (or the embedding) to stage D, so D waits for nothing else.
 //
-// Two parities (tag & 1): a rank writes generation g+2 into a slot only after it has read
-// generation g+1 from every rank; each rank sends g+1 only after every one of its CTAs
-// finished reading g (each CTA reads g before it writes its rows of the next stage, and g+1
-// needs those rows: flow.cuh), so no slot is overwritten before it is read.
+// Generations are launch-local (reduce_tag: 1, 2, ...; 8 bits in the word), and the host
+// zeroes every rank's reduction area before each launch (tp.py), as one GPU's hand-off
+// buffers are: a slot holds 0 or the generation two before the one wanted, never the same
+// tag. Two parities (generation & 1): a rank writes generation g+2 into a slot only after it
+// has read generation g+1 from every rank; each rank sends g+1 only after every one of its
+// CTAs finished reading g (each CTA reads g before it writes its rows of the next stage, and
+// g+1 needs those rows: flow.cuh), so no slot is overwritten before it is read.
 //
-// The token exchange works the same way with one 16-byte unit {score, tag, id*2 + cancel,
+// The token exchange uses 32-bit tags that only grow (the host carries them across launches
+// and never uses 0, the zeroed buffers' value), one 16-byte unit {score, tag, id*2 + cancel,
 // tag} per rank and step: every rank picks the same winner (larger score, ties to the lower
 // global id), and rank 0's cancel bit stops every rank at the same step.
 //
@@ -55,11 +60,18 @@ struct SingleGpu {
   __device__ static __forceinline__ bool filtered_cancel(const Params&) { return false; }
   // The generation of a layer's first all-reduce: none here.
   __device__ static __forceinline__ unsigned reduce_tag(const Params&, int, int) { return 0u; }
+  // Layer 0's residual, element i of position q's embedding: CTA 0 publishes it in x
+  // (tag_x), where stage D reads it.
+  __device__ static __forceinline__ void keep_embedding(const Params& p, float*, int q, int i,
+                                                        float v, unsigned tag_x) {
+    if (blockIdx.x == 0) st_flow_copies(p.x + q * MK_H + i, MK_P * MK_H, v, tag_x);
+  }
   // xs <- the residual x after a down projection (tag_x), RMS-normalised, the 1/rms deferred
   // to the dot products: returns it. The input of stage A (after layer 0) and of the LM head.
   __device__ static __forceinline__ float residual_input(const Params& p, float* xs,
-                                                         const float*, unsigned, unsigned tag_x,
-                                                         float* red, const float* gain) {
+                                                         float*, float*, unsigned,
+                                                         unsigned tag_x, float* red,
+                                                         const float* gain) {
     return load_vec<MK_H>(xs, flow_copy(p.x, MK_H), tag_x, true, p.eps, red, gain);
   }
   // Row r of the O projection: into delta, with its bias (gemv_split adds o_proj_bias).
@@ -107,12 +119,13 @@ struct SingleGpu {
 
 #if MK_TP > 1
 
-// u32 words of a receive buffer (layout.py tp_recv_bytes): the reduction area, the token
+// u32 words of a receive buffer (layout.py tp_recv_bytes): the reduction area [2 parities]
+// [MK_TP ranks][kFlowCopies][MK_H] flow words (zeroed by the host before each launch), the token
 // units, the tagged logits of the whole vocabulary [2 parities][MK_V_ALL] {value, tag}, the
 // untagged copy of them [MK_V_ALL] (this rank's own, never written by a peer), then the raw
 // logits (before the mask and penalties) tagged as the logits are, which only rank 0's buffer
 // receives, for the logprobs it alone writes.
-constexpr int kTpRedWords = 2 * 2 * MK_TP * MK_H;
+constexpr int kTpRedWords = 2 * MK_TP * kFlowCopies * MK_H;
 constexpr size_t kTpLogitWords = kTpRedWords + 2 * 4 * MK_TP;
 constexpr size_t kTpDenseWords = kTpLogitWords + 2 * 2 * (size_t)MK_V_ALL;
 constexpr size_t kTpRawWords = kTpDenseWords + ((size_t)MK_V_ALL + 1) / 2 * 2;  // 8-byte aligned
@@ -148,58 +161,81 @@ __device__ __forceinline__ void tp_check_timeout(long long t0) {
   if (clock64() - t0 > 20000000000LL) __trap();
 }
 
-// This rank's partial of element r of generation `tag`, into every rank's slot [rank][r].
-__device__ __forceinline__ void tp_send(const Params& p, unsigned tag, int r, float d) {
-  const size_t off = 2 * (((size_t)(tag & 1u) * MK_TP + p.tp_rank) * MK_H + r);
-#pragma unroll
-  for (int k = 0; k < MK_TP; ++k) tp_st2(p.tp_recv[k] + off, __float_as_uint(d), tag);
+__device__ __forceinline__ void tp_st1(unsigned* a, unsigned x) {
+  asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(a), "r"(x) : "memory");
 }
 
-// The all-reduced element i of generation `tag`: waits for every rank, sums in rank order.
-__device__ __forceinline__ float tp_sum(const Params& p, unsigned tag, int i) {
-  const unsigned* base = p.tp_mine + 2 * ((size_t)(tag & 1u) * MK_TP * MK_H + i);
-  float v[MK_TP];  // indexed by unrolled constants only: registers
-  unsigned pending = (1u << MK_TP) - 1u;
-  const long long t0 = clock64();
-  while (true) {
+// This rank's partial of element r of all-reduce `gen`, a flow word into every copy of slot
+// [gen's parity][my rank] of every rank's buffer.
+__device__ __forceinline__ void tp_send(const Params& p, unsigned gen, int r, float d) {
+  const size_t off = (size_t)(((gen & 1u) * MK_TP + p.tp_rank) * kFlowCopies) * MK_H + r;
+  const unsigned u = flow_word(d, gen & MK_TAG_BITS);
 #pragma unroll
-    for (int k = 0; k < MK_TP; ++k) {
-      if (pending & (1u << k)) {
-        const uint2 w = tp_ld2(base + 2 * (size_t)k * MK_H);
-        if (w.y == tag) {
-          v[k] = __uint_as_float(w.x);
-          pending &= ~(1u << k);
+  for (int k = 0; k < MK_TP; ++k) {
+#pragma unroll
+    for (int c = 0; c < kFlowCopies; ++c) tp_st1(p.tp_recv[k] + off + (size_t)c * MK_H, u);
+  }
+}
+
+// This CTA's copy of rank k's slot of all-reduce `gen` in this rank's buffer.
+__device__ __forceinline__ const float* tp_slot(const Params& p, unsigned gen, int k) {
+  const unsigned* w = p.tp_mine + (size_t)(((gen & 1u) * MK_TP + k) * kFlowCopies +
+                                           read_ctaid() % kFlowCopies) * MK_H;
+  return reinterpret_cast<const float*>(w);
+}
+
+// a <- all-reduce `gen`, untagged, at this thread's chunks of [0, MK_H) (flow_fetch's deal:
+// chunk threadIdx.x + j * kThreads), the ranks summed in order 0..N-1; b: scratch [MK_H].
+// One round trip at two ranks (both slots fetched together), one more for each further rank.
+__device__ __forceinline__ void tp_fetch_sum(const Params& p, unsigned gen, float* a, float* b) {
+  constexpr int N = FlowChunks<MK_H>::N;
+  constexpr int C = MK_H / 4;
+  const unsigned tag = gen & MK_TAG_BITS;
+  flow_fetch<N, N>(a, tp_slot(p, gen, 0), tag, C, b, tp_slot(p, gen, 1), tag, C);
+#pragma unroll
+  for (int k = 1; k < MK_TP; ++k) {
+    if (k > 1) flow_fetch<N, 0>(b, tp_slot(p, gen, k), tag, C);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int i = 4 * ((int)threadIdx.x + j * kThreads);
+      if (i < MK_H) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const float acc = k == 1 ? flow_untag(a[i + w]) : a[i + w];
+          a[i + w] = acc + flow_untag(b[i + w]);
         }
       }
     }
-    if (!pending) break;
-    tp_check_timeout(t0);
   }
-  float acc = v[0];
-#pragma unroll
-  for (int k = 1; k < MK_TP; ++k) acc += v[k];
-  return acc;
 }
 
-// xs <- xres + all-reduce(generation tag), the residual after a down projection, then
-// RMS-normalised (times `gain` when not folded). CTA 0 also keeps the unnormalised residual
-// in p.x, tagged `x_tag` (flow.cuh), where stage D reads it (as with the embedding at layer 0).
-__device__ __forceinline__ void tp_load_residual(const Params& p, float* xs, const float* xres,
-                                                 unsigned tag, unsigned x_tag, float eps,
+// xs <- xres + all-reduce `gen`, the residual after a down projection, RMS-normalised (times
+// `gain` when not folded); xres <- the residual itself, which stage D adds its delta to.
+// scratch: [MK_H] of shared memory idle here.
+__device__ __forceinline__ void tp_load_residual(const Params& p, float* xs, float* xres,
+                                                 float* scratch, unsigned gen, float eps,
                                                  float* red, const float* gain) {
+  tp_fetch_sum(p, gen, scratch, xs);
   float ss = 0.f;
-  const int so = swz_off(xs + threadIdx.x);  // xs is a GEMV input (common.cuh); same for every i
-  for (int i = threadIdx.x; i < MK_H; i += kThreads) {
-    const float v = xres[i] + tp_sum(p, tag, i);
-    xs[i + so] = v;
-    ss += v * v;
-    if (blockIdx.x == 0) st_flow_copies(p.x + i, MK_H, v, x_tag);
+  constexpr int N = FlowChunks<MK_H>::N;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int i = 4 * ((int)threadIdx.x + j * kThreads);
+    if (i < MK_H) {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float v = xres[i + w] + scratch[i + w];
+        xres[i + w] = v;
+        ss += v * v;
+      }
+    }
   }
-  const float r = rms_scale<MK_H>(ss, red, eps);
+  const float r = rms_scale<MK_H>(ss, red, eps);  // its barriers: xs's scratch reads are done
+  const int so = swz_off(xs + threadIdx.x);  // xs is a GEMV input (common.cuh); same for every i
   if (gain) {
-    for (int i = threadIdx.x; i < MK_H; i += kThreads) xs[i + so] *= r * gain[i];
+    for (int i = threadIdx.x; i < MK_H; i += kThreads) xs[i + so] = xres[i] * (r * gain[i]);
   } else {
-    for (int i = threadIdx.x; i < MK_H; i += kThreads) xs[i + so] *= r;
+    for (int i = threadIdx.x; i < MK_H; i += kThreads) xs[i + so] = xres[i] * r;
   }
   __syncthreads();
 }
@@ -308,17 +344,22 @@ struct TensorParallel {
   __device__ static __forceinline__ bool filtered_cancel(const Params& p) {
     return __ldcg(p.flags + kFlagCancel) != 0;
   }
-  // Generations of a layer's two all-reduces (after O-proj, after down): tag and tag + 1.
-  __device__ static __forceinline__ unsigned reduce_tag(const Params& p, int step, int layer) {
-    return p.tp_tag + 2u * (unsigned)(step * MK_L + layer);
+  // Generations of a layer's two all-reduces (after O-proj, after down), counted from 1 in
+  // each launch: gen and gen + 1.
+  __device__ static __forceinline__ unsigned reduce_tag(const Params&, int step, int layer) {
+    return 1u + 2u * (unsigned)(step * MK_L + layer);
   }
-  // The residual after the previous down projection's all-reduce (generation red - 1),
-  // normalised in place: no scale left for the dot products.
-  __device__ static __forceinline__ float residual_input(const Params& p, float* xs,
-                                                         const float* xres, unsigned red,
-                                                         unsigned tag_x, float* red_smem,
-                                                         const float* gain) {
-    tp_load_residual(p, xs, xres, red - 1u, tag_x, p.eps, red_smem, gain);
+  // Layer 0's residual: every CTA keeps the embedding in its own xres for stage D.
+  __device__ static __forceinline__ void keep_embedding(const Params&, float* xres, int, int i,
+                                                        float v, unsigned) {
+    xres[i] = v;
+  }
+  // The residual after the previous down projection's all-reduce (generation red - 1), kept in
+  // xres and normalised in place into xs: no scale left for the dot products.
+  __device__ static __forceinline__ float residual_input(const Params& p, float* xs, float* xres,
+                                                         float* scratch, unsigned red, unsigned,
+                                                         float* red_smem, const float* gain) {
+    tp_load_residual(p, xs, xres, scratch, red - 1u, p.eps, red_smem, gain);
     return 1.f;
   }
   // Partial and bias-free: the o-bias is added once after the sum (mlp_residual).
@@ -329,21 +370,33 @@ struct TensorParallel {
   __device__ static __forceinline__ const float* o_proj_bias(const LayerWeights&) {
     return nullptr;
   }
+  // xres <- x (kept there since stage A) + the O projection's all-reduce (+ its bias); xs
+  // and xd are scratch until mlp_norm writes xd.
   __device__ static __forceinline__ float mlp_residual(const Params& p, const LayerWeights& lw,
-                                                       float*, float* xres, float*,
+                                                       float* xs, float* xres, float* xd,
                                                        const float*, unsigned red, unsigned,
-                                                       unsigned tag_x) {
+                                                       unsigned) {
+    tp_fetch_sum(p, red, xs, xd);
     float s2 = 0.f;
-    for (int i = threadIdx.x; i < MK_H; i += kThreads) {
-      float dl = tp_sum(p, red, i);
-      if (MK_O_BIAS) dl += lw.bo[i];
-      const float v = ld_flow(flow_copy(p.x, MK_H) + i, tag_x) + dl;
-      xres[i] = v;
-      s2 += v * v;
+    constexpr int N = FlowChunks<MK_H>::N;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int i = 4 * ((int)threadIdx.x + j * kThreads);
+      if (i < MK_H) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          float dl = xs[i + w];
+          if (MK_O_BIAS) dl += lw.bo[i + w];
+          const float v = xres[i + w] + dl;
+          xres[i + w] = v;
+          s2 += v * v;
+        }
+      }
     }
     return s2;
   }
-  // Normalised in place (times the gain): no scale left for the dot products.
+  // Normalised in place (times the gain): no scale left for the dot products. rms_scale's
+  // barriers come before xd is written: mlp_residual's scratch reads of it are done.
   __device__ static __forceinline__ float mlp_norm(const Params& p, float s2, const float* xres,
                                                    float* xd, float* red, const float* g) {
     const float r = rms_scale<MK_H>(s2, red, p.eps);

@@ -82,11 +82,11 @@ class DeviceBuffer:
         self.ptr = ptr.value
         self.zero()
 
-    def zero(self) -> None:
-        """Zero the whole buffer and wait for it."""
+    def zero(self, nbytes: int | None = None) -> None:
+        """Zero the buffer's first ``nbytes`` (all of it by default) and wait for it."""
         lib = driver()
         set_current_context(self.device)
-        size = ctypes.c_size_t(self.nbytes)
+        size = ctypes.c_size_t(self.nbytes if nbytes is None else min(nbytes, self.nbytes))
         check(lib.cuMemsetD8_v2(ctypes.c_uint64(self.ptr), 0, size), "cuMemsetD8")
         check(lib.cuCtxSynchronize(), "cuCtxSynchronize")
 

@@ -212,6 +212,7 @@ class Rank:
         self.recv = DeviceBuffer(
             device.index, layout.tp_recv_bytes(sc.tp, cfg.hidden_size, sc.base.vocab_size)
         )
+        self.reduce_bytes = layout.tp_reduce_bytes(sc.tp, cfg.hidden_size)
 
     def close(self) -> None:
         self.recv.free()
@@ -364,6 +365,12 @@ class MonokernelTPBackend:
             self._reset_tags()
         tag = self._tag
         self._tag += span  # advanced up front: an aborted launch never has its tags reused
+        # The all-reduces' generations restart at 1 each launch (8-bit tags in the words,
+        # csrc/tp.cuh): every rank's reduction area is zeroed, and waited for, before any
+        # rank launches (the previous launch has finished on every rank: _run waits for it).
+        with _keeps_device():
+            for rk in self.ranks:
+                rk.recv.zero(rk.reduce_bytes)
         self._prefill(prompt_ids)
         grammars = [rk.kernel.grammar for rk in self.ranks] if matcher is not None else []
         mask_tag = 0 if matcher is None else begin_masks(grammars, matcher, n_steps)
