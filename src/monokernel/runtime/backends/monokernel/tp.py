@@ -524,5 +524,7 @@ class MonokernelTPBackend:
         # single-GPU backend's rule): the sharded prefill holds every rank's prefiller and its
         # block graphs' memory pools, and a caller that opens the next backend before this
         # object is collected would capture beside them (test_tp's fourth int4 backend ran
-        # out of memory mid-capture).
+        # out of memory mid-capture). The graphs refer back to the prefill, a cycle that only
+        # the garbage collector would break: dropped first, they go now.
+        self.prefill.graphs = None
         del self.prefill
