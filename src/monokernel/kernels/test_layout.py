@@ -96,7 +96,8 @@ def test_small_buffers() -> None:
     assert layout.token_words(132) == (264, 132)
     assert layout.host_out_words(10) == 12
     assert layout.tp_reduce_bytes(2, 1536) == 2 * 2 * layout.FLOW_COPIES * 1536 * 4
-    want = layout.tp_reduce_bytes(2, 1536) + 2 * 2 * 16 + 2 * 151936 * 8 + 151936 * 4 + 2 * 151936 * 8
+    logits = 2 * 151936 * 8 + 151936 * 4 + 2 * 151936 * 8
+    want = layout.tp_reduce_bytes(2, 1536) + 2 * 2 * 16 + logits
     assert layout.tp_recv_bytes(2, 1536, 151936) == want
     # The raw logits' pairs stay 8-byte aligned after an odd vocabulary's fp32 copy.
     rest = layout.tp_reduce_bytes(2, 8) + 2 * 2 * 16 + 2 * 5 * 8 + 24

@@ -20,19 +20,30 @@ def hopper() -> bool:
 needs_hopper = pytest.mark.skipif(not hopper(), reason="needs a Hopper GPU (sm_90)")
 
 
-def hopper_pair() -> bool:
-    """Two Hopper GPUs that reach each other's memory (the TP kernel's peer stores)."""
+def hopper_gpus(n: int) -> bool:
+    """``n`` Hopper GPUs that reach each other's memory (the TP kernel's peer stores)."""
     return (
         torch.cuda.is_available()
-        and torch.cuda.device_count() >= 2
-        and all(torch.cuda.get_device_capability(d) == (9, 0) for d in (0, 1))
-        and torch.cuda.can_device_access_peer(0, 1)
+        and torch.cuda.device_count() >= n
+        and all(torch.cuda.get_device_capability(d) == (9, 0) for d in range(n))
+        and all(
+            torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b
+        )
     )
+
+
+def hopper_pair() -> bool:
+    """Two Hopper GPUs that reach each other's memory."""
+    return hopper_gpus(2)
 
 
 # The skip mark of a test that needs two of them (pair it with pytest.mark.gpu).
 needs_hopper_pair = pytest.mark.skipif(
     not hopper_pair(), reason="needs 2 Hopper GPUs (sm_90) with peer access"
+)
+# ... and of one that needs four.
+needs_hopper_quad = pytest.mark.skipif(
+    not hopper_gpus(4), reason="needs 4 Hopper GPUs (sm_90) with peer access between all"
 )
 
 

@@ -16,7 +16,7 @@ from monokernel.errors import BackendUnavailableError
 from monokernel.models.shapes import SHAPES
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.sampling import SamplingParams, probabilities
-from monokernel.testing.gpu_models import needs_hopper_pair
+from monokernel.testing.gpu_models import needs_hopper_pair, needs_hopper_quad
 from monokernel.testing.oracle import assert_logits_match, peaked
 from monokernel.weights.random_weights import random_weights
 from monokernel.weights.shard import TensorParallelError
@@ -206,6 +206,32 @@ def test_tp2_greedy_matches_tp1(greedy: SamplingParams) -> None:
     assert len(got) == STEPS
     first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
     assert got == want, f"TP=2 and TP=1 greedy tokens differ first at step {first}"
+
+
+@pytest.mark.gpu
+@needs_hopper_quad
+def test_tp4_teacher_forced_logits_and_greedy_matches_tp1() -> None:
+    """Four ranks: the all-reduce sums four slots (two more fetch rounds than at TP=2), the
+    token exchange four units; the logits match the fp32 reference and greedy decoding
+    gives TP=1's tokens."""
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+    from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
+
+    cfg = SHAPES["llama-3.2-1b"]  # 8 KV heads: 4 ranks of 2
+    weights = _peaked(cfg, seed=12)
+    tp = MonokernelTPBackend(cfg, weights, 1024, torch.device("cuda", 0), 4)
+    seq = _tokens(PROMPT + STEPS, cfg.vocab_size, seed=4)
+    got = tp.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
+    assert_logits_match(cfg, weights, seq, PROMPT, got, "TP=4 llama-3.2-1b")
+    prompt = _tokens(PROMPT, cfg.vocab_size, seed=5)
+    greedy = SamplingParams(temperature=0.0, max_tokens=STEPS)
+    tokens = list(tp.stream(_request(prompt, STEPS, greedy), CancelToken()))
+    tp.close()
+    one = MonokernelBackend(cfg, weights, 1024, torch.device("cuda", 0))
+    want = list(one.stream(_request(prompt, STEPS, greedy), CancelToken()))
+    one.close()
+    first = next((i for i, (a, b) in enumerate(zip(tokens, want, strict=True)) if a != b), None)
+    assert tokens == want, f"TP=4 and TP=1 greedy tokens differ first at step {first}"
 
 
 @pytest.mark.gpu
