@@ -184,8 +184,20 @@ __device__ __forceinline__ const float* tp_slot(const Params& p, unsigned gen, i
   return reinterpret_cast<const float*>(w);
 }
 
-// a <- all-reduce `gen`, untagged, at this thread's chunks of [0, MK_H) (flow_fetch's deal:
-// chunk threadIdx.x + j * kThreads), the ranks summed in order 0..N-1; b: scratch [MK_H].
+// f(i) for the first float i of each of this thread's 4-float chunks of [0, MK_H): flow_fetch's
+// deal (chunk threadIdx.x + j * kThreads), so a thread reads back only what it fetched.
+template <class F>
+__device__ __forceinline__ void tp_each_chunk(F f) {
+  constexpr int N = FlowChunks<MK_H>::N;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int i = 4 * ((int)threadIdx.x + j * kThreads);
+    if (i < MK_H) f(i);
+  }
+}
+
+// a <- all-reduce `gen`, untagged, at this thread's chunks (tp_each_chunk), the ranks summed in
+// order 0..N-1; b: scratch [MK_H].
 // One round trip at two ranks (both slots fetched together), one more for each further rank.
 __device__ __forceinline__ void tp_fetch_sum(const Params& p, unsigned gen, float* a, float* b) {
   constexpr int N = FlowChunks<MK_H>::N;
@@ -195,18 +207,31 @@ __device__ __forceinline__ void tp_fetch_sum(const Params& p, unsigned gen, floa
 #pragma unroll
   for (int k = 1; k < MK_TP; ++k) {
     if (k > 1) flow_fetch<N, 0>(b, tp_slot(p, gen, k), tag, C);
+    tp_each_chunk([&](int i) {
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const int i = 4 * ((int)threadIdx.x + j * kThreads);
-      if (i < MK_H) {
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const float acc = k == 1 ? flow_untag(a[i + w]) : a[i + w];
-          a[i + w] = acc + flow_untag(b[i + w]);
-        }
+      for (int w = 0; w < 4; ++w) {
+        const float acc = k == 1 ? flow_untag(a[i + w]) : a[i + w];
+        a[i + w] = acc + flow_untag(b[i + w]);
       }
-    }
+    });
   }
+}
+
+// xres <- xres + sum (+ bias, may be null) at this thread's chunks; returns the sum of squares
+// of the new values.
+__device__ __forceinline__ float tp_add_residual(float* xres, const float* sum,
+                                                 const float* bias) {
+  float ss = 0.f;
+  tp_each_chunk([&](int i) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float d = bias ? sum[i + w] + bias[i + w] : sum[i + w];
+      const float v = xres[i + w] + d;
+      xres[i + w] = v;
+      ss += v * v;
+    }
+  });
+  return ss;
 }
 
 // xs <- xres + all-reduce `gen`, the residual after a down projection, RMS-normalised (times
@@ -216,20 +241,7 @@ __device__ __forceinline__ void tp_load_residual(const Params& p, float* xs, flo
                                                  float* scratch, unsigned gen, float eps,
                                                  float* red, const float* gain) {
   tp_fetch_sum(p, gen, scratch, xs);
-  float ss = 0.f;
-  constexpr int N = FlowChunks<MK_H>::N;
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const int i = 4 * ((int)threadIdx.x + j * kThreads);
-    if (i < MK_H) {
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float v = xres[i + w] + scratch[i + w];
-        xres[i + w] = v;
-        ss += v * v;
-      }
-    }
-  }
+  const float ss = tp_add_residual(xres, scratch, nullptr);
   const float r = rms_scale<MK_H>(ss, red, eps);  // its barriers: xs's scratch reads are done
   const int so = swz_off(xs + threadIdx.x);  // xs is a GEMV input (common.cuh); same for every i
   if (gain) {
@@ -377,23 +389,7 @@ struct TensorParallel {
                                                        const float*, unsigned red, unsigned,
                                                        unsigned) {
     tp_fetch_sum(p, red, xs, xd);
-    float s2 = 0.f;
-    constexpr int N = FlowChunks<MK_H>::N;
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const int i = 4 * ((int)threadIdx.x + j * kThreads);
-      if (i < MK_H) {
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          float dl = xs[i + w];
-          if (MK_O_BIAS) dl += lw.bo[i + w];
-          const float v = xres[i + w] + dl;
-          xres[i + w] = v;
-          s2 += v * v;
-        }
-      }
-    }
-    return s2;
+    return tp_add_residual(xres, xs, MK_O_BIAS ? lw.bo : nullptr);
   }
   // Normalised in place (times the gain): no scale left for the dot products. rms_scale's
   // barriers come before xd is written: mlp_residual's scratch reads of it are done.
