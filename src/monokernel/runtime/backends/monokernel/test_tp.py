@@ -32,6 +32,13 @@ def _request(prompt: list[int], n: int, sampling: SamplingParams, stops=()) -> D
     return DecodeRequest(tuple(prompt), sampling, n, frozenset(stops))
 
 
+def _assert_same_tokens(got: list[int], want: list[int], what: str) -> None:
+    """``got`` is ``want`` token for token; otherwise say where they first part."""
+    assert len(got) == len(want), (what, len(got), len(want))
+    first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+    assert got == want, f"{what}: greedy tokens differ first at step {first}"
+
+
 def _peaked(cfg, seed: int) -> dict[str, torch.Tensor]:
     """Random weights whose LM-head rows have heavy-tailed norms (testing.oracle.peaked)."""
     dev = torch.device("cuda", 0)
@@ -204,8 +211,7 @@ def test_tp2_greedy_matches_tp1(greedy: SamplingParams) -> None:
     want = list(one.stream(_request(prompt, STEPS, greedy), CancelToken()))
     one.close()
     assert len(got) == STEPS
-    first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
-    assert got == want, f"TP=2 and TP=1 greedy tokens differ first at step {first}"
+    _assert_same_tokens(got, want, "TP=2 against TP=1")
 
 
 @pytest.mark.gpu
@@ -230,8 +236,7 @@ def test_tp4_teacher_forced_logits_and_greedy_matches_tp1() -> None:
     one = MonokernelBackend(cfg, weights, 1024, torch.device("cuda", 0))
     want = list(one.stream(_request(prompt, STEPS, greedy), CancelToken()))
     one.close()
-    first = next((i for i, (a, b) in enumerate(zip(tokens, want, strict=True)) if a != b), None)
-    assert tokens == want, f"TP=4 and TP=1 greedy tokens differ first at step {first}"
+    _assert_same_tokens(tokens, want, "TP=4 against TP=1")
 
 
 @pytest.mark.gpu
