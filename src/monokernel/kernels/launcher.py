@@ -132,25 +132,23 @@ class KernelModule:
         self.smem_bytes = smem_bytes
         self.threads = threads
 
-    def launch(self, grid: int, params: KernelParams, stream: int) -> None:
-        """Cooperative launch of ``grid`` CTAs on ``stream`` (a CUstream handle)."""
+    def launch(
+        self, grid: int, params: KernelParams, stream: int, cooperative: bool = True
+    ) -> None:
+        """Launch ``grid`` CTAs on ``stream`` (a CUstream handle): cooperative by default;
+        a plain launch where a CUDA graph captures it (the prefill's all-reduce)."""
         arg = ctypes.c_void_p(ctypes.addressof(params))
         args = (ctypes.c_void_p * 1)(arg)
-        check(
-            driver().cuLaunchCooperativeKernel(
-                self._fn,
-                ctypes.c_uint(grid),
-                ctypes.c_uint(1),
-                ctypes.c_uint(1),
-                ctypes.c_uint(self.threads),
-                ctypes.c_uint(1),
-                ctypes.c_uint(1),
-                ctypes.c_uint(self.smem_bytes),
-                ctypes.c_void_p(stream),
-                args,
-            ),
-            "cuLaunchCooperativeKernel",
-        )
+        dims = (ctypes.c_uint(grid), ctypes.c_uint(1), ctypes.c_uint(1))
+        block = (ctypes.c_uint(self.threads), ctypes.c_uint(1), ctypes.c_uint(1))
+        smem, handle = ctypes.c_uint(self.smem_bytes), ctypes.c_void_p(stream)
+        lib = driver()
+        if cooperative:
+            res = lib.cuLaunchCooperativeKernel(self._fn, *dims, *block, smem, handle, args)
+            check(res, "cuLaunchCooperativeKernel")
+        else:
+            res = lib.cuLaunchKernel(self._fn, *dims, *block, smem, handle, args, None)
+            check(res, "cuLaunchKernel")
 
     def unload(self) -> None:
         if self._module.value:
@@ -167,10 +165,13 @@ class DeviceKernel:
         set_current_context(device)
         self._module = KernelModule(cubin, name, smem_bytes, threads)
 
-    def launch(self, grid: int, params: ctypes.Structure, stream: int) -> None:
-        """Cooperative: every CTA resident at once, or an error (never a partial grid)."""
+    def launch(
+        self, grid: int, params: ctypes.Structure, stream: int, cooperative: bool = True
+    ) -> None:
+        """Cooperative by default: every CTA resident at once, or an error (never a partial
+        grid)."""
         set_current_context(self.device)
-        self._module.launch(grid, params, stream)  # type: ignore[arg-type]  # any Structure
+        self._module.launch(grid, params, stream, cooperative)  # type: ignore[arg-type]
 
     def unload(self) -> None:
         set_current_context(self.device)

@@ -365,7 +365,7 @@ def load_phases(
     """The two phases of the monokernel backend's load for a ``max_len`` context
     (LoadPhases). ``chunk_tokens``, ``precision``: the prefill's; ``graphs``: its CUDA
     graphs are on; ``extra``: what else is allocated beside the cache that does not grow
-    with the context (a TP rank's partial sums and block graphs)."""
+    with the context (a TP rank's partial sums and prefill graphs)."""
     repack = repack_phase(cfg, packing)
     rope = rope_bytes_per_token(cfg) * max_len
     serving = needed_bytes(

@@ -234,14 +234,14 @@ def _load_phases(cfg: ModelConfig, n: int, tp: int, s: PlanSettings) -> kv_memor
     """The monokernel backend's load beyond ``_loaded_bytes`` for an ``n``-token context:
     on one GPU what its check counts (MonokernelBackend: fold as its default); on rank 0 of
     the TP backend (tp.py) the same for its shard, whose prefill also holds the partial sums
-    the sharded prefill exchanges (runtime/prefill_tp.py) and its block graphs
+    the sharded prefill exchanges (runtime/prefill_tp.py) and its graphs
     (runtime/prefill_tp_graphs.py) instead of whole-prompt ones."""
     packing = _packing(cfg, tp, s)
     if tp == 1:
         return kv_memory.load_phases(cfg, n, s.chunk_tokens, s.precision, packing, s.graphs)
     rank = rank_config(shard_config(cfg, 0, tp))
     chunk = min(s.chunk_tokens, n)
-    extra = ShardedPrefill.extra_bytes(chunk, cfg.hidden_size, tp)
+    extra = ShardedPrefill.extra_bytes(chunk, cfg.hidden_size)
     if s.graphs:
         extra += tp_graph_bytes(rank, s.chunk_tokens, n, s.precision, packing.fmt)
     return kv_memory.load_phases(rank, n, chunk, s.precision, packing, extra=extra)

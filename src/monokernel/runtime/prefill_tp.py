@@ -6,25 +6,30 @@ A rank's ``Prefiller`` (runtime/prefill.py) runs over the rank's repacked shard
 its own cache. Per layer the two projections that end in the residual stream give partial
 sums; every rank adds the N partials to its residual one by one in rank order 0..N-1, so
 every rank holds the same bits of the residual (as the decode kernels' all-reduce does,
-kernels/csrc/tp.cuh), then the O bias once. The partials travel between GPUs as ordinary
-device-to-device copies, which order themselves against both devices' streams: the host
-issues everything without waiting.
+kernels/csrc/tp.cuh), then the O bias once.
 
-Per layer and rank the extra memory is the partial and one copy of each peer's, [T, H] fp32
-each (``extra_bytes``). A prompt from position 0 of up to 2,048 tokens replays each rank's
-blocks as CUDA graphs between the exchanges (prefill_tp_graphs.py).
+On GPUs the partials stay where they were written and a small kernel on each rank sums
+them from its peers' memory (prefill_exchange.py), so nothing in a layer goes through the
+host and a prompt from position 0 in one chunk replays one CUDA graph a rank
+(prefill_tp_graphs.py). On the CPU (the tests' ranks) the host adds copies of the partials.
+Per rank the extra memory is the two partial buffers, [chunk, H] fp32 each (``extra_bytes``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 
 from monokernel.runtime.prefill import Prefiller, checked_tokens
+from monokernel.runtime.prefill_exchange import ATTENTION, MLP, PeerExchange, exchange_bytes
 from monokernel.runtime.prefill_graphs import graphs_enabled
 from monokernel.runtime.prefill_tp_graphs import ShardedPrefillGraphs
+
+if TYPE_CHECKING:
+    from monokernel.runtime.prefill_qkv import ChunkRope
 
 
 def _on(device: torch.device) -> AbstractContextManager[object]:
@@ -36,7 +41,7 @@ class ShardedPrefill:
     """The ranks' prefillers (rank r's first), run layer by layer in lock step."""
 
     def __init__(self, ranks: Sequence[Prefiller], graphs: bool | None = None) -> None:
-        """``graphs``: replay block graphs for prompts from position 0
+        """``graphs``: replay one graph a rank for prompts from position 0
         (prefill_tp_graphs.py); default: on CUDA unless MONOKERNEL_PREFILL_GRAPHS=0."""
         if not ranks:
             raise ValueError("a sharded prefill needs at least one rank")
@@ -47,14 +52,18 @@ class ShardedPrefill:
         self.chunk_tokens = chunks.pop()
         self.max_len = ranks[0].max_len
         self.devices = [pf.k.device for pf in ranks]
+        self.hidden = ranks[0].cfg.hidden_size
+        on_gpus = all(d.type == "cuda" for d in self.devices)
+        rows = min(self.chunk_tokens, self.max_len)
+        self.exchange = PeerExchange(self.devices, rows, self.hidden) if on_gpus else None
         if graphs is None:
             graphs = all(graphs_enabled(d) for d in self.devices)
-        self.graphs = ShardedPrefillGraphs(self) if graphs else None
+        self.graphs = ShardedPrefillGraphs(self) if graphs and on_gpus else None
 
     @staticmethod
-    def extra_bytes(chunk_tokens: int, hidden: int, tp: int) -> int:
-        """A rank's transient memory beyond its own prefill's: its partial and the peers'."""
-        return chunk_tokens * hidden * 4 * (1 + max(tp - 1, 0))
+    def extra_bytes(chunk_tokens: int, hidden: int) -> int:
+        """A rank's device memory beyond its own prefill's: the exchange's partials."""
+        return exchange_bytes(chunk_tokens, hidden)
 
     @torch.no_grad()
     def run(self, tokens: Sequence[int] | torch.Tensor, start: int) -> None:
@@ -64,9 +73,10 @@ class ShardedPrefill:
         if start == 0 and self.graphs is not None and self.graphs.run(tokens):
             return
         for a in range(0, tokens.shape[0], self.chunk_tokens):
-            self._chunk(tokens[a : a + self.chunk_tokens], start + a)
+            self.chunk(tokens[a : a + self.chunk_tokens], start + a)
 
-    def _chunk(self, tokens: torch.Tensor, start: int) -> None:
+    def chunk(self, tokens: torch.Tensor, start: int) -> None:
+        """One chunk, eagerly: layer by layer, each block on every rank, then its exchange."""
         end = start + tokens.shape[0]
         xs, ropes = [], []
         for pf, dev in zip(self.ranks, self.devices, strict=True):
@@ -74,28 +84,51 @@ class ShardedPrefill:
                 ropes.append(pf.rope(start, end))
                 xs.append(pf.embed(tokens.to(dev)))  # [T, H] fp32, the same on every rank
         for n in range(len(self.ranks[0].p.layers)):
-            parts = []
-            for pf, dev, x, rope in zip(self.ranks, self.devices, xs, ropes, strict=True):
-                with _on(dev):
-                    out = torch.zeros_like(x)
-                    pf.attention_block(x, n, start, rope, out=out)
-                    parts.append(out)
-            self.reduce(xs, parts, n)
-            parts = []
-            for pf, dev, x in zip(self.ranks, self.devices, xs, strict=True):
-                with _on(dev):
-                    out = torch.zeros_like(x)
-                    pf.mlp_block(x, n, out=out)
-                    parts.append(out)
-            self.reduce(xs, parts)
+            for which in (ATTENTION, MLP):
+                parts = []
+                for r, (dev, x, rope) in enumerate(zip(self.devices, xs, ropes, strict=True)):
+                    with _on(dev):
+                        parts.append(self.block(r, which, x, n, start, rope))
+                self.reduce(xs, parts, which, n)
 
-    def reduce(self, xs: list[torch.Tensor], parts: list[torch.Tensor], bias_of: int = -1) -> None:
+    def block(
+        self, r: int, which: int, x: torch.Tensor, n: int, start: int, rope: ChunkRope
+    ) -> torch.Tensor:
+        """Rank r's ``which`` block (ATTENTION or MLP) of layer n on its residual x [T, H]:
+        its partial sum (x unchanged), in the exchange's buffer on GPUs."""
+        pf = self.ranks[r]
+        if self.exchange is None:
+            part = torch.zeros_like(x)
+        else:
+            part = self.exchange.partial(r, which, x.shape[0])
+            part.zero_()
+        if which == ATTENTION:
+            pf.attention_block(x, n, start, rope, out=part)
+        else:
+            pf.mlp_block(x, n, out=part)
+        return part
+
+    def bias(self, r: int, which: int, n: int) -> torch.Tensor | None:
+        """What the exchange adds after the partials: layer n's O bias after attention."""
+        return self.ranks[r].p.layers[n].bo if which == ATTENTION else None
+
+    def reduce(self, xs: list[torch.Tensor], parts: list[torch.Tensor], which: int, n: int) -> None:
         """xs[r] += parts[0], += parts[1], ... += parts[N-1] in that order on every rank, then
-        layer ``bias_of``'s O bias (each rank holds its copy)."""
-        for r, (pf, x, dev) in enumerate(zip(self.ranks, xs, self.devices, strict=True)):
+        the block's bias (each rank holds its copy)."""
+        for r, (x, dev) in enumerate(zip(xs, self.devices, strict=True)):
             with _on(dev):
+                if self.exchange is not None:
+                    self.exchange.reduce_rank(r, x, which, self.bias(r, which, n))
+                    continue
                 for q, part in enumerate(parts):
                     x += part if q == r else part.to(dev)
-                bias = pf.p.layers[bias_of].bo if bias_of >= 0 else None
+                bias = self.bias(r, which, n)
                 if bias is not None:
                     x += bias
+
+    def close(self) -> None:
+        """Free the exchange's device memory (the graphs first: they use it)."""
+        self.graphs = None
+        if self.exchange is not None:
+            self.exchange.free()
+            self.exchange = None

@@ -2,25 +2,24 @@
 
 Eager, a TP=2 prefill of the Qwen2.5-Coder-1.5B shape is ~2,000 torch and Triton calls: ~33 ms
 of host time whatever the prompt's length, against 3.5 ms for the one-GPU prefill's graph.
-One graph per rank cannot hold the prefill, because the ranks exchange partial sums twice a
-layer and a graph on one device cannot wait for another device's work. So each rank's
-attention block and MLP block of each layer is a graph of its own, replayed in layer order,
-and between them the host issues the exchange eagerly (ShardedPrefill.reduce: the peers'
-partials copied over and added in rank order): 2·L·N replays and the exchanges' copies and
-adds a prompt instead of every kernel's launch.
+The ranks exchange partial sums twice a layer, and that exchange is a kernel on each rank
+that waits for its peers on the GPU (prefill_exchange.py), so each rank's whole prefill (the
+embedding, every block and every exchange) is one graph: a prompt costs the host one token
+copy and one replay a rank. The replays run at once on their GPUs and meet at each exchange.
 
 As in prefill_graphs.py, a prompt prefilled from position 0 pads to a bucket (powers of two
-from 16 up to MAX_TP_BUCKET, or the chunk or cache length where that is smaller) with token 0
-after the real tokens, whose K/V land in cache rows no request reads before the decode kernel
-overwrites them. Each bucket has its static residual and partial buffers per rank; a rank's
-graphs share one memory pool (replayed one after another, in the order they were captured).
-Longer prompts and prompts after a held prefix run eagerly (GPU-bound at that size).
-``warm`` captures every bucket at load (MONOKERNEL_PREFILL_WARMUP).
+from 16 up to the chunk or the cache length, whichever is smaller) with token 0 after the
+real tokens, whose K/V land in cache rows no request reads before the decode kernel
+overwrites them. The buckets' graphs of a rank read their tokens from and keep the residual
+in one pair of buffers of the largest bucket's size, and share one memory pool: one prefill
+runs at a time. The partials are the exchange's. Prompts past the chunk run eagerly. A bucket
+is captured after one eager prefill of its size on every rank (nothing first-time during
+capture; the ranks' exchanges need each other, so no rank can warm up alone); ``warm``
+captures every bucket at load (MONOKERNEL_PREFILL_WARMUP).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,45 +27,48 @@ import torch
 
 from monokernel.models.config import ModelConfig
 from monokernel.runtime.prefill import workspace_bytes
-from monokernel.runtime.prefill_graphs import bucket_for, buckets, capture_graph
+from monokernel.runtime.prefill_exchange import ATTENTION, MLP
+from monokernel.runtime.prefill_graphs import bucket_for, buckets
 from monokernel.weights.formats import DEFAULT_FORMAT
 
 if TYPE_CHECKING:
     from monokernel.runtime.prefill_qkv import ChunkRope
     from monokernel.runtime.prefill_tp import ShardedPrefill
 
-# Graphs for prompts up to this many tokens: past it the GPU's work outweighs the launches
-# (and each bucket's buffers and captures cost memory and load time).
-MAX_TP_BUCKET = 2048
-
 
 def graph_bytes(
     rank: ModelConfig, chunk_tokens: int, max_len: int, precision: str, fmt: str = DEFAULT_FORMAT
 ) -> int:
-    """One rank's memory for its block graphs: every bucket's residual and two partials
-    [bucket, H] fp32, and the pool the largest bucket's blocks run in (as eager's workspace,
-    its layers in the weight format ``fmt``)."""
-    largest = min(MAX_TP_BUCKET, chunk_tokens, max_len)
-    statics = 3 * 4 * rank.hidden_size * sum(buckets(largest)) if largest >= 1 else 0
+    """One rank's memory for its graphs: the tokens (int64) and the residual [largest, H]
+    fp32, every bucket's RoPE positions and factors, and the pool the largest bucket's
+    prefill runs in (as eager's workspace, its layers in the weight format ``fmt``)."""
+    largest = min(chunk_tokens, max_len)
+    if largest < 1:
+        return 0
+    statics = (4 * rank.hidden_size + 8) * largest + (8 + 8 * rank.head_dim) * sum(buckets(largest))
     return statics + workspace_bytes(rank, largest, largest, precision, fmt)
 
 
 @dataclass(slots=True)
 class _Bucket:
-    x: list[torch.Tensor]  # per rank [bucket, H] fp32: the residual stream, in and out
-    attn: list[torch.Tensor]  # per rank [bucket, H] fp32: the attention block's partial
-    mlp: list[torch.Tensor]  # per rank [bucket, H] fp32: the MLP block's partial
-    ropes: list[ChunkRope]  # per rank: positions [0, bucket)
-    graphs: list[list[tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]]]  # [layer][rank]
+    ropes: list[ChunkRope]  # per rank: positions [0, bucket), which its graph reads
+    graphs: list[torch.cuda.CUDAGraph]  # per rank: its whole prefill
 
 
 class ShardedPrefillGraphs:
-    """The block graphs of ``prefill``'s ranks, per bucket up to ``largest`` tokens."""
+    """The prefill graphs of ``prefill``'s ranks, per bucket up to ``largest`` tokens."""
 
     def __init__(self, prefill: ShardedPrefill) -> None:
+        if prefill.exchange is None:
+            raise ValueError("prefill graphs need the GPUs' exchange (prefill_exchange.py)")
         self.prefill = prefill
-        self.largest = min(MAX_TP_BUCKET, prefill.chunk_tokens, prefill.max_len)
+        self.largest = min(prefill.chunk_tokens, prefill.max_len)
         self._buckets: dict[int, _Bucket] = {}
+        # Per rank: [largest] int64, the replay's input; [largest, H] fp32, the residual. A
+        # bucket's graphs use their first rows.
+        devices, rows = prefill.devices, self.largest
+        self._tokens = [torch.zeros(rows, dtype=torch.long, device=d) for d in devices]
+        self._x = [torch.zeros(rows, prefill.hidden, device=d) for d in devices]
         self._pools: list[tuple[int, int] | None] = [None] * len(prefill.ranks)
         # A capture stream on each rank's device: torch.cuda.graph's default one is made once,
         # on whatever device was current then.
@@ -82,19 +84,10 @@ class ShardedPrefillGraphs:
         bk = self._buckets.get(b) or self._capture(b)
         padded = torch.zeros(b, dtype=torch.long)
         padded[:t] = tokens.cpu()
-        sp = self.prefill
-        for pf, dev, x in zip(sp.ranks, sp.devices, bk.x, strict=True):
+        for dev, tok, graph in zip(self.prefill.devices, self._tokens, bk.graphs, strict=True):
             with torch.cuda.device(dev):
-                x.copy_(pf.embed(padded.to(dev, non_blocking=True)))
-        for n, per_rank in enumerate(bk.graphs):
-            for dev, (attn, _) in zip(sp.devices, per_rank, strict=True):
-                with torch.cuda.device(dev):
-                    attn.replay()
-            sp.reduce(bk.x, bk.attn, n)
-            for dev, (_, mlp) in zip(sp.devices, per_rank, strict=True):
-                with torch.cuda.device(dev):
-                    mlp.replay()
-            sp.reduce(bk.x, bk.mlp)
+                tok[:b].copy_(padded)
+                graph.replay()
         return True
 
     def warm(self) -> int:
@@ -109,41 +102,27 @@ class ShardedPrefillGraphs:
 
     def _capture(self, bucket: int) -> _Bucket:
         sp = self.prefill
-        xs, attns, mlps, ropes = [], [], [], []
-        for pf, dev in zip(sp.ranks, sp.devices, strict=True):
+        sp.chunk(torch.zeros(bucket, dtype=torch.long), 0)  # the warm-up, every rank at once
+        for dev in sp.devices:
+            torch.cuda.synchronize(dev)
+        ropes, graphs = [], []
+        for r, (pf, dev) in enumerate(zip(sp.ranks, sp.devices, strict=True)):
             with torch.cuda.device(dev):
-                x = torch.zeros(bucket, pf.cfg.hidden_size, device=dev)
-                xs.append(x)
-                attns.append(torch.zeros_like(x))
-                mlps.append(torch.zeros_like(x))
-                ropes.append(pf.rope(0, bucket))
-        graphs = []
-        for n in range(len(sp.ranks[0].p.layers)):
-            per_rank = []
-            for r, (pf, dev) in enumerate(zip(sp.ranks, sp.devices, strict=True)):
-                x, a, m, rope = xs[r], attns[r], mlps[r], ropes[r]
-
-                def attention(pf=pf, x=x, a=a, rope=rope, n=n) -> None:  # type: ignore[no-untyped-def]
-                    a.zero_()
-                    pf.attention_block(x, n, 0, rope, out=a)
-
-                def mlp(pf=pf, x=x, m=m, n=n) -> None:  # type: ignore[no-untyped-def]
-                    m.zero_()
-                    pf.mlp_block(x, n, out=m)
-
-                per_rank.append((self._graph(r, dev, attention), self._graph(r, dev, mlp)))
-            graphs.append(per_rank)
-        entry = _Bucket(xs, attns, mlps, ropes, graphs)
+                tok, x = self._tokens[r][:bucket], self._x[r][:bucket]
+                rope = pf.rope(0, bucket)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pools[r], stream=self._streams[r]):
+                    x.copy_(pf.embed(tok))
+                    for n in range(len(pf.p.layers)):
+                        for which in (ATTENTION, MLP):
+                            sp.block(r, which, x, n, 0, rope)
+                            sp.exchange.reduce_rank(r, x, which, sp.bias(r, which, n))
+            self._pools[r] = graph.pool()
+            ropes.append(rope)
+            graphs.append(graph)
+        entry = _Bucket(ropes, graphs)
         self._buckets[bucket] = entry
         return entry
-
-    def _graph(
-        self, rank: int, dev: torch.device, block: Callable[[], None]
-    ) -> torch.cuda.CUDAGraph:
-        """``block`` captured on ``dev`` into the rank's pool."""
-        graph, _ = capture_graph(block, dev, self._pools[rank], self._streams[rank])
-        self._pools[rank] = graph.pool()
-        return graph
 
     def captured(self) -> bool:
         return bool(self._buckets)

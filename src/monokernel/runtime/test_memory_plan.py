@@ -149,12 +149,14 @@ def test_a_model_too_big_at_any_context() -> None:
 
 def test_tp_is_offered_where_each_gpu_holds_its_share() -> None:
     """The sharded prefill keeps no whole model anywhere: rank 0 holds its 1/tp of the
-    layers, the embedding and its LM-head rows, so 40 GiB a GPU runs the 32B at --tp 2."""
+    layers, the embedding and its LM-head rows, so 44 GiB a GPU runs the 32B at --tp 2 with
+    its whole context (~31 GiB of weights, and ~10 GiB with the prefill graphs' pool for
+    8,192-token chunks)."""
     weights = _bf16_weights(QWEN32)
     two = PlanSettings(where="cuda:0", gpus=2)
     with pytest.raises(ContextTooLargeError, match="--tp 2 fits"):
-        plan_context(QWEN32, 40 * GIB, weights, "monokernel", None, settings=two)
-    plan = plan_context(QWEN32, 40 * GIB, weights, "monokernel", 32768, tp=2, settings=two)
+        plan_context(QWEN32, 44 * GIB, weights, "monokernel", None, settings=two)
+    plan = plan_context(QWEN32, 44 * GIB, weights, "monokernel", 32768, tp=2, settings=two)
     assert plan.max_model_len == 32768
     shard = (weights - 4 * QWEN32.vocab_size * QWEN32.hidden_size) // 2
     # + the replicated half of the embedding, a layer being repacked, the reserve
@@ -172,12 +174,12 @@ def test_tp_counts_rank_zero_and_refuses_a_bad_split() -> None:
 
 
 def test_tp_counts_its_prefill_graphs() -> None:
-    """The block graphs of the sharded prefill (every bucket's residual and partials, the
-    largest bucket's pool) are counted on rank 0 where the graphs are on."""
+    """The graphs of the sharded prefill (the largest bucket's tokens, residual and pool,
+    every bucket's RoPE tables) are counted on rank 0 where the graphs are on."""
     from dataclasses import replace
 
     from monokernel.models.config import ModelConfig as Cfg
-    from monokernel.runtime.prefill_tp_graphs import MAX_TP_BUCKET, graph_bytes
+    from monokernel.runtime.prefill_tp_graphs import graph_bytes
     from monokernel.weights.shard import rank_config, shard_config
 
     cfg: Cfg = DENSE_SHAPES["qwen2.5-coder-1.5b"]
@@ -186,8 +188,10 @@ def test_tp_counts_its_prefill_graphs() -> None:
     off = mp.need_bytes(cfg, 4096, weights, "monokernel", 2, replace(GPU, graphs=False))
     rank = rank_config(shard_config(cfg, 0, 2))
     assert on - off == graph_bytes(rank, GPU.chunk_tokens, 4096, GPU.precision)
-    # Buffers of every bucket up to the cap: 16 + 32 + ... + 2,048 rows, three [T, H] fp32.
-    statics = 3 * 4 * rank.hidden_size * (2 * MAX_TP_BUCKET - 16)
+    # The tokens (int64) and the residual [T, H] fp32 of the largest bucket (4,096 rows here),
+    # every bucket's RoPE positions and factors (16 + 32 + ... + 4,096 rows).
+    rows = 2 * 4096 - 16
+    statics = (4 * rank.hidden_size + 8) * 4096 + (8 + 8 * rank.head_dim) * rows
     assert statics < on - off < statics + 4 * GIB
     # A short context caps the buckets.
     assert graph_bytes(rank, GPU.chunk_tokens, 100, GPU.precision) < on - off
@@ -568,14 +572,14 @@ def test_tp_ranks_free_their_groups_once_packed() -> None:
     assert served == rest // 2 + embed + own_head + packed + gains
     assert served < loaded < rest // 2 + embed + own_head + 2 * kv_memory.layer_matrix_params(rank)
     # The plan is the rank's own count: its groups freed as it packs, its partial sums and
-    # block graphs beside the cache once it has.
+    # prefill graphs beside the cache once it has.
     rank_packing = kv_memory.Packing(
         "int4", plan, consume=True, dense_layers=False, groups_on_device=True, owns_groups=True
     )
     from monokernel.runtime.prefill_tp import ShardedPrefill
     from monokernel.runtime.prefill_tp_graphs import graph_bytes as tp_graphs
 
-    extra = ShardedPrefill.extra_bytes(4096, cfg.hidden_size, 2)
+    extra = ShardedPrefill.extra_bytes(4096, cfg.hidden_size)
     extra += tp_graphs(rank, GPU.chunk_tokens, 4096, GPU.precision)
     phases = kv_memory.load_phases(
         rank, 4096, 4096, GPU.precision, rank_packing, graphs=False, extra=extra

@@ -105,7 +105,7 @@ def test_refuses_bad_arguments() -> None:
 
 
 def test_a_ranks_block_graphs_count_its_packed_format() -> None:
-    """A TP rank's block graphs run its prefill on its packed layers: in a quantised format
+    """A TP rank's prefill graphs run its prefill on its packed layers: in a quantised format
     their pool holds the bf16 copy of the rank's largest layer matrix (gate/up's share on the
     8B shape), which a bf16 rank does not."""
     from monokernel.runtime.prefill_tp_graphs import graph_bytes

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
 
 from monokernel.errors import BackendUnavailableError
 from monokernel.kernels.launcher import check, driver, set_current_context
@@ -68,6 +72,18 @@ def enable_peer_access(devices: list[int]) -> None:
             res = driver().cuCtxEnablePeerAccess(contexts[peer], ctypes.c_uint(0))
             if res != _CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
                 check(res, f"cuCtxEnablePeerAccess({d} -> {peer})")
+
+
+@contextmanager
+def keeps_device() -> Iterator[None]:
+    """The caller's current CUDA device back afterwards: the ranks' driver calls make each
+    GPU's context current in turn, and a caller that runs on "cuda" (no index) afterwards
+    must not find itself on the last rank's GPU."""
+    prev = torch.cuda.current_device()
+    try:
+        yield
+    finally:
+        torch.cuda.set_device(prev)
 
 
 class DeviceBuffer:

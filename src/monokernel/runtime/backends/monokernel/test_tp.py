@@ -260,9 +260,9 @@ def test_tp2_profile_times_every_rank() -> None:
 @pytest.mark.gpu
 @needs_hopper_pair
 def test_tp2_graphed_prefill_fills_the_caches_as_the_eager_one() -> None:
-    """Each rank's block graphs (captured at load) between the eagerly issued exchanges fill
-    every rank's cache as the eager sharded prefill does (cuBLAS may pick other kernels for
-    a padded bucket's rows: close, not bitwise), and a request decodes the same."""
+    """Each rank's prefill graph (captured at load, its exchanges inside) fills every rank's
+    cache as the eager sharded prefill does (cuBLAS may pick other kernels for a padded
+    bucket's rows: close, not bitwise), and a request decodes the same."""
     cfg, _, tp = _tp_setup("qwen2.5-coder-1.5b")
     sp = tp.prefill
     assert sp.graphs is not None and sp.graphs.captured()

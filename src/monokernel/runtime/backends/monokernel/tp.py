@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
-from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -48,6 +47,7 @@ from monokernel.runtime.backends.monokernel.kernel import (
 from monokernel.runtime.backends.monokernel.peer import (
     DeviceBuffer,
     enable_peer_access,
+    keeps_device,
     multicast_off,
 )
 from monokernel.runtime.backends.monokernel.probes import stage_profile
@@ -92,18 +92,6 @@ from monokernel.weights.shard import (
 )
 
 _TAG_LIMIT = 2**32 - 1  # tags are u32 and never 0 (the zeroed buffers' value)
-
-
-@contextmanager
-def _keeps_device() -> Iterator[None]:
-    """The caller's current CUDA device back afterwards: the ranks' driver calls make each
-    GPU's context current in turn, and a caller that runs on "cuda" (no index) afterwards
-    must not find itself on the last rank's GPU."""
-    prev = torch.cuda.current_device()
-    try:
-        yield
-    finally:
-        torch.cuda.set_device(prev)
 
 
 def rank_tensors(
@@ -198,8 +186,8 @@ class Rank:
             # counts the phases apart: runtime/memory_plan.py).
             self.cache = KVCache.allocate(cfg, max_seq_len, torch.bfloat16, device)
             self.kernel = DecodeKernel(cfg, dims, packed, self.cache, max_seq_len, device)
-            # No whole-prompt graphs: one could not hold the exchanges between the ranks
-            # (ShardedPrefill replays per-block graphs between them: prefill_tp_graphs.py).
+            # No graphs of its own: the sharded prefill captures each rank's whole prefill
+            # with its exchanges (prefill_tp_graphs.py).
             self.prefill = Prefiller(
                 cfg,
                 packed,
@@ -290,7 +278,7 @@ class MonokernelTPBackend:
         if quantize is not None and fmt != "int4" and groups is None and fp8_blocks is None:
             scales = whole_row_scales(weights, fmt, cfg.num_layers)
         self.ranks: list[Rank] = []
-        with _keeps_device():  # DeviceBuffer and the kernels make their GPU current
+        with keeps_device():  # DeviceBuffer and the kernels make their GPU current
             for r, dev in enumerate(self.devices):
                 shard, mine = rank_tensors(cfg, weights, r, tp, dev, fmt, groups, group, act_stats)
                 rows = None if scales is None else {k: v.to(dev) for k, v in scales.items()}
@@ -307,7 +295,7 @@ class MonokernelTPBackend:
         self.warmup_s = 0.0
         if envs.MONOKERNEL_PREFILL_WARMUP:
             t0 = time.perf_counter()
-            # Every prefill bucket's block graphs (prefill_tp_graphs.py), then two-token
+            # Every prefill bucket's graphs (prefill_tp_graphs.py), then two-token
             # requests, greedy and sampled (the single-GPU backend's), so the first real one
             # pays none of the first-use costs (the ranks' first launches, the prefill's first
             # kernels, the whole-vocabulary draw); each request prefills its whole prompt, so
@@ -323,7 +311,7 @@ class MonokernelTPBackend:
 
     def _reset_tags(self) -> None:
         """Zero every receive buffer and restart the tags (before u32 tags would wrap)."""
-        with _keeps_device():
+        with keeps_device():
             for rk in self.ranks:
                 rk.recv.zero()
         self._tag = 1
@@ -368,7 +356,7 @@ class MonokernelTPBackend:
         # The all-reduces' generations restart at 1 each launch (8-bit tags in the words,
         # csrc/tp.cuh): every rank's reduction area is zeroed, and waited for, before any
         # rank launches (the previous launch has finished on every rank: _run waits for it).
-        with _keeps_device():
+        with keeps_device():
             for rk in self.ranks:
                 rk.recv.zero(rk.reduce_bytes)
         self._prefill(prompt_ids)
@@ -379,7 +367,7 @@ class MonokernelTPBackend:
         params = []
         lead = self.ranks[0].kernel  # rank 0 writes the tokens and reads the cancel word
         out = lead.token_words
-        with _keeps_device():
+        with keeps_device():
             for r, rk in enumerate(self.ranks):
                 rk.kernel.make_current()
                 with torch.cuda.device(rk.device):  # the fill goes before prepare's wait
@@ -398,7 +386,7 @@ class MonokernelTPBackend:
         finished = False
 
         def check(stalled_s: float) -> None:
-            with _keeps_device():
+            with keeps_device():
                 for rk in self.ranks[1:]:  # raises on a fault of any rank
                     rk.kernel.make_current()
                     rk.kernel.finished()
@@ -433,7 +421,7 @@ class MonokernelTPBackend:
             if not finished:
                 lead.cancel()  # rank 0 reads it once per token and tells the others
             try:
-                with _keeps_device():
+                with keeps_device():
                     for rk in self.ranks:
                         rk.kernel.wait(STOP_GRACE_SECONDS if failed else None)
             except RuntimeError as e:  # still running when cancelled, or faulted
@@ -516,15 +504,16 @@ class MonokernelTPBackend:
         nothing)."""
         if not self.ranks:
             return
-        with _keeps_device():
+        with keeps_device():
             for rk in self.ranks:
                 rk.close()
         self.ranks = []
         # Nothing of the closed backend keeps the weights, caches or buffers alive (the
         # single-GPU backend's rule): the sharded prefill holds every rank's prefiller and its
-        # block graphs' memory pools, and a caller that opens the next backend before this
+        # graphs' memory pools, and a caller that opens the next backend before this
         # object is collected would capture beside them (test_tp's fourth int4 backend ran
         # out of memory mid-capture). The graphs refer back to the prefill, a cycle that only
-        # the garbage collector would break: dropped first, they go now.
-        self.prefill.graphs = None
+        # the garbage collector would break: close() drops them first, then frees the
+        # exchange's buffers (cuMemAlloc, which no collector frees).
+        self.prefill.close()
         del self.prefill
