@@ -3,4 +3,5 @@
 ``csrc/layout.cuh``), ``build`` (nvcc JIT with an on-disk cache, the per-shape choices),
 ``launcher`` (driver-API load and cooperative launch), ``schedule`` (the kernel's stages in
 PyTorch, for CPU tests), ``plan`` (stage B's plan on the host) and ``prebuild`` (parallel
-builds)."""
+builds). Standalone cubins beside it: ``prefill_allreduce`` (the TP prefill's all-reduce
+between the GPUs), and the benchmarks' ``allreduce`` and ``skinny_gemv``."""

@@ -710,9 +710,9 @@ def build(dims: KernelDims, debug: bool | None = None) -> Path:
 
 
 def build_standalone(source: Path, headers: Sequence[Path], stem: str, what: str) -> Path:
-    """A benchmark's own cubin (a .cu outside the decode kernel, e.g. allreduce_bench.cu):
-    keyed by its source, the headers it includes and the flags, compiled now unless the
-    cache holds it."""
+    """A standalone cubin (a .cu outside the decode kernel: a benchmark's, or the TP
+    prefill's all-reduce): keyed by its source, the headers it includes and the flags,
+    compiled now unless the cache holds it."""
     flags = ["-O3", "-std=c++17", *ARCH_FLAGS, "-cubin"]
     text = b"".join(f.read_bytes() for f in (source, *headers))
     key = hashlib.sha256(text + "\n".join(flags).encode()).hexdigest()[:24]
