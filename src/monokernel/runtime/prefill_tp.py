@@ -76,7 +76,10 @@ class ShardedPrefill:
             self.chunk(tokens[a : a + self.chunk_tokens], start + a)
 
     def chunk(self, tokens: torch.Tensor, start: int) -> None:
-        """One chunk, eagerly: layer by layer, each block on every rank, then its exchange."""
+        """One chunk, eagerly: layer by layer, each block on every rank, then its exchange
+        on every rank. A block that raises (out of memory) does so before any rank's exchange
+        of it is issued, so no rank is left waiting on the GPU for a peer that never comes
+        (the exchange would trap after TIMEOUT_MS, losing the context)."""
         end = start + tokens.shape[0]
         xs, ropes = [], []
         for pf, dev in zip(self.ranks, self.devices, strict=True):

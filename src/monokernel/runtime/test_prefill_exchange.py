@@ -14,7 +14,7 @@ from monokernel.testing.gpu_models import hopper_gpus
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden", [96, 90, 1536])
-@pytest.mark.parametrize("nranks", [1, 2])
+@pytest.mark.parametrize("nranks", [1, 2, 4])
 def test_every_rank_sums_the_partials_in_rank_order(nranks: int, hidden: int) -> None:
     if not hopper_gpus(nranks):
         pytest.skip(f"needs {nranks} Hopper GPU(s) with peer access")
