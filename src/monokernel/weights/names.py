@@ -88,36 +88,39 @@ def ours_to_hf(name: str) -> str:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    h, q, kv, i, v, d = (
-        cfg.hidden_size,
-        cfg.q_size,
-        cfg.kv_size,
-        cfg.intermediate_size,
-        cfg.vocab_size,
-        cfg.head_dim,
-    )
+    h, v = cfg.hidden_size, cfg.vocab_size
     shapes: dict[str, tuple[int, ...]] = {"embed": (v, h), "norm": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (v, h)
     for n in range(cfg.num_layers):
-        p = f"layers.{n}."
-        shapes |= {
-            p + "attn_norm": (h,),
-            p + "wq": (q, h),
-            p + "wk": (kv, h),
-            p + "wv": (kv, h),
-            p + "wo": (h, q),
-            p + "ffn_norm": (h,),
-            p + "w_gate": (i, h),
-            p + "w_up": (i, h),
-            p + "w_down": (h, i),
-        }
-        if cfg.qkv_bias:
-            shapes |= {p + "bq": (q,), p + "bk": (kv,), p + "bv": (kv,)}
-        if cfg.o_bias:
-            shapes[p + "bo"] = (h,)
-        if cfg.qk_norm:
-            shapes |= {p + "q_norm": (d,), p + "k_norm": (d,)}
+        shapes |= layer_shapes(cfg, n, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.head_dim)
+    return shapes
+
+
+def layer_shapes(
+    cfg: ModelConfig, n: int, q: int, kv: int, i: int, d: int
+) -> dict[str, tuple[int, ...]]:
+    """Layer n's tensors and their shapes with q / kv query and key-value widths, i MLP
+    rows and head size d (the whole model's, or a tensor-parallel rank's share of q, kv and
+    i; the norms and the O bias stay the hidden size's, added after the reduction)."""
+    h, p = cfg.hidden_size, f"layers.{n}."
+    shapes: dict[str, tuple[int, ...]] = {
+        p + "attn_norm": (h,),
+        p + "wq": (q, h),
+        p + "wk": (kv, h),
+        p + "wv": (kv, h),
+        p + "wo": (h, q),
+        p + "ffn_norm": (h,),
+        p + "w_gate": (i, h),
+        p + "w_up": (i, h),
+        p + "w_down": (h, i),
+    }
+    if cfg.qkv_bias:
+        shapes |= {p + "bq": (q,), p + "bk": (kv,), p + "bv": (kv,)}
+    if cfg.o_bias:
+        shapes[p + "bo"] = (h,)
+    if cfg.qk_norm:
+        shapes |= {p + "q_norm": (d,), p + "k_norm": (d,)}
     return shapes
 
 

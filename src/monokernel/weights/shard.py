@@ -47,7 +47,7 @@ from monokernel.errors import UnsupportedModelError
 from monokernel.models.config import ModelConfig
 from monokernel.weights.checkpoint_quant import Fp8Blocks
 from monokernel.weights.group_quant import GroupQuant
-from monokernel.weights.names import Weights, check_weight_shapes
+from monokernel.weights.names import Weights, check_weight_shapes, layer_shapes
 
 
 class TensorParallelError(UnsupportedModelError, ValueError):
@@ -160,31 +160,13 @@ def shard_config(cfg: ModelConfig, rank: int, tp: int) -> ShardConfig:
 
 def expected_shard_shapes(sc: ShardConfig) -> dict[str, tuple[int, ...]]:
     cfg = sc.base
-    h, q, kv, i, d = sc.hidden, sc.q_size, sc.kv_size, sc.intermediate, sc.head_dim
     shapes: dict[str, tuple[int, ...]] = {
-        "embed": (cfg.vocab_size, h),
-        "norm": (h,),
-        "lm_head": (sc.vocab_local, h),
+        "embed": (cfg.vocab_size, sc.hidden),
+        "norm": (sc.hidden,),
+        "lm_head": (sc.vocab_local, sc.hidden),
     }
     for n in range(cfg.num_layers):
-        p = f"layers.{n}."
-        shapes |= {
-            p + "attn_norm": (h,),
-            p + "wq": (q, h),
-            p + "wk": (kv, h),
-            p + "wv": (kv, h),
-            p + "wo": (h, q),
-            p + "ffn_norm": (h,),
-            p + "w_gate": (i, h),
-            p + "w_up": (i, h),
-            p + "w_down": (h, i),
-        }
-        if cfg.qkv_bias:
-            shapes |= {p + "bq": (q,), p + "bk": (kv,), p + "bv": (kv,)}
-        if cfg.o_bias:
-            shapes[p + "bo"] = (h,)  # full: added after the reduction
-        if cfg.qk_norm:
-            shapes |= {p + "q_norm": (d,), p + "k_norm": (d,)}
+        shapes |= layer_shapes(cfg, n, sc.q_size, sc.kv_size, sc.intermediate, sc.head_dim)
     return shapes
 
 
