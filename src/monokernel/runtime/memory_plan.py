@@ -31,7 +31,7 @@ from monokernel.errors import InvalidRequestError
 from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import PREFILL_CHUNK
 from monokernel.runtime import kv_memory
-from monokernel.runtime.prefill_tp import ShardedPrefill
+from monokernel.runtime.prefill_exchange import exchange_bytes
 from monokernel.runtime.prefill_tp_graphs import graph_bytes as tp_graph_bytes
 from monokernel.weights.formats import DEFAULT_FORMAT
 from monokernel.weights.loader import CHECKPOINT_INT4, Announced, RunFormats
@@ -241,7 +241,7 @@ def _load_phases(cfg: ModelConfig, n: int, tp: int, s: PlanSettings) -> kv_memor
         return kv_memory.load_phases(cfg, n, s.chunk_tokens, s.precision, packing, s.graphs)
     rank = rank_config(shard_config(cfg, 0, tp))
     chunk = min(s.chunk_tokens, n)
-    extra = ShardedPrefill.extra_bytes(chunk, cfg.hidden_size)
+    extra = exchange_bytes(chunk, cfg.hidden_size)
     if s.graphs:
         extra += tp_graph_bytes(rank, s.chunk_tokens, n, s.precision, packing.fmt)
     return kv_memory.load_phases(rank, n, chunk, s.precision, packing, extra=extra)

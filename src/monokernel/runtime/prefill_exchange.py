@@ -32,9 +32,15 @@ from monokernel.kernels.prefill_allreduce import (
 ATTENTION, MLP = 0, 1  # which partial buffer: the attention block's or the MLP block's
 
 
+def _partials_bytes(rows: int, hidden: int) -> int:
+    """One rank's two partial buffers, [2][rows, hidden] fp32."""
+    return 2 * rows * hidden * 4
+
+
 def exchange_bytes(rows: int, hidden: int) -> int:
-    """One rank's device memory for the exchange: both partials and its signal words."""
-    return 2 * rows * hidden * 4 + SIGNAL_BYTES
+    """One rank's device memory for the exchange, beyond its own prefill's: both partials
+    and its signal words (the memory plan counts it on rank 0)."""
+    return _partials_bytes(rows, hidden) + SIGNAL_BYTES
 
 
 class _Raw:
@@ -74,7 +80,7 @@ class PeerExchange:
             if len(indices) > 1:
                 enable_peer_access(indices)
             self._kernels = [PrefillAllReduce(i, cubin) for i in indices]
-            self._parts = [DeviceBuffer(i, 2 * rows * hidden * 4) for i in indices]
+            self._parts = [DeviceBuffer(i, _partials_bytes(rows, hidden)) for i in indices]
             self._signals = [DeviceBuffer(i, SIGNAL_BYTES) for i in indices]
         self._views = []
         for i, buf in zip(indices, self._parts, strict=True):

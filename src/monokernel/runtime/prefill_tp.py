@@ -12,7 +12,8 @@ On GPUs the partials stay where they were written and a small kernel on each ran
 them from its peers' memory (prefill_exchange.py), so nothing in a layer goes through the
 host and a prompt from position 0 in one chunk replays one CUDA graph a rank
 (prefill_tp_graphs.py). On the CPU (the tests' ranks) the host adds copies of the partials.
-Per rank the extra memory is the two partial buffers, [chunk, H] fp32 each (``extra_bytes``).
+Per rank the extra memory is the two partial buffers, [chunk, H] fp32 each
+(prefill_exchange.exchange_bytes).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from monokernel.runtime.prefill import Prefiller, checked_tokens
-from monokernel.runtime.prefill_exchange import ATTENTION, MLP, PeerExchange, exchange_bytes
+from monokernel.runtime.prefill_exchange import ATTENTION, MLP, PeerExchange
 from monokernel.runtime.prefill_graphs import graphs_enabled
 from monokernel.runtime.prefill_tp_graphs import ShardedPrefillGraphs
 
@@ -59,11 +60,6 @@ class ShardedPrefill:
         if graphs is None:
             graphs = all(graphs_enabled(d) for d in self.devices)
         self.graphs = ShardedPrefillGraphs(self) if graphs and on_gpus else None
-
-    @staticmethod
-    def extra_bytes(chunk_tokens: int, hidden: int) -> int:
-        """A rank's device memory beyond its own prefill's: the exchange's partials."""
-        return exchange_bytes(chunk_tokens, hidden)
 
     @torch.no_grad()
     def run(self, tokens: Sequence[int] | torch.Tensor, start: int) -> None:

@@ -576,10 +576,10 @@ def test_tp_ranks_free_their_groups_once_packed() -> None:
     rank_packing = kv_memory.Packing(
         "int4", plan, consume=True, dense_layers=False, groups_on_device=True, owns_groups=True
     )
-    from monokernel.runtime.prefill_tp import ShardedPrefill
+    from monokernel.runtime.prefill_exchange import exchange_bytes
     from monokernel.runtime.prefill_tp_graphs import graph_bytes as tp_graphs
 
-    extra = ShardedPrefill.extra_bytes(4096, cfg.hidden_size)
+    extra = exchange_bytes(4096, cfg.hidden_size)
     extra += tp_graphs(rank, GPU.chunk_tokens, 4096, GPU.precision)
     phases = kv_memory.load_phases(
         rank, 4096, 4096, GPU.precision, rank_packing, graphs=False, extra=extra
