@@ -279,7 +279,7 @@ class Prefiller:
         if not logits:
             return None
         assert x is not None
-        return self._logits(x[-1:])[0]
+        return self.lm_head_logits(x[-1:])[0]
 
     def _chunk(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         """One chunk through every layer; returns its residual stream [T, hidden] fp32."""
@@ -391,7 +391,9 @@ class Prefiller:
             act = silu_mul_bf16(gate, up)  # [T, I] bf16, what the down GEMM reads
         self._project_acc(x if out is None else out, act, lp.matrices["wdown"])
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+    def lm_head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head on residual rows x [T, H]: logits [T, V] fp32 (a
+        tensor-parallel rank's V: its vocabulary range)."""
         h = F.rms_norm(x, (self.cfg.hidden_size,), self.p.norm_gain, self.cfg.rms_norm_eps)
         w, s = self._weight(self.p.matrices["lm_head"])
         logits = self._mm(h, w)  # [1, V] fp32

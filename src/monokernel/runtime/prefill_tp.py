@@ -62,20 +62,35 @@ class ShardedPrefill:
         self.graphs = ShardedPrefillGraphs(self) if graphs and on_gpus else None
 
     @torch.no_grad()
-    def run(self, tokens: Sequence[int] | torch.Tensor, start: int) -> None:
+    def run(
+        self, tokens: Sequence[int] | torch.Tensor, start: int, logits: bool = False
+    ) -> torch.Tensor | None:
         """Prefill ``tokens`` at positions [start, start + T) into every rank's cache
-        (positions [0, start) must already hold the prefix there). Asynchronous."""
+        (positions [0, start) must already hold the prefix there); with ``logits``, the last
+        token's logits [V] float32 on rank 0's device: each rank's LM-head rows (its
+        vocabulary range, in rank order) over the residual every rank holds. Asynchronous."""
         tokens = checked_tokens(tokens, start, self.max_len)
-        if start == 0 and self.graphs is not None and self.graphs.run(tokens):
-            return
-        for a in range(0, tokens.shape[0], self.chunk_tokens):
-            self.chunk(tokens[a : a + self.chunk_tokens], start + a)
+        xs = None
+        if start == 0 and self.graphs is not None:
+            xs = self.graphs.run(tokens)
+        if xs is None:
+            for a in range(0, tokens.shape[0], self.chunk_tokens):
+                xs = self.chunk(tokens[a : a + self.chunk_tokens], start + a)
+        if not logits:
+            return None
+        assert xs is not None
+        parts = []
+        for pf, dev, x in zip(self.ranks, self.devices, xs, strict=True):
+            with _on(dev):
+                parts.append(pf.lm_head_logits(x[-1:])[0].to(self.devices[0]))
+        return torch.cat(parts)
 
-    def chunk(self, tokens: torch.Tensor, start: int) -> None:
+    def chunk(self, tokens: torch.Tensor, start: int) -> list[torch.Tensor]:
         """One chunk, eagerly: layer by layer, each block on every rank, then its exchange
-        on every rank. A block that raises (out of memory) does so before any rank's exchange
-        of it is issued, so no rank is left waiting on the GPU for a peer that never comes
-        (the exchange would trap after TIMEOUT_MS, losing the context)."""
+        on every rank; every rank's residual [T, H] afterwards. A block that raises (out of
+        memory) does so before any rank's exchange of it is issued, so no rank is left
+        waiting on the GPU for a peer that never comes (the exchange would trap after
+        TIMEOUT_MS, losing the context)."""
         end = start + tokens.shape[0]
         xs, ropes = [], []
         for pf, dev in zip(self.ranks, self.devices, strict=True):
@@ -89,6 +104,7 @@ class ShardedPrefill:
                     with _on(dev):
                         parts.append(self.block(r, which, x, n, start, rope))
                 self.reduce(xs, parts, which, n)
+        return xs
 
     def block(
         self, r: int, which: int, x: torch.Tensor, n: int, start: int, rope: ChunkRope

@@ -74,13 +74,14 @@ class ShardedPrefillGraphs:
         # on whatever device was current then.
         self._streams = [torch.cuda.Stream(d) for d in prefill.devices]
 
-    def run(self, tokens: torch.Tensor) -> bool:
-        """Prefill ``tokens`` (int64) at positions [0, T) by replaying a bucket's graphs;
-        False (nothing done) when no bucket holds T tokens."""
+    def run(self, tokens: torch.Tensor) -> list[torch.Tensor] | None:
+        """Prefill ``tokens`` (int64) at positions [0, T) by replaying a bucket's graphs:
+        every rank's residual [T, H] afterwards (valid until the next replay); None (nothing
+        done) when no bucket holds T tokens."""
         t = tokens.shape[0]
         b = bucket_for(t, self.largest)
         if b is None:
-            return False
+            return None
         bk = self._buckets.get(b) or self._capture(b)
         padded = torch.zeros(b, dtype=torch.long)
         padded[:t] = tokens.cpu()
@@ -88,7 +89,7 @@ class ShardedPrefillGraphs:
             with torch.cuda.device(dev):
                 tok[:b].copy_(padded)
                 graph.replay()
-        return True
+        return [x[:t] for x in self._x]
 
     def warm(self) -> int:
         """Capture every bucket not captured yet (writes K/V into cache rows no request holds

@@ -47,7 +47,8 @@ def test_each_rank_holds_its_heads_of_the_whole_prefill(case: str, precision: st
     weights = random_weights(cfg, dtype=torch.float32, seed=5)
     tokens = torch.randint(0, cfg.vocab_size, (37,), generator=torch.Generator().manual_seed(6))
     whole = _prefiller(cfg, weights, 40, precision, 16)
-    whole.run(tokens, 0)
+    want_logits = whole.run(tokens, 0, logits=True)
+    assert want_logits is not None
     ranks = []
     for r in range(tp):
         sc = shard_config(cfg, r, tp)
@@ -55,8 +56,11 @@ def test_each_rank_holds_its_heads_of_the_whole_prefill(case: str, precision: st
         ranks.append(_prefiller(rank_config(sc), shard, 40, precision, 16))
     sharded = ShardedPrefill(ranks)
     sharded.run(tokens[:20], 0)  # two calls, the second from an offset, in chunks of 16
-    sharded.run(tokens[20:], 20)
+    got_logits = sharded.run(tokens[20:], 20, logits=True)
     tol = 1e-5 if precision == "fp32" else 1e-2
+    # The last token's logits: each rank's vocabulary range, side by side in rank order.
+    assert got_logits is not None and got_logits.shape == want_logits.shape
+    assert _rel(got_logits, want_logits) < tol
     for r, pf in enumerate(ranks):
         h = cfg.num_kv_heads // tp
         k_want = whole.k[:, r * h : (r + 1) * h, :37]
@@ -75,9 +79,10 @@ def test_each_rank_holds_its_heads_of_the_whole_prefill(case: str, precision: st
         )
         for r in range(tp)
     ]
-    ShardedPrefill(again).run(tokens, 0)
+    again_logits = ShardedPrefill(again).run(tokens, 0, logits=True)
     for a, b in zip(ranks, again, strict=True):
         assert _rel(a.k[:, :, :37], b.k[:, :, :37]) < tol
+    assert again_logits is not None and _rel(again_logits, want_logits) < tol
 
 
 def test_refuses_bad_arguments() -> None:

@@ -156,17 +156,9 @@ class RequestDriver:
             # first token, so only the launch itself sits between that token and the kernel.
             kernel.prepare(stop_ids)
             if first_from_prefill:
-                raw = logits
-                if sampling.penalized:
-                    logits = penalize(logits, sampling, prompt_ids, ())
-                if matcher is not None:
-                    logits = matcher.apply(logits)
-                first = sample(logits, sampling, n)  # the token at position n: one host sync
-                if matcher is not None:
-                    matcher.advance(first)
-                if want_logprobs:
-                    assert logprobs is not None and sampling.logprobs is not None
-                    first_logprobs = token_logprobs(raw, first, sampling.logprobs)
+                first, first_logprobs = prefill_first_token(
+                    logits, sampling, prompt_ids, matcher, want_logprobs
+                )
             rules = kernel.rules.fields(sampling, prompt_ids, () if first is None else (first,))
             if LogitRules.filled(rules):  # the buffers' fill goes before the launch too
                 kernel.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -280,6 +272,31 @@ def begin_masks(grammars: Sequence[GrammarMask], matcher: TokenMatcher, steps: i
     for grammar in grammars:
         grammar.publish(0, words)
     return tags.pop()
+
+
+def prefill_first_token(
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    prompt_ids: Sequence[int],
+    matcher: TokenMatcher | None,
+    want_logprobs: bool,
+) -> tuple[int, TokenLogprobs | None]:
+    """The token at position len(prompt_ids) from the prefill's last logits [V], by the rule
+    the kernel's steps draw with (penalties, a constrained request's mask, the seeded draw;
+    one host sync), the matcher advanced past it; and its logprobs record when wanted."""
+    raw = logits
+    if sampling.penalized:
+        logits = penalize(logits, sampling, prompt_ids, ())
+    if matcher is not None:
+        logits = matcher.apply(logits)
+    first = sample(logits, sampling, len(prompt_ids))
+    if matcher is not None:
+        matcher.advance(first)
+    record = None
+    if want_logprobs:
+        assert sampling.logprobs is not None
+        record = token_logprobs(raw, first, sampling.logprobs)
+    return first, record
 
 
 def kernel_tokens(

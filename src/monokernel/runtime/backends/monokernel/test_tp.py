@@ -201,17 +201,28 @@ GREEDY_CASES = [
 @pytest.mark.gpu
 @needs_hopper_pair
 @pytest.mark.parametrize("greedy", GREEDY_CASES, ids=["plain", "penalties"])
-def test_tp2_greedy_matches_tp1(greedy: SamplingParams) -> None:
+@pytest.mark.parametrize("source", ["prefill", "kernel"])
+def test_tp2_greedy_matches_tp1(greedy: SamplingParams, source: str) -> None:
+    """The first token from the ranks' prefill logits (their vocabulary ranges side by
+    side) or from the kernels' first step: the same tokens as one GPU's either way."""
     from monokernel.runtime.backends.monokernel import MonokernelBackend
 
     cfg, weights, tp = _tp_setup("qwen2.5-coder-1.5b")
     prompt = _tokens(PROMPT, cfg.vocab_size, seed=2)
-    got = list(tp.stream(_request(prompt, STEPS, greedy), CancelToken()))
-    one = MonokernelBackend(cfg, weights, 1024, torch.device("cuda", 0))
+    kept, tp.first_from_prefill = tp.first_from_prefill, source == "prefill"
+    try:
+        got = list(tp.stream(_request(prompt, STEPS, greedy), CancelToken()))
+        # max_tokens 1, and a first token that is a stop id: no kernel launch at all.
+        assert list(tp.stream(_request(prompt, 1, greedy), CancelToken())) == got[:1]
+        stopped = list(tp.stream(_request(prompt, 8, greedy, stops=got[:1]), CancelToken()))
+        assert stopped == got[:1]
+    finally:
+        tp.first_from_prefill = kept
+    one = MonokernelBackend(cfg, weights, 1024, torch.device("cuda", 0), first_token=source)
     want = list(one.stream(_request(prompt, STEPS, greedy), CancelToken()))
     one.close()
     assert len(got) == STEPS
-    _assert_same_tokens(got, want, "TP=2 against TP=1")
+    _assert_same_tokens(got, want, f"TP=2 against TP=1 (first token from the {source})")
 
 
 @pytest.mark.gpu

@@ -52,10 +52,12 @@ from monokernel.runtime.backends.monokernel.peer import (
 )
 from monokernel.runtime.backends.monokernel.probes import stage_profile
 from monokernel.runtime.backends.monokernel.request import (
+    FIRST_TOKEN_SOURCES,
     WARMUP_SAMPLING,
     begin_masks,
     checked_steps,
     kernel_tokens,
+    prefill_first_token,
 )
 from monokernel.runtime.backends.monokernel.token_reader import read_tokens
 from monokernel.runtime.calibration import shard_stats
@@ -223,6 +225,7 @@ class MonokernelTPBackend:
         prefill_precision: str | None = None,
         fp8_blocks: Fp8Blocks | None = None,
         act_stats: Mapping[str, torch.Tensor] | None = None,
+        first_token: str | None = None,
     ) -> None:
         """``quantize``: the layers' matrices in that format (--quantize), packed per rank
         with TP=1's scales (int4: TP=1's groups, whole on each rank, searched with the
@@ -234,7 +237,17 @@ class MonokernelTPBackend:
         streaming its blocks of the checkpoint's values with them where its layers stream as
         tiles and its column blocks are whole blocks; else re-quantised a row, as without
         them.
-        ``prefill_precision``: as the single-GPU backend's (runtime/prefill.py)."""
+        ``prefill_precision``: as the single-GPU backend's (runtime/prefill.py).
+        ``first_token``: where a request's first token comes from, as on one GPU
+        (FIRST_TOKEN_SOURCES; default MONOKERNEL_FIRST_TOKEN): "prefill" gathers the ranks'
+        vocabulary ranges of the prompt's last logits (ShardedPrefill.run), so the time to
+        first token holds no decode step."""
+        source = first_token or envs.MONOKERNEL_FIRST_TOKEN
+        if source not in FIRST_TOKEN_SOURCES:
+            raise InvalidRequestError(
+                f"first token source {source!r}; choose from {', '.join(FIRST_TOKEN_SOURCES)}"
+            )
+        self.first_from_prefill = source == "prefill"
         multicast_off()  # nothing here uses NVLS; keep any library we load off it too
         check_tp(cfg, tp)  # TensorParallelError naming the numbers and the valid sizes
         device = torch.device(device)
@@ -316,14 +329,17 @@ class MonokernelTPBackend:
                 rk.recv.zero()
         self._tag = 1
 
-    def _prefill(self, prompt_ids: Sequence[int]) -> None:
-        """Every prompt token but the last into the ranks' caches (the kernels decode the
-        last one)."""
-        if len(prompt_ids) <= 1:
-            return
-        self.prefill.run(prompt_ids[:-1], 0)
+    def _prefill(self, prompt_ids: Sequence[int], logits: bool) -> torch.Tensor | None:
+        """The prompt into the ranks' caches: every token and the last one's logits [V] on
+        rank 0's GPU with ``logits``; else every token but the last (the kernels' first
+        step computes it)."""
+        ids = prompt_ids if logits else prompt_ids[:-1]
+        out = self.prefill.run(ids, 0, logits=True) if logits else None
+        if not logits and ids:
+            self.prefill.run(ids, 0)
         for rk in self.ranks:  # the kernels run on their own streams
             torch.cuda.synchronize(rk.device)
+        return out
 
     def _run(
         self,
@@ -348,6 +364,10 @@ class MonokernelTPBackend:
             prompt_ids, stop_ids, max_new_tokens, self.max_seq_len, self.cfg.vocab_size
         )
         check_bias_ids(sampling, self.cfg.vocab_size)
+        if not sampling.greedy and sampling.seed is None:
+            raise InvalidRequestError("sampling needs a fixed seed (SamplingParams.with_seed)")
+        # The debug and profiling runs (probes) number their steps from the kernel's first.
+        from_prefill = self.first_from_prefill and probes is None
         span = 2 * self.cfg.num_layers * max(n_steps, 1)  # tags this launch may use
         if self._tag + span >= _TAG_LIMIT:
             self._reset_tags()
@@ -359,10 +379,31 @@ class MonokernelTPBackend:
         with keeps_device():
             for rk in self.ranks:
                 rk.recv.zero(rk.reduce_bytes)
-        self._prefill(prompt_ids)
+        logits = self._prefill(prompt_ids, from_prefill)
+        # Positions the caches hold before the kernels' first step, and that step's input.
+        held, step_in, first, first_logprobs = n - 1, prompt_ids[-1], None, None
+        if logits is not None:
+            want = logprobs is not None and sampling.logprobs is not None
+            with torch.cuda.device(self.device):
+                first, first_logprobs = prefill_first_token(
+                    logits, sampling, prompt_ids, matcher, want
+                )
+            held, step_in = n, first
+            n_steps = 0 if first in stop_ids else n_steps - 1
+
+        def the_first() -> Iterator[int]:  # the prefill's token, unless cancelled already
+            if first is not None and not (cancel is not None and cancel.is_set()):
+                if first_logprobs is not None and logprobs is not None:
+                    logprobs.append(first_logprobs)
+                yield first
+
+        if n_steps == 0:  # the first token was all (a stop id or max_tokens 1)
+            yield from the_first()
+            return
         grammars = [rk.kernel.grammar for rk in self.ranks] if matcher is not None else []
         mask_tag = 0 if matcher is None else begin_masks(grammars, matcher, n_steps)
-        launch = Launch(prompt_ids[-1], n - 1, n_steps, sampling, len(stop_ids), mask_tag)
+        launch = Launch(step_in, held, n_steps, sampling, len(stop_ids), mask_tag)
+        fed = () if first is None else (first,)
         peers = [rk.recv.ptr for rk in self.ranks]
         params = []
         lead = self.ranks[0].kernel  # rank 0 writes the tokens and reads the cancel word
@@ -371,7 +412,7 @@ class MonokernelTPBackend:
             for r, rk in enumerate(self.ranks):
                 rk.kernel.make_current()
                 with torch.cuda.device(rk.device):  # the fill goes before prepare's wait
-                    rules = rk.kernel.rules.fields(sampling, prompt_ids, ())
+                    rules = rk.kernel.rules.fields(sampling, prompt_ids, fed)
                 rk.kernel.prepare(stop_ids)
                 link = TPLink(peers, rk.recv.ptr, rk.sc.rank, rk.sc.vocab_start, tag)
                 probe = NO_PROBE if probes is None else probes[r]
@@ -382,7 +423,7 @@ class MonokernelTPBackend:
             # on its own stream and device, back to back, never waiting in between.
             for rk, p in zip(self.ranks, params, strict=True):
                 rk.kernel.make_current()
-                rk.kernel.launch(p, n - 1 + n_steps)
+                rk.kernel.launch(p, held + n_steps)
         finished = False
 
         def check(stalled_s: float) -> None:
@@ -411,6 +452,7 @@ class MonokernelTPBackend:
             logprobs,
         )
         try:
+            yield from the_first()  # the kernels are already running on the next one
             finished = yield from tokens
         except GeneratorExit:
             raise
