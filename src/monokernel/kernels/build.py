@@ -640,8 +640,13 @@ def _flags(debug: bool) -> list[str]:
 
 
 def _source_digest() -> str:
+    """The decode kernel's sources: its entry and every header. The other .cu files are
+    standalone kernels (build_standalone keys them by their own sources), so editing one
+    does not rebuild every cached decode kernel."""
     h = hashlib.sha256()
     for f in sorted(CSRC.rglob("*.cu*")):
+        if f.suffix == ".cu" and f.name != ENTRY:
+            continue
         h.update(str(f.relative_to(CSRC)).encode())
         h.update(f.read_bytes())
     return h.hexdigest()

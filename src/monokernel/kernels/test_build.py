@@ -160,6 +160,22 @@ def test_sources_in_subfolders_are_part_of_the_cache_key(
     assert kbuild.cubin_path(dims) != before
 
 
+def test_a_standalone_kernel_is_not_part_of_the_decode_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    csrc = tmp_path / "csrc"
+    shutil.copytree(kbuild.CSRC, csrc)
+    monkeypatch.setattr(kbuild, "CSRC", csrc)
+    dims = _dims("odd")
+    before = kbuild.cubin_path(dims)
+    bench = csrc / "prefill_allreduce.cu"
+    bench.write_text(bench.read_text() + "\n// changed\n")
+    assert kbuild.cubin_path(dims) == before
+    entry = csrc / kbuild.ENTRY
+    entry.write_text(entry.read_text() + "\n// changed\n")
+    assert kbuild.cubin_path(dims) != before
+
+
 # ---- compiles (nvcc only, no GPU) ----------------------------------------------------------
 
 COMPILES = [

@@ -68,6 +68,57 @@ __device__ void handshake(const PrefillArParams& p) {
   }
 }
 
+// One thread's share, NR ranks: U float4s a round, every rank's loads of a round issued before
+// any sum, so U * (NR + 1) 16-byte loads a thread are in flight. One load a thread and rank at
+// a time left a peer's reads waiting on NVLink's latency (~4 KB an SM in flight).
+template <int NR>
+__device__ __forceinline__ void sum_vec4(const PrefillArParams& p, long long n4, long long first,
+                                         long long stride) {
+  constexpr int U = NR >= 8 ? 1 : 8 / NR;  // NR * U <= 8 partial float4s in registers
+  float4* x = reinterpret_cast<float4*>(p.x);
+  const float4* bias = reinterpret_cast<const float4*>(p.bias);
+  const long long h4 = p.hidden / 4;
+  for (long long base = first; base < n4; base += stride * U) {
+    float4 v[U];
+    float4 a[NR][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const long long i = base + u * stride;
+      if (i < n4) v[u] = x[i];
+    }
+#pragma unroll
+    for (int q = 0; q < NR; ++q) {
+      // L2-only loads: a peer's lines must not come from this SM's L1.
+      const float4* part = reinterpret_cast<const float4*>(p.parts[q]);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const long long i = base + u * stride;
+        if (i < n4) a[q][u] = __ldcg(part + i);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const long long i = base + u * stride;
+      if (i >= n4) continue;
+#pragma unroll
+      for (int q = 0; q < NR; ++q) {  // rank order: the same bits on every rank
+        v[u].x += a[q][u].x;
+        v[u].y += a[q][u].y;
+        v[u].z += a[q][u].z;
+        v[u].w += a[q][u].w;
+      }
+      if (bias != nullptr) {
+        const float4 c = bias[i % h4];
+        v[u].x += c.x;
+        v[u].y += c.y;
+        v[u].z += c.z;
+        v[u].w += c.w;
+      }
+      x[i] = v[u];
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(PAR_THREADS) prefill_allreduce(const PrefillArParams p) {
   if (p.nranks > 1) {
     if (threadIdx.x == 0) handshake(p);
@@ -77,26 +128,16 @@ extern "C" __global__ void __launch_bounds__(PAR_THREADS) prefill_allreduce(cons
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (p.hidden % 4 == 0) {
-    float4* x = reinterpret_cast<float4*>(p.x);
-    const int h4 = p.hidden / 4;
-    for (long long i = first; i < n / 4; i += stride) {
-      float4 v = x[i];
-      for (int q = 0; q < p.nranks; ++q) {
-        // L2-only loads: a peer's lines must not come from this SM's L1.
-        const float4 a = __ldcg(reinterpret_cast<const float4*>(p.parts[q]) + i);
-        v.x += a.x;
-        v.y += a.y;
-        v.z += a.z;
-        v.w += a.w;
-      }
-      if (p.bias != nullptr) {
-        const float4 c = reinterpret_cast<const float4*>(p.bias)[i % h4];
-        v.x += c.x;
-        v.y += c.y;
-        v.z += c.z;
-        v.w += c.w;
-      }
-      x[i] = v;
+    const long long n4 = n / 4;
+    switch (p.nranks) {
+      case 1: sum_vec4<1>(p, n4, first, stride); break;
+      case 2: sum_vec4<2>(p, n4, first, stride); break;
+      case 3: sum_vec4<3>(p, n4, first, stride); break;
+      case 4: sum_vec4<4>(p, n4, first, stride); break;
+      case 5: sum_vec4<5>(p, n4, first, stride); break;
+      case 6: sum_vec4<6>(p, n4, first, stride); break;
+      case 7: sum_vec4<7>(p, n4, first, stride); break;
+      default: sum_vec4<PAR_MAX_RANKS>(p, n4, first, stride); break;
     }
   } else {
     for (long long i = first; i < n; i += stride) {
