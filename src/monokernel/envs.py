@@ -199,8 +199,8 @@ _SETTINGS: tuple[Setting, ...] = (
         "turn bucket at each power-of-two number of cached keys), then run a greedy and a "
         "sampled two-token request, so no request pays a capture, a Triton compile or a "
         "first use in its time to first token; 0 leaves each to the first request that "
-        "needs it (a faster load). Under `--tp N` (no prefill graphs yet) a two-token "
-        "request runs at load, for the same reason.",
+        "needs it (a faster load). Under `--tp N` every rank's prefill graphs are "
+        "captured and the same two requests run.",
         _PREFILL,
     ),
     Setting(
@@ -267,7 +267,8 @@ _SETTINGS: tuple[Setting, ...] = (
         "prompt and its last logits give the token by the same sampling rule, so the time to "
         "first token holds no decode step) or `kernel` (the kernel's first step computes the "
         "last prompt position and draws it). "
-        "`MonokernelBackend(first_token=...)` wins over it.",
+        "`MonokernelBackend(first_token=...)` and `MonokernelTPBackend(first_token=...)` "
+        "win over it.",
         _DECODE,
         choices=("prefill", "kernel"),
     ),
