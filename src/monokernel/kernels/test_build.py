@@ -147,33 +147,25 @@ def test_the_knob_list_is_current() -> None:
     )
 
 
-def test_sources_in_subfolders_are_part_of_the_cache_key(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("source", "in_key"),
+    [
+        ("formats/bf16.cuh", True),  # a header in a subfolder
+        (kbuild.ENTRY, True),
+        ("prefill_allreduce.cu", False),  # a standalone kernel: keyed by its own sources
+    ],
+)
+def test_the_decode_key_hashes_the_entry_and_every_header(
+    source: str, in_key: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     csrc = tmp_path / "csrc"
     shutil.copytree(kbuild.CSRC, csrc)
     monkeypatch.setattr(kbuild, "CSRC", csrc)
     dims = _dims("odd")
     before = kbuild.cubin_path(dims)
-    fmt = csrc / "formats" / "bf16.cuh"
-    fmt.write_text(fmt.read_text() + "\n// changed\n")
-    assert kbuild.cubin_path(dims) != before
-
-
-def test_a_standalone_kernel_is_not_part_of_the_decode_key(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    csrc = tmp_path / "csrc"
-    shutil.copytree(kbuild.CSRC, csrc)
-    monkeypatch.setattr(kbuild, "CSRC", csrc)
-    dims = _dims("odd")
-    before = kbuild.cubin_path(dims)
-    bench = csrc / "prefill_allreduce.cu"
-    bench.write_text(bench.read_text() + "\n// changed\n")
-    assert kbuild.cubin_path(dims) == before
-    entry = csrc / kbuild.ENTRY
-    entry.write_text(entry.read_text() + "\n// changed\n")
-    assert kbuild.cubin_path(dims) != before
+    f = csrc / source
+    f.write_text(f.read_text() + "\n// changed\n")
+    assert (kbuild.cubin_path(dims) != before) == in_key
 
 
 # ---- compiles (nvcc only, no GPU) ----------------------------------------------------------

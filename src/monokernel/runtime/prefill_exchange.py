@@ -119,6 +119,17 @@ class PeerExchange:
         grid = grid_for(rows, self.hidden, self.sms)
         self._kernels[rank].launch(grid, p, stream, cooperative=False)
 
+    def reduce_all(
+        self, xs: Sequence[torch.Tensor], which: int, bias: torch.Tensor | None = None
+    ) -> None:
+        """One exchange on every rank (xs[r] on rank r's device), issued from here and
+        waited for: for tests and probes; the prefill issues ``reduce_rank`` a rank."""
+        for r, x in enumerate(xs):
+            with torch.cuda.device(x.device):
+                self.reduce_rank(r, x, which, None if bias is None else bias.to(x.device))
+        for x in xs:
+            torch.cuda.synchronize(x.device)
+
     def free(self) -> None:
         from monokernel.runtime.backends.monokernel.peer import keeps_device
 

@@ -37,12 +37,8 @@ def test_every_rank_sums_the_partials_in_rank_order(nranks: int, hidden: int) ->
             xs = [x.to(d) for d in devices]
             for r, d in enumerate(devices):
                 ex.partial(r, which, t).copy_(parts[r].to(d))
-            for r, d in enumerate(devices):
-                with torch.cuda.device(d):
-                    b = bias.to(d) if which == ATTENTION else None
-                    ex.reduce_rank(r, xs[r], which, b)
-            for r, d in enumerate(devices):
-                torch.cuda.synchronize(d)
+            ex.reduce_all(xs, which, bias if which == ATTENTION else None)
+            for r in range(nranks):
                 assert torch.equal(xs[r].cpu(), want), (step, r)
     finally:
         ex.free()
