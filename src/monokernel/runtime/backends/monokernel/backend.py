@@ -35,9 +35,9 @@ from monokernel.runtime.backends.monokernel.kernel import (
 from monokernel.runtime.backends.monokernel.kv import KVStore
 from monokernel.runtime.backends.monokernel.probes import Probes
 from monokernel.runtime.backends.monokernel.request import (
-    FIRST_TOKEN_SOURCES,
     WARMUP_SAMPLING,
     RequestDriver,
+    prefill_gives_first,
 )
 from monokernel.runtime.backends.monokernel.verify_pass import Drafting, PassKernel, drawn_in_passes
 from monokernel.runtime.prefill_graphs import graphs_enabled
@@ -119,12 +119,7 @@ class MonokernelBackend:
             raise InvalidRequestError(f"max_seq_len must be at least 1; got {max_seq_len}")
         self.cfg, self.device, self.max_seq_len = cfg, device, max_seq_len
         places = handoff_places(handoff_search)
-        source = first_token or envs.MONOKERNEL_FIRST_TOKEN
-        if source not in FIRST_TOKEN_SOURCES:
-            raise InvalidRequestError(
-                f"first token source {source!r}; choose from {', '.join(FIRST_TOKEN_SOURCES)}"
-            )
-        self.first_from_prefill = source == "prefill"
+        self.first_from_prefill = prefill_gives_first(first_token)
         fmt = DEFAULT_FORMAT if quantize is None else check_method(quantize)
         if fold_norms and fmt != DEFAULT_FORMAT:
             # Folding would quantise W * g, not the checkpoint's W that the other engines use.

@@ -14,6 +14,7 @@ from collections.abc import Callable, Generator, Sequence
 
 import torch
 
+from monokernel import envs
 from monokernel.errors import EngineFailedError, InvalidRequestError
 from monokernel.runtime.backends.base import CancelToken
 from monokernel.runtime.backends.monokernel.grammar_mask import GrammarMask
@@ -41,6 +42,18 @@ from monokernel.runtime.sampling import SamplingParams, check_bias_ids, penalize
 # next position, so time to first token loses one whole decode step. "kernel": the kernel's
 # first step computes the last prompt position and draws it (as the debug paths always do).
 FIRST_TOKEN_SOURCES: tuple[str, ...] = ("prefill", "kernel")
+
+
+def prefill_gives_first(first_token: str | None) -> bool:
+    """Whether a backend takes the first token from the prefill: ``first_token`` or else
+    MONOKERNEL_FIRST_TOKEN, refused (InvalidRequestError) unless one of FIRST_TOKEN_SOURCES."""
+    source = first_token or envs.MONOKERNEL_FIRST_TOKEN
+    if source not in FIRST_TOKEN_SOURCES:
+        raise InvalidRequestError(
+            f"first token source {source!r}; choose from {', '.join(FIRST_TOKEN_SOURCES)}"
+        )
+    return source == "prefill"
+
 
 # The requests a backend runs at load (MONOKERNEL_PREFILL_WARMUP): greedy, and a draw from the
 # whole vocabulary, so the first real request meets no first use of either path.

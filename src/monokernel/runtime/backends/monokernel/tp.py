@@ -52,12 +52,12 @@ from monokernel.runtime.backends.monokernel.peer import (
 )
 from monokernel.runtime.backends.monokernel.probes import stage_profile
 from monokernel.runtime.backends.monokernel.request import (
-    FIRST_TOKEN_SOURCES,
     WARMUP_SAMPLING,
     begin_masks,
     checked_steps,
     kernel_tokens,
     prefill_first_token,
+    prefill_gives_first,
 )
 from monokernel.runtime.backends.monokernel.token_reader import read_tokens
 from monokernel.runtime.calibration import shard_stats
@@ -242,12 +242,7 @@ class MonokernelTPBackend:
         (FIRST_TOKEN_SOURCES; default MONOKERNEL_FIRST_TOKEN): "prefill" gathers the ranks'
         vocabulary ranges of the prompt's last logits (ShardedPrefill.run), so the time to
         first token holds no decode step."""
-        source = first_token or envs.MONOKERNEL_FIRST_TOKEN
-        if source not in FIRST_TOKEN_SOURCES:
-            raise InvalidRequestError(
-                f"first token source {source!r}; choose from {', '.join(FIRST_TOKEN_SOURCES)}"
-            )
-        self.first_from_prefill = source == "prefill"
+        self.first_from_prefill = prefill_gives_first(first_token)
         multicast_off()  # nothing here uses NVLS; keep any library we load off it too
         check_tp(cfg, tp)  # TensorParallelError naming the numbers and the valid sizes
         device = torch.device(device)
@@ -334,9 +329,7 @@ class MonokernelTPBackend:
         rank 0's GPU with ``logits``; else every token but the last (the kernels' first
         step computes it)."""
         ids = prompt_ids if logits else prompt_ids[:-1]
-        out = self.prefill.run(ids, 0, logits=True) if logits else None
-        if not logits and ids:
-            self.prefill.run(ids, 0)
+        out = self.prefill.run(ids, 0, logits) if ids else None
         for rk in self.ranks:  # the kernels run on their own streams
             torch.cuda.synchronize(rk.device)
         return out
