@@ -17,6 +17,10 @@ run on one backend, whose kernels are swapped between timings (``load_kernels`` 
 ``use_kernels``): the same weights, KV cache and hand-off buffer (``--own-weights``: a
 backend each, as variants with settings always get; they still share the first one's
 hand-off buffer, unless ``--own-handoff``).
+
+``--tp N`` runs each variant at N GPUs (the TP backend's ranks swap their kernels
+together; each rank keeps its own hand-off buffer), the MBU over a rank's share of the
+bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from monokernel.models.shapes import SHAPES
 from monokernel.runtime.backends.base import CancelToken, DecodeRequest
 from monokernel.runtime.backends.monokernel import MonokernelBackend
 from monokernel.runtime.backends.monokernel.kernel import KernelBuild
+from monokernel.runtime.backends.monokernel.tp import MonokernelTPBackend
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.weights.quantize import QUANTIZE_METHODS
 from monokernel.weights.random_weights import random_weights
@@ -44,9 +49,11 @@ def _tokens(backend: MonokernelBackend, prompt: list[int], n: int) -> list[int]:
     return list(backend.stream(req, CancelToken()))
 
 
-def _select(
-    backends: dict[str, MonokernelBackend], kernels: dict[str, KernelBuild], name: str
-) -> MonokernelBackend:
+Backend = MonokernelBackend | MonokernelTPBackend
+Builds = KernelBuild | list[KernelBuild]  # a TP backend's: one a rank
+
+
+def _select(backends: dict[str, Backend], kernels: dict[str, Builds], name: str) -> Backend:
     """The backend of variant ``name``, launching that variant's kernels."""
     b = backends[name]
     b.use_kernels(kernels[name])
@@ -80,6 +87,7 @@ def main(argv: list[str]) -> int:
         choices=QUANTIZE_METHODS,
         help="the layers' weight format (--quantize)",
     )
+    ap.add_argument("--tp", type=int, default=1, help="GPUs each variant runs on")
     ap.add_argument("--json", dest="json_file")
     args = ap.parse_args(argv)
     variants = [v.split("=", 1) for v in args.variant] or [["default", ""]]
@@ -88,14 +96,17 @@ def main(argv: list[str]) -> int:
     results: list[dict] = []
     for shape in args.shapes.split(","):
         cfg = SHAPES[shape]
-        weights = random_weights(cfg, device=device, seed=0)
+        # --tp shards from the host, as the engine does (drawn on the GPU: seconds, not minutes).
+        store = "cpu" if args.tp > 1 else None
+        weights = random_weights(cfg, device=device, seed=0, store=store)
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
         max_len = args.prompt_tokens + args.gen_tokens + 1
         bpt = bytes_per_token(cfg, args.prompt_tokens + args.gen_tokens / 2, fmt=args.quantize)
-        backends: dict[str, MonokernelBackend] = {}
-        kernels: dict[str, KernelBuild] = {}  # the kernels of each variant
-        shared: MonokernelBackend | None = None
+        bpt /= args.tp  # a rank's share (each streams its columns and vocabulary range)
+        backends: dict[str, Backend] = {}
+        kernels: dict[str, Builds] = {}  # the kernels of each variant
+        shared: Backend | None = None
         # One backend for every variant: it may repack the weights in place (a 32B model
         # fits an 80 GB GPU once, not twice).
         one = not args.own_weights and not any("MONOKERNEL_" in f for _, f in variants)
@@ -103,7 +114,14 @@ def main(argv: list[str]) -> int:
             env = dict(f.split("=", 1) for f in flags.split() if f.startswith("MONOKERNEL_"))
             nvcc = " ".join(f for f in flags.split() if not f.startswith("MONOKERNEL_"))
             with envs.overridden(**{**env, "MONOKERNEL_NVCC_FLAGS": nvcc}):
-                if env or args.own_weights or shared is None:
+                if args.tp > 1 and (env or args.own_weights or shared is None):
+                    b = MonokernelTPBackend(
+                        cfg, weights, max_len, device, args.tp, quantize=args.quantize
+                    )
+                    backends[name], kernels[name] = b, b.kernels
+                    if not (env or args.own_weights):
+                        shared = b
+                elif env or args.own_weights or shared is None:
                     b = MonokernelBackend(
                         cfg,
                         weights,
@@ -121,7 +139,7 @@ def main(argv: list[str]) -> int:
 
         for name, _ in variants:
             time_request(_select(backends, kernels, name), prompt, 32)  # warm-up
-        if not args.own_handoff:
+        if not args.own_handoff and args.tp == 1:
             # One hand-off buffer for every variant (where it lies moves the speed), unless a
             # variant changes its size.
             first = next(iter(backends.values()))
@@ -156,7 +174,11 @@ def main(argv: list[str]) -> int:
                 b.close()
         if shared is not None:
             for name, build in kernels.items():
-                if backends[name] is shared and build is not shared.kernels:
+                if backends[name] is not shared:
+                    continue
+                if isinstance(shared, MonokernelTPBackend):
+                    shared.unload_kernels(build)
+                elif build is not shared.kernels:
                     build.unload()
             shared.close()
         del backends, weights
@@ -164,7 +186,7 @@ def main(argv: list[str]) -> int:
     dev = torch.cuda.get_device_name(device)
     print(
         f"device: {dev} | copy bw {bw / 1e9:.0f} GB/s | prompt {args.prompt_tokens} "
-        f"gen {args.gen_tokens}"
+        f"gen {args.gen_tokens} | tp {args.tp}"
     )
     stages = "ABCDEF"
     head = " ".join(f"{s:>9}" for s in stages)
@@ -180,7 +202,9 @@ def main(argv: list[str]) -> int:
         )
     if args.json_file:
         with open(args.json_file, "w") as f:
-            json.dump({"device": dev, "copy_bw": bw, "results": results}, f, indent=2)
+            json.dump(
+                {"device": dev, "copy_bw": bw, "tp": args.tp, "results": results}, f, indent=2
+            )
     return 0
 
 

@@ -387,23 +387,26 @@ class KernelDims:
         hidden >= 2048 and 3 at hidden 1536-2047 in the build without group units, else 4.
         More loads in flight pay while they fit the registers; the build with group units
         carries more registers already, and at 5 the smaller hidden sizes spill. Above
-        hidden 4096 with intermediate < 4 x hidden (the 14B presets), 7 without q/k norms
-        and 4 with them: measured 15-18% faster there than 5, the best of 4, 5, 7 and 10 on
-        each, for reasons of the stage's register schedule not yet understood; the 32B
-        shape (intermediate 5.4 x hidden) runs at 94% of the bandwidth with 5. int4: 2 in
-        both builds (a load is 24 bytes of registers with its group's pair): 8B 3,288 ->
-        2,887 µs/token against 4, the 1B and the 1.5B unchanged (1 or 3 no better). A TP
-        rank of that shape (the 32B at TP=2: hidden 5,120, intermediate 13,824) runs 5 in
-        both builds: 7 / 4 cost it 44% (perf-notes step 95)."""
+        hidden 4096: with intermediate < 4 x hidden (the 14B presets) 6 without q/k norms
+        and 4 with them (the best of 4, 5, 6, 7 and 10 on each; 7 and 5 cost Qwen2.5-14B
+        0.6% and ~16%, 6 cost Qwen3-14B 5.4%), else (the 32B) 6 (2.3% faster than 5), for
+        reasons of the stage's register schedule not yet understood. int4: 2 in both builds
+        (a load is 24 bytes of registers with its group's pair): 8B 3,288 -> 2,887
+        µs/token against 4, the 1B and the 1.5B unchanged (1 or 3 no better). A TP rank of
+        the wide, short shape (the 32B at TP=2: hidden 5,120, intermediate 13,824) runs 6
+        in both builds: 10% faster than 5, 2.6% than 8, while 7 / 4 cost it 44% (perf-notes
+        steps 95, 100)."""
         if self.weight_format == "int4":
             return 2
         wide_short = self.hidden > 4096 and self.intermediate < 4 * self.hidden
         if self.tp > 1 and wide_short:
-            return 5
+            return 6
         if self.group_units:
             return 4
         if wide_short:
-            return 4 if self.qk_norm else 7
+            return 4 if self.qk_norm else 6
+        if self.hidden > 4096:
+            return 6
         if self.hidden >= 2048:
             return 5
         return 3 if self.hidden >= 1536 else 4

@@ -118,11 +118,19 @@ def test_per_shape_choices() -> None:
     # The 14B's shape on one GPU, and the same shape as a rank of the 32B at TP=2.
     wide = _dims("qwen2.5-coder-14b")
     narrow = dataclasses.replace(wide, group_units=False)
-    assert [wide.gate_up_batch(), narrow.gate_up_batch()] == [4, 7]
+    assert [wide.gate_up_batch(), narrow.gate_up_batch()] == [4, 6]
+    normed = dataclasses.replace(_dims("qwen3-14b"), group_units=False)
+    assert normed.gate_up_batch() == 4
     ranks = [
         dataclasses.replace(_tp_dims("qwen2.5-coder-32b"), group_units=g) for g in (True, False)
     ]
-    assert [d.gate_up_batch() for d in ranks] == [5, 5]
+    assert [d.gate_up_batch() for d in ranks] == [6, 6]
+    # The 32B on one GPU (intermediate 5.4 x hidden: not the 14B's rule) against the 8B.
+    big = [
+        dataclasses.replace(_dims(s), group_units=False)
+        for s in ("qwen2.5-coder-32b", "llama-3.1-8b")
+    ]
+    assert [d.gate_up_batch() for d in big] == [6, 5]
     assert [d.attn_range() for d in (llama, qwen)] == [256, 128]
     assert _define(_tp_dims("qwen2.5-coder-1.5b"), "MK_TP") == "2"
 

@@ -36,6 +36,7 @@ from monokernel.runtime.backends.monokernel.kernel import (
     NO_PROBE,
     STOP_GRACE_SECONDS,
     DecodeKernel,
+    KernelBuild,
     KernelStuckError,
     Launch,
     Probe,
@@ -533,6 +534,36 @@ class MonokernelTPBackend:
             for k, v in stage_profile(t, self.cfg.num_layers).items():
                 out[prefix + k] = v
         return out
+
+    # ---- build variants side by side (tools/kernel_variants.py --tp) ---------------------
+
+    @property
+    def kernels(self) -> list[KernelBuild]:
+        """The build each rank launches, in rank order."""
+        return [rk.kernel.build for rk in self.ranks]
+
+    def load_kernels(self) -> list[KernelBuild]:
+        """Each rank's build under the build flags in force now, loaded without switching to
+        it (the single-GPU backend's ``load_kernels``): variants then run on the same shards,
+        caches and receive buffers."""
+        with keeps_device():
+            return [rk.kernel.load_build() for rk in self.ranks]
+
+    def use_kernels(self, builds: Sequence[KernelBuild]) -> None:
+        """Launch ``builds`` (from ``load_kernels``, one a rank) from now on."""
+        if len(builds) != len(self.ranks):
+            raise ValueError(f"{len(builds)} builds for {len(self.ranks)} ranks")
+        for rk, build in zip(self.ranks, builds, strict=True):
+            rk.kernel.use_build(build)
+
+    def unload_kernels(self, builds: Sequence[KernelBuild]) -> None:
+        """Unload builds from ``load_kernels`` that no rank launches any more (each from its
+        own GPU's context)."""
+        with keeps_device():
+            for rk, build in zip(self.ranks, builds, strict=True):
+                if build is not rk.kernel.build:
+                    rk.kernel.make_current()
+                    build.unload()
 
     def close(self) -> None:
         """Free the device memory; the backend is unusable afterwards (a second call does
