@@ -388,25 +388,24 @@ class KernelDims:
         More loads in flight pay while they fit the registers; the build with group units
         carries more registers already, and at 5 the smaller hidden sizes spill. Above
         hidden 4096: with intermediate < 4 x hidden (the 14B presets) 6 without q/k norms
-        and 4 with them (the best of 4, 5, 6, 7 and 10 on each; 7 and 5 cost Qwen2.5-14B
-        0.6% and ~16%, 6 cost Qwen3-14B 5.4%), else (the 32B) 6 (2.3% faster than 5), for
-        reasons of the stage's register schedule not yet understood. int4: 2 in both builds
-        (a load is 24 bytes of registers with its group's pair): 8B 3,288 -> 2,887
-        µs/token against 4, the 1B and the 1.5B unchanged (1 or 3 no better). A TP rank of
-        the wide, short shape (the 32B at TP=2: hidden 5,120, intermediate 13,824) runs 6
-        in both builds: 10% faster than 5, 2.6% than 8, while 7 / 4 cost it 44% (perf-notes
-        steps 95, 100)."""
+        and 4 with them (the best of 4, 5, 6, 7 and 10 on each; 7 cost Qwen2.5-14B 0.6%
+        and 5 ~16%, 6 cost Qwen3-14B 5.4%), else (the 32B) 6 in both builds: its window of
+        96 positions leaves contexts of a few hundred to the build with group units, where
+        4 cost it 2.0-2.3%; for reasons of the stage's register schedule not yet
+        understood. int4: 2 in both builds (a load is 24 bytes of registers with its
+        group's pair): 8B 3,288 -> 2,887 µs/token against 4, the 1B and the 1.5B
+        unchanged (1 or 3 no better). A TP rank of the wide, short shape (the 32B at TP=2:
+        hidden 5,120, intermediate 13,824) runs 6 in both builds: 10% faster than 5, 2.6%
+        than 8, while 7 / 4 cost it 44% (perf-notes steps 95, 100)."""
         if self.weight_format == "int4":
             return 2
         wide_short = self.hidden > 4096 and self.intermediate < 4 * self.hidden
-        if self.tp > 1 and wide_short:
+        if self.hidden > 4096 and (self.tp > 1 or not wide_short):
             return 6
         if self.group_units:
             return 4
         if wide_short:
             return 4 if self.qk_norm else 6
-        if self.hidden > 4096:
-            return 6
         if self.hidden >= 2048:
             return 5
         return 3 if self.hidden >= 1536 else 4

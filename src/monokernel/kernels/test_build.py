@@ -126,11 +126,10 @@ def test_per_shape_choices() -> None:
     ]
     assert [d.gate_up_batch() for d in ranks] == [6, 6]
     # The 32B on one GPU (intermediate 5.4 x hidden: not the 14B's rule) against the 8B.
-    big = [
-        dataclasses.replace(_dims(s), group_units=False)
-        for s in ("qwen2.5-coder-32b", "llama-3.1-8b")
-    ]
-    assert [d.gate_up_batch() for d in big] == [6, 5]
+    big = [_dims("qwen2.5-coder-32b"), _dims("llama-3.1-8b")]
+    assert [d.gate_up_batch() for d in big] == [6, 4]  # with group units
+    short = [dataclasses.replace(d, group_units=False) for d in big]
+    assert [d.gate_up_batch() for d in short] == [6, 5]
     assert [d.attn_range() for d in (llama, qwen)] == [256, 128]
     assert _define(_tp_dims("qwen2.5-coder-1.5b"), "MK_TP") == "2"
 
