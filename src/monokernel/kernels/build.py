@@ -389,9 +389,10 @@ class KernelDims:
         carries more registers already, and at 5 the smaller hidden sizes spill. Above
         hidden 4096: with intermediate < 4 x hidden (the 14B presets) 6 without q/k norms
         and 4 with them (the best of 4, 5, 6, 7 and 10 on each; 7 cost Qwen2.5-14B 0.6%
-        and 5 ~16%, 6 cost Qwen3-14B 5.4%), else (the 32B) 6 in both builds: its window of
-        96 positions leaves contexts of a few hundred to the build with group units, where
-        4 cost it 2.0-2.3%; for reasons of the stage's register schedule not yet
+        and 5 ~16%, 6 cost Qwen3-14B 5.4%), else (the 32B) 6 in both builds: its 40 heads
+        on 132 CTAs with a window of 96 positions leave head units 288 positions, so a
+        64-token prompt and 256 new tokens already run the build with group units, where 4
+        cost it 2.0-2.3%; for reasons of the stage's register schedule not yet
         understood. int4: 2 in both builds (a load is 24 bytes of registers with its
         group's pair): 8B 3,288 -> 2,887 µs/token against 4, the 1B and the 1.5B
         unchanged (1 or 3 no better). A TP rank of the wide, short shape (the 32B at TP=2:
