@@ -386,25 +386,29 @@ class KernelDims:
         """Loads a lane keeps in flight per gate/up row (two rows stream together): 5 at
         hidden >= 2048 and 3 at hidden 1536-2047 in the build without group units, else 4.
         More loads in flight pay while they fit the registers; the build with group units
-        carries more registers already, and at 5 the smaller hidden sizes spill. Above
-        hidden 4096: with intermediate < 4 x hidden (the 14B presets) 6 without q/k norms
-        and 4 with them (the best of 4, 5, 6, 7 and 10 on each; 7 cost Qwen2.5-14B 0.6%
-        and 5 ~16%, 6 cost Qwen3-14B 5.4%), else (the 32B) 6 in both builds: its 40 heads
-        on 132 CTAs with a window of 96 positions leave head units 288 positions, so a
-        64-token prompt and 256 new tokens already run the build with group units, where 4
-        cost it 2.0-2.3%; for reasons of the stage's register schedule not yet
-        understood. int4: 2 in both builds (a load is 24 bytes of registers with its
-        group's pair): 8B 3,288 -> 2,887 µs/token against 4, the 1B and the 1.5B
-        unchanged (1 or 3 no better). A TP rank of the wide, short shape (the 32B at TP=2:
-        hidden 5,120, intermediate 13,824) runs 6 in both builds: 10% faster than 5, 2.6%
-        than 8, while 7 / 4 cost it 44% (perf-notes steps 95, 100)."""
+        carries more registers already, and at 5 the smaller hidden sizes spill. From
+        hidden 4096 on one GPU without q/k norms (not the 14B presets: unmeasured) that
+        build takes 6: Llama-3.1-8B at a 4,096-token prompt 6,363.8 -> 5,943.2 µs/token (5:
+        6,168.7); Qwen2.5-1.5B's 4 stays (5 and 6 lost 3-4%). Above hidden 4096: with
+        intermediate < 4 x hidden (the 14B presets) 6 without q/k norms and 4 with them in
+        the build without group units (the best of 4, 5, 6, 7 and 10 on each; 7 cost
+        Qwen2.5-14B 0.6% and 5 ~16%, 6 cost Qwen3-14B 5.4%), else (the 32B) 6 in both
+        builds: its 40 heads on 132 CTAs with a window of 96 positions leave head units 288
+        positions, so a 64-token prompt and 256 new tokens already run the build with group
+        units, where 4 cost it 2.0-2.3%; for reasons of the stage's register schedule not
+        yet understood. int4: 2 in both builds (a load is 24 bytes of registers with its
+        group's pair): 8B 3,288 -> 2,887 µs/token against 4, the 1B and the 1.5B unchanged
+        (1 or 3 no better). A TP rank of the wide, short shape (the 32B at TP=2: hidden
+        5,120, intermediate 13,824) runs 6 in both builds: 10% faster than 5, 2.6% than 8,
+        while 7 / 4 cost it 44% (perf-notes steps 95, 100)."""
         if self.weight_format == "int4":
             return 2
         wide_short = self.hidden > 4096 and self.intermediate < 4 * self.hidden
         if self.hidden > 4096 and (self.tp > 1 or not wide_short):
             return 6
         if self.group_units:
-            return 4
+            big = self.hidden >= 4096 and not (self.qk_norm or wide_short)
+            return 6 if big and self.tp == 1 else 4
         if wide_short:
             return 4 if self.qk_norm else 6
         if self.hidden >= 2048:

@@ -127,7 +127,8 @@ def test_per_shape_choices() -> None:
     assert [d.gate_up_batch() for d in ranks] == [6, 6]
     # The 32B on one GPU (intermediate 5.4 x hidden: not the 14B's rule) against the 8B.
     big = [_dims("qwen2.5-coder-32b"), _dims("llama-3.1-8b")]
-    assert [d.gate_up_batch() for d in big] == [6, 4]  # with group units
+    assert [d.gate_up_batch() for d in big] == [6, 6]  # with group units
+    assert _tp_dims("llama-3.1-8b").gate_up_batch() == 4  # a rank's: not measured at 6
     short = [dataclasses.replace(d, group_units=False) for d in big]
     assert [d.gate_up_batch() for d in short] == [6, 5]
     assert [d.attn_range() for d in (llama, qwen)] == [256, 128]
