@@ -15,7 +15,8 @@
 # tools/prefill_profile.py), stalls (where the decode kernel's warps wait: ncu,
 # tools/stall_summary.py), variants (tools/kernel_variants.py with the MK_VARIANTS list,
 # ';'-separated, e.g. "a=;b=-DMK_X=1 -DMK_Y=2;c=MONOKERNEL_ATTN_GROUP_FROM=1";
-# MK_VARIANT_PROMPT / MK_VARIANT_GEN tokens, MK_VARIANT_TAG names the output files).
+# MK_VARIANT_PROMPT / MK_VARIANT_GEN tokens, MK_VARIANT_TP GPUs a variant runs on (NVLink
+# multicast off), MK_VARIANT_TAG names the output files).
 # The tools themselves are described in tools/README.md.
 # Logs and JSON land in OUTDIR; a short table is printed last.
 set -u -o pipefail
@@ -118,8 +119,12 @@ if [[ $STAGES == *variants* ]]; then
   args=()
   IFS=';' read -ra vs <<<"${MK_VARIANTS:-base=}"
   for v in "${vs[@]}"; do args+=(--variant "$v"); done
+  # Multicast (NVLS) off, as scripts/tp_check.sh keeps it, for a TP run's ranks.
+  [[ ${MK_VARIANT_TP:-1} == 1 ]] ||
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   timeout "${MK_VARIANTS_TIMEOUT:-300}" python3 tools/kernel_variants.py \
     --shapes "${MK_VARIANT_SHAPES:-llama-3.2-1b,qwen2.5-coder-1.5b}" "${args[@]}" \
+    --tp "${MK_VARIANT_TP:-1}" \
     --rounds "${MK_VARIANT_ROUNDS:-3}" --prompt-tokens "${MK_VARIANT_PROMPT:-64}" \
     --gen-tokens "${MK_VARIANT_GEN:-512}" \
     --json "$OUTDIR/variants${MK_VARIANT_TAG:-}.json" >"$OUTDIR/variants${MK_VARIANT_TAG:-}.log" \
