@@ -69,7 +69,13 @@ class PackedLayers(nn.Module):
                 x.to(torch.bfloat16), self.data[m], self.group, self.scales[m]
             )
         elif kind == 1:
-            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.data[m], self.scales[m])
+            # The packed rows' zero columns (cpu_packed.INT8_COLS) take zeros from the input.
+            data = self.data[m]
+            pad = data.shape[1] - x.shape[1]
+            xb = x.to(torch.bfloat16)
+            if pad > 0:
+                xb = F.pad(xb, [0, pad])
+            y = torch._weight_int8pack_mm(xb, data, self.scales[m])
         else:
             y = F.linear(x.float(), self.data[m])
         bias = self.biases[m]

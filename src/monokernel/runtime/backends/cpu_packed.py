@@ -56,6 +56,10 @@ from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.group_quant import fuse_rows as gq_fuse_rows
 
 GROUP = 32  # weights sharing an int4 scale and zero: a Q4_1 block
+# The int8 kernel's rows are stored padded with zero columns to a multiple of this (and each
+# input row with zeros to match): torch 2.14's kernel (AVX-512) sums a row whose width is 8
+# more than a multiple of 16 wrongly and may crash, where 2.13's took any multiple of 8.
+INT8_COLS = 16
 RESCORE = 16  # LM-head candidates scored again in float32
 # Candidates a greedy step takes from the 4-bit head and scores in float32: on the default
 # model the float32 head's pick ranked at most 8th among the 4-bit logits over 4,096
@@ -75,9 +79,12 @@ class PackedLinear:
     """``y = x W^T + b`` with W [rows, cols] stored as ``kind``."""
 
     kind: str  # "int4" | "int8" | "float32"
-    data: torch.Tensor  # int4: the kernel's packed bytes; int8: [rows, cols]; float32: W
+    # int4: the kernel's packed bytes; int8: [rows, cols rounded up to INT8_COLS], the
+    # columns past cols zero; float32: W
+    data: torch.Tensor
     scales: torch.Tensor | None  # int4: [cols/32, rows, 2] (scale, zero); int8: [rows]; bf16
     bias: torch.Tensor | None
+    cols: int = 0  # int8: W's columns, without the padding
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -92,7 +99,7 @@ class PackedLinear:
         if self.kind == "int4":
             y = torch._weight_int4pack_mm_for_cpu(x, self.data, GROUP, self.scales)
         elif self.kind == "int8":
-            y = torch._weight_int8pack_mm(x, self.data, self.scales)
+            y = torch._weight_int8pack_mm(int8_input(x, self.data), self.data, self.scales)
         else:
             y = F.linear(x.float(), self.data)
         return y if self.bias is None else y + self.bias
@@ -103,7 +110,7 @@ class PackedLinear:
             return self.data
         if self.kind == "int8":
             assert self.scales is not None
-            return self.data.float() * self.scales.float()[:, None]
+            return self.data[:, : self.cols].float() * self.scales.float()[:, None]
         assert self.scales is not None
         cols = self.scales.shape[0] * GROUP
         # The kernel applied to the identity (its float32 path: exact sums) reads back the
@@ -151,12 +158,21 @@ def _groups_grid(
 
 
 def pack_int8(w: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
-    """W [rows, cols] (cols % 8 == 0) as int8, symmetric, one bf16 scale a row."""
+    """W [rows, cols] (cols % 8 == 0) as int8, symmetric, one bf16 scale a row; stored
+    with zero columns up to a multiple of INT8_COLS."""
     wf = w.float()
     amax = wf.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / 127, 1.0).to(_ACT)
     q = (wf / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return PackedLinear("int8", q, scale, None if bias is None else bias.float())
+    cols = q.shape[1]
+    q = F.pad(q, (0, -cols % INT8_COLS))
+    return PackedLinear("int8", q, scale, None if bias is None else bias.float(), cols)
+
+
+def int8_input(x: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """x [T, cols] with zero columns up to the packed int8 matrix's width."""
+    pad = data.shape[1] - x.shape[-1]
+    return F.pad(x, (0, pad)) if pad else x
 
 
 def pack_int4_rtn(w: torch.Tensor) -> PackedLinear | None:

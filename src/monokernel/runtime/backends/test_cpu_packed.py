@@ -147,7 +147,13 @@ def test_a_checkpoints_own_groups_pack_as_int4_without_a_grid_search(
 
 @pytest.mark.parametrize(
     ("shape", "kind"),
-    [((48, 96), "int8"), ((40, 64), "int8"), ((16, 100), "float32"), ((7, 9), "float32")],
+    [
+        ((48, 96), "int8"),
+        ((40, 64), "int8"),
+        ((32, 72), "int8"),  # padded to 80 columns (INT8_COLS)
+        ((16, 100), "float32"),
+        ((7, 9), "float32"),
+    ],
 )
 def test_other_matrices_fall_back_by_values_and_shape(shape: tuple[int, int], kind: str) -> None:
     """Off any 4-bit grid (or rows % 16): int8 where cols % 8 == 0 (the kernel sums other
