@@ -400,11 +400,14 @@ class KernelDims:
         group's pair): 8B 3,288 -> 2,887 µs/token against 4, the 1B and the 1.5B unchanged
         (1 or 3 no better). A TP rank of the wide, short shape (the 32B at TP=2: hidden
         5,120, intermediate 13,824) runs 6 in both builds: 10% faster than 5, 2.6% than 8,
-        while 7 / 4 cost it 44% (perf-notes steps 95, 100)."""
+        while 7 / 4 cost it 44% (perf-notes steps 95, 100); a rank with q/k norms (Qwen3),
+        unmeasured, keeps the 5 it had."""
         if self.weight_format == "int4":
             return 2
         wide_short = self.hidden > 4096 and self.intermediate < 4 * self.hidden
-        if self.hidden > 4096 and (self.tp > 1 or not wide_short):
+        if self.tp > 1 and wide_short:  # measured on the 32B's ranks; q/k norms keep 5
+            return 5 if self.qk_norm else 6
+        if self.hidden > 4096 and not wide_short and self.tp == 1:  # the 32B
             return 6
         if self.group_units:
             big = self.hidden >= 4096 and not (self.qk_norm or wide_short)
