@@ -114,23 +114,22 @@ def main(argv: list[str]) -> int:
             env = dict(f.split("=", 1) for f in flags.split() if f.startswith("MONOKERNEL_"))
             nvcc = " ".join(f for f in flags.split() if not f.startswith("MONOKERNEL_"))
             with envs.overridden(**{**env, "MONOKERNEL_NVCC_FLAGS": nvcc}):
-                if args.tp > 1 and (env or args.own_weights or shared is None):
-                    b = MonokernelTPBackend(
-                        cfg, weights, max_len, device, args.tp, quantize=args.quantize
-                    )
-                    backends[name], kernels[name] = b, b.kernels
-                    if not (env or args.own_weights):
-                        shared = b
-                elif env or args.own_weights or shared is None:
-                    b = MonokernelBackend(
-                        cfg,
-                        weights,
-                        max_len,
-                        device,
-                        handoff_search=0,
-                        consume_weights=one,
-                        quantize=args.quantize,
-                    )
+                if env or args.own_weights or shared is None:
+                    b: Backend
+                    if args.tp > 1:
+                        b = MonokernelTPBackend(
+                            cfg, weights, max_len, device, args.tp, quantize=args.quantize
+                        )
+                    else:
+                        b = MonokernelBackend(
+                            cfg,
+                            weights,
+                            max_len,
+                            device,
+                            handoff_search=0,
+                            consume_weights=one,
+                            quantize=args.quantize,
+                        )
                     backends[name], kernels[name] = b, b.kernels
                     if not (env or args.own_weights):
                         shared = b
@@ -174,12 +173,8 @@ def main(argv: list[str]) -> int:
                 b.close()
         if shared is not None:
             for name, build in kernels.items():
-                if backends[name] is not shared:
-                    continue
-                if isinstance(shared, MonokernelTPBackend):
-                    shared.unload_kernels(build)
-                elif build is not shared.kernels:
-                    build.unload()
+                if backends[name] is shared:
+                    shared.unload_kernels(build)  # all but the build it launches
             shared.close()
         del backends, weights
         torch.cuda.empty_cache()

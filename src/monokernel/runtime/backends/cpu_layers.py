@@ -25,6 +25,15 @@ ACT = torch.bfloat16  # the integer kernels' fast activation dtype (_mm spells i
 # TorchScript reads no global dtype)
 
 
+def int8_input(x: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """x [T, cols] with zero columns up to a packed int8 matrix's width (its rows' zero
+    columns, cpu_packed.INT8_COLS)."""
+    pad = data.shape[1] - x.shape[-1]
+    if pad > 0:
+        return F.pad(x, [0, pad])
+    return x
+
+
 class PackedLayers(nn.Module):
     """Every layer of a step over T tokens: updates the residual stream ``x`` [T, hidden]
     float32 in place and writes the T positions' cache rows. Flat lists, 2 norm gains and
@@ -69,13 +78,10 @@ class PackedLayers(nn.Module):
                 x.to(torch.bfloat16), self.data[m], self.group, self.scales[m]
             )
         elif kind == 1:
-            # The packed rows' zero columns (cpu_packed.INT8_COLS) take zeros from the input.
             data = self.data[m]
-            pad = data.shape[1] - x.shape[1]
-            xb = x.to(torch.bfloat16)
-            if pad > 0:
-                xb = F.pad(xb, [0, pad])
-            y = torch._weight_int8pack_mm(xb, data, self.scales[m])
+            y = torch._weight_int8pack_mm(
+                int8_input(x.to(torch.bfloat16), data), data, self.scales[m]
+            )
         else:
             y = F.linear(x.float(), self.data[m])
         bias = self.biases[m]

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from monokernel.models.config import ModelConfig
 from monokernel.models.transformer import KVCache, Transformer
-from monokernel.runtime.backends.cpu_layers import ACT, PackedLayers, script
+from monokernel.runtime.backends.cpu_layers import ACT, PackedLayers, int8_input, script
 from monokernel.weights.group_quant import GroupQuant
 from monokernel.weights.group_quant import fuse_rows as gq_fuse_rows
 
@@ -167,12 +167,6 @@ def pack_int8(w: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear
     cols = q.shape[1]
     q = F.pad(q, (0, -cols % INT8_COLS))
     return PackedLinear("int8", q, scale, None if bias is None else bias.float(), cols)
-
-
-def int8_input(x: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
-    """x [T, cols] with zero columns up to the packed int8 matrix's width."""
-    pad = data.shape[1] - x.shape[-1]
-    return F.pad(x, (0, pad)) if pad else x
 
 
 def pack_int4_rtn(w: torch.Tensor) -> PackedLinear | None:

@@ -415,3 +415,9 @@ class MonokernelBackend:
     def use_kernels(self, build: KernelBuild) -> None:
         """Launch ``build`` (from ``load_kernels``) from now on."""
         self.kernel.use_build(build)
+
+    def unload_kernels(self, build: KernelBuild) -> None:
+        """Unload ``build`` (from ``load_kernels``) unless it is the one launched (``close``
+        unloads that)."""
+        if build is not self.kernel.build:
+            build.unload()

@@ -55,6 +55,13 @@ def prefill_gives_first(first_token: str | None) -> bool:
     return source == "prefill"
 
 
+def check_seeded(sampling: SamplingParams) -> None:
+    """Refuse a sampled request without a fixed seed before any work for it (the kernel's
+    draws are keyed by the seed)."""
+    if not sampling.greedy and sampling.seed is None:
+        raise InvalidRequestError("sampling needs a fixed seed (SamplingParams.with_seed)")
+
+
 # The requests a backend runs at load (MONOKERNEL_PREFILL_WARMUP): greedy, and a draw from the
 # whole vocabulary, so the first real request meets no first use of either path.
 WARMUP_SAMPLING = (
@@ -151,8 +158,7 @@ class RequestDriver:
         n_steps = checked_steps(
             prompt_ids, stop_ids, max_new_tokens, self.max_seq_len, self.vocab_size, plan.reuse
         )
-        if not sampling.greedy and sampling.seed is None:
-            raise InvalidRequestError("sampling needs a fixed seed (SamplingParams.with_seed)")
+        check_seeded(sampling)
         check_bias_ids(sampling, self.vocab_size)
         kernel.make_current()
         first: int | None = None

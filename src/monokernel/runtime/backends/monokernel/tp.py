@@ -55,6 +55,7 @@ from monokernel.runtime.backends.monokernel.probes import stage_profile
 from monokernel.runtime.backends.monokernel.request import (
     WARMUP_SAMPLING,
     begin_masks,
+    check_seeded,
     checked_steps,
     kernel_tokens,
     prefill_first_token,
@@ -358,8 +359,7 @@ class MonokernelTPBackend:
             prompt_ids, stop_ids, max_new_tokens, self.max_seq_len, self.cfg.vocab_size
         )
         check_bias_ids(sampling, self.cfg.vocab_size)
-        if not sampling.greedy and sampling.seed is None:
-            raise InvalidRequestError("sampling needs a fixed seed (SamplingParams.with_seed)")
+        check_seeded(sampling)
         # The debug and profiling runs (probes) number their steps from the kernel's first.
         from_prefill = self.first_from_prefill and probes is None
         span = 2 * self.cfg.num_layers * max(n_steps, 1)  # tags this launch may use
@@ -551,8 +551,6 @@ class MonokernelTPBackend:
 
     def use_kernels(self, builds: Sequence[KernelBuild]) -> None:
         """Launch ``builds`` (from ``load_kernels``, one a rank) from now on."""
-        if len(builds) != len(self.ranks):
-            raise ValueError(f"{len(builds)} builds for {len(self.ranks)} ranks")
         for rk, build in zip(self.ranks, builds, strict=True):
             rk.kernel.use_build(build)
 
