@@ -26,6 +26,7 @@ bytes.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -176,7 +177,10 @@ def main(argv: list[str]) -> int:
                 if backends[name] is shared:
                     shared.unload_kernels(build)  # all but the build it launches
             shared.close()
-        del backends, weights
+        # Nothing of this shape may stay alive while the next one is drawn and packed (an
+        # 80 GB GPU ran out of memory at the 14B after the 7B and the 8B).
+        del backends, kernels, weights, shared, b
+        gc.collect()
         torch.cuda.empty_cache()
     dev = torch.cuda.get_device_name(device)
     print(

@@ -383,35 +383,39 @@ class KernelDims:
         return 16 if chunks % 16 == 0 else 1
 
     def gate_up_batch(self) -> int:
-        """Loads a lane keeps in flight per gate/up row (two rows stream together): 5 at
-        hidden >= 2048 and 3 at hidden 1536-2047 in the build without group units, else 4.
-        More loads in flight pay while they fit the registers; the build with group units
-        carries more registers already, and at 5 the smaller hidden sizes spill. From
-        hidden 4096 on one GPU without q/k norms (not the 14B presets: unmeasured) that
-        build takes 6: Llama-3.1-8B at a 4,096-token prompt 6,363.8 -> 5,943.2 µs/token (5:
-        6,168.7); Qwen2.5-1.5B's 4 stays (5 and 6 lost 3-4%). Above hidden 4096: with
-        intermediate < 4 x hidden (the 14B presets) 6 without q/k norms and 4 with them in
-        the build without group units (the best of 4, 5, 6, 7 and 10 on each; 7 cost
-        Qwen2.5-14B 0.6% and 5 ~16%, 6 cost Qwen3-14B 5.4%), else (the 32B) 6 in both
-        builds: its 40 heads on 132 CTAs with a window of 96 positions leave head units 288
-        positions, so a 64-token prompt and 256 new tokens already run the build with group
-        units, where 4 cost it 2.0-2.3%; for reasons of the stage's register schedule not
-        yet understood. int4: 2 in both builds (a load is 24 bytes of registers with its
-        group's pair): 8B 3,288 -> 2,887 µs/token against 4, the 1B and the 1.5B unchanged
-        (1 or 3 no better). A TP rank of the wide, short shape (the 32B at TP=2: hidden
-        5,120, intermediate 13,824) runs 6 in both builds: 10% faster than 5, 2.6% than 8,
-        while 7 / 4 cost it 44% (perf-notes steps 95, 100); a rank with q/k norms (Qwen3),
-        unmeasured, keeps the 5 it had."""
+        """Loads a lane keeps in flight per gate/up row (two rows stream together). More loads
+        in flight pay while they fit the registers, and where that ends depends on the
+        build's register schedule more than on anything we can predict, so every value here
+        was measured side by side (`tools/kernel_variants.py`; perf-notes steps 95, 100-102):
+        - int4: 2 (a load is 24 bytes of registers with its group's pair): 8B 3,288 ->
+          2,887 µs/token against 4; the 1B and the 1.5B unchanged (1 or 3 no better).
+        - A TP rank of the wide, short shape (the 32B at TP=2: hidden 5,120, intermediate
+          13,824, under 4 x hidden): 6 in both builds, 10% faster than 5, 2.6% than 8 (7 / 4
+          cost it 44%); with q/k norms (Qwen3, unmeasured) the 5 it had.
+        - The 32B on one GPU (hidden above 4,096, not wide and short): 6 in both builds. Its
+          40 heads on 132 CTAs with a 96-position window leave head units 288 positions, so
+          even a 64-token prompt runs the build with group units, where 4 cost it 2.0-2.3%.
+        - The build with group units (every context past what head units cover): from
+          hidden 3,584 on, 6, one GPU or a TP rank; 5 for the wide, short 14B presets (6 cost
+          Qwen3-14B 12-17%); else 4 (5 and 6 lost 1-4% on the 1B, Qwen3-4B and the 1.5B and
+          its TP rank). At a 4,096-token prompt, one H100: Llama-3.1-8B 6,363.8 -> 5,943.2,
+          Qwen2.5-7B 5,696.0 -> 5,575.9, Qwen3-8B 6,575.5 -> 6,352.3, Qwen2.5-14B 10,875.0 ->
+          10,763.7, Qwen3-14B 10,771.0 -> 10,679.0; the 8B's TP=2 rank 2,693.9 -> 2,612.6
+          (2x H200).
+        - The build without group units: the 14B presets 6 (4 with q/k norms: 6 cost
+          Qwen3-14B 5.4%, 7 Qwen2.5-14B 0.6%, 5 ~16%); 5 from hidden 2,048; 3 at hidden
+          1,536-2,047; else 4."""
         if self.weight_format == "int4":
             return 2
         wide_short = self.hidden > 4096 and self.intermediate < 4 * self.hidden
-        if self.tp > 1 and wide_short:  # measured on the 32B's ranks; q/k norms keep 5
+        if self.tp > 1 and wide_short:
             return 5 if self.qk_norm else 6
         if self.hidden > 4096 and not wide_short and self.tp == 1:  # the 32B
             return 6
         if self.group_units:
-            big = self.hidden >= 4096 and not (self.qk_norm or wide_short)
-            return 6 if big and self.tp == 1 else 4
+            if wide_short:
+                return 5
+            return 6 if self.hidden >= 3584 else 4
         if wide_short:
             return 4 if self.qk_norm else 6
         if self.hidden >= 2048:

@@ -118,7 +118,7 @@ def test_per_shape_choices() -> None:
     # The 14B's shape on one GPU, and the same shape as a rank of the 32B at TP=2.
     wide = _dims("qwen2.5-coder-14b")
     narrow = dataclasses.replace(wide, group_units=False)
-    assert [wide.gate_up_batch(), narrow.gate_up_batch()] == [4, 6]
+    assert [wide.gate_up_batch(), narrow.gate_up_batch()] == [5, 6]
     normed = dataclasses.replace(_dims("qwen3-14b"), group_units=False)
     assert normed.gate_up_batch() == 4
     ranks = [
@@ -128,7 +128,9 @@ def test_per_shape_choices() -> None:
     # The 32B on one GPU (intermediate 5.4 x hidden: not the 14B's rule) against the 8B.
     big = [_dims("qwen2.5-coder-32b"), _dims("llama-3.1-8b")]
     assert [d.gate_up_batch() for d in big] == [6, 6]  # with group units
-    assert _tp_dims("llama-3.1-8b").gate_up_batch() == 4  # a rank's: not measured at 6
+    assert _tp_dims("llama-3.1-8b").gate_up_batch() == 6  # a rank's, with group units
+    assert [_dims(s).gate_up_batch() for s in ("qwen2.5-coder-7b", "qwen3-8b")] == [6, 6]
+    assert [_dims(s).gate_up_batch() for s in ("qwen3-4b", "qwen3-14b")] == [4, 5]
     short = [dataclasses.replace(d, group_units=False) for d in big]
     assert [d.gate_up_batch() for d in short] == [6, 5]
     assert [d.attn_range() for d in (llama, qwen)] == [256, 128]

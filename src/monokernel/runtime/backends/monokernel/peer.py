@@ -54,7 +54,13 @@ def can_access_peer(device: int, peer: int) -> bool:
 
 
 def enable_peer_access(devices: list[int]) -> None:
-    """Let every device in ``devices`` load from and store to every other one; idempotent."""
+    """Let every device in ``devices`` load from and store to every other one; idempotent.
+    The caller's current device is kept."""
+    with keeps_device():
+        _enable_peer_access(devices)
+
+
+def _enable_peer_access(devices: list[int]) -> None:
     contexts = {}
     for d in devices:
         set_current_context(d)

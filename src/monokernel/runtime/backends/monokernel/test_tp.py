@@ -90,6 +90,9 @@ def test_tp2_quantized_teacher_forced_logits(case: str) -> None:
     seq = _tokens(PROMPT + STEPS, cfg.vocab_size, seed=3)
     got = tp.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
     tp.close()
+    # The ranks' launches and frees make each GPU current in turn; the caller stays on its
+    # own (a backend opened next on "cuda" must not land on the last rank's GPU).
+    assert torch.cuda.current_device() == 0
     assert_logits_match(
         cfg, DequantizedView(weights, fmt), seq, PROMPT, got, f"TP=2 llama-3.2-1b {fmt}"
     )
