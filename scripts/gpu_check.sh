@@ -18,7 +18,9 @@
 # MK_VARIANT_PROMPT / MK_VARIANT_GEN tokens, MK_VARIANT_TP GPUs a variant runs on (NVLink
 # multicast off), MK_VARIANT_TAG names the output files).
 # The tools themselves are described in tools/README.md.
-# Logs and JSON land in OUTDIR; a short table is printed last.
+# Logs and JSON land in OUTDIR; a short table is printed last. The test stage also writes
+# OUTDIR/builds.jsonl, every kernel it built: `python -m monokernel.kernels.prebuild
+# --from-log builds.jsonl` compiles them on a machine without a GPU before the next call.
 set -u -o pipefail
 OUTDIR=${1:?usage: scripts/gpu_check.sh OUTDIR}
 mkdir -p "$OUTDIR"
@@ -43,6 +45,9 @@ fi
 
 if [[ $STAGES == *test* ]]; then
   echo "== gpu tests" >&2
+  # Every kernel the tests build, for `python -m monokernel.kernels.prebuild --from-log`
+  # before the next call (compiled on a CPU machine, carried in MONOKERNEL_CACHE).
+  MONOKERNEL_BUILD_LOG=$OUTDIR/builds.jsonl \
   timeout "${MK_TEST_TIMEOUT:-420}" python3 -m pytest -m gpu -v -s -p no:cacheprovider \
     ${TEST_FILTER:+-k "$TEST_FILTER"} src/monokernel >"$OUTDIR/tests.log" 2>&1 || status=1
   grep -E "PASSED|FAILED|ERROR|rel L2|greedy:|passed|failed" "$OUTDIR/tests.log" | tail -40 >&2

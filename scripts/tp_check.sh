@@ -47,6 +47,7 @@ grep -E "^torch|NVLS|MULTICAST" "$OUTDIR/env.txt" >&2
 
 if want tests; then
   echo "== gpu tests (tensor parallel)" >&2
+  MONOKERNEL_BUILD_LOG=$OUTDIR/builds.jsonl \
   timeout "${MK_TEST_TIMEOUT:-400}" python3 -m pytest -m gpu -v -s -p no:cacheprovider \
     src/monokernel/parallel src/monokernel/runtime/backends/monokernel/test_peer.py \
     src/monokernel/weights/test_shard.py >"$OUTDIR/tests.log" 2>&1 || status=1
@@ -54,6 +55,7 @@ fi
 
 if want tp_tests; then
   echo "== gpu tests (TP decode kernel)" >&2
+  MONOKERNEL_BUILD_LOG=$OUTDIR/builds.jsonl \
   timeout "${MK_TP_TEST_TIMEOUT:-400}" python3 -m pytest -m gpu -v -s -p no:cacheprovider \
     src/monokernel/runtime/backends/monokernel/test_tp.py \
     >"$OUTDIR/tp_tests.log" 2>&1 || status=1

@@ -144,6 +144,17 @@ _SETTINGS: tuple[Setting, ...] = (
         choices=("auto", "tiles", "rows"),
     ),
     Setting(
+        "MONOKERNEL_BUILD_LOG",
+        "path",
+        None,
+        "A file to which every decode-kernel build request appends one JSON line (its "
+        "dimensions, nvcc flags and debug switch), whether or not the cache already holds "
+        "the cubin. `python -m monokernel.kernels.prebuild --from-log FILE` builds the same "
+        "cubins on another machine with the same nvcc: log a GPU test run once, then fill "
+        "the cache before the next GPU call on a machine without a GPU.",
+        _BUILD,
+    ),
+    Setting(
         "MONOKERNEL_VERBOSE_BUILD",
         "bool",
         False,

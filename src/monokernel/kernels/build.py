@@ -20,6 +20,7 @@ import dataclasses
 import fcntl
 import hashlib
 import inspect
+import json
 import os
 import shutil
 import subprocess
@@ -723,9 +724,35 @@ def build(dims: KernelDims, debug: bool | None = None) -> Path:
     """The cubin for ``dims``, compiled now unless the cache already holds it."""
     if debug is None:
         debug = envs.MONOKERNEL_DEBUG_BUILD
+    if envs.MONOKERNEL_BUILD_LOG is not None:
+        log_build(envs.MONOKERNEL_BUILD_LOG, dims, envs.MONOKERNEL_NVCC_FLAGS, debug)
     return compile_cached(
         cubin_path(dims, debug), lambda out: nvcc_command(dims, out, debug), "the monokernel"
     )
+
+
+def log_build(log: Path, dims: KernelDims, flags: str, debug: bool) -> None:
+    """Append a build request to ``log`` (MONOKERNEL_BUILD_LOG): one JSON line, written in one
+    append, so the test processes of one run can share a log."""
+    line = json.dumps({"dims": dataclasses.asdict(dims), "flags": flags, "debug": debug})
+    with open(log, "a") as f:
+        f.write(line + "\n")
+
+
+def read_build_log(log: Path) -> list[tuple[KernelDims, str, bool]]:
+    """The distinct build requests in ``log``, in first-seen order: (dims, nvcc flags,
+    debug)."""
+    seen: dict[str, tuple[KernelDims, str, bool]] = {}
+    for n, line in enumerate(log.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            req = (KernelDims(**entry["dims"]), str(entry["flags"]), bool(entry["debug"]))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"{log}:{n}: not a build request line ({e}): {line[:120]}") from e
+        seen.setdefault(line, req)
+    return list(seen.values())
 
 
 def build_standalone(source: Path, headers: Sequence[Path], stem: str, what: str) -> Path:

@@ -7,6 +7,11 @@ builds each shape again with those tuning defines, as MONOKERNEL_NVCC_FLAGS woul
 time: the cubins' cache keys do not depend on the machine, so a cache filled on a CPU
 machine with the same nvcc can travel to the GPU machine (``MONOKERNEL_CACHE``) and save it
 the compile time.
+
+``--from-log FILE`` builds what a run logged with MONOKERNEL_BUILD_LOG=FILE asked for
+(every dimension, flag set and debug switch as it was): the GPU test stages of
+scripts/gpu_check.sh and scripts/tp_check.sh log to OUTDIR/builds.jsonl, so the next call's
+kernels can be compiled here first (``--from-log builds.jsonl``) and carried in the cache.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ import os
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from monokernel import envs
 from monokernel.errors import UnsupportedModelError
-from monokernel.kernels.build import KernelDims, build
+from monokernel.kernels.build import KernelDims, build, read_build_log
 from monokernel.models.config import ModelConfig
 from monokernel.models.shapes import SHAPES
 from monokernel.weights.formats.int4 import DEFAULT_GROUP
@@ -60,12 +66,23 @@ def main(argv: list[str]) -> int:
         default=1,
         help="GPUs a request runs on: each rank's build of a tensor-parallel request",
     )
+    ap.add_argument(
+        "--from-log",
+        type=Path,
+        help="also build every request a MONOKERNEL_BUILD_LOG file holds (alone: only those)",
+    )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
     unknown = [n for n in args.shapes if n not in SHAPES]
     if unknown:
         ap.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(sorted(SHAPES))}")
-    names = args.shapes or sorted(SHAPES)
+    logged: list[tuple[KernelDims, str, bool]] = []
+    if args.from_log is not None:
+        try:
+            logged = read_build_log(args.from_log)
+        except (OSError, ValueError) as e:
+            ap.error(f"--from-log: {e}")
+    names = args.shapes or ([] if logged else sorted(SHAPES))
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     jobs: list[tuple[str, KernelDims]] = []
     for n in names:
@@ -93,20 +110,28 @@ def main(argv: list[str]) -> int:
                 (label, dataclasses.replace(d, group_units=u)) for d in ranks for u in (True, False)
             ]
 
-    def one(job: tuple[str, KernelDims]) -> str:
+    def one(job: tuple[str, KernelDims], debug: bool | None) -> str:
         t0 = time.perf_counter()
-        path = build(job[1])
+        path = build(job[1], debug)
         kind = "group units" if job[1].group_units else "head units only"
         return f"{job[0]} ({kind}): {path} ({time.perf_counter() - t0:.1f} s)"
 
     # Verbose unless the caller said otherwise.
     verbose = {} if envs.is_set("MONOKERNEL_VERBOSE_BUILD") else {"MONOKERNEL_VERBOSE_BUILD": "1"}
-    for flags in args.flags or [envs.MONOKERNEL_NVCC_FLAGS]:
-        # build() reads the flags from the environment: one set at a time.
-        with envs.overridden(MONOKERNEL_NVCC_FLAGS=flags, **verbose):
-            print(f"flags: {flags!r}")
+    # build() reads the flags from the environment: one set at a time. The logged requests
+    # go with their own flags and debug switch, and are not logged again.
+    sets: dict[tuple[str, bool | None], list[tuple[str, KernelDims]]] = {}
+    if jobs:
+        for flags in args.flags or [envs.MONOKERNEL_NVCC_FLAGS]:
+            sets.setdefault((flags, None), []).extend(jobs)  # debug: the setting's
+    for dims, flags, debug in logged:
+        label = f"logged {dims.hidden}x{dims.intermediate} {dims.weight_format} P{dims.positions}"
+        sets.setdefault((flags, debug), []).append((label, dims))
+    for (flags, debug), todo in sets.items():
+        with envs.overridden(MONOKERNEL_NVCC_FLAGS=flags, MONOKERNEL_BUILD_LOG=None, **verbose):
+            print(f"flags: {flags!r}" + (" (debug)" if debug else ""))
             with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-                for line in pool.map(one, jobs):
+                for line in pool.map(one, todo, [debug] * len(todo)):
                     print(line)
     return 0
 
