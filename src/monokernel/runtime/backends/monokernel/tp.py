@@ -299,7 +299,7 @@ class MonokernelTPBackend:
                 rank = Rank(sc, shard, max_seq_len, dev, fmt, rows, mine, prefill_precision, blocks)
                 self.ranks.append(rank)
                 del shard, mine
-            self.prefill = ShardedPrefill([rk.prefill for rk in self.ranks])
+        self.prefill = ShardedPrefill([rk.prefill for rk in self.ranks])
         self._tag = 1  # next generation; carried across requests so buffers are never reset
         self.failure: str | None = None  # why no more requests can run (RequestDriver's)
         self.warmup_s = 0.0
@@ -310,12 +310,11 @@ class MonokernelTPBackend:
             # pays none of the first-use costs (the ranks' first launches, the prefill's first
             # kernels, the whole-vocabulary draw); each request prefills its whole prompt, so
             # what they leave in the caches is never read.
-            with keeps_device():
-                if self.prefill.graphs is not None:
-                    self.prefill.graphs.warm()
-                for sampling in WARMUP_SAMPLING:
-                    for _ in self._run((0, 0), 2, sampling, [], None):
-                        pass
+            if self.prefill.graphs is not None:
+                self.prefill.graphs.warm()
+            for sampling in WARMUP_SAMPLING:
+                for _ in self._run((0, 0), 2, sampling, [], None):
+                    pass
             self.warmup_s = time.perf_counter() - t0
 
     # ---- one request --------------------------------------------------------------------
@@ -569,18 +568,16 @@ class MonokernelTPBackend:
         nothing)."""
         if not self.ranks:
             return
+        with keeps_device():
+            for rk in self.ranks:
+                rk.close()
+        self.ranks = []
         # Nothing of the closed backend keeps the weights, caches or buffers alive (the
         # single-GPU backend's rule): the sharded prefill holds every rank's prefiller and its
         # graphs' memory pools, and a caller that opens the next backend before this
         # object is collected would capture beside them (test_tp's fourth int4 backend ran
         # out of memory mid-capture). The graphs refer back to the prefill, a cycle that only
         # the garbage collector would break: close() drops them first, then frees the
-        # exchange's buffers (cuMemAlloc, which no collector frees). Each free makes its GPU
-        # current: the caller's device comes back after (kernel_variants' next shape opened
-        # its backend on "cuda", found itself on cuda:1 and was refused).
-        with keeps_device():
-            for rk in self.ranks:
-                rk.close()
-            self.ranks = []
-            self.prefill.close()
-            del self.prefill
+        # exchange's buffers (cuMemAlloc, which no collector frees).
+        self.prefill.close()
+        del self.prefill
