@@ -16,7 +16,8 @@
 # tools/stall_summary.py), variants (tools/kernel_variants.py with the MK_VARIANTS list,
 # ';'-separated, e.g. "a=;b=-DMK_X=1 -DMK_Y=2;c=MONOKERNEL_ATTN_GROUP_FROM=1";
 # MK_VARIANT_PROMPT / MK_VARIANT_GEN tokens, MK_VARIANT_TP GPUs a variant runs on (NVLink
-# multicast off), MK_VARIANT_TAG names the output files).
+# multicast off), MK_VARIANT_QUANTIZE the layers' format (--quantize), MK_VARIANT_TAG names the
+# output files).
 # The tools themselves are described in tools/README.md.
 # Logs and JSON land in OUTDIR; a short table is printed last. The test stage also writes
 # OUTDIR/builds.jsonl, every kernel it built: `python -m monokernel.kernels.prebuild
@@ -124,6 +125,7 @@ if [[ $STAGES == *variants* ]]; then
   args=()
   IFS=';' read -ra vs <<<"${MK_VARIANTS:-base=}"
   for v in "${vs[@]}"; do args+=(--variant "$v"); done
+  [[ -z ${MK_VARIANT_QUANTIZE:-} ]] || args+=(--quantize "$MK_VARIANT_QUANTIZE")
   # Multicast (NVLS) off, as scripts/tp_check.sh keeps it, for a TP run's ranks.
   [[ ${MK_VARIANT_TP:-1} == 1 ]] ||
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

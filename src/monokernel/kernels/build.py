@@ -303,7 +303,11 @@ class KernelDims:
         """Each per-shape choice's define and value: the rule's, unless ``flags`` (by default
         MONOKERNEL_NVCC_FLAGS) set it (``-DMK_ATTN_CHUNK=32``: tests force small windows)."""
         out = {c.define: c.rule(self) for c in CHOICES}
+        rules = dict(out)
         out.update(choice_overrides(flags))
+        # E's streamed input exists only where its rule says it can (csrc/cta.cuh checks):
+        # an override turns it off, never on.
+        out["MK_E_STREAM"] = min(out["MK_E_STREAM"], rules["MK_E_STREAM"])
         chunk = out["MK_ATTN_CHUNK"]
         if chunk % 32 or not 32 <= chunk <= self.attn_chunk():
             raise ValueError(
@@ -440,6 +444,23 @@ class KernelDims:
         test shape, whose whole vocabulary is a tail, keeps the ticket path tested."""
         return 8 if self.hidden < 2048 and self.tp == 1 else 0
 
+    def down_input_streamed(self) -> int:
+        """1: where D and E stream tiles and E's 16 warps each own a slice of its input of
+        more than one batch of loads (csrc/cta.cuh kEStream checks the same), each warp of E
+        fetches its own slice and starts on it before the slice's last batch's columns are
+        in, and D writes those columns last (csrc/flow.cuh TileInputsStreamed, csrc/gemv.cuh
+        TilesTailsLast); the same sums in the same order, so the same bits. Elsewhere it
+        changes nothing. Llama-3.1-8B, one backend, interleaved (perf-notes step 103): fp8
+        3,091.5 -> 3,034.1 µs/token, int4 2,235.0 -> 2,213.2 (another H100: 3,144.3 ->
+        3,087.6, 2,273.0 -> 2,261.4). 0: E waits for its whole input, as every other stage
+        (``-DMK_E_STREAM=0`` turns it off; 1 is taken only where it applies)."""
+        if not self.weight_tiles or self.positions > 1 or self.down_split() != WARPS:
+            return 0
+        down_format, _ = self.stage_format("down")
+        tile_rows = 16
+        loads = self.intermediate // WARPS * tile_rows // FORMATS[down_format].weights_per_load
+        return int(loads // 32 > self.tile_batch())  # a lane's loads in one tile slice
+
     def attn_chunk(self) -> int:
         """Positions of one attention range held in shared memory (K and V, bf16): as many as
         the CTA's shared memory leaves room for (layout.py's carve-up), a multiple of 32, at
@@ -519,6 +540,7 @@ CHOICES: tuple[Choice, ...] = (
     Choice("MK_TILE_SPLIT_C", KernelDims.o_tile_split),
     Choice("MK_TILE_SPLIT_D", KernelDims.gate_up_tile_split),
     Choice("MK_TILE_BATCH", KernelDims.tile_batch),
+    Choice("MK_E_STREAM", KernelDims.down_input_streamed),
     Choice("MK_ATTN_CHUNK", KernelDims.attn_chunk),
     Choice("MK_ATTN_RANGE", KernelDims.attn_range),
 )

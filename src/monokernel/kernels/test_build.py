@@ -243,6 +243,37 @@ def test_int8_group_kernel_compiles(shape: str, group: int, tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr
 
 
+def test_down_input_streams_where_each_warp_owns_a_slice_of_several_batches() -> None:
+    """MK_E_STREAM (csrc/flow.cuh TileInputsStreamed) where D and E stream tiles, E's 16
+    warps each own one K-slice, and a slice is more than one batch of loads; an override can
+    turn it off but not on (csrc/cta.cuh refuses a build where it cannot apply)."""
+
+    def tiles(shape: str, fmt: str, group: int = 0, **changes: object) -> kbuild.KernelDims:
+        return _dims(shape, weight_format=fmt, weight_group=group, weight_tiles=True, **changes)
+
+    assert tiles("llama-3.1-8b", "int4", 128).choices()["MK_E_STREAM"] == 1
+    assert tiles("llama-3.1-8b", "fp8").choices()["MK_E_STREAM"] == 1
+    # The 32B's int4 slices of 27,648 / 16 columns would split a group of 128: E at 8 warps.
+    assert tiles("qwen2.5-coder-32b", "int4", 128).down_split() == 8
+    assert tiles("qwen2.5-coder-32b", "int4", 128).choices()["MK_E_STREAM"] == 0
+    assert tiles("qwen2.5-coder-32b", "fp8").choices()["MK_E_STREAM"] == 1
+    assert _dims("llama-3.1-8b").choices()["MK_E_STREAM"] == 0  # bf16 rows
+    assert tiles("llama-3.2-1b", "int4", 128, positions=2).choices()["MK_E_STREAM"] == 0
+    eight = tiles("llama-3.1-8b", "fp8")
+    assert eight.choices(["-DMK_E_STREAM=0"])["MK_E_STREAM"] == 0
+    assert _dims("llama-3.1-8b").choices(["-DMK_E_STREAM=1"])["MK_E_STREAM"] == 0
+
+
+@needs_nvcc
+@pytest.mark.parametrize(("fmt", "group"), [("int4", 128), ("fp8", 0)])
+def test_streamed_down_input_kernel_compiles(fmt: str, group: int, tmp_path: Path) -> None:
+    """The 8B in tiles: E's input streamed (its static_assert agrees with build.py's rule)."""
+    dims = _dims("llama-3.1-8b", weight_format=fmt, weight_group=group, weight_tiles=True)
+    assert "-DMK_E_STREAM=1" in dims.defines()
+    proc = kbuild.compile_check(dims, tmp_path / "decode.o")
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_verify_pass_builds_and_their_bounds() -> None:
     """A pass build (MK_P) is the step build's dims with more positions: refused past 8, under
     tensor parallelism, and where the positions' vectors leave shared memory no room for the

@@ -23,6 +23,26 @@ using SE = Split<DownFormat, MK_I, MK_SPLIT_E>;    // E: down projection
 using SF = Split<HeadFormat, MK_H, kSplitF>;       // F: the LM head (its own format)
 using SD = Split<WeightFormat, MK_H, kSplitD>;     // D in a tile format: a tile of pairs
 using GateUp = RowShape<WeightFormat, MK_H, MK_BATCH2>;  // D: one gate or up row
+// The columns of E's slice before its tiles' last batch of loads (a tile format's).
+template <class F>
+constexpr int late_cols() {
+  if constexpr (F::kTiles)
+    return ((SE::Shape::N + SE::Shape::B - 1) / SE::Shape::B - 1) * SE::Shape::B * F::kLoadCols;
+  else
+    return 0;
+}
+// E's input streamed by each warp (MK_E_STREAM, flow.cuh TileInputsStreamed): tile formats
+// in D and E, one K-slice a warp, a step build, and a slice of more than one batch (one
+// batch has nothing to start on early); D then takes its tiles in the order E reads their rows.
+constexpr bool kEStream = MK_E_STREAM && MK_P == 1 && WeightFormat::kTiles &&
+                          DownFormat::kTiles && SE::GROUPS == 1 && late_cols<DownFormat>() > 0;
+static_assert(kEStream == (MK_E_STREAM != 0),
+              "MK_E_STREAM: 1 exactly where E's input can stream (build.py down_input_streamed)");
+using GateUpOrder =
+    std::conditional_t<kEStream, TilesTailsLast<SE::S, (SE::KP - late_cols<DownFormat>()) / 8>,
+                       TilesInOrder>;
+template <class Src>
+using EInput = TileInputsStreamed<DownFormat, SE::KP, late_cols<DownFormat>(), Src>;
 // D's buffers: a gate row and an up row, or a tile format's first batch (and no up row).
 constexpr int kPreG = WeightFormat::kTiles ? SD::Shape::B : GateUp::B;
 constexpr int kPreU = WeightFormat::kTiles ? 1 : GateUp::B;

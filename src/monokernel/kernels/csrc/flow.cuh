@@ -260,6 +260,100 @@ __device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigne
   }
 }
 
+// k-tiles [kt0, kt1) of xs rewritten as tile_inputs does, by one warp (kt0 even), the tags of
+// the hand-off words cleared as they are read.
+template <class F>
+__device__ __forceinline__ void tile_inputs_warp(float* xs, float* sums, int kt0, int kt1,
+                                                 int lane) {
+  for (int base = kt0; base < kt1; base += 32) {
+    const int kt = base + lane;
+    float s = 0.f;
+    if (kt < kt1) {
+      float* blk = xs + 16 * kt;
+      float v[16];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float4 f = *reinterpret_cast<const float4*>(swz(blk + 4 * q));
+        v[4 * q] = flow_untag(f.x), v[4 * q + 1] = flow_untag(f.y);
+        v[4 * q + 2] = flow_untag(f.z), v[4 * q + 3] = flow_untag(f.w);
+      }
+      uint32_t hi[8], lo[8];
+#pragma unroll
+      for (int w = 0; w < 8; ++w) {
+        split_pair<F::kF16>(make_float2(v[2 * w], v[2 * w + 1]), hi[w], lo[w]);
+        if constexpr (F::kSumCols) s += pair_sum<F::kF16>(hi[w], lo[w]);
+      }
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+        *reinterpret_cast<uint4*>(blk + 4 * t) = make_uint4(hi[t], hi[t + 4], lo[t], lo[t + 4]);
+    }
+    if constexpr (F::kSumCols == 32) {
+      s += __shfl_xor_sync(0xffffffffu, s, 1);
+      if (kt < kt1 && !(kt & 1)) sums[kt / 2] = s;
+    } else if constexpr (F::kSumCols == 16) {
+      if (kt < kt1) sums[kt] = s;
+    }
+  }
+}
+
+// The down projection's input (MK_E_STREAM) where each warp owns one K-slice [c0, c0 + KP)
+// of every tile: the warp fetches its own slice of act (hand-off words of `tag`) into xs,
+// with no CTA barrier. begin() brings the whole slice in one round trip and waits only for
+// its columns before LATE (all but the tiles' last batch of loads); rest(), called before
+// the first tile's last batch, for the others, which D's last rounds write (its tiles in
+// TilesTailsLast's order). So E streams its first batches while D's last rows land. Both are
+// not inlined: inlined, their registers joined the batch loop's and every stage spilled more.
+template <class F, int KP, int LATE, class Src>
+struct TileInputsStreamed {
+  static constexpr bool kStreamed = true;
+  static constexpr int N = (KP / 4 + 31) / 32;  // 16-byte chunks a lane
+  static_assert(N <= 32 && KP % 32 == 0 && LATE % 32 == 0 && LATE <= KP,
+                "a slice's chunks and its late part in whole 32-column blocks");
+  Src src;  // () -> the hand-off vector (recomputed where used: no register held for it)
+  unsigned tag;
+
+  __device__ __forceinline__ static void settle(float* d, const float* s, unsigned tag,
+                                                unsigned pend, int lane) {
+    const long long t0 = clock64();
+    while (pend) {
+      flow_issue<N, 32, true>(lane, d, s, pend);
+      asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
+      pend = flow_stale<N, 32, true>(lane, d, tag, pend);
+      if (pend && clock64() - t0 > 20000000000LL) __trap();
+    }
+  }
+  __device__ __noinline__ static void begin_of(float* xs, float* sums, const float* src,
+                                               unsigned tag, int c0, int lane) {
+    float* d = xs + c0;
+    const float* s = src + c0;
+    const unsigned all = flow_mask<N, 32>(lane, KP / 4);
+    const unsigned early = flow_mask<N, 32>(lane, LATE / 4);
+    flow_issue<N, 32, true>(lane, d, s, all);
+    asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
+    settle(d, s, tag, flow_stale<N, 32, true>(lane, d, tag, early), lane);
+    __syncwarp();
+    tile_inputs_warp<F>(xs, sums, c0 / 16, (c0 + LATE) / 16, lane);
+    __syncwarp();
+  }
+  __device__ __forceinline__ void begin(float* xs, float* sums, int c0, int lane) const {
+    begin_of(xs, sums, src(), tag, c0, lane);
+  }
+  // The late chunks' tags read again here (most landed with begin's copies): no mask is
+  // held across the batches in between.
+  __device__ __noinline__ static void rest_of(float* xs, float* sums, const float* src,
+                                              unsigned tag, int c0, int lane) {
+    float* d = xs + c0;
+    const unsigned late = flow_mask<N, 32>(lane, KP / 4) & ~flow_mask<N, 32>(lane, LATE / 4);
+    settle(d, src + c0, tag, flow_stale<N, 32, true>(lane, d, tag, late), lane);
+    __syncwarp();
+    tile_inputs_warp<F>(xs, sums, (c0 + LATE) / 16, (c0 + KP) / 16, lane);
+    __syncwarp();
+  }
+  __device__ __forceinline__ void rest(float* xs, float* sums, int c0, int lane) const {
+    rest_of(xs, sums, src(), tag, c0, lane);
+  }
+};
+
 // A norm's gain (K floats, global; null: folded into the next matrix) copied into shared
 // memory `dst` with cp.async, not waited for. Issued before a stage's first weight loads go
 // out at the end of the stage before it: read after the hand-off instead, the gain's L2 hits

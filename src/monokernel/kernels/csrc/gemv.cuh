@@ -100,6 +100,29 @@ __device__ __forceinline__ float row_partial(
 // (gemv_tiles.cuh), so every CTA owns a tile wherever there are as many tiles as CTAs.
 __device__ __forceinline__ int tile_unit(int g, int cta) { return g * (int)gridDim.x + cta; }
 
+// The order a tile GEMV takes its tiles in: its units' t-th tile (numbered across CTAs
+// first, so rounds of tiles end one after another) is tile at(t, tiles) of the matrix.
+struct TilesInOrder {
+  __device__ static __forceinline__ int at(int t, int) { return t; }
+};
+
+// Stage D's order where the down projection streams its input (flow.cuh
+// TileInputsStreamed): D's tiles are act rows 8 at a time, E's NS warps each read one slice
+// of act from its start, and the last TAIL tiles of every slice (the act rows of E's last
+// batch of loads) come last, by offset across the slices; the others first, in the matrix's
+// order. So D's last rounds write what E reads last. (tiles = NS x a slice's tiles.)
+// Interleaving every tile by offset (t % NS slice, t / NS offset) lost: what D streams at once
+// was no longer contiguous (perf-notes step 103).
+template <int NS, int TAIL>
+struct TilesTailsLast {
+  __device__ static __forceinline__ int at(int t, int tiles) {
+    const int per = tiles / NS, head = per - TAIL;
+    if (t < NS * head) return (t / head) * per + t % head;
+    const int u = t - NS * head;
+    return (u % NS) * per + head + u / NS;
+  }
+};
+
 template <class F>
 constexpr int slice_unit() {
   if constexpr (F::kTiles)
@@ -118,14 +141,14 @@ struct Split {
 
 // This warp's first row slice of a split GEMV over W [rows, K] (clamped: always valid).
 // cta: the CTA's rank in the stage's row order (gemv_split).
-template <int K, int SPLIT, class F>
+template <int K, int SPLIT, class Order = TilesInOrder, class F>
 __device__ __forceinline__ typename F::Ptr split_first(Matrix<F> W, int rows, int warp,
                                                        int cta = (int)blockIdx.x) {
   using P = Split<F, K, SPLIT>;
   if constexpr (F::kTiles) {
     const int unit = tile_unit(warp / P::S, cta);
     const int tiles = rows / F::kTileRows;
-    return F::tile_at(W.rows, W.scales, (size_t)(unit < tiles ? unit : tiles - 1),
+    return F::tile_at(W.rows, W.scales, (size_t)Order::at(unit < tiles ? unit : tiles - 1, tiles),
                       (warp % P::S) * P::KP, K);
   } else {
     const int unit = cta * P::GROUPS + warp / P::S;
@@ -135,13 +158,13 @@ __device__ __forceinline__ typename F::Ptr split_first(Matrix<F> W, int rows, in
 }
 
 // Issue this warp's first row slice of a split GEMV (split_first) into buf.
-template <int K, int SPLIT, class F>
+template <int K, int SPLIT, class Order = TilesInOrder, class F>
 __device__ __forceinline__ void issue_split_first(
     typename F::Load (&buf)[Split<F, K, SPLIT>::Shape::B], Matrix<F> W, int rows, int warp,
     int lane,
     int cta = (int)blockIdx.x) {
-  issue_first<F, Split<F, K, SPLIT>::KP, kBatch>(buf, split_first<K, SPLIT>(W, rows, warp, cta),
-                                                 lane);
+  issue_first<F, Split<F, K, SPLIT>::KP, kBatch>(
+      buf, split_first<K, SPLIT, Order>(W, rows, warp, cta), lane);
 }
 
 // Issue row r of W [rows, K] (BATCH loads a lane) into buf.

@@ -76,6 +76,12 @@ __device__ __forceinline__ void tile_inputs(float* xs, float* sums) {
   __syncthreads();
 }
 
+// A tile GEMV's input as every stage but E takes it: the whole vector is in xs (fp32,
+// swizzled); tile_inputs rewrites it, then a barrier.
+struct TileInputsWhole {
+  static constexpr bool kStreamed = false;
+};
+
 // The nibbles of v under `mask` (0x000F000F or 0x00F000F0) as the f16 pair 1024 + q or
 // 1024 + 16 q: one LOP3 ((v & mask) | 0x64006400; as PTX, so ptxas keeps the constant in a
 // register rather than spending a second LOP3 on it).
@@ -129,17 +135,18 @@ __device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
 // tiles u, u + units, ... (numbered across CTAs first, so every CTA owns a tile wherever there
 // are as many tiles as CTAs: flow.cuh flow_possible); pre holds its first tile's first batch
 // (issue_split_first). sums: K / F::kSumCols floats of scratch. All threads of the CTA must call.
-template <int K, int SPLIT, class F, class Out2>
+template <int K, int SPLIT, class Order = TilesInOrder, class In = TileInputsWhole, class F,
+          class Out2>
 __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, float* sums,
                                            float* part, int warp, int lane,
                                            typename F::Load (&pre)[Split<F, K, SPLIT>::Shape::B],
-                                           Out2 out2, int cta) {
+                                           Out2 out2, int cta, In in = In{}) {
   using P = Split<F, K, SPLIT>;
   using S = typename P::Shape;
   using L = typename F::Load;
   constexpr int NB = (S::N + S::B - 1) / S::B;  // batches a tile slice
   constexpr int R = kTileRound;
-  tile_inputs<K, F>(xs, sums);
+  if constexpr (!In::kStreamed) tile_inputs<K, F>(xs, sums);
   const int tiles = rows / F::kTileRows;
   const int units = gridDim.x * P::GROUPS;
   const int c0 = (warp % P::S) * P::KP;
@@ -151,6 +158,10 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
   const float* sl = sums + c0 / (F::kSumCols ? F::kSumCols : 32);
   const bool upper = lane & 2;  // this lane's row: g + 8, else g
   const bool lo = lane & 1;     // this lane's products: its row times the inputs' lo, else hi
+  if constexpr (In::kStreamed) {
+    static_assert(P::GROUPS == 1, "a streamed input: one K-slice a warp");
+    in.begin(xs, sums, c0, lane);
+  }
   // One stream of batches over the warp's tiles: while batch b is multiplied, the next is in
   // flight (the tile's next batch, or after its last the next tile's first, across rounds).
   // The batches run in a loop, not unrolled: a tile slice of up to K / 64 loads unrolled
@@ -160,13 +171,15 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
   for (int i = 0; i < S::B; ++i) cur[i] = pre[i];
   auto tile = [&](int it, int slot) {
     const int t = u0 + it * units, tn = t + units;
-    const auto pc = F::tile_at(M.rows, M.scales, (size_t)(t < tiles ? t : tiles - 1), c0, K);
-    const auto pn = F::tile_at(M.rows, M.scales, (size_t)(tn < tiles ? tn : tiles - 1), c0, K);
+    const int tc = Order::at(t < tiles ? t : tiles - 1, tiles);
+    const auto pc = F::tile_at(M.rows, M.scales, (size_t)tc, c0, K);
+    const auto pn =
+        F::tile_at(M.rows, M.scales, (size_t)Order::at(tn < tiles ? tn : tiles - 1, tiles), c0, K);
     float acc = 0.f;
     // A row-scaled format's scale, for the row this lane's partial is of (t clamped as pc).
     float sc = 1.f;
     if constexpr (F::kScaled)
-      sc = M.row_scale((size_t)(t < tiles ? t : tiles - 1) * 16 + (lane >> 2) + (upper ? 8 : 0));
+      sc = M.row_scale((size_t)tc * 16 + (lane >> 2) + (upper ? 8 : 0));
     float block = 0.f;  // a block-scaled format's current block scale (set by its first load)
     float2 pair = make_float2(0.f, 0.f);  // a wide group's pair (tile_load_dot)
 #pragma unroll 1
@@ -175,6 +188,10 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
       const auto pa = last ? pn : pc;
       const int bn = last ? 0 : b + 1;
       const bool live = !last || tn < tiles;
+      // The slice's late columns, before the next batch's registers are taken.
+      if constexpr (In::kStreamed) {
+        if (it == 0 && last) in.rest(xs, sums, c0, lane);
+      }
 #pragma unroll
       for (int i = 0; i < S::B; ++i) {
         const int j = bn * S::B + i;
@@ -222,7 +239,7 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
         v1 += __shfl_xor_sync(0xffffffffu, v1, o);
       }
       const int t = tile_unit(gg, cta) + (it0 + j) * units;
-      if (k == 0 && it0 + j < it1 && t < tiles) out2(t, i, v0, v1);
+      if (k == 0 && it0 + j < it1 && t < tiles) out2(Order::at(t, tiles), i, v0, v1);
     }
     __syncthreads();
   }

@@ -36,7 +36,7 @@ __device__ __forceinline__ void mlp_gate_up_first(const Params&, Cta& c, const L
   stage_gain<MK_H>(c.gn, lw.ffn_gain);
   if constexpr (WF::kTiles) {
     const Matrix<WF>& wgu = lw.wgu;
-    issue_split_first<MK_H, kSplitD>(c.preG, wgu, 2 * MK_I, c.warp, c.lane);
+    issue_split_first<MK_H, kSplitD, GateUpOrder>(c.preG, wgu, 2 * MK_I, c.warp, c.lane);
   } else {
     issue_pair_rows(c, lw, 0, MK_D_PRE);
   }
@@ -51,7 +51,7 @@ __device__ __forceinline__ void gate_up_gemv(const Params& p, Cta& c, const Laye
   float* act = p.act + q * MK_I;
   if constexpr (WF::kTiles) {
     // A tile of 16 rows is 8 gate/up pairs (rows 2i, 2i + 1): one combining thread a pair.
-    gemv_tiles<MK_H, kSplitD>(wgu, 2 * MK_I, c.xd + q * MK_H, c.att + kAttSums, c.part(),
+    gemv_tiles<MK_H, kSplitD, GateUpOrder>(wgu, 2 * MK_I, c.xd + q * MK_H, c.att + kAttSums, c.part(),
                               c.warp, c.lane, c.preG,
                               [&](int tile, int i, float g, float u) {
                                 g *= rd;
@@ -93,7 +93,7 @@ template <class WF = WeightFormat>
 __device__ __forceinline__ void gate_up_again(Cta& c, const LayerWeights& lw) {
   if constexpr (WF::kTiles) {
     const Matrix<WF>& wgu = lw.wgu;
-    issue_split_first<MK_H, kSplitD>(c.preG, wgu, 2 * MK_I, c.warp, c.lane);
+    issue_split_first<MK_H, kSplitD, GateUpOrder>(c.preG, wgu, 2 * MK_I, c.warp, c.lane);
   }
 }
 

@@ -126,6 +126,31 @@ def test_teacher_forced_logits(shape: str, fmt: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.skipif(not hopper_with(16), reason="needs a Hopper GPU, 16 GiB")
+def test_streamed_down_input_gives_the_same_bits(fmt: str) -> None:
+    """E's input streamed warp by warp (MK_E_STREAM: the late columns fetched after E's first
+    batches, D's tiles in TilesTailsLast's order) changes when the inputs are read, not what
+    is summed: 64 teacher-forced steps give the logits of the build that waits for the whole
+    vector, bit for bit. The 1B in tiles: E's 16 warps each own a slice of two batches."""
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+
+    cfg, dev, steps = SHAPES["llama-3.2-1b"], torch.device("cuda"), 64
+    weights = random_weights(cfg, device=dev, seed=41)
+    seq = random_ids(PROMPT + steps, cfg.vocab_size, seed=42)
+    got = []
+    for flags in ("", "-DMK_E_STREAM=0"):
+        with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="tiles", MONOKERNEL_NVCC_FLAGS=flags):
+            mk = MonokernelBackend(cfg, weights, PROMPT + steps, dev, quantize=fmt)
+            streamed = mk.kernel.dims.choices()["MK_E_STREAM"]
+        assert streamed == (0 if flags else 1)
+        got.append(mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:]))
+        mk.close()
+        del mk
+    assert torch.equal(got[0], got[1])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("int4_layout", ["tiles", "rows"])
 @pytest.mark.skipif(not hopper_with(16), reason="needs a Hopper GPU, 16 GiB")
 def test_teacher_forced_logits_from_groups_of_32(int4_layout: str) -> None:
