@@ -303,11 +303,12 @@ class KernelDims:
         """Each per-shape choice's define and value: the rule's, unless ``flags`` (by default
         MONOKERNEL_NVCC_FLAGS) set it (``-DMK_ATTN_CHUNK=32``: tests force small windows)."""
         out = {c.define: c.rule(self) for c in CHOICES}
-        rules = dict(out)
         out.update(choice_overrides(flags))
-        # E's streamed input exists only where its rule says it can (csrc/cta.cuh checks):
-        # an override turns it off, never on.
-        out["MK_E_STREAM"] = min(out["MK_E_STREAM"], rules["MK_E_STREAM"])
+        # E's streamed input exists only where it can with the splits and batch taken
+        # (csrc/cta.cuh checks the same): off wherever the splits an override picks leave
+        # no room for it.
+        can = self._down_streams(out["MK_SPLIT_E"], out["MK_TILE_BATCH"])
+        out["MK_E_STREAM"] = min(out["MK_E_STREAM"], int(can))
         chunk = out["MK_ATTN_CHUNK"]
         if chunk % 32 or not 32 <= chunk <= self.attn_chunk():
             raise ValueError(
@@ -325,7 +326,10 @@ class KernelDims:
         a CTA on each tile keep every warp streaming while the CTA has tiles left.
         Llama-3.1-8B int4 (perf-notes step 77): 16 everywhere 2,774 µs/token; the gate/up
         projection at 1, 2 or 4 warps a tile 2,826-2,970 (batches of 3: 2,981 at 16), the
-        down projection at 8 2,959, QKV at 4 and O at 8 3,006."""
+        down projection at 8 2,959, QKV at 4 and O at 8 3,006. An override may split int4's
+        groups wider than a load (slices then start inside a group: csrc/gemv.cuh
+        slice_phase): Qwen2.5-Coder-32B int4 (step 104), 8 warps everywhere 8,770.7 µs/token,
+        16 everywhere 9,168.4, O and down at 16 8,586.7."""
         unit = max(64, *(g for _, g in self.stage_formats()))
         for split in (16, 8, 4, 2):
             if k % (split * unit) == 0:
@@ -454,12 +458,17 @@ class KernelDims:
         3,091.5 -> 3,034.1 µs/token, int4 2,235.0 -> 2,213.2 (another H100: 3,144.3 ->
         3,087.6, 2,273.0 -> 2,261.4). 0: E waits for its whole input, as every other stage
         (``-DMK_E_STREAM=0`` turns it off; 1 is taken only where it applies)."""
-        if not self.weight_tiles or self.positions > 1 or self.down_split() != WARPS:
-            return 0
+        return int(self._down_streams(self.down_split(), self.tile_batch()))
+
+    def _down_streams(self, split: int, batch: int) -> bool:
+        """Whether E's input can stream with E at ``split`` warps a tile and tile batches of
+        ``batch`` loads (down_input_streamed)."""
+        if not self.weight_tiles or self.positions > 1 or split != WARPS:
+            return False
         down_format, _ = self.stage_format("down")
         tile_rows = 16
         loads = self.intermediate // WARPS * tile_rows // FORMATS[down_format].weights_per_load
-        return int(loads // 32 > self.tile_batch())  # a lane's loads in one tile slice
+        return loads // 32 > batch  # a lane's loads in one tile slice: more than a batch
 
     def attn_chunk(self) -> int:
         """Positions of one attention range held in shared memory (K and V, bf16): as many as

@@ -245,22 +245,27 @@ def test_int8_group_kernel_compiles(shape: str, group: int, tmp_path: Path) -> N
 
 def test_down_input_streams_where_each_warp_owns_a_slice_of_several_batches() -> None:
     """MK_E_STREAM (csrc/flow.cuh TileInputsStreamed) where D and E stream tiles, E's 16
-    warps each own one K-slice, and a slice is more than one batch of loads; an override can
-    turn it off but not on (csrc/cta.cuh refuses a build where it cannot apply)."""
+    warps each own one K-slice, and a slice is more than one batch of loads; never where the
+    splits taken leave no room for it (csrc/cta.cuh refuses a build where it cannot apply)."""
 
     def tiles(shape: str, fmt: str, group: int = 0, **changes: object) -> kbuild.KernelDims:
         return _dims(shape, weight_format=fmt, weight_group=group, weight_tiles=True, **changes)
 
     assert tiles("llama-3.1-8b", "int4", 128).choices()["MK_E_STREAM"] == 1
     assert tiles("llama-3.1-8b", "fp8").choices()["MK_E_STREAM"] == 1
-    # The 32B's int4 slices of 27,648 / 16 columns would split a group of 128: E at 8 warps.
-    assert tiles("qwen2.5-coder-32b", "int4", 128).down_split() == 8
-    assert tiles("qwen2.5-coder-32b", "int4", 128).choices()["MK_E_STREAM"] == 0
+    # The 32B's int4 slices of 27,648 / 16 columns would start inside groups of 128: E at 8
+    # warps by the rule; an override of 16 takes the slices mid-group, and the stream with it
+    # where asked for.
+    big = tiles("qwen2.5-coder-32b", "int4", 128)
+    assert big.down_split() == 8 and big.choices()["MK_E_STREAM"] == 0
+    assert big.choices(["-DMK_SPLIT_E=16"])["MK_E_STREAM"] == 0
+    assert big.choices(["-DMK_SPLIT_E=16", "-DMK_E_STREAM=1"])["MK_E_STREAM"] == 1
     assert tiles("qwen2.5-coder-32b", "fp8").choices()["MK_E_STREAM"] == 1
     assert _dims("llama-3.1-8b").choices()["MK_E_STREAM"] == 0  # bf16 rows
     assert tiles("llama-3.2-1b", "int4", 128, positions=2).choices()["MK_E_STREAM"] == 0
     eight = tiles("llama-3.1-8b", "fp8")
     assert eight.choices(["-DMK_E_STREAM=0"])["MK_E_STREAM"] == 0
+    assert eight.choices(["-DMK_SPLIT_E=8"])["MK_E_STREAM"] == 0  # E at 8 warps: whole input
     assert _dims("llama-3.1-8b").choices(["-DMK_E_STREAM=1"])["MK_E_STREAM"] == 0
 
 

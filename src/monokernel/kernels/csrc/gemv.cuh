@@ -139,6 +139,38 @@ struct Split {
   using Shape = RowShape<F, KP, kBatch>;
 };
 
+// Whether every slice of KP columns starts on a group of F (a group wider than a load
+// otherwise leaves odd slices starting inside one: slice_phase, tile_load_dot's phase).
+template <class F, int KP, bool kGroupTiles = F::kTiles && F::kGroups>
+struct WholeGroups {
+  static constexpr bool value = true;
+};
+template <class F, int KP>
+struct WholeGroups<F, KP, true> {
+  static constexpr bool value = KP % (F::kGroupLoads * F::kLoadCols) == 0;
+};
+template <class F, int KP>
+constexpr bool kWholeGroups = WholeGroups<F, KP>::value;
+
+// A tile format's load j of a slice with that phase (group formats' loads read their pairs).
+template <class F, bool kWhole>
+__device__ __forceinline__ typename F::Load tile_load(typename F::Ptr p, int c, int phase) {
+  if constexpr (kWhole)
+    return F::load(p, c);
+  else
+    return F::load(p, c, phase);
+}
+
+// This warp's slice's phase: the loads of its first group before it (kWholeGroups).
+template <int K, int SPLIT, class F>
+__device__ __forceinline__ int slice_phase(int warp) {
+  using P = Split<F, K, SPLIT>;
+  if constexpr (kWholeGroups<F, P::KP>)
+    return 0;
+  else
+    return ((warp % P::S) * P::KP / F::kLoadCols) & (F::kGroupLoads - 1);
+}
+
 // This warp's first row slice of a split GEMV over W [rows, K] (clamped: always valid).
 // cta: the CTA's rank in the stage's row order (gemv_split).
 template <int K, int SPLIT, class Order = TilesInOrder, class F>
@@ -157,14 +189,34 @@ __device__ __forceinline__ typename F::Ptr split_first(Matrix<F> W, int rows, in
   }
 }
 
+// Issue the first batch of this warp's slice at p (split_first's) into buf: issue_first,
+// with the slice's phase where a tile format's slices start inside a group.
+template <int K, int SPLIT, class F>
+__device__ __forceinline__ void issue_slice_first(
+    typename F::Load (&buf)[Split<F, K, SPLIT>::Shape::B], typename F::Ptr p, int warp,
+    int lane) {
+  using P = Split<F, K, SPLIT>;
+  if constexpr (kWholeGroups<F, P::KP>) {
+    issue_first<F, P::KP, kBatch>(buf, p, lane);
+  } else {
+    using S = typename P::Shape;
+    const int phase = slice_phase<K, SPLIT, F>(warp);
+#pragma unroll
+    for (int i = 0; i < S::B; ++i) {
+      const int c = i * 32 + lane;
+      buf[i] = c < S::C ? F::load(p, c, phase) : F::zero();
+    }
+  }
+}
+
 // Issue this warp's first row slice of a split GEMV (split_first) into buf.
 template <int K, int SPLIT, class Order = TilesInOrder, class F>
 __device__ __forceinline__ void issue_split_first(
     typename F::Load (&buf)[Split<F, K, SPLIT>::Shape::B], Matrix<F> W, int rows, int warp,
     int lane,
     int cta = (int)blockIdx.x) {
-  issue_first<F, Split<F, K, SPLIT>::KP, kBatch>(
-      buf, split_first<K, SPLIT, Order>(W, rows, warp, cta), lane);
+  issue_slice_first<K, SPLIT, F>(buf, split_first<K, SPLIT, Order>(W, rows, warp, cta), warp,
+                                 lane);
 }
 
 // Issue row r of W [rows, K] (BATCH loads a lane) into buf.

@@ -99,11 +99,11 @@ __device__ __forceinline__ uint32_t nibbles_f16(uint32_t v, uint32_t mask) {
 // lane's C is its row times the inputs' lo (odd t), which leaves the offset term to hi. A group
 // wider than a load (F::kGroupLoads > 1) keeps its pair in `pair` from its first load j on:
 // the later loads' pairs are dead, and with batches of whole groups the compiler drops them.
-template <class F>
+template <class F, bool kWhole = true>
 __device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
                                               const float* __restrict__ xl,
                                               const float* __restrict__ sl, bool upper, bool lo,
-                                              int j,
+                                              int j, int phase,
                                               float2& pair, float& acc) {
   const uint32_t wd[4] = {u.w.x, u.w.y, u.w.z, u.w.w};
   constexpr int kPerSeg = 4 / F::kSegs;  // k-tiles a segment
@@ -124,7 +124,12 @@ __device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
     const float s = F::kSegCols == 32 ? sl[h] : sl[0] + sl[1];
     float2 ab = u.ab[h];
     if constexpr (F::kGroupLoads > 1) {
-      if ((j & (F::kGroupLoads - 1)) == 0) pair = ab;
+      if constexpr (kWhole) {
+        if ((j & (F::kGroupLoads - 1)) == 0) pair = ab;
+      } else {
+        // A slice that starts inside a group takes its first load's pair too.
+        if (((j + phase) & (F::kGroupLoads - 1)) == 0 || j == 0) pair = ab;
+      }
       ab = pair;
     }
     acc = fmaf(ab.x, upper ? c[2] : c[0], lo ? acc : fmaf(ab.y, s, acc));
@@ -146,6 +151,7 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
   using L = typename F::Load;
   constexpr int NB = (S::N + S::B - 1) / S::B;  // batches a tile slice
   constexpr int R = kTileRound;
+  constexpr bool kWhole = kWholeGroups<F, P::KP>;
   if constexpr (!In::kStreamed) tile_inputs<K, F>(xs, sums);
   const int tiles = rows / F::kTileRows;
   const int units = gridDim.x * P::GROUPS;
@@ -156,6 +162,7 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
   // product in C's column 2t (a lane's c[0] and c[2]) is hi for even t and lo for odd t.
   const float* xl = xs + c0 + 4 * (lane & 3) + ((lane & 8) ? 2 : 0);
   const float* sl = sums + c0 / (F::kSumCols ? F::kSumCols : 32);
+  const int phase = slice_phase<K, SPLIT, F>(warp);
   const bool upper = lane & 2;  // this lane's row: g + 8, else g
   const bool lo = lane & 1;     // this lane's products: its row times the inputs' lo, else hi
   if constexpr (In::kStreamed) {
@@ -195,13 +202,15 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
 #pragma unroll
       for (int i = 0; i < S::B; ++i) {
         const int j = bn * S::B + i;
-        nxt[i] = live && j < S::N ? F::load(pa, 32 * j + lane) : F::zero();
+        nxt[i] = live && j < S::N ? tile_load<F, kWhole>(pa, 32 * j + lane, phase) : F::zero();
       }
 #pragma unroll
       for (int i = 0; i < S::B; ++i) {
         const int j = b * S::B + i;
         if constexpr (F::kGroups) {
-          if (j < S::N) tile_load_dot<F>(cur[i], xl + 64 * j, sl + 2 * j, upper, lo, j, pair, acc);
+          if (j < S::N)
+            tile_load_dot<F, kWhole>(cur[i], xl + 64 * j, sl + 2 * j, upper, lo, j, phase, pair,
+                                     acc);
         } else if constexpr (F::kSumCols) {
           if (j < S::N) F::tile_dot(cur[i], xl + 32 * j, sl + F::kSegs * j, upper, lo, acc);
         } else {

@@ -27,7 +27,7 @@ __device__ __forceinline__ void mlp_down_hand_off(const Params& p, Cta& c, const
     hand_off(p, c, s, l, kMarkMlpDownWork, kMarkMlpDownWait, [&] {
       stage_gain<MK_H>(c.gn, more ? p.layers[l.index + 1].attn_gain : p.norm_gain);
       if (kOnePath || more)
-        issue_first<WF, SA::KP, kBatch>(c.preA(), static_cast<WE>(next), c.lane);
+        issue_slice_first<MK_H, kSplitQkv, WF>(c.preA(), static_cast<WE>(next), c.warp, c.lane);
       else
         issue_first<HF, SF::KP, kBatch>(c.preF(), static_cast<HE>(next), c.lane);
     });
@@ -39,7 +39,7 @@ __device__ __forceinline__ void mlp_down_hand_off(const Params& p, Cta& c, const
     hand_off(p, c, s, l, kMarkMlpDownWork, kMarkMlpDownWait, [&] {
       stage_gain<MK_H>(c.gn, more ? p.layers[l.index + 1].attn_gain : p.norm_gain);
       if (more) {
-        issue_first<WF, SA::KP, kBatch>(c.preA(), next_a, c.lane);
+        issue_slice_first<MK_H, kSplitQkv, WF>(c.preA(), next_a, c.warp, c.lane);
       } else {
         // Into A's buffer's weight words (cta.cuh kSharedPreAF): no buffer of its own.
         typename HF::Load f[SF::Shape::B];

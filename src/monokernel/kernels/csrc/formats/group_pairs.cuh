@@ -21,15 +21,17 @@ struct GroupPairTiles {
     float2 ab[kSegs];  // (a, b') of the lane's row, g (t < 2) or g + 8, for each segment
   };
 
-  // Chunk c = 32 j + lane of a slice: lane's load j (gemv.cuh's chunk numbering).
-  __device__ static __forceinline__ Load load(Ptr p, int c) {
+  // Chunk c = 32 j + lane of a slice: lane's load j (gemv.cuh's chunk numbering). phase: the
+  // loads of the slice's first group before its start, where a slice starts inside a group
+  // wider than a load (p.ab is that group's pairs).
+  __device__ static __forceinline__ Load load(Ptr p, int c, int phase = 0) {
     Load u;
     const int j = c >> 5, g = (c & 31) >> 2, half = (c >> 1) & 1;
     u.w = ld_stream(p.w + c);
     const float2* ab = reinterpret_cast<const float2*>(p.ab);
 #pragma unroll
     for (int h = 0; h < kSegs; ++h)
-      u.ab[h] = __ldg(ab + (((kLoadCols * j + kSegCols * h) / G) * 8 + g) * 2 + half);
+      u.ab[h] = __ldg(ab + (((kLoadCols * (j + phase) + kSegCols * h) / G) * 8 + g) * 2 + half);
     return u;
   }
   __device__ static __forceinline__ Load zero() {

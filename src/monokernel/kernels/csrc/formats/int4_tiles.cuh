@@ -29,7 +29,9 @@ struct Int4Tiles : GroupPairTiles<64, G> {
   static constexpr int kTileRows = 16;     // rows a unit of the GEMV streams together
   static constexpr int kPerLoad = 32;      // weights of one lane's 16-byte load
   static constexpr int kLoadCols = 64;     // a warp-wide load's columns of the tile
-  static constexpr int kSliceCols = G > 64 ? G : 64;  // a split-K slice starts on a group
+  // A split-K slice starts on a load; inside a group wider than a load where the warps'
+  // slices are not whole groups (gemv_tiles.cuh slice_phase).
+  static constexpr int kSliceCols = 64;
   static constexpr bool kScaled = false;   // the groups' scales, not a row's
   static constexpr float kUnit = 1.f;
   static constexpr bool kGroups = true;
@@ -39,7 +41,8 @@ struct Int4Tiles : GroupPairTiles<64, G> {
   using Ptr = typename GroupPairTiles<64, G>::Ptr;
   using Load = typename GroupPairTiles<64, G>::Load;
 
-  // Tile `tile`'s columns from c0 (a multiple of kSliceCols) of a matrix of K columns.
+  // Tile `tile`'s columns from c0 (a multiple of kSliceCols) of a matrix of K columns; its
+  // pairs from those of the group c0 lies in.
   __device__ static __forceinline__ Ptr tile_at(const uint8_t* rows, const float* pairs,
                                                 size_t tile, int c0, int K) {
     return {reinterpret_cast<const uint4*>(rows) + (tile * (K / 64) + c0 / 64) * 32,

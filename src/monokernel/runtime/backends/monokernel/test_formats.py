@@ -151,6 +151,33 @@ def test_streamed_down_input_gives_the_same_bits(fmt: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not hopper_with(16), reason="needs a Hopper GPU, 16 GiB")
+def test_int4_tile_slices_starting_inside_a_group() -> None:
+    """int4 in groups of 128 split over warps whose slices start inside a group (csrc/gemv.cuh
+    slice_phase: a slice's first load takes its own pair): the 1.5B in tiles with QKV, O and
+    gate/up at 8 warps a tile (192 columns, 1.5 groups) and the down projection at 4 (2,240,
+    17.5 groups); rel L2 of the logits <= 1e-2 at every one of 256 teacher-forced steps."""
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+
+    cfg, dev = CONFIGS["qwen2.5-coder-1.5b"], torch.device("cuda")
+    weights = random_weights(cfg, device=dev, seed=31)
+    seq = random_ids(PROMPT + STEPS, cfg.vocab_size, seed=32)
+    flags = "-DMK_TILE_SPLIT_A=8 -DMK_TILE_SPLIT_C=8 -DMK_TILE_SPLIT_D=8 -DMK_SPLIT_E=4"
+    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="tiles", MONOKERNEL_NVCC_FLAGS=flags):
+        mk = MonokernelBackend(
+            cfg, weights, PROMPT + STEPS, dev, quantize="int4", prefill_precision="fp32"
+        )
+        got_splits = [mk.kernel.dims.choices()[k] for k in ("MK_TILE_SPLIT_A", "MK_SPLIT_E")]
+    assert mk.kernel.dims.weight_group == 128 and got_splits == [8, 4]
+    got = mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
+    mk.close()
+    del mk
+    assert_logits_match(
+        cfg, DequantizedView(weights, "int4"), seq, PROMPT, got, "1.5B int4 mid-group slices"
+    )
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("int4_layout", ["tiles", "rows"])
 @pytest.mark.skipif(not hopper_with(16), reason="needs a Hopper GPU, 16 GiB")
 def test_teacher_forced_logits_from_groups_of_32(int4_layout: str) -> None:
