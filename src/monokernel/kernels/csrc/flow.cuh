@@ -265,35 +265,8 @@ __device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigne
 template <class F>
 __device__ __forceinline__ void tile_inputs_warp(float* xs, float* sums, int kt0, int kt1,
                                                  int lane) {
-  for (int base = kt0; base < kt1; base += 32) {
-    const int kt = base + lane;
-    float s = 0.f;
-    if (kt < kt1) {
-      float* blk = xs + 16 * kt;
-      float v[16];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float4 f = *reinterpret_cast<const float4*>(swz(blk + 4 * q));
-        v[4 * q] = flow_untag(f.x), v[4 * q + 1] = flow_untag(f.y);
-        v[4 * q + 2] = flow_untag(f.z), v[4 * q + 3] = flow_untag(f.w);
-      }
-      uint32_t hi[8], lo[8];
-#pragma unroll
-      for (int w = 0; w < 8; ++w) {
-        split_pair<F::kF16>(make_float2(v[2 * w], v[2 * w + 1]), hi[w], lo[w]);
-        if constexpr (F::kSumCols) s += pair_sum<F::kF16>(hi[w], lo[w]);
-      }
-#pragma unroll
-      for (int t = 0; t < 4; ++t)
-        *reinterpret_cast<uint4*>(blk + 4 * t) = make_uint4(hi[t], hi[t + 4], lo[t], lo[t + 4]);
-    }
-    if constexpr (F::kSumCols == 32) {
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      if (kt < kt1 && !(kt & 1)) sums[kt / 2] = s;
-    } else if constexpr (F::kSumCols == 16) {
-      if (kt < kt1) sums[kt] = s;
-    }
-  }
+  for (int base = kt0; base < kt1; base += 32)
+    tile_block<F>(xs, sums, base + lane, kt1, [](float x) { return flow_untag(x); });
 }
 
 // The down projection's input (MK_E_STREAM) where each warp owns one K-slice [c0, c0 + KP)

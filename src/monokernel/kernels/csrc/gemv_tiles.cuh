@@ -34,6 +34,39 @@ __device__ __forceinline__ float pair_sum(uint32_t hi, uint32_t lo) {
   }
 }
 
+// k-tile kt of xs (16 inputs, fp32 and swizzled, each read through `read`) rewritten in place
+// as tile_inputs says, and its sum into sums where F's groups want one; kt >= end: nothing
+// but the shuffle (the whole warp calls, kt = a run of 32 from an even start).
+template <class F, class Read>
+__device__ __forceinline__ void tile_block(float* xs, float* sums, int kt, int end, Read read) {
+  float s = 0.f;
+  if (kt < end) {
+    float* blk = xs + 16 * kt;
+    float v[16];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float4 f = *reinterpret_cast<const float4*>(swz(blk + 4 * q));
+      v[4 * q] = read(f.x), v[4 * q + 1] = read(f.y), v[4 * q + 2] = read(f.z);
+      v[4 * q + 3] = read(f.w);
+    }
+    uint32_t hi[8], lo[8];
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+      split_pair<F::kF16>(make_float2(v[2 * w], v[2 * w + 1]), hi[w], lo[w]);
+      if constexpr (F::kSumCols) s += pair_sum<F::kF16>(hi[w], lo[w]);
+    }
+#pragma unroll
+    for (int t = 0; t < 4; ++t)
+      *reinterpret_cast<uint4*>(blk + 4 * t) = make_uint4(hi[t], hi[t + 4], lo[t], lo[t + 4]);
+  }
+  if constexpr (F::kSumCols == 32) {
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    if (kt < end && !(kt & 1)) sums[kt / 2] = s;
+  } else if constexpr (F::kSumCols == 16) {
+    if (kt < end) sums[kt] = s;
+  }
+}
+
 // xs [K], fp32 and swizzled (common.cuh), rewritten in place as the tile GEMV's input: each
 // k-tile of 16 inputs (64 bytes) holds its 8 pairs (2w, 2w + 1) as 16-bit pairs (F::kF16:
 // f16, else bf16), 16 bytes for each t: hi of pairs t and t + 4, then their lo, so a lane's B
@@ -45,34 +78,8 @@ template <int K, class F>
 __device__ __forceinline__ void tile_inputs(float* xs, float* sums) {
   static_assert(K % 64 == 0, "a tile GEMV's input is whole 64-column loads (build.py checks)");
   constexpr int kKt = K / 16;
-  for (int base = (int)threadIdx.x & ~31; base < kKt; base += kThreads) {  // warp-uniform
-    const int kt = base + ((int)threadIdx.x & 31);
-    float s = 0.f;
-    if (kt < kKt) {
-      float* blk = xs + 16 * kt;
-      float v[16];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float4 f = *reinterpret_cast<const float4*>(swz(blk + 4 * q));
-        v[4 * q] = f.x, v[4 * q + 1] = f.y, v[4 * q + 2] = f.z, v[4 * q + 3] = f.w;
-      }
-      uint32_t hi[8], lo[8];
-#pragma unroll
-      for (int w = 0; w < 8; ++w) {
-        split_pair<F::kF16>(make_float2(v[2 * w], v[2 * w + 1]), hi[w], lo[w]);
-        if constexpr (F::kSumCols) s += pair_sum<F::kF16>(hi[w], lo[w]);
-      }
-#pragma unroll
-      for (int t = 0; t < 4; ++t)
-        *reinterpret_cast<uint4*>(blk + 4 * t) = make_uint4(hi[t], hi[t + 4], lo[t], lo[t + 4]);
-    }
-    if constexpr (F::kSumCols == 32) {
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      if (kt < kKt && !(kt & 1)) sums[kt / 2] = s;
-    } else if constexpr (F::kSumCols == 16) {
-      if (kt < kKt) sums[kt] = s;
-    }
-  }
+  for (int base = (int)threadIdx.x & ~31; base < kKt; base += kThreads)  // warp-uniform
+    tile_block<F>(xs, sums, base + ((int)threadIdx.x & 31), kKt, [](float x) { return x; });
   __syncthreads();
 }
 
