@@ -467,8 +467,9 @@ class KernelDims:
             return False
         down_format, _ = self.stage_format("down")
         tile_rows = 16
-        loads = self.intermediate // WARPS * tile_rows // FORMATS[down_format].weights_per_load
-        return loads // 32 > batch  # a lane's loads in one tile slice: more than a batch
+        # 16-byte chunks in one warp's slice of a tile; a lane loads one in 32 of them.
+        chunks = self.intermediate // WARPS * tile_rows // FORMATS[down_format].weights_per_load
+        return chunks // 32 > batch  # a lane's loads in the slice: more than one batch
 
     def attn_chunk(self) -> int:
         """Positions of one attention range held in shared memory (K and V, bf16): as many as
