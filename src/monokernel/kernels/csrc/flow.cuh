@@ -239,17 +239,16 @@ __device__ __forceinline__ float flow_round(float v) {
   return __uint_as_float((__float_as_uint(v) + 0x80u) & ~MK_TAG_BITS);
 }
 
-// a[0 .. 4 ca) <- src_a (tag_a) and b[0 .. 4 cb) <- src_b (tag_b), in one round trip when
-// both are there; tags left in place. NA / NB bound the chunks per thread (0: no b). SW: a is
+// The chunks of `pa` of a (from src_a, tag_a) and of `pb` of b (src_b, tag_b) copied until
+// each carries its tag: every pending chunk in flight at once, a round trip a round. SW: a is
 // a GEMV input, stored swizzled. A producer that never writes means a bug: trap after ~10 s
 // rather than hang.
-template <int NA, int NB, int STRIDE = kThreads, bool SW = false>
-__device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigned tag_a, int ca,
-                                           float* b = nullptr, const float* src_b = nullptr,
-                                           unsigned tag_b = 0u, int cb = 0,
-                                           int idx = (int)threadIdx.x) {
+template <int NA, int NB, int STRIDE, bool SW>
+__device__ __forceinline__ void flow_fetch_pending(int idx, float* a, const float* src_a,
+                                                   unsigned tag_a, unsigned pa, float* b,
+                                                   const float* src_b, unsigned tag_b,
+                                                   unsigned pb) {
   const long long t0 = clock64();
-  unsigned pa = flow_mask<NA, STRIDE>(idx, ca), pb = flow_mask<NB, STRIDE>(idx, cb);
   while (pa | pb) {
     flow_issue<NA, STRIDE, SW>(idx, a, src_a, pa);
     flow_issue<NB, STRIDE>(idx, b, src_b, pb);
@@ -258,6 +257,18 @@ __device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigne
     pb = flow_stale<NB, STRIDE>(idx, b, tag_b, pb);
     if ((pa | pb) && clock64() - t0 > 20000000000LL) __trap();
   }
+}
+
+// a[0 .. 4 ca) <- src_a (tag_a) and b[0 .. 4 cb) <- src_b (tag_b), in one round trip when
+// both are there; tags left in place. NA / NB bound the chunks per thread (0: no b). SW: a is
+// a GEMV input, stored swizzled.
+template <int NA, int NB, int STRIDE = kThreads, bool SW = false>
+__device__ __forceinline__ void flow_fetch(float* a, const float* src_a, unsigned tag_a, int ca,
+                                           float* b = nullptr, const float* src_b = nullptr,
+                                           unsigned tag_b = 0u, int cb = 0,
+                                           int idx = (int)threadIdx.x) {
+  flow_fetch_pending<NA, NB, STRIDE, SW>(idx, a, src_a, tag_a, flow_mask<NA, STRIDE>(idx, ca), b,
+                                         src_b, tag_b, flow_mask<NB, STRIDE>(idx, cb));
 }
 
 // k-tiles [kt0, kt1) of xs rewritten as tile_inputs does, by one warp (kt0 even), the tags of
@@ -274,8 +285,7 @@ __device__ __forceinline__ void tile_inputs_warp(float* xs, float* sums, int kt0
 // with no CTA barrier. begin() brings the whole slice in one round trip and waits only for
 // its columns before LATE (all but the tiles' last batch of loads); rest(), called before
 // the first tile's last batch, for the others, which D's last rounds write (its tiles in
-// TilesTailsLast's order). So E streams its first batches while D's last rows land. Both are
-// not inlined: inlined, their registers joined the batch loop's and every stage spilled more.
+// TilesTailsLast's order). So E streams its first batches while D's last rows land.
 template <class F, int KP, int LATE, class Src>
 struct TileInputsStreamed {
   static constexpr bool kStreamed = true;
@@ -285,42 +295,38 @@ struct TileInputsStreamed {
   Src src;  // () -> the hand-off vector (recomputed where used: no register held for it)
   unsigned tag;
 
-  __device__ __forceinline__ static void settle(float* d, const float* s, unsigned tag,
-                                                unsigned pend, int lane) {
-    const long long t0 = clock64();
-    while (pend) {
-      flow_issue<N, 32, true>(lane, d, s, pend);
-      asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
-      pend = flow_stale<N, 32, true>(lane, d, tag, pend);
-      if (pend && clock64() - t0 > 20000000000LL) __trap();
-    }
-  }
+  // The slice's columns before LATE, waited for and rewritten as tile_inputs does. Not
+  // inlined, nor is rest_of: inlined, their registers joined the batch loop's and every
+  // stage spilled more.
   __device__ __noinline__ static void begin_of(float* xs, float* sums, const float* src,
                                                unsigned tag, int c0, int lane) {
     float* d = xs + c0;
     const float* s = src + c0;
-    const unsigned all = flow_mask<N, 32>(lane, KP / 4);
-    const unsigned early = flow_mask<N, 32>(lane, LATE / 4);
-    flow_issue<N, 32, true>(lane, d, s, all);
+    flow_issue<N, 32, true>(lane, d, s, flow_mask<N, 32>(lane, KP / 4));
     asm volatile("cp.async.commit_group;\n\tcp.async.wait_all;" ::: "memory");
-    settle(d, s, tag, flow_stale<N, 32, true>(lane, d, tag, early), lane);
+    take(xs, sums, s, tag, c0, lane, flow_mask<N, 32>(lane, LATE / 4), 0, LATE);
+  }
+  // The late columns, whose tags are read again here (most landed with begin's copies): no
+  // mask is held across the batches in between.
+  __device__ __noinline__ static void rest_of(float* xs, float* sums, const float* src,
+                                              unsigned tag, int c0, int lane) {
+    const unsigned late = flow_mask<N, 32>(lane, KP / 4) & ~flow_mask<N, 32>(lane, LATE / 4);
+    take(xs, sums, src + c0, tag, c0, lane, late, LATE, KP);
+  }
+  // Columns [c0 + from, c0 + to) of the slice, whose chunks `pending` copied, waited for
+  // (again where stale) and rewritten.
+  __device__ __forceinline__ static void take(float* xs, float* sums, const float* s,
+                                              unsigned tag, int c0, int lane, unsigned pending,
+                                              int from, int to) {
+    float* d = xs + c0;
+    const unsigned stale = flow_stale<N, 32, true>(lane, d, tag, pending);
+    flow_fetch_pending<N, 0, 32, true>(lane, d, s, tag, stale, nullptr, nullptr, 0u, 0u);
     __syncwarp();
-    tile_inputs_warp<F>(xs, sums, c0 / 16, (c0 + LATE) / 16, lane);
+    tile_inputs_warp<F>(xs, sums, (c0 + from) / 16, (c0 + to) / 16, lane);
     __syncwarp();
   }
   __device__ __forceinline__ void begin(float* xs, float* sums, int c0, int lane) const {
     begin_of(xs, sums, src(), tag, c0, lane);
-  }
-  // The late chunks' tags read again here (most landed with begin's copies): no mask is
-  // held across the batches in between.
-  __device__ __noinline__ static void rest_of(float* xs, float* sums, const float* src,
-                                              unsigned tag, int c0, int lane) {
-    float* d = xs + c0;
-    const unsigned late = flow_mask<N, 32>(lane, KP / 4) & ~flow_mask<N, 32>(lane, LATE / 4);
-    settle(d, src + c0, tag, flow_stale<N, 32, true>(lane, d, tag, late), lane);
-    __syncwarp();
-    tile_inputs_warp<F>(xs, sums, (c0 + LATE) / 16, (c0 + KP) / 16, lane);
-    __syncwarp();
   }
   __device__ __forceinline__ void rest(float* xs, float* sums, int c0, int lane) const {
     rest_of(xs, sums, src(), tag, c0, lane);

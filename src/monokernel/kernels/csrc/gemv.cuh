@@ -24,17 +24,29 @@ struct RowShape {
   static constexpr int B = N < BB ? N : BB;  // loads per lane per batch
 };
 
+// A tile format's load c of a slice with that phase (kWhole: its slices start on a group;
+// else a group format's loads read their pairs by phase: slice_phase).
+template <class F, bool kWhole>
+__device__ __forceinline__ typename F::Load tile_load(typename F::Ptr p, int c, int phase) {
+  if constexpr (kWhole)
+    return F::load(p, c);
+  else
+    return F::load(p, c, phase);
+}
+
 // Issue the first batch of one row's loads into registers; zeros where !live (a pipeline's
 // "next row" after a warp's last: no load, so the copy into the next row's buffer waits for
-// nothing on the way to the hand-off).
-template <class F, int K, int BATCH>
+// nothing on the way to the hand-off). kWhole / phase: tile_load's, for a tile slice that
+// starts inside a group.
+template <class F, int K, int BATCH, bool kWhole = true>
 __device__ __forceinline__ void issue_first(typename F::Load (&buf)[RowShape<F, K, BATCH>::B],
-                                            typename F::Ptr w, int lane, bool live = true) {
+                                            typename F::Ptr w, int lane, bool live = true,
+                                            int phase = 0) {
   using S = RowShape<F, K, BATCH>;
 #pragma unroll
   for (int i = 0; i < S::B; ++i) {
     const int c = i * 32 + lane;
-    buf[i] = live && c < S::C ? F::load(w, c) : F::zero();
+    buf[i] = live && c < S::C ? tile_load<F, kWhole>(w, c, phase) : F::zero();
   }
 }
 
@@ -152,15 +164,6 @@ struct WholeGroups<F, KP, true> {
 template <class F, int KP>
 constexpr bool kWholeGroups = WholeGroups<F, KP>::value;
 
-// A tile format's load j of a slice with that phase (group formats' loads read their pairs).
-template <class F, bool kWhole>
-__device__ __forceinline__ typename F::Load tile_load(typename F::Ptr p, int c, int phase) {
-  if constexpr (kWhole)
-    return F::load(p, c);
-  else
-    return F::load(p, c, phase);
-}
-
 // This warp's slice's phase: the loads of its first group before it (kWholeGroups).
 template <int K, int SPLIT, class F>
 __device__ __forceinline__ int slice_phase(int warp) {
@@ -196,17 +199,8 @@ __device__ __forceinline__ void issue_slice_first(
     typename F::Load (&buf)[Split<F, K, SPLIT>::Shape::B], typename F::Ptr p, int warp,
     int lane) {
   using P = Split<F, K, SPLIT>;
-  if constexpr (kWholeGroups<F, P::KP>) {
-    issue_first<F, P::KP, kBatch>(buf, p, lane);
-  } else {
-    using S = typename P::Shape;
-    const int phase = slice_phase<K, SPLIT, F>(warp);
-#pragma unroll
-    for (int i = 0; i < S::B; ++i) {
-      const int c = i * 32 + lane;
-      buf[i] = c < S::C ? F::load(p, c, phase) : F::zero();
-    }
-  }
+  issue_first<F, P::KP, kBatch, kWholeGroups<F, P::KP>>(buf, p, lane, true,
+                                                         slice_phase<K, SPLIT, F>(warp));
 }
 
 // Issue this warp's first row slice of a split GEMV (split_first) into buf.
@@ -308,15 +302,18 @@ __device__ __forceinline__ void gemv_split_rows(
 // flight out of its registers at the top of each row (waiting for it) before issuing the
 // next, leaving one row in flight a warp. For the LM head's ~144 rows a unit.
 //
-// A tile format (gemv_tiles.cuh) rewrites xs in place as its 16-bit input pairs.
-template <int K, int SPLIT, bool PINGPONG = false, class F, class Out>
+// A tile format (gemv_tiles.cuh) rewrites xs in place as its 16-bit input pairs, or, with
+// an input `in` that streams (flow.cuh TileInputsStreamed), each warp fetches its own slice.
+template <int K, int SPLIT, bool PINGPONG = false, class F, class Out,
+          class In = TileInputsWhole>
 __device__ __forceinline__ void gemv_split(Matrix<F> M, int rows, float* xs,
                                            float* part, int warp, int lane,
                                            typename F::Load (&pre)[Split<F, K, SPLIT>::Shape::B],
                                            Out out,
                                            int cta = (int)blockIdx.x,
                                            const float* __restrict__ bias = nullptr,
-                                           float scale = 1.f) {
+                                           float scale = 1.f, In in = In{}) {
+  static_assert(F::kTiles || !In::kStreamed, "a streamed input is a tile format's");
   if constexpr (F::kTiles) {
     gemv_tiles<K, SPLIT>(M, rows, xs, part + kAttSums, part, warp, lane, pre,
                          [&](int tile, int i, float v0, float v1) {
@@ -327,7 +324,7 @@ __device__ __forceinline__ void gemv_split(Matrix<F> M, int rows, float* xs,
                            out(r, v0);
                            out(r + 1, v1);
                          },
-                         cta);
+                         cta, in);
   } else {
     gemv_split_rows<K, SPLIT, PINGPONG>(M, rows, xs, part, warp, lane, pre, out, cta, bias, scale);
   }

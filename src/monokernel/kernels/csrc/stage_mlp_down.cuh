@@ -68,23 +68,24 @@ __device__ __forceinline__ void mlp_down_pass(const Params& p, Cta& c, const Ste
   mlp_down_hand_off<QkvFormat, HeadFormat>(p, c, s, l);
 }
 
-// Stage E with its input streamed warp by warp (cta.cuh kEStream): each warp fetches its own
-// slice of act inside the GEMV, the late columns last (the probe's input point is then where
-// the GEMV starts). A template, so that only a build where it applies compiles its body.
-template <bool kOn = kEStream>
-__device__ __forceinline__ void mlp_down_streamed(const Params& p, Cta& c, const Step& s,
-                                                  const Layer& l) {
-  if constexpr (kOn) {
+// Stage E's GEMV with its input streamed warp by warp (cta.cuh kEStream): each warp fetches
+// its own slice of act inside the GEMV, the late columns last (the probe's input point is
+// then where the GEMV starts); else after the whole vector is in. A template, so that only a
+// build where the stream applies compiles it.
+template <bool kStreamed = kEStream>
+__device__ __forceinline__ void mlp_down_gemv(const Params& p, Cta& c, const Step& s,
+                                              const Layer& l) {
+  const auto row = [&](int r, float d) { Net::down_row(p, c.xres, l.red, l.tag, r, d); };
+  if constexpr (kStreamed) {
     skew(p, s.index, l.index, kSkewMlpDownInput);
     const auto act = [&] { return flow_copy(p.act, MK_I); };
-    gemv_tiles<MK_I, MK_SPLIT_E>(
-        l.w.wdown, MK_H, c.xs, c.part() + kAttSums, c.part(), c.warp, c.lane, c.preE,
-        [&](int tile, int i, float v0, float v1) {
-          const int r = tile * DownFormat::kTileRows + 2 * i;
-          Net::down_row(p, c.xres, l.red, l.tag, r, v0);
-          Net::down_row(p, c.xres, l.red, l.tag, r + 1, v1);
-        },
-        (int)blockIdx.x, EInput<decltype(act)>{act, l.tag});
+    gemv_split<MK_I, MK_SPLIT_E>(l.w.wdown, MK_H, c.xs, c.part(), c.warp, c.lane, c.preE, row,
+                                 (int)blockIdx.x, nullptr, 1.f,
+                                 EInput<decltype(act)>{act, l.tag});
+  } else {
+    load_vec<MK_I>(c.xs, flow_copy(p.act, MK_I), l.tag, false, p.eps, c.red);
+    skew(p, s.index, l.index, kSkewMlpDownInput);
+    gemv_split<MK_I, MK_SPLIT_E>(l.w.wdown, MK_H, c.xs, c.part(), c.warp, c.lane, c.preE, row);
   }
 }
 
@@ -93,16 +94,7 @@ __device__ __forceinline__ void mlp_down(const Params& p, Cta& c, const Step& s,
     mlp_down_pass(p, c, s, l);
     return;
   }
-  if constexpr (kEStream) {
-    mlp_down_streamed(p, c, s, l);
-  } else {
-    load_vec<MK_I>(c.xs, flow_copy(p.act, MK_I), l.tag, false, p.eps, c.red);
-    skew(p, s.index, l.index, kSkewMlpDownInput);
-    gemv_split<MK_I, MK_SPLIT_E>(l.w.wdown, MK_H, c.xs, c.part(), c.warp, c.lane, c.preE,
-                                 [&](int r, float d) {
-                                   Net::down_row(p, c.xres, l.red, l.tag, r, d);
-                                 });
-  }
+  mlp_down_gemv(p, c, s, l);
   skew(p, s.index, l.index, kSkewMlpDownDone);
   // The next stage's first loads: the next layer's stage A (attn_norm_qkv_first) or, after
   // the last layer, the LM head's, into A's buffer. The row's address is read before the
