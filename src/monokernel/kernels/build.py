@@ -57,6 +57,9 @@ MAX_DOWN_LOADS = 4
 # SMs of the GPUs the kernel is tuned on (H100 SXM, H200); only down_split's rows-per-unit
 # rule uses it: the grid itself is the device's SM count, read at launch.
 HOPPER_SMS = 132
+# Where an int4 tile slice may start (csrc/formats/int4_tiles.cuh kSliceCols): on any load of
+# 64 columns, inside a group of 128 or more.
+INT4_SLICE_COLS = 64
 MAX_HEAD_DIM = 256
 # KernelDims.weight_format / head_format -> the C++ format type (csrc/formats/):
 # MK_WEIGHT_FORMAT / MK_HEAD_FORMAT.
@@ -371,14 +374,15 @@ class KernelDims:
 
     def down_split(self) -> int:
         """Warps per row of the down projection (a tile format: per tile, tile_split of
-        the intermediate size): the fewest that make each warp's slice one
-        batch of loads (at most BATCH a lane), so rows pipeline without a third buffer; but
-        half that where two such batches in flight would hold more than MAX_DOWN_LOADS loads
-        a lane (bytes in flight beyond ~30 KB a SM only queue) and the wider slices still
-        leave every unit two rows or more on 132 SMs (fewer rows than units leave warps
-        idle)."""
+        the intermediate size, or where int4's groups are wider than a load the split whose
+        last round of tiles ends first: _down_tile_split): the fewest that make each warp's
+        slice one batch of loads (at most BATCH a lane), so rows pipeline without a third
+        buffer; but half that where two such batches in flight would hold more than
+        MAX_DOWN_LOADS loads a lane (bytes in flight beyond ~30 KB a SM only queue) and the
+        wider slices still leave every unit two rows or more on 132 SMs (fewer rows than
+        units leave warps idle)."""
         if self.weight_tiles:
-            return self.tile_split(self.intermediate)
+            return self._down_tile_split()
         chunks = self.intermediate // FORMATS[self.weight_format].weights_per_load
         unit = 8 if self.weight_format == "int4" else 1  # int4's slices: whole 8 chunks
         for split in (1, 2, 4, 8, 16):
@@ -390,6 +394,40 @@ class KernelDims:
                 return half
             return split
         return 16 if chunks % 16 == 0 else 1
+
+    def _down_tile_split(self) -> int:
+        """down_split in a tile format: tile_split of the intermediate size, unless int4's
+        groups are wider than a load and a split with slices starting inside a group
+        (csrc/gemv.cuh slice_phase) ends its last round of tiles sooner. A round is a tile
+        for each of the grid's units (16 / split a CTA), and a tile's time goes as its
+        slice's columns, so the last round ends at rounds x slice. Measured on one backend,
+        int4 in groups of 128, µs/token (perf-notes step 105):
+        - Qwen2.5-Coder-32B (E's 320 tiles, K 27,648): 8 warps two rounds of 3,456 columns,
+          16 three of 1,728: 8,757.8 -> 8,485.9 (16 without the streamed input 8,562.8).
+          Qwen3-14B 8 -> 16: 4,197.9 -> 4,109.9; Qwen2.5-Coder-7B 4 -> 8: 2,424.9 ->
+          2,288.9; Qwen3-4B 4 -> 8: 1,801.3 -> 1,697.0 (one H100).
+        - TP=2 ranks, 2 -> 4 (2x H200): Qwen2.5-Coder-7B 1,731.4 -> 1,533.9, Qwen2.5-Coder-14B
+          2,681.0 -> 2,482.4.
+        - Qwen2.5-Coder-14B on one GPU (K 13,824): 4 and 8 both end at 3,456 columns, and 8
+          lost (4,212.8 -> 4,355.7, one H100), so a tie keeps whole groups."""
+        aligned = self.tile_split(self.intermediate)
+        fmt, group = self.stage_format("down")
+        if fmt != "int4" or group <= INT4_SLICE_COLS:
+            return aligned
+        tiles = self.hidden // 16
+
+        def last_round_ends(split: int) -> int:
+            units = HOPPER_SMS * (WARPS // split)
+            return -(-tiles // units) * (self.intermediate // split)
+
+        for split in (16, 8, 4, 2):
+            if split <= aligned:
+                break
+            if self.intermediate % (split * INT4_SLICE_COLS) == 0 and last_round_ends(
+                split
+            ) < last_round_ends(aligned):
+                return split
+        return aligned
 
     def gate_up_batch(self) -> int:
         """Loads a lane keeps in flight per gate/up row (two rows stream together). More loads

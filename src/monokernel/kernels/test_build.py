@@ -253,13 +253,12 @@ def test_down_input_streams_where_each_warp_owns_a_slice_of_several_batches() ->
 
     assert tiles("llama-3.1-8b", "int4", 128).choices()["MK_E_STREAM"] == 1
     assert tiles("llama-3.1-8b", "fp8").choices()["MK_E_STREAM"] == 1
-    # The 32B's int4 slices of 27,648 / 16 columns would start inside groups of 128: E at 8
-    # warps by the rule; an override of 16 takes the slices mid-group, and the stream with it
-    # where asked for.
+    # The 32B's int4 slices of 27,648 / 16 columns start inside groups of 128 (down_split
+    # takes them): the stream with them; an override of 8 warps leaves it no room.
     big = tiles("qwen2.5-coder-32b", "int4", 128)
-    assert big.down_split() == 8 and big.choices()["MK_E_STREAM"] == 0
-    assert big.choices(["-DMK_SPLIT_E=16"])["MK_E_STREAM"] == 0
-    assert big.choices(["-DMK_SPLIT_E=16", "-DMK_E_STREAM=1"])["MK_E_STREAM"] == 1
+    assert big.down_split() == 16 and big.choices()["MK_E_STREAM"] == 1
+    assert big.choices(["-DMK_SPLIT_E=8"])["MK_E_STREAM"] == 0
+    assert big.choices(["-DMK_SPLIT_E=8", "-DMK_E_STREAM=1"])["MK_E_STREAM"] == 0
     assert tiles("qwen2.5-coder-32b", "fp8").choices()["MK_E_STREAM"] == 1
     assert _dims("llama-3.1-8b").choices()["MK_E_STREAM"] == 0  # bf16 rows
     assert tiles("llama-3.2-1b", "int4", 128, positions=2).choices()["MK_E_STREAM"] == 0
@@ -267,6 +266,30 @@ def test_down_input_streams_where_each_warp_owns_a_slice_of_several_batches() ->
     assert eight.choices(["-DMK_E_STREAM=0"])["MK_E_STREAM"] == 0
     assert eight.choices(["-DMK_SPLIT_E=8"])["MK_E_STREAM"] == 0  # E at 8 warps: whole input
     assert _dims("llama-3.1-8b").choices(["-DMK_E_STREAM=1"])["MK_E_STREAM"] == 0
+
+
+@pytest.mark.parametrize(
+    ("shape", "fmt", "group", "split"),
+    [
+        ("qwen2.5-coder-32b", "int4", 128, 16),  # 2 rounds x 3,456 columns at 8: 3 x 1,728
+        ("qwen3-14b", "int4", 128, 16),
+        ("qwen2.5-coder-7b", "int4", 128, 8),  # 1 round at 4 and at 8, half the columns
+        ("qwen3-4b", "int4", 128, 8),
+        ("qwen2.5-coder-14b", "int4", 128, 4),  # 8 ties 4 (1 x 3,456, 2 x 1,728): whole groups
+        ("llama-3.1-8b", "int4", 128, 16),  # whole groups at 16 already
+        ("qwen2.5-coder-14b", "int4", 64, 8),  # groups of a load: slices of whole groups
+        ("qwen2.5-coder-32b", "fp8", 0, 16),
+    ],
+)
+def test_down_split_in_tiles_ends_its_last_round_first(
+    shape: str, fmt: str, group: int, split: int
+) -> None:
+    """Stage E's warps a tile in a tile format: whole groups (tile_split), unless an int4
+    split whose slices start inside a group of 128 ends its last round of tiles sooner."""
+    dims = _dims(shape, weight_format=fmt, weight_group=group, weight_tiles=True)
+    assert dims.down_split() == split
+    assert dims.choices()["MK_SPLIT_E"] == split
+    assert dims.intermediate % (split * kbuild.INT4_SLICE_COLS) == 0
 
 
 @needs_nvcc

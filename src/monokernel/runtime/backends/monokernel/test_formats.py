@@ -125,17 +125,28 @@ def test_teacher_forced_logits(shape: str, fmt: str) -> None:
     assert_logits_match(cfg, DequantizedView(weights, fmt), seq, PROMPT, got, f"{shape} {fmt}")
 
 
+# The 1B with an intermediate size of 7,168: the down projection's 16 warps a tile own slices
+# of 448 columns, 3.5 groups of 128, which the rule takes (its one round of tiles ends at half
+# the columns of 8 warps'), its input streamed.
+MID_GROUP_1B: ModelConfig = dataclasses.replace(SHAPES["llama-3.2-1b"], intermediate_size=7168)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize(
+    ("fmt", "cfg"),
+    [("int4", SHAPES["llama-3.2-1b"]), ("fp8", SHAPES["llama-3.2-1b"]), ("int4", MID_GROUP_1B)],
+    ids=["int4", "fp8", "int4-mid-group"],
+)
 @pytest.mark.skipif(not hopper_with(16), reason="needs a Hopper GPU, 16 GiB")
-def test_streamed_down_input_gives_the_same_bits(fmt: str) -> None:
+def test_streamed_down_input_gives_the_same_bits(fmt: str, cfg: ModelConfig) -> None:
     """E's input streamed warp by warp (MK_E_STREAM: the late columns fetched after E's first
     batches, D's tiles in TilesTailsLast's order) changes when the inputs are read, not what
     is summed: 64 teacher-forced steps give the logits of the build that waits for the whole
-    vector, bit for bit. The 1B in tiles: E's 16 warps each own a slice of two batches."""
+    vector, bit for bit. The 1B in tiles: E's 16 warps each own a slice of two batches (of
+    seven, starting inside groups of 128, with an intermediate size of 7,168)."""
     from monokernel.runtime.backends.monokernel import MonokernelBackend
 
-    cfg, dev, steps = SHAPES["llama-3.2-1b"], torch.device("cuda"), 64
+    dev, steps = torch.device("cuda"), 64
     weights = random_weights(cfg, device=dev, seed=41)
     seq = random_ids(PROMPT + steps, cfg.vocab_size, seed=42)
     got = []
@@ -143,6 +154,7 @@ def test_streamed_down_input_gives_the_same_bits(fmt: str) -> None:
         with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="tiles", MONOKERNEL_NVCC_FLAGS=flags):
             mk = MonokernelBackend(cfg, weights, PROMPT + steps, dev, quantize=fmt)
             streamed = mk.kernel.dims.choices()["MK_E_STREAM"]
+            assert mk.kernel.dims.choices()["MK_SPLIT_E"] == 16
         assert streamed == (0 if flags else 1)
         got.append(mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:]))
         mk.close()
