@@ -4,8 +4,9 @@
         --variant base= --variant dpre1=-DMK_D_PRE=1 --json out.json
 
 Each variant is a set of -D tuning defines (MONOKERNEL_NVCC_FLAGS, part of the build's cache
-key) and/or settings of monokernel/envs.py the backend reads when it is built (e.g.
-``group=MONOKERNEL_ATTN_GROUP_FROM=1``); all variants of a shape run on the same random
+key) and/or settings of monokernel/envs.py (e.g. ``group=MONOKERNEL_ATTN_GROUP_FROM=1``,
+which a loaded build carries; any other the backend reads when it is built); all variants
+of a shape run on the same random
 weights and prompt, interleaved over rounds so drift in clocks or temperature hits every
 variant alike. Reports the median µs/token, MBU against the copy bandwidth measured in this
 run, the stage profile, and how many greedy tokens agree with the first variant (a different
@@ -15,8 +16,8 @@ Where the buffers lie moves the speed too (the hand-off buffer up to ~1% on
 Qwen2.5-Coder-1.5B, the weights' copy a few µs). So variants that differ only in -D defines
 run on one backend, whose kernels are swapped between timings (``load_kernels`` /
 ``use_kernels``): the same weights, KV cache and hand-off buffer (``--own-weights``: a
-backend each, as variants with settings always get; they still share the first one's
-hand-off buffer, unless ``--own-handoff``).
+backend each, as variants with settings other than BUILD_SETTINGS always get; they still
+share the first one's hand-off buffer, unless ``--own-handoff``).
 
 ``--tp N`` runs each variant at N GPUs (the TP backend's ranks swap their kernels
 together; each rank keeps its own hand-off buffer), the MBU over a rank's share of the
@@ -51,6 +52,9 @@ def _tokens(backend: MonokernelBackend, prompt: list[int], n: int) -> list[int]:
 
 
 Backend = MonokernelBackend | MonokernelTPBackend
+# Settings a loaded build carries (kernel.py KernelBuild), so variants that differ in them
+# share one backend like -D variants: a 32B model fits an 80 GB GPU once, not twice.
+BUILD_SETTINGS = frozenset({"MONOKERNEL_ATTN_GROUP_FROM"})
 Builds = KernelBuild | list[KernelBuild]  # a TP backend's: one a rank
 
 
@@ -110,12 +114,17 @@ def main(argv: list[str]) -> int:
         shared: Backend | None = None
         # One backend for every variant: it may repack the weights in place (a 32B model
         # fits an 80 GB GPU once, not twice).
-        one = not args.own_weights and not any("MONOKERNEL_" in f for _, f in variants)
+        settings = {
+            name: dict(f.split("=", 1) for f in flags.split() if f.startswith("MONOKERNEL_"))
+            for name, flags in variants
+        }
+        own = {name: bool(env.keys() - BUILD_SETTINGS) for name, env in settings.items()}
+        one = not args.own_weights and not any(own.values())
         for name, flags in variants:
-            env = dict(f.split("=", 1) for f in flags.split() if f.startswith("MONOKERNEL_"))
+            env = settings[name]
             nvcc = " ".join(f for f in flags.split() if not f.startswith("MONOKERNEL_"))
             with envs.overridden(**{**env, "MONOKERNEL_NVCC_FLAGS": nvcc}):
-                if env or args.own_weights or shared is None:
+                if own[name] or args.own_weights or shared is None:
                     b: Backend
                     if args.tp > 1:
                         b = MonokernelTPBackend(
@@ -132,7 +141,7 @@ def main(argv: list[str]) -> int:
                             quantize=args.quantize,
                         )
                     backends[name], kernels[name] = b, b.kernels
-                    if not (env or args.own_weights):
+                    if not (own[name] or args.own_weights):
                         shared = b
                 else:
                     backends[name], kernels[name] = shared, shared.load_kernels()

@@ -190,6 +190,15 @@ class KernelBuild:
     full: launcher.KernelModule
     short: launcher.KernelModule
     attn_chunk: int  # the K/V window the build has (its flags may set it)
+    # The context from which `full` runs even where head units would cover it
+    # (MONOKERNEL_ATTN_GROUP_FROM when the build was loaded; tests and tuning), so variants
+    # with and without it can share one backend (tools/kernel_variants.py).
+    group_from: int
+
+    def short_covers(self, context: int, splits: int) -> bool:
+        """Whether ``short`` runs every position below ``context``: head units cover it
+        (``splits`` = grid // heads) and it stays below ``group_from``."""
+        return head_units_fit(context, self.attn_chunk, splits) and context < self.group_from
 
     def unload(self) -> None:
         self.full.unload()
@@ -226,9 +235,6 @@ class DecodeKernel:
             )
         self.attn_splits = self.grid // cfg.num_heads
         self.attn_group_splits = self.grid // cfg.num_kv_heads
-        # Context length from which group units are used even where head units would fit
-        # (tests and tuning); by default only the plan's own rule decides.
-        self.attn_group_from = envs.MONOKERNEL_ATTN_GROUP_FROM or 1 << 30
         with torch.cuda.device(device):
             self.build = self.load_build()
             self._alloc_buffers()
@@ -236,7 +242,9 @@ class DecodeKernel:
 
     def load_build(self) -> KernelBuild:
         """Build (or find cached) and load this kernel's two specialisations under the build
-        flags in force now (MONOKERNEL_NVCC_FLAGS)."""
+        flags in force now (MONOKERNEL_NVCC_FLAGS), with the context from which group units
+        run anyway in force now (MONOKERNEL_ATTN_GROUP_FROM; unset: only the kernel plan's
+        own rule decides)."""
         launcher.set_current_context(self.device.index)
         full, short = (
             launcher.KernelModule(
@@ -244,17 +252,17 @@ class DecodeKernel:
             )
             for d in (self.dims, dataclasses.replace(self.dims, group_units=False))
         )
-        return KernelBuild(full, short, self.dims.built_attn_chunk())
+        group_from = envs.MONOKERNEL_ATTN_GROUP_FROM or 1 << 30
+        return KernelBuild(full, short, self.dims.built_attn_chunk(), group_from)
 
     def use_build(self, build: KernelBuild) -> None:
         """Launch ``build``'s kernels from now on."""
-        self.build = build
+        self.build, self._static = build, None  # its group_from is a Params field
 
     def module_for(self, context: int) -> launcher.KernelModule:
         """The kernel for a launch whose positions stay below ``context``."""
         build = self.build
-        covered = head_units_fit(context, build.attn_chunk, self.attn_splits)
-        return build.short if covered and context < self.attn_group_from else build.full
+        return build.short if build.short_covers(context, self.attn_splits) else build.full
 
     def _alloc_buffers(self) -> None:
         cfg, dev, f32, i32 = self.cfg, self.device, torch.float32, torch.int32
@@ -445,7 +453,7 @@ class DecodeKernel:
                 eps=float(self.cfg.rms_norm_eps),
                 attn_splits=self.attn_splits,
                 attn_group_splits=self.attn_group_splits,
-                attn_group_from=self.attn_group_from,
+                attn_group_from=self.build.group_from,
             )
         return self._static
 

@@ -10,7 +10,7 @@ import torch
 from monokernel.errors import UnsupportedModelError
 from monokernel.kernels import layout
 from monokernel.models.shapes import SHAPES
-from monokernel.runtime.backends.monokernel.kernel import kernel_dims, layer_table
+from monokernel.runtime.backends.monokernel.kernel import KernelBuild, kernel_dims, layer_table
 from monokernel.weights.random_weights import random_weights
 from monokernel.weights.repack import repack
 
@@ -87,3 +87,15 @@ def test_a_one_byte_format_needs_rows_of_whole_loads() -> None:
         kernel_dims(SHAPES["llama-3.2-1b"], weight_format="int4", weight_group=96)
     dims = kernel_dims(SHAPES["llama-3.2-1b"], weight_format="int4", weight_group=128)
     assert "-DMK_WEIGHT_FORMAT=Int4Groups<128>" in dims.defines()
+
+
+def test_a_build_carries_the_context_its_group_units_run_from() -> None:
+    """The build without group units runs a context while head units cover it (its window x
+    grid // heads positions) and it is below the build's group_from (MONOKERNEL_ATTN_GROUP_FROM
+    when it was loaded), so builds with and without that setting can share one backend."""
+    short, full = object(), object()  # stand-ins: only which module runs is asked
+    plain = KernelBuild(full, short, attn_chunk=96, group_from=1 << 30)  # type: ignore[arg-type]
+    assert plain.short_covers(288, splits=3) and not plain.short_covers(289, splits=3)
+    assert not plain.short_covers(10, splits=0)  # heads outnumber the CTAs: never
+    forced = dataclasses.replace(plain, group_from=100)
+    assert forced.short_covers(99, splits=3) and not forced.short_covers(100, splits=3)

@@ -20,7 +20,6 @@ import torch
 
 from monokernel.errors import InvalidRequestError
 from monokernel.kernels import layout
-from monokernel.kernels.plan import head_units_fit
 from monokernel.runtime.backends.monokernel.kernel import DecodeKernel, Launch, Probe, wait_until
 from monokernel.runtime.sampling import SamplingParams
 from monokernel.runtime.speculative import SpeculationStats
@@ -46,9 +45,7 @@ class PassKernel:
     def covers(self, context: int) -> bool:
         """Whether passes run at every position below ``context``: a pass has head units
         only (group units, for long context, decode by steps)."""
-        k = self.kernel
-        fit = head_units_fit(context, k.build.attn_chunk, k.attn_splits)
-        return fit and context < k.attn_group_from
+        return self.kernel.build.short_covers(context, self.kernel.attn_splits)
 
     def load_history(self, tokens: Sequence[int]) -> None:
         """The request so far into the history, on the current stream, with the kernel's
