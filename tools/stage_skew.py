@@ -98,7 +98,12 @@ def main(argv: list[str]) -> int:
             plans = []
             for rcfg, _ in ranks:
                 dims = kbuild.KernelDims.from_config(rcfg)
-                plan = (dims.built_attn_chunk(), dims.built_attn_range(), dims.merge_ranges())
+                plan = (
+                    dims.built_attn_chunk(),
+                    dims.built_attn_range(),
+                    dims.merge_ranges(),
+                    dims.built_attn_min_range(),
+                )
                 plans.append(plan)
         _timed(b, args.tp, prompt, args.step)  # warm-up
         per_rank = [
@@ -107,7 +112,7 @@ def main(argv: list[str]) -> int:
         ]
         raw[name] = per_rank
         for r, (rows, (rcfg, grid), plan) in enumerate(zip(per_rank, ranks, plans, strict=True)):
-            chunk, head_range, merge_ns = plan
+            chunk, head_range, merge_ns, min_range = plan
             units = attn_units(
                 pos,
                 grid,
@@ -116,6 +121,7 @@ def main(argv: list[str]) -> int:
                 chunk,
                 head_range=head_range,
                 merge_ns=merge_ns,
+                min_range=min_range,
             )
             rank = f", rank {r} of {args.tp}" if args.tp > 1 else ""
             _print(

@@ -32,7 +32,7 @@ from pathlib import Path
 from monokernel import envs
 from monokernel.errors import BackendUnavailableError, UnsupportedModelError
 from monokernel.kernels import layout
-from monokernel.kernels.plan import head_units_fit
+from monokernel.kernels.plan import ATTN_MIN_RANGE, head_units_fit
 from monokernel.models.config import ModelConfig
 from monokernel.weights.formats import FORMATS
 from monokernel.weights.formats.int4 import GROUPS as INT4_GROUPS
@@ -312,6 +312,8 @@ class KernelDims:
         # no room for it.
         can = self._down_streams(out["MK_SPLIT_E"], out["MK_TILE_BATCH"])
         out["MK_E_STREAM"] = min(out["MK_E_STREAM"], int(can))
+        if out["MK_ATTN_MIN_RANGE"] < 1:
+            raise ValueError(f"MK_ATTN_MIN_RANGE={out['MK_ATTN_MIN_RANGE']}: a positive count")
         chunk = out["MK_ATTN_CHUNK"]
         if chunk % 32 or not 32 <= chunk <= self.attn_chunk():
             raise ValueError(
@@ -526,6 +528,21 @@ class KernelDims:
             chp *= 2
         return 2 * (2 * THREADS // chp)
 
+    def attn_min_range(self) -> int:
+        """Group units' fewest positions a range (csrc/attention_window.cuh attn_plan): a KV
+        head's context is cut into ranges of at least this many positions, one a CTA, up to
+        grid // kv_heads ranges. 64 since group units were built for long context (perf-notes
+        step 17), where the cap binds and this does not; it binds between the contexts head
+        units cover and 64 x grid // kv_heads positions (the 32B: 288 to ~1,000), where group
+        units cost the 1.5B 5.5 µs a layer more than head units at a short context (session
+        48); fewer positions a range there are unmeasured."""
+        return ATTN_MIN_RANGE
+
+    def built_attn_min_range(self) -> int:
+        """Group units' fewest positions a range in the build (MONOKERNEL_NVCC_FLAGS may set
+        it)."""
+        return self.choices()["MK_ATTN_MIN_RANGE"]
+
     def attn_group_units(self) -> int:
         """1: the build with group units (any context); 0: the build without, for contexts
         head units cover (the backend loads both and picks by context): their code's
@@ -590,6 +607,7 @@ CHOICES: tuple[Choice, ...] = (
     Choice("MK_TILE_BATCH", KernelDims.tile_batch),
     Choice("MK_E_STREAM", KernelDims.down_input_streamed),
     Choice("MK_ATTN_CHUNK", KernelDims.attn_chunk),
+    Choice("MK_ATTN_MIN_RANGE", KernelDims.attn_min_range),
     Choice("MK_ATTN_RANGE", KernelDims.attn_range),
 )
 # Choices the build's own fields decide (the host loads builds by them): never overridden.

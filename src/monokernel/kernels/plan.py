@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-ATTN_MIN_RANGE = 64  # kAttnMinRange (csrc/tunables.cuh): group units' fewest positions a range
+# Group units' fewest positions a range by default (build.py attn_min_range, MK_ATTN_MIN_RANGE).
+ATTN_MIN_RANGE = 64
 
 
 def head_units_fit(n: int, chunk: int, splits: int) -> bool:
@@ -21,16 +22,18 @@ def attn_units(
     group_from: int = 1 << 30,
     head_range: int = 0,
     merge_ns: int = 1,
+    min_range: int = ATTN_MIN_RANGE,
 ) -> int:
     """CTAs with an attention unit at position ``pos`` (CTAs 0 .. units - 1): head units
     (heads x ranges of ``chunk`` positions) while they fit the grid, else group units.
     ``head_range`` > 0 (MK_ATTN_RANGE): head units split a head into ranges of about that
     many positions even where one fits the window, up to ``merge_ns`` (kMergeNs, layout.py
-    MERGE_NS) and grid // heads ranges."""
+    MERGE_NS) and grid // heads ranges; group units take ranges of at least ``min_range``
+    positions (MK_ATTN_MIN_RANGE)."""
     n = pos + 1
     splits = grid // heads
     if not head_units_fit(n, chunk, splits) or n >= group_from:
-        return kv_heads * min(-(-n // ATTN_MIN_RANGE), grid // kv_heads)
+        return kv_heads * min(-(-n // min_range), grid // kv_heads)
     ns = -(-n // chunk)
     if head_range > 0:
         ns = max(ns, min(-(-n // head_range), merge_ns, splits))

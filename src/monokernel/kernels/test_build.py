@@ -243,6 +243,15 @@ def test_int8_group_kernel_compiles(shape: str, group: int, tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr
 
 
+def test_group_units_min_range_is_a_choice_an_experiment_may_set() -> None:
+    """MK_ATTN_MIN_RANGE: 64 by the rule, any positive count by override."""
+    dims = _dims("qwen2.5-coder-32b")
+    assert dims.choices()["MK_ATTN_MIN_RANGE"] == 64 and "-DMK_ATTN_MIN_RANGE=64" in dims.defines()
+    assert dims.choices(["-DMK_ATTN_MIN_RANGE=16"])["MK_ATTN_MIN_RANGE"] == 16
+    with pytest.raises(ValueError, match="MK_ATTN_MIN_RANGE=0"):
+        dims.choices(["-DMK_ATTN_MIN_RANGE=0"])
+
+
 def test_down_input_streams_where_each_warp_owns_a_slice_of_several_batches() -> None:
     """MK_E_STREAM (csrc/flow.cuh TileInputsStreamed) where D and E stream tiles, E's 16
     warps each own one K-slice, and a slice is more than one batch of loads; never where the

@@ -18,6 +18,13 @@ def test_group_units_past_the_grid_or_when_forced() -> None:
     assert attn_units(5, 20, 32, 8, 512) == 8  # more heads than CTAs: group units only
 
 
+def test_group_units_ranges_of_at_least_the_builds_min_range_up_to_the_grid() -> None:
+    # Qwen2.5-Coder-32B on 132 SMs: 8 KV heads, at most 16 ranges each; head units cover 288.
+    assert attn_units(575, 132, 40, 8, 96) == 8 * 9  # 576 positions in ranges of >= 64
+    assert attn_units(575, 132, 40, 8, 96, min_range=32) == 8 * 16  # 18 ranges: the grid's 16
+    assert attn_units(100, 132, 32, 8, 512, group_from=50, min_range=16) == 8 * 7
+
+
 def test_short_head_ranges_up_to_what_the_reader_merges_and_the_grid_holds() -> None:
     # Qwen2.5-Coder-1.5B on 132 SMs: 12 heads, window 320, C merges up to 5 ranges.
     assert attn_units(63, 132, 12, 2, 320, head_range=64, merge_ns=5) == 12

@@ -44,7 +44,8 @@ struct AttnPlan {
 
 // Head units while every range fits the window and heads x ranges fit the grid
 // (p.attn_splits = grid / heads, 0 when heads outnumber CTAs); else group units, ranges of at
-// least MIN_RANGE positions over at most grid / kv_heads CTAs per KV head. p.attn_group_from:
+// least MK_ATTN_MIN_RANGE positions (build.py attn_min_range) over at most grid / kv_heads
+// CTAs per KV head. p.attn_group_from:
 // the context length from which group units are used anyway (a knob for tests and tuning).
 __device__ __forceinline__ AttnPlan attn_plan(const Params& p, int pos) {
   const int n = pos + 1;
@@ -52,7 +53,7 @@ __device__ __forceinline__ AttnPlan attn_plan(const Params& p, int pos) {
   AttnPlan a;
   a.group = p.attn_splits == 0 || fit > p.attn_splits || n >= p.attn_group_from;
   if (a.group) {
-    const int want = (n + kAttnMinRange - 1) / kAttnMinRange;
+    const int want = (n + MK_ATTN_MIN_RANGE - 1) / MK_ATTN_MIN_RANGE;
     a.ns = want < p.attn_group_splits ? want : p.attn_group_splits;
     a.units = MK_NKV * a.ns;
   } else {

@@ -47,8 +47,6 @@ constexpr int kAttnU = 4;
 constexpr int kAttnStages = 2;
 // Positions per ring stage at most (sizes group units' probability scratch).
 constexpr int kAttnPmax = 256;
-// Group units' fewest positions per range.
-constexpr int kAttnMinRange = 64;
 
 // The CTA whose stage marks the profile records: CTA 0.
 constexpr int kProfCta = 0;
