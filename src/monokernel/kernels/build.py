@@ -416,7 +416,7 @@ class KernelDims:
         fmt, group = self.stage_format("down")
         if fmt != "int4" or group <= INT4_SLICE_COLS:
             return aligned
-        tiles = self.hidden // 16
+        tiles = self.hidden // TILE_ROWS
 
         def last_round_ends(split: int) -> int:
             units = HOPPER_SMS * (WARPS // split)
@@ -506,9 +506,8 @@ class KernelDims:
         if not self.weight_tiles or self.positions > 1 or split != WARPS:
             return False
         down_format, _ = self.stage_format("down")
-        tile_rows = 16
         # 16-byte chunks in one warp's slice of a tile; a lane loads one in 32 of them.
-        chunks = self.intermediate // WARPS * tile_rows // FORMATS[down_format].weights_per_load
+        chunks = self.intermediate // WARPS * TILE_ROWS // FORMATS[down_format].weights_per_load
         return chunks // 32 > batch  # a lane's loads in the slice: more than one batch
 
     def attn_chunk(self) -> int:

@@ -51,15 +51,14 @@ __device__ __forceinline__ void gate_up_gemv(const Params& p, Cta& c, const Laye
   float* act = p.act + q * MK_I;
   if constexpr (WF::kTiles) {
     // A tile of 16 rows is 8 gate/up pairs (rows 2i, 2i + 1): one combining thread a pair.
-    gemv_tiles<MK_H, kSplitD, GateUpOrder>(wgu, 2 * MK_I, c.xd + q * MK_H, c.att + kAttSums, c.part(),
-                              c.warp, c.lane, c.preG,
-                              [&](int tile, int i, float g, float u) {
-                                g *= rd;
-                                u *= rd;
-                                st_flow_copies(act + 8 * tile + i, MK_P * MK_I,
-                                               g / (1.f + expf(-g)) * u, l.tag);
-                              },
-                              (int)blockIdx.x);
+    gemv_tiles<MK_H, kSplitD, GateUpOrder>(
+        wgu, 2 * MK_I, c.xd + q * MK_H, c.att + kAttSums, c.part(), c.warp, c.lane, c.preG,
+        [&](int tile, int i, float g, float u) {
+          g *= rd;
+          u *= rd;
+          st_flow_copies(act + 8 * tile + i, MK_P * MK_I, g / (1.f + expf(-g)) * u, l.tag);
+        },
+        (int)blockIdx.x);
   } else {
     gemv_pairs<MK_H>(wgu, MK_I, c.gw, c.tw, c.xd + q * MK_H, c.lane, c.preG, c.preU,
                      [&](int r, float g, float u) {

@@ -30,7 +30,7 @@ struct Int4Tiles : GroupPairTiles<64, G> {
   static constexpr int kPerLoad = 32;      // weights of one lane's 16-byte load
   static constexpr int kLoadCols = 64;     // a warp-wide load's columns of the tile
   // A split-K slice starts on a load; inside a group wider than a load where the warps'
-  // slices are not whole groups (gemv_tiles.cuh slice_phase).
+  // slices are not whole groups (gemv.cuh slice_phase).
   static constexpr int kSliceCols = 64;
   static constexpr bool kScaled = false;   // the groups' scales, not a row's
   static constexpr float kUnit = 1.f;
