@@ -27,7 +27,6 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 
 from monokernel import envs
@@ -62,8 +61,6 @@ HOPPER_SMS = 132
 # 64 columns, inside a group of 128 or more.
 INT4_SLICE_COLS = 64
 MAX_HEAD_DIM = 256
-# Pieces a tile GEMV's last round may cut each of its tiles into at most (last_round_pieces).
-MAX_PIECES = 8
 # KernelDims.weight_format / head_format -> the C++ format type (csrc/formats/):
 # MK_WEIGHT_FORMAT / MK_HEAD_FORMAT.
 WEIGHT_FORMATS: dict[str, str] = {name: f.kernel_type for name, f in FORMATS.items()}
@@ -315,14 +312,6 @@ class KernelDims:
         # no room for it.
         can = self._down_streams(out["MK_SPLIT_E"], out["MK_TILE_BATCH"])
         out["MK_E_STREAM"] = min(out["MK_E_STREAM"], int(can))
-        # Pieces follow the splits taken; an override may only lower them to what fits.
-        overridden = choice_overrides(flags)
-        for stage, split in PIECE_SPLITS.items():
-            define = f"MK_PIECES_{stage}"
-            most = self._pieces(stage, out[split])
-            out[define] = min(out[define], most) if define in overridden else most
-            if out[define] < 1:
-                raise ValueError(f"{define}={out[define]}: 1 (every round whole) or more")
         if out["MK_ATTN_MIN_RANGE"] < 1:
             raise ValueError(f"MK_ATTN_MIN_RANGE={out['MK_ATTN_MIN_RANGE']}: a positive count")
         chunk = out["MK_ATTN_CHUNK"]
@@ -441,46 +430,6 @@ class KernelDims:
             ) < last_round_ends(aligned):
                 return split
         return aligned
-
-    def last_round_pieces(self, stage: str) -> int:
-        """Pieces a tile of stage ``stage``'s last round is cut into (A QKV, C the O
-        projection, D gate/up, E down; csrc/gemv_tiles.cuh): a tile stage deals a round of a
-        tile a unit (132 SMs x 16 / split), so a last round of few tiles leaves most units
-        idle for a whole tile's time. Where it holds at most half as many tiles as units
-        (after one round or more), each of its tiles is cut along K into as many pieces as the
-        units allow, at most 8, each a group or block of loads at least; the first piece's
-        unit adds the others' sums (hand-off words) in piece order, so the bits do not depend
-        on timing (they do differ from one unit's sum). 1 (every round whole) elsewhere, and
-        wherever the layers are not in tiles. Costed on the 32B int4 (perf-notes Next,
-        session 48): its E, D and C would end ~4.4, ~2.4 and ~1.9 µs a layer sooner; the
-        8B's last rounds are more than half full (nothing to gain). An override may only
-        lower the count (``-DMK_PIECES_E=1``)."""
-        split = next(c for c in CHOICES if c.define == PIECE_SPLITS[stage]).rule(self)
-        return self._pieces(stage, split)
-
-    def _pieces(self, stage: str, split: int) -> int:
-        """last_round_pieces for stage ``stage`` at ``split`` warps a tile."""
-        if not self.weight_tiles:
-            return 1
-        fmt, group = self.stage_format({"A": "qkv", "E": "down"}.get(stage, ""))
-        rows, k = {
-            "A": (self.q_size + 2 * self.kv_size, self.hidden),
-            "C": (self.hidden, self.q_size),
-            "D": (2 * self.intermediate, self.hidden),
-            "E": (self.hidden, self.intermediate),
-        }[stage]
-        units = HOPPER_SMS * (WARPS // split)
-        whole, rest = divmod(rows // TILE_ROWS, units)
-        if not whole or not rest or 2 * rest > units:
-            return 1
-        loads = k // split * TILE_ROWS // FORMATS[fmt].weights_per_load // 32  # a lane's
-        run = 1  # loads a group or block spans: a piece starts on one (piece_loads)
-        if fmt == "int4":
-            run = max(1, group // INT4_SLICE_COLS)
-        elif fmt == "fp8" and group:
-            run = group // (2 * FORMATS[fmt].weights_per_load)
-        pieces = min(units // rest, loads // run, MAX_PIECES)
-        return pieces if pieces > 1 else 1
 
     def gate_up_batch(self) -> int:
         """Loads a lane keeps in flight per gate/up row (two rows stream together). More loads
@@ -641,18 +590,7 @@ class Choice:
 
     @property
     def doc(self) -> str:
-        method = getattr(self.method, "func", self.method)  # a partial's function
-        return inspect.cleandoc(method.__doc__ or "")
-
-    @property
-    def method_name(self) -> str:
-        """The method's name, with a partial's arguments: ``last_round_pieces("E")``."""
-        if isinstance(self.method, partial):
-            args = [repr(a) for a in self.method.args] + [
-                repr(v) for v in self.method.keywords.values()
-            ]
-            return f"{self.method.func.__name__}({', '.join(args)})"
-        return self.method.__name__
+        return inspect.cleandoc(self.method.__doc__ or "")
 
 
 CHOICES: tuple[Choice, ...] = (
@@ -670,18 +608,7 @@ CHOICES: tuple[Choice, ...] = (
     Choice("MK_ATTN_CHUNK", KernelDims.attn_chunk),
     Choice("MK_ATTN_MIN_RANGE", KernelDims.attn_min_range),
     Choice("MK_ATTN_RANGE", KernelDims.attn_range),
-    *(
-        Choice(f"MK_PIECES_{stage}", partial(KernelDims.last_round_pieces, stage=stage))
-        for stage in ("A", "C", "D", "E")
-    ),
 )
-# The split each stage's last_round_pieces depends on.
-PIECE_SPLITS = {
-    "A": "MK_TILE_SPLIT_A",
-    "C": "MK_TILE_SPLIT_C",
-    "D": "MK_TILE_SPLIT_D",
-    "E": "MK_SPLIT_E",
-}
 # Choices the build's own fields decide (the host loads builds by them): never overridden.
 STRUCTURAL = ("MK_TP", "MK_ATTN_GROUP")
 # -D names the flags may carry besides the choices: the stage-skew probe build and the debug
@@ -755,7 +682,7 @@ def knobs_markdown() -> str:
         lines.append(f"| `{c.define}` | {' | '.join(vals)} |")
     lines.append("")
     for c in CHOICES:
-        lines += [f"## `{c.define}` (`KernelDims.{c.method_name}`)", "", c.doc, ""]
+        lines += [f"## `{c.define}` (`KernelDims.{c.method.__name__}`)", "", c.doc, ""]
     return "\n".join(lines)
 
 

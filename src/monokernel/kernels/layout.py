@@ -30,7 +30,6 @@ HEADER = Path(__file__).parent / "csrc" / "layout.cuh"
 
 THREADS = 512  # kThreads: threads a CTA
 WARPS = THREADS // 32
-PIECE_STAGES = 4  # kPieceStages (csrc/cta.cuh): the tile stages A, C, D and E
 SPLIT_SLOTS = 32  # kSplitSlots: split-K partial sums a warp
 TICKET_STRIDE = 32  # kTicketStride: barrier words between two LM-head ticket counters
 FLOW_COPIES = 2  # kFlowCopies: copies of each hand-off vector every CTA polls
@@ -342,7 +341,6 @@ PARAMS: tuple[Field, ...] = (
     _p("attn_out", "float*", "hand-off region attn_out: [Q] the merged attention output"),
     _p("attn_count", "unsigned*", "[NH + NKV] ranges finished per head, then per KV head"),
     _p("act", "float*", "hand-off region act: [I] silu(gate) * up"),
-    _p("pieces", "float*", "hand-off region pieces: [4 stages][grid x 16 warps x 16] sums"),
     _p("logits", "float*", "[V] this step's logits"),
     _p("part_score", "float*", "[2 grid] each CTA's best score, or [grid] token words"),
     _p("part_id", "int*", "[grid] each CTA's best id"),
@@ -657,9 +655,6 @@ def handoff_regions(cfg: Config, grid: int, positions: int = 1) -> tuple[Handoff
         HandoffRegion("act", n * cfg.intermediate_size, c),
         HandoffRegion("attn", n * slots * cfg.head_dim, c),
         HandoffRegion("attn_ml", n * slots * 4, c),
-        # A tile GEMV's last-round pieces (csrc/cta.cuh stage_pieces): for A, C, D and E, as
-        # many sums as the GEMV has units' rows at most (a warp a unit, 16 rows a tile).
-        HandoffRegion("pieces", n * PIECE_STAGES * grid * WARPS * 16, 1),
     )
 
 

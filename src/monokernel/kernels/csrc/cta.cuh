@@ -23,19 +23,6 @@ using SE = Split<DownFormat, MK_I, MK_SPLIT_E>;    // E: down projection
 using SF = Split<HeadFormat, MK_H, kSplitF>;       // F: the LM head (its own format)
 using SD = Split<WeightFormat, MK_H, kSplitD>;     // D in a tile format: a tile of pairs
 using GateUp = RowShape<WeightFormat, MK_H, MK_BATCH2>;  // D: one gate or up row
-// The tile stages whose last round may be dealt by K (gemv_tiles.cuh), by their span of the
-// hand-off region `pieces` (layout.py: [positions][kPieceStages][grid x kWarps x 16], as many
-// words as a GEMV's units have rows).
-enum PieceStage { kPiecesA, kPiecesC, kPiecesD, kPiecesE, kPieceStages };
-// Stage `st`'s pieces for position q of this layer (tag): build.py's MK_PIECES_* for it.
-template <int M>
-__device__ __forceinline__ auto stage_pieces(const Params& p, PieceStage st, int q, unsigned tag) {
-  if constexpr (M > 1)
-    return LastRoundPieces<M>{
-        p.pieces + ((size_t)q * kPieceStages + st) * gridDim.x * kWarps * 16, tag};
-  else
-    return WholeRounds{};
-}
 // The columns of E's slice before its tiles' last batch of loads (a tile format's).
 template <class F>
 constexpr int late_cols() {

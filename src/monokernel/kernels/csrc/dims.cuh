@@ -24,8 +24,7 @@
     !defined(MK_ATTN_CHUNK) || !defined(MK_ATTN_RANGE) || !defined(MK_ATTN_GROUP) ||         \
     !defined(MK_TILE_SPLIT_A) || !defined(MK_TILE_SPLIT_C) || !defined(MK_TILE_SPLIT_D) ||    \
     !defined(MK_TILE_BATCH) || !defined(MK_TILES) || !defined(MK_E_STREAM) ||                 \
-    !defined(MK_ATTN_MIN_RANGE) || !defined(MK_PIECES_A) || !defined(MK_PIECES_C) ||           \
-    !defined(MK_PIECES_D) || !defined(MK_PIECES_E)
+    !defined(MK_ATTN_MIN_RANGE)
 #error "kernels/build.py passes every per-shape choice (-D, its CHOICES table)"
 #endif
 

@@ -98,42 +98,6 @@ __device__ __forceinline__ float ld_flow(const float* p, unsigned tag) {
   return flow_wait_value(p, ld_flow_word(p), tag);
 }
 
-// The last round of a tile GEMV dealt by K (gemv_tiles.cuh): the sums of piece p > 0 of the
-// round's t-th tile reach the unit of its first piece as hand-off words of the layer's tag,
-// [tiles][M][16] from `words`. Each stage and each position of a pass writes its own span
-// (cta.cuh stage_pieces), so no word is taken for another GEMV's of the same tag; and the
-// chain argument above covers a span's next write, a layer later: the first piece's unit
-// reads the words before it writes any of the stage's output.
-template <int M>
-struct LastRoundPieces {
-  static constexpr int kM = M;
-  float* words;
-  unsigned tag;
-
-  // Rows 2i and 2i + 1 of piece p of tile t.
-  __device__ __forceinline__ void put(int t, int p, int i, float v0, float v1) const {
-    float* w = words + (t * M + p) * 16 + 2 * i;
-    st_flow(w, v0, tag);
-    st_flow(w + 1, v1, tag);
-  }
-  // v0 and v1, the first piece's rows 2i and 2i + 1 of tile t, plus the other pieces', in
-  // piece order: every load issued before the first wait.
-  __device__ __forceinline__ void add(int t, int i, float& v0, float& v1) const {
-    const float* w = words + t * M * 16 + 2 * i;
-    unsigned u[M - 1][2];
-#pragma unroll
-    for (int p = 1; p < M; ++p) {
-      u[p - 1][0] = ld_flow_word(w + 16 * p);
-      u[p - 1][1] = ld_flow_word(w + 16 * p + 1);
-    }
-#pragma unroll
-    for (int p = 1; p < M; ++p) {
-      v0 += flow_wait_value(w + 16 * p, u[p - 1][0], tag);
-      v1 += flow_wait_value(w + 16 * p + 1, u[p - 1][1], tag);
-    }
-  }
-};
-
 __device__ __forceinline__ uint4 ld_flow_chunk(const float* p) {
   uint4 u;
   asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"

@@ -303,18 +303,16 @@ __device__ __forceinline__ void gemv_split_rows(
 // next, leaving one row in flight a warp. For the LM head's ~144 rows a unit.
 //
 // A tile format (gemv_tiles.cuh) rewrites xs in place as its 16-bit input pairs, or, with
-// an input `in` that streams (flow.cuh TileInputsStreamed), each warp fetches its own slice;
-// `pieces` deals its last round by K (gemv_tiles.cuh).
+// an input `in` that streams (flow.cuh TileInputsStreamed), each warp fetches its own slice.
 template <int K, int SPLIT, bool PINGPONG = false, class F, class Out,
-          class In = TileInputsWhole, class Pieces = WholeRounds>
+          class In = TileInputsWhole>
 __device__ __forceinline__ void gemv_split(Matrix<F> M, int rows, float* xs,
                                            float* part, int warp, int lane,
                                            typename F::Load (&pre)[Split<F, K, SPLIT>::Shape::B],
                                            Out out,
                                            int cta = (int)blockIdx.x,
                                            const float* __restrict__ bias = nullptr,
-                                           float scale = 1.f, In in = In{},
-                                           Pieces pieces = Pieces{}) {
+                                           float scale = 1.f, In in = In{}) {
   static_assert(F::kTiles || !In::kStreamed, "a streamed input is a tile format's");
   if constexpr (F::kTiles) {
     gemv_tiles<K, SPLIT>(M, rows, xs, part + kAttSums, part, warp, lane, pre,
@@ -326,7 +324,7 @@ __device__ __forceinline__ void gemv_split(Matrix<F> M, int rows, float* xs,
                            out(r, v0);
                            out(r + 1, v1);
                          },
-                         cta, in, pieces);
+                         cta, in);
   } else {
     gemv_split_rows<K, SPLIT, PINGPONG>(M, rows, xs, part, warp, lane, pre, out, cta, bias, scale);
   }

@@ -185,21 +185,13 @@ __device__ __forceinline__ void gemv_pairs_pass(
   }
 }
 
-// The pieces of no position (gemv_split_pass's default): every round whole.
-struct WholeRoundsAt {
-  __device__ WholeRounds operator()(int) const { return {}; }
-};
-
 // gemv_split over a pass's n inputs (xs + q stride): out(q, r, value). A tile format runs
-// gemv_tiles once a position, its first batch issued again for each later one, with
-// pieces_at(q)'s pieces (each position's words its own: gemv_tiles.cuh).
-template <int K, int SPLIT, bool PINGPONG = false, class F, class Out,
-          class PiecesAt = WholeRoundsAt>
+// gemv_tiles once a position, its first batch issued again for each later one.
+template <int K, int SPLIT, bool PINGPONG = false, class F, class Out>
 __device__ __forceinline__ void gemv_split_pass(
     Matrix<F> M, int rows, float* xs, int stride, int n, float* part, int warp, int lane,
     typename F::Load (&pre)[Split<F, K, SPLIT>::Shape::B], Out out, int cta,
-    const float* __restrict__ bias, const float (&scale)[MK_P],
-    PiecesAt pieces_at = PiecesAt{}) {
+    const float* __restrict__ bias, const float (&scale)[MK_P]) {
   if constexpr (!F::kTiles) {
     if (n > 1) {
       gemv_split_rows_pass<K, SPLIT, PINGPONG>(M, rows, xs, stride, n, part, warp, lane, pre,
@@ -212,6 +204,6 @@ __device__ __forceinline__ void gemv_split_pass(
     if (q) issue_split_first<K, SPLIT>(pre, M, rows, warp, lane, cta);
     gemv_split<K, SPLIT, PINGPONG>(
         M, rows, xs + q * stride, part, warp, lane, pre, [&](int r, float v) { out(q, r, v); },
-        cta, bias, pick(scale, q), TileInputsWhole{}, pieces_at(q));
+        cta, bias, pick(scale, q));
   }
 }

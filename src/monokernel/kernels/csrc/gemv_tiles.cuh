@@ -15,49 +15,12 @@
 // shared memory in rounds of kTileRound tiles a warp and are summed in a fixed order
 // (deterministic). out2(tile, i, v0, v1) gets rows 2i and 2i + 1 of a tile (i < 8), so a
 // gate/up matrix interleaved by rows hands one thread both halves of a pair.
-//
-// The last round may be dealt by K as well (Pieces::kM > 1, build.py last_round_pieces):
-// a round is a tile a unit, so where the last holds at most half as many tiles as there are
-// units, each of its tiles is cut into kM pieces of every warp's slice and the idle units
-// take the other pieces; the pieces' sums meet at the first piece's unit (flow.cuh
-// LastRoundPieces), which adds them in piece order, so the bits do not depend on timing.
 // Included by gemv.cuh after RowShape, Split and tile_unit.
 #pragma once
 #include "mma.cuh"
 
 // Tiles a warp's partials hold per round: part is [kWarps][kTileRound][16] floats.
 constexpr int kTileRound = kPartFloats / 16;
-
-// Every round dealt whole (gemv_tiles' Pieces where a stage takes no pieces).
-struct WholeRounds {
-  static constexpr int kM = 1;
-};
-
-// The loads a piece of a slice starts on a multiple of: where a group (int4 wider than a
-// load) or a block (fp8 blocks) spans several, its first load carries the scale the others
-// reuse (tile_load_dot's pair, Fp8BlockTiles::tile_dot's block).
-template <class F>
-__host__ __device__ constexpr auto piece_loads(int) -> decltype(F::kGroupLoads) {
-  return F::kGroupLoads;
-}
-template <class F>
-__host__ __device__ constexpr auto piece_loads(long) -> decltype(F::kBlockLoads) {
-  return F::kBlockLoads;
-}
-template <class F>
-__host__ __device__ constexpr int piece_loads(...) {
-  return 1;
-}
-
-// Where piece p of M of a slice of N loads starts (p = M: its end): near p N / M, on a load
-// whose group or block starts there (phase: the loads of the slice's first group before it).
-template <class F, int N, int M>
-__device__ __forceinline__ int piece_start(int p, int phase) {
-  constexpr int G = piece_loads<F>(0);
-  if (p == 0) return 0;
-  if (p == M) return N;
-  return (p * N / M + phase) / G * G - phase;
-}
 
 // hi + lo of an input pair (split_pair's), summed in the order int4's offsets always used.
 template <bool F16>
@@ -184,13 +147,12 @@ __device__ __forceinline__ void tile_load_dot(const typename F::Load& u,
 // tiles u, u + units, ... (numbered across CTAs first, so every CTA owns a tile wherever there
 // are as many tiles as CTAs: flow.cuh flow_possible); pre holds its first tile's first batch
 // (issue_split_first). sums: K / F::kSumCols floats of scratch. All threads of the CTA must call.
-template <int K, int SPLIT, class Order = TilesInOrder, class In = TileInputsWhole,
-          class Pieces = WholeRounds, class F, class Out2>
+template <int K, int SPLIT, class Order = TilesInOrder, class In = TileInputsWhole, class F,
+          class Out2>
 __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, float* sums,
                                            float* part, int warp, int lane,
                                            typename F::Load (&pre)[Split<F, K, SPLIT>::Shape::B],
-                                           Out2 out2, int cta, In in = In{},
-                                           Pieces pieces = Pieces{}) {
+                                           Out2 out2, int cta, In in = In{}) {
   using P = Split<F, K, SPLIT>;
   using S = typename P::Shape;
   using L = typename F::Load;
@@ -202,15 +164,7 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
   const int units = gridDim.x * P::GROUPS;
   const int c0 = (warp % P::S) * P::KP;
   const int u0 = tile_unit(warp / P::S, cta);
-  // Pieces: `whole` rounds of a tile a unit, then `rest` tiles in kM pieces each (a grid other
-  // than the one the build counted on may leave no room: every round whole then).
-  constexpr int PM = Pieces::kM;
-  static_assert(PM >= 1 && PM <= 8 && S::N >= PM * piece_loads<F>(0),
-                "MK_PIECES_*: 1 to 8 pieces, each a group or block of loads (build.py)");
-  const int whole = tiles / units, rest = tiles - whole * units;
-  const bool cut = PM > 1 && whole > 0 && rest > 0 && rest * PM <= units;
-  // Rounds with whole tiles: the max over the CTA's groups (group 0's).
-  const int iters = cut ? whole : (tiles - cta + units - 1) / units;
+  const int iters = (tiles - cta + units - 1) / units;  // max over the groups (group 0's)
   // B's column g = lane / 4 holds the inputs' hi where g & 2 is clear, else their lo; so the
   // product in C's column 2t (a lane's c[0] and c[2]) is hi for even t and lo for odd t.
   const float* xl = xs + c0 + 4 * (lane & 3) + ((lane & 8) ? 2 : 0);
@@ -229,9 +183,8 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
   L cur[S::B], nxt[S::B];
 #pragma unroll
   for (int i = 0; i < S::B; ++i) cur[i] = pre[i];
-  // Tile t's loads [jb, je) of the warp's slice, then the first batch of tile tn's from jn
-  // (up to jen) into nxt: the next tile's, or a piece's.
-  auto tile = [&](int t, int jb, int je, int tn, int jn, int jen, bool first, int slot) {
+  auto tile = [&](int it, int slot) {
+    const int t = u0 + it * units, tn = t + units;
     const int tc = Order::at(t < tiles ? t : tiles - 1, tiles);
     const auto pc = F::tile_at(M.rows, M.scales, (size_t)tc, c0, K);
     const auto pn =
@@ -243,34 +196,32 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
       sc = M.row_scale((size_t)tc * 16 + (lane >> 2) + (upper ? 8 : 0));
     float block = 0.f;  // a block-scaled format's current block scale (set by its first load)
     float2 pair = make_float2(0.f, 0.f);  // a wide group's pair (tile_load_dot)
-    const int nb = (je - jb + S::B - 1) / S::B;  // NB for a whole tile
 #pragma unroll 1
-    for (int b = 0; b < nb; ++b) {
-      const bool last = b + 1 == nb;
+    for (int b = 0; b < NB; ++b) {
+      const bool last = b + 1 == NB;
       const auto pa = last ? pn : pc;
       const int bn = last ? 0 : b + 1;
       const bool live = !last || tn < tiles;
       // The slice's late columns, before the next batch's registers are taken.
       if constexpr (In::kStreamed) {
-        if (first && last) in.rest(xs, sums, c0, lane);
+        if (it == 0 && last) in.rest(xs, sums, c0, lane);
       }
 #pragma unroll
       for (int i = 0; i < S::B; ++i) {
-        const int j = (last ? jn : jb) + bn * S::B + i;
-        nxt[i] = live && j < (last ? jen : je) ? tile_load<F, kWhole>(pa, 32 * j + lane, phase)
-                                               : F::zero();
+        const int j = bn * S::B + i;
+        nxt[i] = live && j < S::N ? tile_load<F, kWhole>(pa, 32 * j + lane, phase) : F::zero();
       }
 #pragma unroll
       for (int i = 0; i < S::B; ++i) {
-        const int j = jb + b * S::B + i;
+        const int j = b * S::B + i;
         if constexpr (F::kGroups) {
-          if (j < je)
+          if (j < S::N)
             tile_load_dot<F, kWhole>(cur[i], xl + 64 * j, sl + 2 * j, upper, lo, j, phase, pair,
                                      acc);
         } else if constexpr (F::kSumCols) {
-          if (j < je) F::tile_dot(cur[i], xl + 32 * j, sl + F::kSegs * j, upper, lo, acc);
+          if (j < S::N) F::tile_dot(cur[i], xl + 32 * j, sl + F::kSegs * j, upper, lo, acc);
         } else {
-          if (j < je) F::tile_dot(cur[i], xl + F::kLoadCols * j, upper, j, block, acc);
+          if (j < S::N) F::tile_dot(cur[i], xl + F::kLoadCols * j, upper, j, block, acc);
         }
       }
 #pragma unroll
@@ -280,77 +231,31 @@ __device__ __forceinline__ void gemv_tiles(Matrix<F> M, int rows, float* xs, flo
     acc += __shfl_xor_sync(0xffffffffu, acc, 1);  // the row's hi and lo products
     if (!lo) part[(warp * R + slot) * 16 + (lane >> 2) + (upper ? 8 : 0)] = acc;
   };
-  // This unit's piece of the last round where it is cut: tile pt (tiles: none), loads
-  // [pb, pe) of the warp's slice.
-  int pt = tiles, pb = 0, pe = 0;
-  if constexpr (PM > 1) {
-    if (cut && u0 < rest * PM) {
-      pt = whole * units + u0 % rest;
-      pb = piece_start<F, S::N, PM>(u0 / rest, phase);
-      pe = piece_start<F, S::N, PM>(u0 / rest + 1, phase);
-    }
-  }
-  // TPI threads sum an item's (a tile's two rows') S partials, PER each, then shuffle (every
-  // thread of the CTA calls, for the shuffles).
+  // TPI threads sum an item's (a tile's two rows') S partials, PER each, then shuffle.
   constexpr int TPI = P::S >= 2 ? P::S / 2 : 1;
   constexpr int PER = P::S / TPI;
   constexpr int ITEMS = P::GROUPS * R * 8;
-  auto item_sum = [&](int k, int i, int j, int gg) {
-    float v0 = 0.f, v1 = 0.f;
-#pragma unroll
-    for (int e = 0; e < PER; ++e) {
-      const float* pp = part + ((gg * P::S + k * PER + e) * R + j) * 16 + 2 * i;
-      v0 += pp[0];
-      v1 += pp[1];
-    }
-#pragma unroll
-    for (int o = TPI / 2; o; o >>= 1) {
-      v0 += __shfl_xor_sync(0xffffffffu, v0, o);
-      v1 += __shfl_xor_sync(0xffffffffu, v1, o);
-    }
-    return make_float2(v0, v1);
-  };
-  // Round `iters` is the cut round's pieces (there only where cut).
-  const int rounds = iters + (cut ? 1 : 0);
-  for (int it0 = 0; it0 < rounds; it0 += R) {
-    const int it1 = min(rounds, it0 + R);
-    for (int it = it0; it < it1; ++it) {
-      const bool piece = PM > 1 && it == iters, to_piece = PM > 1 && cut && it + 1 == iters;
-      if (piece && pt >= tiles) continue;  // no piece for this unit
-      const int t = piece ? pt : u0 + it * units;
-      tile(t, piece ? pb : 0, piece ? pe : S::N, piece ? tiles : to_piece ? pt : t + units,
-           to_piece ? pb : 0, to_piece ? pe : S::N, it == 0, it - it0);
-    }
+  for (int it0 = 0; it0 < iters; it0 += R) {
+    const int it1 = min(iters, it0 + R);
+    for (int it = it0; it < it1; ++it) tile(it, it - it0);
     __syncthreads();
     for (int q = threadIdx.x; q < ITEMS * TPI; q += kThreads) {
       const int k = q % TPI, item = q / TPI;
       const int i = item % 8, j = (item / 8) % R, gg = item / (8 * R);
-      const float2 v = item_sum(k, i, j, gg);
-      const int u = tile_unit(gg, cta), it = it0 + j;
-      if constexpr (PM > 1) {
-        if (it == iters) {
-          if (k == 0 && it < it1 && u >= rest && u < rest * PM)
-            pieces.put(u % rest, u / rest, i, v.x, v.y);
-          continue;
-        }
+      float v0 = 0.f, v1 = 0.f;
+#pragma unroll
+      for (int e = 0; e < PER; ++e) {
+        const float* pp = part + ((gg * P::S + k * PER + e) * R + j) * 16 + 2 * i;
+        v0 += pp[0];
+        v1 += pp[1];
       }
-      const int t = u + it * units;
-      if (k == 0 && it < it1 && t < tiles) out2(Order::at(t, tiles), i, v.x, v.y);
-    }
-    if constexpr (PM > 1) {
-      // The first pieces add the others' once all of this CTA's are out: waiting before
-      // could wait on a CTA that waits on one of ours.
-      if (it1 > iters) {
-        for (int q = threadIdx.x; q < ITEMS * TPI; q += kThreads) {
-          const int k = q % TPI, item = q / TPI;
-          const int i = item % 8, j = (item / 8) % R, gg = item / (8 * R);
-          float2 v = item_sum(k, i, j, gg);
-          const int u = tile_unit(gg, cta);
-          if (k || it0 + j != iters || u >= rest) continue;
-          pieces.add(u, i, v.x, v.y);
-          out2(Order::at(whole * units + u, tiles), i, v.x, v.y);
-        }
+#pragma unroll
+      for (int o = TPI / 2; o; o >>= 1) {
+        v0 += __shfl_xor_sync(0xffffffffu, v0, o);
+        v1 += __shfl_xor_sync(0xffffffffu, v1, o);
       }
+      const int t = tile_unit(gg, cta) + (it0 + j) * units;
+      if (k == 0 && it0 + j < it1 && t < tiles) out2(Order::at(t, tiles), i, v0, v1);
     }
     __syncthreads();
   }

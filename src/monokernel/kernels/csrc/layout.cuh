@@ -52,7 +52,6 @@ struct Params {
   float* attn_out;                  // hand-off region attn_out: [Q] the merged attention output
   unsigned* attn_count;             // [NH + NKV] ranges finished per head, then per KV head
   float* act;                       // hand-off region act: [I] silu(gate) * up
-  float* pieces;                    // hand-off region pieces: [4 stages][grid x 16 warps x 16] sums
   float* logits;                    // [V] this step's logits
   float* part_score;                // [2 grid] each CTA's best score, or [grid] token words
   int* part_id;                     // [grid] each CTA's best id
@@ -133,62 +132,61 @@ static_assert(offsetof(Params, delta) == 104, "layout.py");
 static_assert(offsetof(Params, attn_out) == 112, "layout.py");
 static_assert(offsetof(Params, attn_count) == 120, "layout.py");
 static_assert(offsetof(Params, act) == 128, "layout.py");
-static_assert(offsetof(Params, pieces) == 136, "layout.py");
-static_assert(offsetof(Params, logits) == 144, "layout.py");
-static_assert(offsetof(Params, part_score) == 152, "layout.py");
-static_assert(offsetof(Params, part_id) == 160, "layout.py");
-static_assert(offsetof(Params, flags) == 168, "layout.py");
-static_assert(offsetof(Params, barrier) == 176, "layout.py");
-static_assert(offsetof(Params, forced) == 184, "layout.py");
-static_assert(offsetof(Params, debug_logits) == 192, "layout.py");
-static_assert(offsetof(Params, stop_ids) == 200, "layout.py");
-static_assert(offsetof(Params, host_out) == 208, "layout.py");
-static_assert(offsetof(Params, host_cancel) == 216, "layout.py");
-static_assert(offsetof(Params, timing) == 224, "layout.py");
-static_assert(offsetof(Params, mask) == 232, "layout.py");
-static_assert(offsetof(Params, sample_part) == 240, "layout.py");
-static_assert(offsetof(Params, logit_bias) == 248, "layout.py");
-static_assert(offsetof(Params, seen) == 256, "layout.py");
-static_assert(offsetof(Params, raw_logits) == 264, "layout.py");
-static_assert(offsetof(Params, lp_out) == 272, "layout.py");
-static_assert(offsetof(Params, history) == 280, "layout.py");
-static_assert(offsetof(Params, max_len) == 288, "layout.py");
-static_assert(offsetof(Params, first_token) == 292, "layout.py");
-static_assert(offsetof(Params, start_pos) == 296, "layout.py");
-static_assert(offsetof(Params, n_steps) == 300, "layout.py");
-static_assert(offsetof(Params, n_stop) == 304, "layout.py");
-static_assert(offsetof(Params, top_k) == 308, "layout.py");
-static_assert(offsetof(Params, temperature) == 312, "layout.py");
-static_assert(offsetof(Params, top_p) == 316, "layout.py");
-static_assert(offsetof(Params, seed_lo) == 320, "layout.py");
-static_assert(offsetof(Params, seed_hi) == 324, "layout.py");
-static_assert(offsetof(Params, eps) == 328, "layout.py");
-static_assert(offsetof(Params, timing_step) == 332, "layout.py");
-static_assert(offsetof(Params, attn_splits) == 336, "layout.py");
-static_assert(offsetof(Params, attn_group_splits) == 340, "layout.py");
-static_assert(offsetof(Params, attn_group_from) == 344, "layout.py");
-static_assert(offsetof(Params, debug_stall_step) == 348, "layout.py");
-static_assert(offsetof(Params, debug_stall_hard) == 352, "layout.py");
-static_assert(offsetof(Params, mask_tag) == 356, "layout.py");
-static_assert(offsetof(Params, presence) == 360, "layout.py");
-static_assert(offsetof(Params, frequency) == 364, "layout.py");
-static_assert(offsetof(Params, repetition) == 368, "layout.py");
-static_assert(offsetof(Params, min_p) == 372, "layout.py");
-static_assert(offsetof(Params, n_logprobs) == 376, "layout.py");
-static_assert(offsetof(Params, pass_len) == 380, "layout.py");
-static_assert(offsetof(Params, draft_min) == 384, "layout.py");
-static_assert(offsetof(Params, draft_max) == 388, "layout.py");
-static_assert(offsetof(Params, draft_exit) == 392, "layout.py");
+static_assert(offsetof(Params, logits) == 136, "layout.py");
+static_assert(offsetof(Params, part_score) == 144, "layout.py");
+static_assert(offsetof(Params, part_id) == 152, "layout.py");
+static_assert(offsetof(Params, flags) == 160, "layout.py");
+static_assert(offsetof(Params, barrier) == 168, "layout.py");
+static_assert(offsetof(Params, forced) == 176, "layout.py");
+static_assert(offsetof(Params, debug_logits) == 184, "layout.py");
+static_assert(offsetof(Params, stop_ids) == 192, "layout.py");
+static_assert(offsetof(Params, host_out) == 200, "layout.py");
+static_assert(offsetof(Params, host_cancel) == 208, "layout.py");
+static_assert(offsetof(Params, timing) == 216, "layout.py");
+static_assert(offsetof(Params, mask) == 224, "layout.py");
+static_assert(offsetof(Params, sample_part) == 232, "layout.py");
+static_assert(offsetof(Params, logit_bias) == 240, "layout.py");
+static_assert(offsetof(Params, seen) == 248, "layout.py");
+static_assert(offsetof(Params, raw_logits) == 256, "layout.py");
+static_assert(offsetof(Params, lp_out) == 264, "layout.py");
+static_assert(offsetof(Params, history) == 272, "layout.py");
+static_assert(offsetof(Params, max_len) == 280, "layout.py");
+static_assert(offsetof(Params, first_token) == 284, "layout.py");
+static_assert(offsetof(Params, start_pos) == 288, "layout.py");
+static_assert(offsetof(Params, n_steps) == 292, "layout.py");
+static_assert(offsetof(Params, n_stop) == 296, "layout.py");
+static_assert(offsetof(Params, top_k) == 300, "layout.py");
+static_assert(offsetof(Params, temperature) == 304, "layout.py");
+static_assert(offsetof(Params, top_p) == 308, "layout.py");
+static_assert(offsetof(Params, seed_lo) == 312, "layout.py");
+static_assert(offsetof(Params, seed_hi) == 316, "layout.py");
+static_assert(offsetof(Params, eps) == 320, "layout.py");
+static_assert(offsetof(Params, timing_step) == 324, "layout.py");
+static_assert(offsetof(Params, attn_splits) == 328, "layout.py");
+static_assert(offsetof(Params, attn_group_splits) == 332, "layout.py");
+static_assert(offsetof(Params, attn_group_from) == 336, "layout.py");
+static_assert(offsetof(Params, debug_stall_step) == 340, "layout.py");
+static_assert(offsetof(Params, debug_stall_hard) == 344, "layout.py");
+static_assert(offsetof(Params, mask_tag) == 348, "layout.py");
+static_assert(offsetof(Params, presence) == 352, "layout.py");
+static_assert(offsetof(Params, frequency) == 356, "layout.py");
+static_assert(offsetof(Params, repetition) == 360, "layout.py");
+static_assert(offsetof(Params, min_p) == 364, "layout.py");
+static_assert(offsetof(Params, n_logprobs) == 368, "layout.py");
+static_assert(offsetof(Params, pass_len) == 372, "layout.py");
+static_assert(offsetof(Params, draft_min) == 376, "layout.py");
+static_assert(offsetof(Params, draft_max) == 380, "layout.py");
+static_assert(offsetof(Params, draft_exit) == 384, "layout.py");
 #if MK_TP > 1
-static_assert(offsetof(Params, tp_recv) == 400, "layout.py");
-static_assert(offsetof(Params, tp_mine) == 464, "layout.py");
-static_assert(offsetof(Params, tp_rank) == 472, "layout.py");
-static_assert(offsetof(Params, vocab_start) == 476, "layout.py");
-static_assert(offsetof(Params, tp_tag) == 480, "layout.py");
-static_assert(offsetof(Params, tp_pad_) == 484, "layout.py");
-static_assert(sizeof(Params) == 488, "layout.py");
+static_assert(offsetof(Params, tp_recv) == 392, "layout.py");
+static_assert(offsetof(Params, tp_mine) == 456, "layout.py");
+static_assert(offsetof(Params, tp_rank) == 464, "layout.py");
+static_assert(offsetof(Params, vocab_start) == 468, "layout.py");
+static_assert(offsetof(Params, tp_tag) == 472, "layout.py");
+static_assert(offsetof(Params, tp_pad_) == 476, "layout.py");
+static_assert(sizeof(Params) == 480, "layout.py");
 #else
-static_assert(sizeof(Params) == 400, "layout.py");
+static_assert(sizeof(Params) == 392, "layout.py");
 #endif
 
 // ---- Params::timing: int64 slots of the profiled step (probes.cuh) ----

@@ -72,8 +72,7 @@ __device__ __forceinline__ void attn_norm_qkv_pass(const Params& p, Cta& c, cons
   gemv_split_pass<MK_H, kSplitQkv>(
       l.w.wqkv, kQkv, c.xs, MK_H, n, c.part(), c.warp, c.lane, c.preA(),
       [&](int q, int r, float d) { st_flow(p.qkv + q * kQkv + r, d, l.tag); }, (int)blockIdx.x,
-      MK_QKV_BIAS ? l.w.bqkv : nullptr, ra,
-      [&](int q) { return stage_pieces<MK_PIECES_A>(p, kPiecesA, q, l.tag); });
+      MK_QKV_BIAS ? l.w.bqkv : nullptr, ra);
   attn_norm_qkv_end(p, c, s, l);
 }
 
@@ -94,7 +93,6 @@ __device__ __forceinline__ void attn_norm_qkv(const Params& p, Cta& c, const Ste
   gemv_split<MK_H, kSplitQkv>(
       l.w.wqkv, kQkv, c.xs, c.part(), c.warp, c.lane, c.preA(),
       [&](int r, float d) { st_flow(p.qkv + r, d, l.tag); }, (int)blockIdx.x,
-      MK_QKV_BIAS ? l.w.bqkv : nullptr, ra, TileInputsWhole{},
-      stage_pieces<MK_PIECES_A>(p, kPiecesA, 0, l.tag));
+      MK_QKV_BIAS ? l.w.bqkv : nullptr, ra);
   attn_norm_qkv_end(p, c, s, l);
 }

@@ -63,8 +63,7 @@ __device__ __forceinline__ void mlp_down_pass(const Params& p, Cta& c, const Ste
       [&](int q, int r, float d) {
         st_flow_copies(p.x + q * MK_H + r, MK_P * MK_H, c.xres[q * MK_H + r] + d, l.tag);
       },
-      (int)blockIdx.x, nullptr, one,
-      [&](int q) { return stage_pieces<MK_PIECES_E>(p, kPiecesE, q, l.tag); });
+      (int)blockIdx.x, nullptr, one);
   skew(p, s.index, l.index, kSkewMlpDownDone);
   mlp_down_hand_off<QkvFormat, HeadFormat>(p, c, s, l);
 }
@@ -77,18 +76,16 @@ template <bool kStreamed = kEStream>
 __device__ __forceinline__ void mlp_down_gemv(const Params& p, Cta& c, const Step& s,
                                               const Layer& l) {
   const auto row = [&](int r, float d) { Net::down_row(p, c.xres, l.red, l.tag, r, d); };
-  const auto pieces = stage_pieces<MK_PIECES_E>(p, kPiecesE, 0, l.tag);
   if constexpr (kStreamed) {
     skew(p, s.index, l.index, kSkewMlpDownInput);
     const auto act = [&] { return flow_copy(p.act, MK_I); };
     gemv_split<MK_I, MK_SPLIT_E>(l.w.wdown, MK_H, c.xs, c.part(), c.warp, c.lane, c.preE, row,
                                  (int)blockIdx.x, nullptr, 1.f,
-                                 EInput<decltype(act)>{act, l.tag}, pieces);
+                                 EInput<decltype(act)>{act, l.tag});
   } else {
     load_vec<MK_I>(c.xs, flow_copy(p.act, MK_I), l.tag, false, p.eps, c.red);
     skew(p, s.index, l.index, kSkewMlpDownInput);
-    gemv_split<MK_I, MK_SPLIT_E>(l.w.wdown, MK_H, c.xs, c.part(), c.warp, c.lane, c.preE, row,
-                                 (int)blockIdx.x, nullptr, 1.f, TileInputsWhole{}, pieces);
+    gemv_split<MK_I, MK_SPLIT_E>(l.w.wdown, MK_H, c.xs, c.part(), c.warp, c.lane, c.preE, row);
   }
 }
 

@@ -58,7 +58,7 @@ __device__ __forceinline__ void gate_up_gemv(const Params& p, Cta& c, const Laye
           u *= rd;
           st_flow_copies(act + 8 * tile + i, MK_P * MK_I, g / (1.f + expf(-g)) * u, l.tag);
         },
-        (int)blockIdx.x, TileInputsWhole{}, stage_pieces<MK_PIECES_D>(p, kPiecesD, q, l.tag));
+        (int)blockIdx.x);
   } else {
     gemv_pairs<MK_H>(wgu, MK_I, c.gw, c.tw, c.xd + q * MK_H, c.lane, c.preG, c.preU,
                      [&](int r, float g, float u) {

@@ -35,8 +35,7 @@ __device__ __forceinline__ void o_proj_pass(const Params& p, Cta& c, const Step&
       [&](int q, int r, float d) {
         st_flow_copies(p.delta + q * MK_H + r, MK_P * MK_H, d, l.tag);
       },
-      c.c_cta, Net::o_proj_bias(l.w), ones,
-      [&](int q) { return stage_pieces<MK_PIECES_C>(p, kPiecesC, q, l.tag); });
+      c.c_cta, Net::o_proj_bias(l.w), ones);
   skew(p, s.index, l.index, kSkewOProjDone);
   hand_off(p, c, s, l, kMarkOProjWork, kMarkOProjWait,
            [&] { mlp_gate_up_first(p, c, l.w); });
@@ -57,8 +56,7 @@ __device__ __forceinline__ void o_proj(const Params& p, Cta& c, const Step& s, c
   gemv_split<MK_Q, kSplitO>(
       l.w.wo, MK_H, c.xs, c.part(), c.warp, c.lane, c.preC,
       [&](int r, float d) { Net::o_proj_row(p, l.red, l.tag, r, d); }, c.c_cta,
-      Net::o_proj_bias(l.w), 1.f, TileInputsWhole{},
-      stage_pieces<MK_PIECES_C>(p, kPiecesC, 0, l.tag));
+      Net::o_proj_bias(l.w));
   skew(p, s.index, l.index, kSkewOProjDone);
   hand_off(p, c, s, l, kMarkOProjWork, kMarkOProjWait,
            [&] { mlp_gate_up_first(p, c, l.w); });

@@ -189,40 +189,6 @@ def test_int4_tile_slices_starting_inside_a_group() -> None:
     )
 
 
-# The 32B's matrices in two layers and a short vocabulary: tile stages whose last round of
-# tiles leaves most units idle, so the build cuts it into pieces along K (build.py
-# last_round_pieces; csrc/gemv_tiles.cuh): int4 C, D and E (E's slices starting inside groups
-# of 128, its input streamed), fp8 every stage.
-PIECES_32B: ModelConfig = dataclasses.replace(
-    SHAPES["qwen2.5-coder-32b"], num_layers=2, vocab_size=4096
-)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("fmt", "pieces"), [("int4", (1, 4, 5, 2)), ("fp8", (2, 2, 5, 2))])
-@pytest.mark.skipif(not hopper_with(24), reason="needs a Hopper GPU, 24 GiB")
-def test_last_rounds_dealt_in_pieces(fmt: str, pieces: tuple[int, ...]) -> None:
-    """A last round cut into pieces whose sums the first piece's unit adds (stages A, C, D, E
-    with the counts `pieces`): rel L2 of the logits <= 1e-2 at every one of 256
-    teacher-forced steps."""
-    from monokernel.runtime.backends.monokernel import MonokernelBackend
-
-    cfg, dev = PIECES_32B, torch.device("cuda")
-    weights = random_weights(cfg, device=dev, seed=51)
-    seq = random_ids(PROMPT + STEPS, cfg.vocab_size, seed=52)
-    precision = "fp32" if fmt == "int4" else None
-    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="tiles"):
-        mk = MonokernelBackend(
-            cfg, weights, PROMPT + STEPS, dev, quantize=fmt, prefill_precision=precision
-        )
-        got_pieces = tuple(mk.kernel.dims.choices()[f"MK_PIECES_{s}"] for s in "ACDE")
-    assert got_pieces == pieces
-    got = mk.teacher_forced_logits(seq[:PROMPT], seq[PROMPT:])
-    mk.close()
-    del mk
-    assert_logits_match(cfg, DequantizedView(weights, fmt), seq, PROMPT, got, f"32B {fmt} pieces")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("int4_layout", ["tiles", "rows"])
 @pytest.mark.skipif(not hopper_with(16), reason="needs a Hopper GPU, 16 GiB")
