@@ -4,11 +4,11 @@ A decode step on the CPU is a few hundred small parallel regions, each as slow a
 slowest thread. When another process keeps a core busy, one of our threads waits for its
 turn on that core at every region's end, and the whole step runs at the speed of a thread
 that gets a fraction of a core (2 cores, 2 threads and one busy process: ~42 down to ~12
-tokens/s, while 1 thread keeps ~28; docs/perf-notes.md). So the threads follow the load:
-every ``window`` tokens the governor reads how much CPU time the machine spent outside
-this process since its last look (Linux ``/proc/stat`` and ``/proc/self/stat``, tens of
-microseconds) and sets ``torch.set_num_threads`` to the cores left, between 1 and the
-count torch started with. Where ``/proc`` is not there, it does nothing.
+tokens/s, while 1 thread keeps ~28; docs/benchmarks.md, "The CPU engine"). So the threads
+follow the load: every ``window`` tokens the governor reads how much CPU time the machine
+spent outside this process since its last look (Linux ``/proc/stat`` and
+``/proc/self/stat``, tens of microseconds) and sets ``torch.set_num_threads`` to the cores
+left, between 1 and the count torch started with. Where ``/proc`` is not there, it does nothing.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ the same arithmetic.
 
 Written without ``from __future__ import annotations``: TorchScript reads the class
 attributes' annotations as types, not strings. torch.compile, TorchScript's successor,
-takes ~30 s to compile a layer here and recompiles per position (docs/perf-notes.md).
+takes ~30 s to compile a layer here and recompiles per position (docs/benchmarks.md, "The
+CPU engine").
 """
 
 import warnings
