@@ -57,9 +57,9 @@ MAX_DOWN_LOADS = 4
 # SMs of the GPUs the kernel is tuned on (H100 SXM, H200); only down_split's rows-per-unit
 # rule uses it: the grid itself is the device's SM count, read at launch.
 HOPPER_SMS = 132
-# Where an int4 tile slice may start (csrc/formats/int4_tiles.cuh kSliceCols): on any load of
-# 64 columns, inside a group of 128 or more.
-INT4_SLICE_COLS = 64
+# Where an int4 tile slice may start (csrc/formats/int4_tiles.cuh kSliceCols): on any load,
+# one 64-column input block, inside a group of 128 or more.
+INT4_SLICE_COLS = TILE_COLS
 MAX_HEAD_DIM = 256
 # KernelDims.weight_format / head_format -> the C++ format type (csrc/formats/):
 # MK_WEIGHT_FORMAT / MK_HEAD_FORMAT.
