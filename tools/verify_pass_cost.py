@@ -46,6 +46,12 @@ def main(argv: list[str]) -> int:
         help="-DMK_SKEW=1 builds: every CTA's time at each stage's edges in the middle layer of "
         "a step and of a pass of 1 and of P (median and latest over the CTAs, µs)",
     )
+    ap.add_argument(
+        "--ncu",
+        choices=["step", "pass"],
+        help="after the timings, one launch of 16 steps or of 16 passes of P positions between "
+        "cudaProfilerStart and Stop, for `ncu --profile-from-start off -k mk_decode -c 1`",
+    )
     args = ap.parse_args(argv)
     if args.skew:  # every build of this run records the skew points (csrc/probes.cuh)
         flags = f"{envs.MONOKERNEL_NVCC_FLAGS} -DMK_SKEW=1".strip()
@@ -87,6 +93,16 @@ def measure(args: argparse.Namespace) -> int:
         passes.teacher_forced(args.prompt - 1, fed, n, logits=False)  # warm-up
         t = min(passes.teacher_forced(args.prompt - 1, fed, n, logits=False)[2] for _ in range(3))
         rows.append({"positions": n, "us_per_pass": t * 1e6, "vs_step": t / step})
+    if args.ncu:
+        fed = seq[args.prompt - 1 : args.prompt - 1 + 16 * args.positions]
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        if args.ncu == "step":
+            mk.kernel.timed_decode(forced[:16].to(dev), args.prompt - 1)
+        else:
+            passes.teacher_forced(args.prompt - 1, fed, args.positions, logits=False)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
     profiles = {}
     if args.profile:
         from monokernel.kernels import layout

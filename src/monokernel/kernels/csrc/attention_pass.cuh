@@ -17,19 +17,20 @@ __device__ __forceinline__ void own_kv(bf16* k, bf16* v, int i, const float (&x)
   v[i + HALF] = __float2bfloat16(x[5]);
 }
 
-// This CTA's unit when the pass's queries keep pos0's plan a and their ranges lie in the
-// window the prefetch filled (attention_window.cuh pass_window, with the pass's RoPE rows):
-// the queries' q, k and v in one round trip, the pass's own keys and values into the window
-// and the cache from registers, one barrier, then each query's scores and P·V over its range
-// by the step's code (attend, attention_out).
-// done[q]: query q's completion total (the caller advanced it).
+// This CTA's copy of a unit (pass_copies) when the pass's queries keep pos0's plan a and
+// their ranges lie in the window the prefetch filled (attention_window.cuh pass_window, with
+// the pass's RoPE rows): the queries' q, k and v in one round trip, the pass's own keys and
+// values into the window (and, copy 0, the cache) from registers, one barrier, then the
+// scores and P·V of queries copy, copy + copies, ... over their ranges by the step's code
+// (attend, attention_out). done[q]: query q's completion total (the caller advanced it).
 __device__ void attention_queries(const Params& p, const LayerWeights& lw, int layer,
-                                  const AttnPlan& a, int pos0, int n,
+                                  const AttnPlan& a, int pos0, int n, int copy, int copies,
                                   const unsigned (&done)[MK_P], unsigned tag, float* sm,
                                   float* red, float* win) {
   const int t = threadIdx.x;
   constexpr int HALF = MK_D / 2;
-  const int hq = blockIdx.x / a.ns, split = blockIdx.x % a.ns, kvh = hq / kGroup;
+  const int unit = (int)blockIdx.x % a.units;
+  const int hq = unit / a.ns, split = unit % a.ns, kvh = hq / kGroup;
   const AttnRange w = pass_window(split, a.ns, pos0);
   const int stages = window_stages(w.nc);
   float* qs = sm;                // [MK_P, D] queries, normed, rotated, pre-scaled
@@ -39,7 +40,8 @@ __device__ void attention_queries(const Params& p, const LayerWeights& lw, int l
   const float* rope = win + MK_ATTN_CHUNK * MK_D;  // the pass's RoPE rows, with the window
   bf16* const kw = reinterpret_cast<bf16*>(win);
   bf16* const vw = kw + MK_ATTN_CHUNK * MK_D;
-  const bool appends = hq % kGroup == 0 && split == 0;  // as a step's unit (attention_head)
+  // As a step's unit (attention_head), once.
+  const bool appends = copy == 0 && hq % kGroup == 0 && split == 0;
   // Thread t < n HALF: query q's pairs (i, i + HALF) of q, k and v, rotated by q's RoPE row.
   const int q = t / HALF, i = t % HALF;
   float* const qq = qs + q * MK_D;
@@ -119,7 +121,7 @@ __device__ void attention_queries(const Params& p, const LayerWeights& lw, int l
   if (t == 0)
     for (int st = 0; st < stages; ++st) window_done(win, st);
   const bool reader = attn_reader_merges(a);
-  for (int j = 0; j < n; ++j) {
+  for (int j = copy; j < n; j += copies) {
     const int qp = pos0 + j;
     const AttnRange r = attn_range(split, a.ns, qp);
     const AttnStats st = attend(p, layer, qp, r.lo - w.lo, r.nc, r.hi - r.lo, reader,
@@ -133,15 +135,19 @@ __device__ void attention_queries(const Params& p, const LayerWeights& lw, int l
 }
 
 // A pass's stage B. A draftless pass (one position) is the step's stage B. Where every query
-// keeps pos0's plan and this unit's ranges for them fit the window, attention_queries; else
-// (a pass across a plan's edge, or ranges that outgrow the window) each query as a step's
-// unit, one after another, each later one filling its own window. Group units (long context)
-// have no pass: the host keeps passes to head units.
+// keeps pos0's plan and this unit's ranges for them fit the window, attention_queries on each
+// copy of the unit that has a query; else (a pass across a plan's edge, or ranges that outgrow
+// the window) each query as a step's unit, one after another, each later one filling its own
+// window. Copies without a query wait out their fill (window_skip). Group units (long
+// context) have no pass: the host keeps passes to head units.
 __device__ __forceinline__ void attention_stage_pass(const Params& p, const LayerWeights& lw,
                                                      int layer, int pos0, int n,
                                                      unsigned (&done)[MK_P], unsigned tag,
                                                      float* sm, float* red, float* win) {
+  const AttnPlan a = attn_plan(p, pos0);
+  const int copies = pass_copies(a), copy = (int)blockIdx.x / a.units;
   if (n == 1) {  // a draftless pass: the step's own unit
+    if (copy > 0 && copy < copies) window_skip(a, pos0, win);
     unsigned no_group = 0;  // never advanced: a pass has head units only
     attention_stage(p, lw, layer, pos0, done[0], no_group, tag, sm, red, win);
     return;
@@ -152,21 +158,25 @@ __device__ __forceinline__ void attention_stage_pass(const Params& p, const Laye
 #pragma unroll
   for (int q = 0; q < MK_P; ++q) {
     if (q >= n) break;
-    const AttnPlan a = attn_plan(p, pos0 + q);
-    if (a.group) __trap();  // the host keeps a pass to contexts head units cover
-    if (a.ns > 1 && !attn_reader_merges(a)) done[q] += (unsigned)a.ns;
+    const AttnPlan aq = attn_plan(p, pos0 + q);
+    if (aq.group) __trap();  // the host keeps a pass to contexts head units cover
+    if (aq.ns > 1 && !attn_reader_merges(aq)) done[q] += (unsigned)aq.ns;
   }
-  const AttnPlan a = attn_plan(p, pos0);
   if (attn_plan(p, pos0 + n - 1).ns == a.ns) {  // ns only grows with the position
-    if ((int)blockIdx.x >= a.units) return;
-    const int split = blockIdx.x % a.ns;
+    if (copy >= copies) return;
+    const int split = (int)blockIdx.x % a.units % a.ns;
     const AttnRange first = attn_range(split, a.ns, pos0);
     const AttnRange last = attn_range(split, a.ns, pos0 + n - 1);
+    // Every CTA of a unit decides alike: ranges depend on the split, not on the copy.
     if (last.lo + last.nc - first.lo <= MK_ATTN_CHUNK) {
-      attention_queries(p, lw, layer, a, pos0, n, done, tag, sm, red, win);
+      if (copy < n)
+        attention_queries(p, lw, layer, a, pos0, n, copy, copies, done, tag, sm, red, win);
+      else
+        window_skip(a, pos0, win);
       return;
     }
   }
+  if (copy > 0 && copy < copies) window_skip(a, pos0, win);
 #pragma unroll
   for (int q = 0; q < MK_P; ++q) {
     if (q >= n) break;

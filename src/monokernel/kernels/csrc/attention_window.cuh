@@ -171,6 +171,15 @@ __device__ __forceinline__ AttnRange pass_window(int split, int ns, int pos0) {
   return w;
 }
 
+// A pass build's copies of each head unit: the plan's CTAs again on the CTAs it leaves idle
+// (copy r of unit u is CTA r * units + u), at most one a position. Copy r attends the pass's
+// queries r, r + copies, ... (attention_pass.cuh), so a pass's queries run side by side, not
+// one after another on the unit. Each copy's window gets the unit's fill; it depends on the
+// plan only, not on the pass's length, so the prefetch a stage ahead knows it.
+__device__ __forceinline__ int pass_copies(const AttnPlan& a) {
+  return MK_P == 1 || a.group ? 1 : cmin(MK_P, (int)gridDim.x / a.units);
+}
+
 // The KV head whose cache this CTA's unit reads, and the unit's range index.
 __device__ __forceinline__ void attn_unit(const AttnPlan& a, int unit, int& kvh, int& split) {
   split = unit % a.ns;
@@ -278,9 +287,9 @@ __device__ __forceinline__ void fence_window() {
 __device__ __forceinline__ void attention_prefetch(const Params& p, int layer, int pos,
                                                    float* win) {
   const AttnPlan a = attn_plan(p, pos);
-  if ((int)blockIdx.x >= a.units || threadIdx.x != 0) return;
+  if ((int)blockIdx.x >= a.units * pass_copies(a) || threadIdx.x != 0) return;
   int kvh, split;
-  attn_unit(a, blockIdx.x, kvh, split);
+  attn_unit(a, MK_P == 1 ? (int)blockIdx.x : (int)blockIdx.x % a.units, kvh, split);
   AttnRange r = attn_range(split, a.ns, pos);
   if constexpr (MK_P > 1)
     if (!a.group) r = pass_window(split, a.ns, pos);
@@ -331,6 +340,15 @@ __device__ __forceinline__ void window_spin(float* win, int stage) {
 
 __device__ __forceinline__ void window_done(float* win, int stage) {
   if (threadIdx.x == 0) window_waited(win)[stage] += 1u;
+}
+
+// A unit's copy whose prefetched fill (pass_copies) this pass leaves unread: waited for all
+// the same, so the ring's parities stay in step with its fills.
+__device__ __forceinline__ void window_skip(const AttnPlan& a, int pos0, float* win) {
+  const int stages = window_stages(pass_window((int)blockIdx.x % a.units % a.ns, a.ns, pos0).nc);
+  for (int s = 0; s < stages; ++s) window_spin(win, s);
+  __syncthreads();
+  for (int s = 0; s < stages; ++s) window_done(win, s);
 }
 
 // Before the CTA exits: fills issued for a step that never ran (the request stopped early)
