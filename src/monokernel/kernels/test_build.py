@@ -141,13 +141,21 @@ def test_down_split_by_loads_in_flight_and_rows_a_unit() -> None:
     """The fewest warps a row that make a warp's slice one batch of loads, halved where two
     such batches in flight would be more than MAX_DOWN_LOADS a lane, unless the halved split
     leaves units with fewer than two rows (Qwen3-0.6B: 6 loads a lane at 2, but 1,024 rows on
-    2,112 one-warp units)."""
-    want = {"llama-3.2-1b": 8, "qwen2.5-coder-1.5b": 4, "qwen3-0.6b": 2, "odd": 1}
+    2,112 one-warp units); then doubled while the rows' slices still fit the grid's warps
+    (SmolLM2-135M: 576 rows, 1 -> 2; in int4 and fp8 Qwen3-0.6B too, 1 -> 2; the odd shape's
+    175 loads a row do not halve)."""
+    want = {"llama-3.2-1b": 8, "qwen2.5-coder-1.5b": 4, "qwen3-0.6b": 2, "odd": 1,
+            "smollm2-135m": 2}  # fmt: skip
     for shape, split in want.items():
         dims = _dims(shape)
         assert dims.down_split() == split, shape
         assert _define(dims, "MK_SPLIT_E") == str(split)
         assert (dims.intermediate // 8) % split == 0
+    for shape in ("qwen3-0.6b", "smollm2-135m"):
+        for fmt, group in (("int4", 128), ("fp8", 0)):
+            assert _dims(shape, weight_format=fmt, weight_group=group).down_split() == 2, shape
+    # 2,048 rows: a doubled split's slices would not fit 2,112 warps.
+    assert _dims("llama-3.2-1b", weight_format="int4", weight_group=128).down_split() == 2
 
 
 def test_the_knob_list_is_current() -> None:
