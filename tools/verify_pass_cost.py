@@ -44,7 +44,9 @@ def main(argv: list[str]) -> int:
         "--skew",
         action="store_true",
         help="-DMK_SKEW=1 builds: every CTA's time at each stage's edges in the middle layer of "
-        "a step and of a pass of 1 and of P (median and latest over the CTAs, µs)",
+        "a step and of a pass of 1 and of P (median and latest over the CTAs, µs; a pass's "
+        "attention points are marked by position, so in a pass of P they come from another "
+        "pass)",
     )
     ap.add_argument(
         "--ncu",
