@@ -13,7 +13,9 @@
 # block shapes:
 # tools/turn_attention.py), prefill (where the GPU time of an 8k prompt and of that turn goes:
 # tools/prefill_profile.py), stalls (where the decode kernel's warps wait: ncu,
-# tools/stall_summary.py), variants (tools/kernel_variants.py with the MK_VARIANTS list,
+# tools/stall_summary.py), spec (a verify pass's cost on the default model's shape, and the
+# speculative workloads on the real default model if scripts/model_pieces.sh's pieces came),
+# variants (tools/kernel_variants.py with the MK_VARIANTS list,
 # ';'-separated, e.g. "a=;b=-DMK_X=1 -DMK_Y=2;c=MONOKERNEL_ATTN_GROUP_FROM=1";
 # MK_VARIANT_PROMPT / MK_VARIANT_GEN tokens, MK_VARIANT_TP GPUs a variant runs on (NVLink
 # multicast off), MK_VARIANT_QUANTIZE the layers' format (--quantize), MK_VARIANT_TAG names the
@@ -36,6 +38,32 @@ status=0
 
 { nvidia-smi; nvcc --version; python3 -c 'import torch; print(torch.__version__)'; } \
   >"$OUTDIR/env.txt" 2>&1
+
+# Packages the machine lacks, carried as wheels in .whl (gguf, for the real default model).
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+# The real default model in pieces (scripts/model_pieces.sh): the first carried in the call
+# before and copied to /tmp/model-pieces, the rest in .gpu/model; joined into the cache once,
+# checked against the whole file's hash. The default-model GPU tests and the spec stage use it.
+model=$MONOKERNEL_CACHE/models/SmolLM2-135M-Instruct.Q4_1.gguf
+if [[ ! -f $model ]] && compgen -G ".gpu/model/part-*" >/dev/null; then
+  mkdir -p "$(dirname "$model")"
+  # One path a piece name, in name order, wherever it came.
+  mapfile -t pieces < <(ls /tmp/model-pieces/part-* .gpu/model/part-* 2>/dev/null |
+    awk -F/ '!seen[$NF]++ {print $NF " " $0}' | sort | cut -d' ' -f2)
+  cat "${pieces[@]}" >"$model.part"
+  want=$(cat /tmp/model-pieces/SHA256 .gpu/model/SHA256 2>/dev/null | head -n 1)
+  if [[ $(sha256sum "$model.part" | cut -d' ' -f1) == "$want" ]]; then
+    mv "$model.part" "$model"
+    echo "== the default model joined from ${#pieces[@]} pieces" >&2
+  else
+    rm -f "$model.part"
+    echo "== the default model's pieces (${pieces[*]}) do not make the file SHA256 names" >&2
+    status=1
+  fi
+fi
 
 if [[ $STAGES == *build* ]]; then
   echo "== build" >&2
@@ -138,6 +166,27 @@ if [[ $STAGES == *variants* ]]; then
     2>&1 || status=1
   grep -A40 "^device:" "$OUTDIR/variants${MK_VARIANT_TAG:-}.log" ||
     tail -n 20 "$OUTDIR/variants${MK_VARIANT_TAG:-}.log"
+fi
+
+if [[ $STAGES == *spec* ]]; then
+  # Issue 36: a verify pass's cost on the default model's shape (random weights, the pass build
+  # of 4 positions, CTA 0's stage profile), then the speculative workloads on the real default
+  # model where it is in the cache (scripts/model_pieces.sh).
+  echo "== verify passes and speculative workloads" >&2
+  for fmt in bf16 int4:32; do
+    timeout "${MK_SPEC_TIMEOUT:-200}" python3 tools/verify_pass_cost.py smollm2-135m \
+      --quantize "$fmt" --positions 4 --profile >"$OUTDIR/pass-${fmt/:/-}.log" 2>&1 || status=1
+    grep -E "step [0-9.]+ µs|pass of" "$OUTDIR/pass-${fmt/:/-}.log"
+  done
+  if [[ -f $model ]]; then
+    timeout "${MK_SPEC_TIMEOUT:-200}" python3 -m monokernel.bench \
+      --workload spec-edit,spec-tool,spec-chat --engines monokernel \
+      --num-speculative-tokens "${MK_SPEC_K:-3}" --repeats "${MK_SPEC_REPEATS:-2}" \
+      --json "$OUTDIR/spec.json" >"$OUTDIR/spec.log" 2>&1 || status=1
+    grep -E "^monokernel spec-|MISMATCH|rror" "$OUTDIR/spec.log"
+  else
+    echo "spec workloads skipped: no default model at $model (scripts/model_pieces.sh)"
+  fi
 fi
 
 if [[ $STAGES == *stalls* ]]; then
