@@ -96,12 +96,12 @@ def measure(args: argparse.Namespace) -> int:
         t = min(passes.teacher_forced(args.prompt - 1, fed, n, logits=False)[2] for _ in range(3))
         rows.append({"positions": n, "us_per_pass": t * 1e6, "vs_step": t / step})
     if args.ncu:
-        fed = seq[args.prompt - 1 : args.prompt - 1 + 16 * args.positions]
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStart()
         if args.ncu == "step":
             mk.kernel.timed_decode(forced[:16].to(dev), args.prompt - 1)
         else:
+            fed = seq[args.prompt - 1 : args.prompt - 1 + 16 * args.positions]
             passes.teacher_forced(args.prompt - 1, fed, args.positions, logits=False)
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
