@@ -17,16 +17,32 @@ import torch
 
 from monokernel import envs
 from monokernel.models.shapes import SHAPES
-from monokernel.testing.gpu_models import random_ids
+from monokernel.testing.gpu_models import ROW_FORMATS, random_ids, rows_backend
 from monokernel.weights.random_weights import random_weights
 
 RELAUNCH_TOKENS = 256  # a --relaunch request's tokens
 
 
+def _weight_format(text: str) -> str:
+    name, _, group = text.partition(":")
+    if (name in ("bf16", "fp8", "int8") and not group) or (
+        name == "int4" and (not group or group.isdigit())
+    ):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a row format: one of {', '.join(ROW_FORMATS)} (e.g. int4:32)"
+    )
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("shape", choices=sorted(SHAPES))
-    ap.add_argument("--quantize", default="bf16", help="bf16, or int4:GROUP (rows)")
+    ap.add_argument(
+        "--quantize",
+        default="bf16",
+        type=_weight_format,
+        help="bf16, fp8, int8 or int4[:GROUP] (rows; int4 in groups of 128 unless GROUP says)",
+    )
     ap.add_argument("--positions", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--passes", type=int, default=128, help="passes a timed launch runs")
@@ -63,26 +79,14 @@ def main(argv: list[str]) -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
-    from monokernel.runtime.backends.monokernel import MonokernelBackend
     from monokernel.runtime.backends.monokernel.verify_pass import PassKernel
-    from monokernel.weights.group_quant import quantize_rtn
-    from monokernel.weights.quantize import is_quantized
 
     cfg, dev = SHAPES[args.shape], torch.device("cuda")
     weights = random_weights(cfg, device=dev, seed=51)
     n_max = args.passes * args.positions
     # --relaunch decodes RELAUNCH_TOKENS after the prompt, whatever the passes need.
     total = args.prompt + max(n_max, RELAUNCH_TOKENS if args.relaunch else 0)
-    if args.quantize.startswith("int4"):
-        group = int(args.quantize.partition(":")[2] or 128)
-        groups = {k: quantize_rtn(v, group) for k, v in weights.items() if is_quantized(k)}
-        with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="rows"):
-            mk = MonokernelBackend(
-                cfg, weights, total, dev, quantize="int4", groups=groups,
-                prefill_precision="fp32",
-            )  # fmt: skip
-    else:
-        mk = MonokernelBackend(cfg, weights, total, dev)
+    mk = rows_backend(cfg, weights, total, dev, args.quantize)
     seq = random_ids(total, cfg.vocab_size, seed=52)
     mk.teacher_forced_logits(seq[: args.prompt], seq[args.prompt : args.prompt + 8])  # prefill
     forced = torch.tensor(seq[args.prompt - 1 : args.prompt - 1 + args.passes], dtype=torch.int32)

@@ -54,8 +54,9 @@ WARPS = layout.WARPS
 BATCH = 6  # kBatch in csrc/tunables.cuh: 16-byte loads a lane keeps in flight for one row
 # Loads a lane keeps in flight per pipelined down-projection row (down_split).
 MAX_DOWN_LOADS = 4
-# SMs of the GPUs the kernel is tuned on (H100 SXM, H200); only down_split's rows-per-unit
-# rule uses it: the grid itself is the device's SM count, read at launch.
+# SMs of the GPUs the kernel is tuned on (H100 SXM, H200): down_split's rows-per-unit rule
+# and the kernel's (MK_SMS: which GEMVs of a pass spread their positions, gemv_pass.cuh) use
+# it; the grid itself is the device's SM count, read at launch.
 HOPPER_SMS = 132
 # Where an int4 tile slice may start (csrc/formats/int4_tiles.cuh kSliceCols): on any load,
 # one 64-column input block, inside a group of 128 or more.
@@ -186,6 +187,7 @@ class KernelDims:
             "MK_TILES": int(bool(self.weight_tiles)),
             "MK_SUM_SPLIT": layout.sum_split(self),
             "MK_P": self.positions,
+            "MK_SMS": HOPPER_SMS,
             **(choices := self.choices(flags)),
             "MK_SMEM_BYTES": self.checked_smem(choices["MK_ATTN_CHUNK"]),
         }

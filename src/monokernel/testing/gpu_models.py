@@ -1,14 +1,23 @@
 """What the GPU tests of the monokernel share: whether a Hopper GPU is here (and can hold a
-shape), token ids from a seed, and the real default model loaded onto the GPU (skipping where
-it cannot be)."""
+shape), token ids from a seed, a backend on random weights in a row format, and the real
+default model loaded onto the GPU (skipping where it cannot be)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
+from monokernel import envs
 from monokernel.models.config import ModelConfig
 from monokernel.weights.names import Weights
+
+if TYPE_CHECKING:
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+
+# The row formats a verify pass builds for (docs/speculative.md), as --quantize spells them.
+ROW_FORMATS = ("bf16", "fp8", "int8", "int4", "int4:GROUP")
 
 
 def hopper() -> bool:
@@ -54,6 +63,32 @@ def hopper_with(gib: float) -> bool:
 
 def random_ids(n: int, vocab: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def rows_backend(
+    cfg: ModelConfig, weights: Weights, max_len: int, device: torch.device, fmt: str
+) -> MonokernelBackend:
+    """The monokernel backend on ``weights`` with its layers packed in ``fmt`` (one of
+    ROW_FORMATS; int4 in groups of 128 unless ``int4:GROUP`` says, quantised to nearest with
+    an fp32 prefill) and streamed as rows, as the default model's Q4_1 layers are."""
+    from monokernel.runtime.backends.monokernel import MonokernelBackend
+    from monokernel.weights.group_quant import quantize_rtn
+    from monokernel.weights.quantize import is_quantized
+
+    name, _, group = fmt.partition(":")
+    if name == "bf16" and not group:
+        return MonokernelBackend(cfg, weights, max_len, device)
+    with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="rows"):
+        if name in ("fp8", "int8") and not group:
+            return MonokernelBackend(cfg, weights, max_len, device, quantize=name)
+        if name == "int4" and (not group or group.isdigit()):
+            g = int(group or 128)
+            groups = {k: quantize_rtn(v, g) for k, v in weights.items() if is_quantized(k)}
+            return MonokernelBackend(
+                cfg, weights, max_len, device, quantize="int4", groups=groups,
+                prefill_precision="fp32",
+            )  # fmt: skip
+    raise ValueError(f"{fmt!r} is not a row format: one of {', '.join(ROW_FORMATS)}")
 
 
 def default_model_on_gpu(user_message: str) -> tuple[ModelConfig, Weights, list[int]]:

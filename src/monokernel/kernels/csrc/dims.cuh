@@ -9,7 +9,8 @@
 // is a rank's share of it under TP; top-k / top-p draw over all of it), MK_WEIGHT_FORMAT
 // the weights' format type (formats/format.cuh), MK_TILES 1 where it streams 16-row
 // tiles (gemv_tiles.cuh), MK_SUM_SPLIT 2 where its groups are 16 columns (the tile GEMV's
-// input sums take twice the room), and MK_SMEM_BYTES the dynamic shared memory
+// input sums take twice the room), MK_SMS the SMs of the grid the choices are made for
+// (the launch's grid is the device's), and MK_SMEM_BYTES the dynamic shared memory
 // layout.py computed.
 #pragma once
 #include "common.cuh"
@@ -17,7 +18,8 @@
 #if !defined(MK_H) || !defined(MK_Q) || !defined(MK_KV) || !defined(MK_I) || !defined(MK_V) || \
     !defined(MK_L) || !defined(MK_D) || !defined(MK_NH) || !defined(MK_NKV) ||                 \
     !defined(MK_QKV_BIAS) || !defined(MK_O_BIAS) || !defined(MK_QK_NORM) || !defined(MK_TP) || \
-    !defined(MK_WEIGHT_FORMAT) || !defined(MK_SMEM_BYTES) || !defined(MK_SUM_SPLIT)
+    !defined(MK_WEIGHT_FORMAT) || !defined(MK_SMEM_BYTES) || !defined(MK_SUM_SPLIT) ||       \
+    !defined(MK_SMS)
 #error "kernels/build.py passes every dimension (-D): build through it"
 #endif
 #if !defined(MK_SPLIT_E) || !defined(MK_BATCH2) || !defined(MK_D_PRE) || !defined(MK_F_DRAWN) || \

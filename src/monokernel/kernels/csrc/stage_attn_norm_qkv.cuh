@@ -69,7 +69,7 @@ __device__ __forceinline__ void attn_norm_qkv_pass(const Params& p, Cta& c, cons
                         staged_gain(c.gn, l.w.attn_gain));
   }
   skew(p, s.index, l.index, kSkewAttnNormQkvInput);
-  gemv_split_pass<MK_H, kSplitQkv>(
+  gemv_split_pass<MK_H, kSplitQkv, kQkv>(
       l.w.wqkv, kQkv, c.xs, MK_H, n, c.part(), c.warp, c.lane, c.preA(),
       [&](int q, int r, float d) { st_flow(p.qkv + q * kQkv + r, d, l.tag); }, (int)blockIdx.x,
       MK_QKV_BIAS ? l.w.bqkv : nullptr, ra);

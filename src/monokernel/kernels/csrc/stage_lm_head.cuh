@@ -53,7 +53,7 @@ __device__ __forceinline__ void lm_head_pass(const Params& p, Cta& c, const Step
   HeadLoad own[SF::Shape::B];  // dead where kSharedPreAF
 #pragma unroll
   for (int i = 0; i < SF::Shape::B; ++i) own[i] = weight_words(c.preAF[i]);
-  gemv_split_pass<MK_H, kSplitF, true>(p.lm_head, f_static, c.xs, MK_H, n, c.part(), c.warp,
+  gemv_split_pass<MK_H, kSplitF, 0, true>(p.lm_head, f_static, c.xs, MK_H, n, c.part(), c.warp,
                                        c.lane, head_first<kSharedPreAF>(c, own), out,
                                        (int)blockIdx.x, nullptr, rf);
   if (MK_F_DRAWN)

@@ -58,7 +58,7 @@ __device__ __forceinline__ void mlp_down_pass(const Params& p, Cta& c, const Ste
   float one[MK_P];
   load_vec_pass<MK_I>(c.xs, flow_copy(p.act, MK_P * MK_I), l.tag, n, false, p.eps, c.red, one);
   skew(p, s.index, l.index, kSkewMlpDownInput);
-  gemv_split_pass<MK_I, MK_SPLIT_E>(
+  gemv_split_pass<MK_I, MK_SPLIT_E, MK_H>(
       l.w.wdown, MK_H, c.xs, MK_I, n, c.part(), c.warp, c.lane, c.preE,
       [&](int q, int r, float d) {
         st_flow_copies(p.x + q * MK_H + r, MK_P * MK_H, c.xres[q * MK_H + r] + d, l.tag);

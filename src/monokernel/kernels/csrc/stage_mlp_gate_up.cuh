@@ -76,7 +76,7 @@ template <class WF = WeightFormat>
 __device__ __forceinline__ void gate_up_pass(const Params& p, Cta& c, const Layer& l,
                                              const float (&rd)[MK_P], int n) {
   const Matrix<WF>& wgu = l.w.wgu;
-  gemv_pairs_pass<MK_H>(wgu, MK_I, c.gw, c.tw, c.xd, MK_H, n, c.lane, c.preG, c.preU,
+  gemv_pairs_pass<MK_H, MK_I>(wgu, MK_I, c.gw, c.tw, c.xd, MK_H, n, c.lane, c.preG, c.preU,
                         [&](int q, int r, float g, float u) {
                           const float s = pick(rd, q);
                           g *= s;

@@ -30,7 +30,7 @@ __device__ __forceinline__ void o_proj_pass(const Params& p, Cta& c, const Step&
   float ones[MK_P];
 #pragma unroll
   for (int q = 0; q < MK_P; ++q) ones[q] = 1.f;
-  gemv_split_pass<MK_Q, kSplitO>(
+  gemv_split_pass<MK_Q, kSplitO, MK_H>(
       l.w.wo, MK_H, c.xs, kXsFloats, n, c.part(), c.warp, c.lane, c.preC,
       [&](int q, int r, float d) {
         st_flow_copies(p.delta + q * MK_H + r, MK_P * MK_H, d, l.tag);

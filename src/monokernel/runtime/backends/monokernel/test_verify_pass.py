@@ -2,7 +2,8 @@
 exactly as a decode step at that position: the same logits to the bit and the same token, in
 passes of every length up to P, at a short context and across the context where the
 attention plan changes its ranges (head units merged by stage C's reader, then by the last
-unit), on the default model's shape in its own format (int4 groups of 32, rows) and bf16.
+unit), on the default model's shape in its own format (int4 groups of 32, rows), bf16, and
+fp8 and int8 rows (whose passes deal each position of a row to its own warp, as int4's do).
 
 GPU tests (marker ``gpu``): a Hopper GPU.
 """
@@ -12,9 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from monokernel import envs
 from monokernel.models.shapes import SHAPES
-from monokernel.testing.gpu_models import hopper_with, random_ids
+from monokernel.testing.gpu_models import hopper_with, random_ids, rows_backend
 from monokernel.weights.random_weights import random_weights
 
 POSITIONS = 4  # the pass build's P
@@ -23,31 +23,21 @@ FORCED = 12  # positions compared: whole passes of 1, 2, 3 and 4
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper_with(8), reason="needs a Hopper GPU, 8 GiB")
-@pytest.mark.parametrize("fmt", ["int4-32", "bf16"])
+@pytest.mark.parametrize("fmt", ["int4:32", "bf16", "fp8", "int8"])
 @pytest.mark.parametrize("prompt", [64, 600, 1019, 1500])
 def test_each_position_of_a_pass_is_the_step_at_it(fmt: str, prompt: int) -> None:
     """Teacher-forced passes of 1 to 4 positions against teacher-forced steps: the logits of
     every position equal to the bit, the tokens equal. The default model's head units take 1
     range at 64, 2 at 600 (merged by stage C's reader), 3 at 1,500 (merged by the last unit);
     from 1,019 the positions cross 1,024, where 2 become 3."""
-    from monokernel.runtime.backends.monokernel import MonokernelBackend
     from monokernel.runtime.backends.monokernel.verify_pass import PassKernel
-    from monokernel.weights.group_quant import quantize_rtn
-    from monokernel.weights.quantize import is_quantized
 
     cfg, dev = SHAPES["smollm2-135m"], torch.device("cuda")
     weights = random_weights(cfg, device=dev, seed=41)
     seq = random_ids(prompt + FORCED, cfg.vocab_size, seed=42)
-    if fmt == "int4-32":  # the default model's Q4_1 layers: int4 groups of 32, in rows
-        groups = {k: quantize_rtn(v, 32) for k, v in weights.items() if is_quantized(k)}
-        with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="rows"):
-            mk = MonokernelBackend(
-                cfg, weights, prompt + FORCED, dev, quantize="int4", groups=groups,
-                prefill_precision="fp32",
-            )  # fmt: skip
-        assert mk.kernel.dims.weight_group == 32 and not mk.kernel.dims.weight_tiles
-    else:
-        mk = MonokernelBackend(cfg, weights, prompt + FORCED, dev)
+    mk = rows_backend(cfg, weights, prompt + FORCED, dev, fmt)
+    assert mk.kernel.dims.weight_format == fmt.partition(":")[0]
+    assert not mk.kernel.dims.weight_tiles
     step = mk.teacher_forced_logits(seq[:prompt], seq[prompt:])  # [FORCED, V]
     forced = seq[prompt - 1 : prompt + FORCED - 1]  # each position's input
     passes = PassKernel(mk.kernel, POSITIONS)
@@ -65,31 +55,20 @@ def test_each_position_of_a_pass_is_the_step_at_it(fmt: str, prompt: int) -> Non
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not hopper_with(8), reason="needs a Hopper GPU, 8 GiB")
-@pytest.mark.parametrize("fmt", ["int4-32", "bf16"])
+@pytest.mark.parametrize("fmt", ["int4:32", "bf16"])
 def test_passes_that_draft_draw_what_steps_draw(fmt: str) -> None:
     """Greedy passes that draft from the request's own tokens (a prompt of one random run
     three times over) and keep what their draws confirm give the tokens the step build
     draws, with and without a stop id among them; some tokens are drafted."""
     from monokernel.runtime.backends.base import CancelToken, DecodeRequest
-    from monokernel.runtime.backends.monokernel import MonokernelBackend
     from monokernel.runtime.backends.monokernel.verify_pass import PassKernel
     from monokernel.runtime.sampling import SamplingParams
-    from monokernel.weights.group_quant import quantize_rtn
-    from monokernel.weights.quantize import is_quantized
 
     cfg, dev = SHAPES["smollm2-135m"], torch.device("cuda")
     weights = random_weights(cfg, device=dev, seed=44)
     prompt = random_ids(40, cfg.vocab_size, seed=45) * 3
     steps_n = 96
-    if fmt == "int4-32":
-        groups = {k: quantize_rtn(v, 32) for k, v in weights.items() if is_quantized(k)}
-        with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="rows"):
-            mk = MonokernelBackend(
-                cfg, weights, len(prompt) + steps_n, dev, quantize="int4", groups=groups,
-                prefill_precision="fp32",
-            )  # fmt: skip
-    else:
-        mk = MonokernelBackend(cfg, weights, len(prompt) + steps_n, dev)
+    mk = rows_backend(cfg, weights, len(prompt) + steps_n, dev, fmt)
     greedy = SamplingParams(temperature=0.0)
     request = DecodeRequest(tuple(prompt), greedy, steps_n, frozenset())
     steps = list(mk.stream(request, CancelToken()))  # the first from the prefill's logits
