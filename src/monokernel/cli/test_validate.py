@@ -228,3 +228,47 @@ def test_ngram_bounds_default_by_engine(
     else:
         assert error is None and config is not None
         assert config.bounds(engine) == bounds
+
+
+@pytest.mark.parametrize(
+    ("flag", "engine", "tp", "expect"),
+    [
+        (None, "auto", 1, "default"),  # resolved by the engine: on where it is the monokernel
+        (None, "monokernel", 1, "default"),
+        (None, "torch", 1, None),
+        (None, "reference", 1, None),
+        (None, "monokernel", 2, None),  # no verify pass under TP: off, not refused
+        ("off", "monokernel", 1, None),
+        ("ngram", "torch", 1, "asked"),
+    ],
+)
+def test_speculation_without_the_flag_is_the_engines_default(
+    flag: str | None, engine: str, tp: int, expect: str | None
+) -> None:
+    import argparse
+
+    from monokernel.cli.validate import speculative_config
+
+    args = argparse.Namespace(
+        speculative=flag,
+        num_speculative_tokens=3,
+        ngram_max=None,
+        ngram_min=None,
+        engine=engine,
+        tp=tp,
+    )
+    config, error = speculative_config(args)
+    assert error is None
+    if expect is None:
+        assert config is None
+    else:
+        assert config is not None and config.by_default == (expect == "default")
+
+
+def test_run_takes_speculative_off_and_refuses_other_words() -> None:
+    from monokernel.cli.main import _parse_run
+
+    args = _parse_run(["--speculative", "off", "hi"])
+    assert args.speculative_config is None
+    with pytest.raises(SystemExit):
+        _parse_run(["--speculative", "on", "hi"])

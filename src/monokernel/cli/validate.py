@@ -15,7 +15,7 @@ import math
 import re
 from typing import TYPE_CHECKING
 
-from monokernel.runtime.speculative import DEFAULT_DRAFT, MAX_DRAFT
+from monokernel.runtime.speculative import DEFAULT_DRAFT, MAX_DRAFT, ON_BY_DEFAULT
 
 if TYPE_CHECKING:
     from monokernel.runtime.speculative import SpeculativeConfig
@@ -185,10 +185,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     spec = p.add_argument_group("speculative decoding (docs/speculative.md)")
     spec.add_argument(
         "--speculative",
-        choices=["ngram"],
+        choices=["ngram", "off"],
         default=None,
-        help="draft from the request's own tokens (n-gram lookup) and verify several a pass; "
-        "the same tokens, fewer passes where the output repeats its context",
+        help="ngram: draft from the request's own tokens (n-gram lookup) and verify several a "
+        "pass; the same tokens, fewer passes where the output repeats its context. Default: "
+        f"ngram on the {', '.join(ON_BY_DEFAULT)} engine where the model's passes fit (one "
+        "GPU), off elsewhere; off: never",
     )
     spec.add_argument(
         "--num-speculative-tokens",
@@ -214,8 +216,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
 def speculative_config(
     args: argparse.Namespace,
 ) -> tuple[SpeculativeConfig | None, str | None]:
-    """(the SpeculativeConfig the flags ask for or None, argparse's error line or None)."""
-    if args.speculative is None:
+    """(the SpeculativeConfig the flags ask for or None, argparse's error line or None).
+    Without --speculative: the engine's default (a config marked ``by_default``, which the
+    engine drops where it does not draft by default), none under --tp > 1."""
+    by_default = args.speculative is None
+    if args.speculative == "off" or (
+        by_default and (args.tp > 1 or args.engine not in ("auto", *ON_BY_DEFAULT))
+    ):
         return None, None
     from monokernel.errors import InvalidRequestError
     from monokernel.kernels.build import MAX_PASS_POSITIONS
@@ -223,7 +230,7 @@ def speculative_config(
 
     try:
         config = SpeculativeConfig(
-            args.speculative, args.num_speculative_tokens, args.ngram_max, args.ngram_min
+            "ngram", args.num_speculative_tokens, args.ngram_max, args.ngram_min, by_default
         )
         config.bounds("monokernel" if args.engine == "monokernel" else "")
     except InvalidRequestError as e:

@@ -179,6 +179,8 @@ class Engine:
         if self.config.quantize is not None:
             check_method(self.config.quantize)
         self.speculative = self.config.speculative
+        if self.speculative is not None and self.speculative.by_default and self.config.tp > 1:
+            self.speculative = None  # the engine's default: no drafts under TP
         if self.speculative is not None and self.config.tp > 1:
             raise InvalidRequestError(
                 "--speculative is not with --tp > 1 (the monokernel's TP build has no verify "
@@ -254,9 +256,14 @@ class Engine:
             fp8_blocks=fp8_blocks,
             act_stats=act_stats,
         )
+        if self.speculative is not None:  # K and the n-gram bounds of the engine that runs
+            self.speculative = self.speculative.for_engine(self.engine_name)
         if self.speculative is not None:
             self.backend.set_speculative(self.speculative)  # type: ignore[attr-defined]
-            if not self.backend.drafts_verified():  # type: ignore[attr-defined]
+            if self.speculative.by_default and not self.backend.drafts_verified():  # type: ignore[attr-defined]
+                self.speculative = None  # the default, where this shape cannot draft: quiet
+                self.backend.set_speculative(None)  # type: ignore[attr-defined]
+            elif not self.backend.drafts_verified():  # type: ignore[attr-defined]
                 why = getattr(self.backend, "drafts_note", None) or (
                     f"the {self.engine_name} engine on {self.device} does not verify drafts "
                     "token-identically to plain decoding"

@@ -26,7 +26,7 @@ as its plain greedy step does.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -39,9 +39,15 @@ METHODS = ("ngram",)
 MAX_DRAFT = 32  # a verification pass grows with the draft; past ~32 tokens it stops paying
 # K when not given: on the CPU a pass of 4 positions costs ~2 one-token steps and one of 5
 # ~2.8, and K = 3 beat K = 4 on both the copying and the chat workloads (docs/speculative.md,
-# session 37); a pass of 4 positions also fills the 4 position columns of the tensor cores'
-# mma in the planned in-kernel pass.
+# session 37). On the monokernel K = 7 gained more on the default model's three workloads
+# (H200, session 51) but lost 9% where the model continues a pattern instead of copying it
+# (38% of the drafts kept), where K = 3 gained 2%: 3 is the default everywhere.
 DEFAULT_DRAFT = 3
+# The engines that draft when --speculative is not given (`off` turns it off): where the
+# workloads showed no loss on free-form chat (the issue's rule; the monokernel's chat 1.09x
+# at K = 3 on an H200, session 51, 1.02x on an H100, session 40). A shape whose passes do not
+# fit decodes by steps there without a word.
+ON_BY_DEFAULT = ("monokernel",)
 
 
 # --ngram-max / --ngram-min where none is given, by engine (others: NGRAM_DEFAULT). The
@@ -62,6 +68,9 @@ class SpeculativeConfig:
     # token); None: the engine's own (``bounds``).
     ngram_max: int | None = None
     ngram_min: int | None = None
+    # Not asked for (no --speculative): the engine's default, which is to draft only on the
+    # engines ON_BY_DEFAULT names (``for_engine``).
+    by_default: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -80,6 +89,14 @@ class SpeculativeConfig:
                 )
         if self.ngram_max is not None and self.ngram_min is not None:
             self.bounds()
+
+    def for_engine(self, engine: str) -> SpeculativeConfig | None:
+        """This config as ``engine`` runs it, the n-gram bounds its own where not given; None
+        where it was not asked for and ``engine`` does not draft by default."""
+        if self.by_default and engine not in ON_BY_DEFAULT:
+            return None
+        longest, shortest = self.bounds(engine)
+        return replace(self, ngram_max=longest, ngram_min=shortest)
 
     def bounds(self, engine: str = "") -> tuple[int, int]:
         """(longest, shortest) suffix matched on ``engine``: the given ones, else the

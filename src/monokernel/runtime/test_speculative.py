@@ -53,6 +53,18 @@ def test_bad_settings_are_refused_naming_the_flag(kwargs: dict, match: str) -> N
         SpeculativeConfig(**kwargs)
 
 
+def test_a_config_nobody_asked_for_drafts_only_where_on_by_default() -> None:
+    """Without --speculative only the engines that draft by default draft, each with its own
+    n-gram bounds where none is given; a config asked for runs on any engine."""
+    unasked = SpeculativeConfig(by_default=True)
+    assert unasked.for_engine("torch") is None and unasked.for_engine("reference") is None
+    mk = unasked.for_engine("monokernel")
+    assert mk is not None and (mk.num_tokens, mk.ngram_max, mk.ngram_min) == (3, 6, 3)
+    assert mk.by_default  # so the engine stays quiet where this model's passes do not fit
+    asked = SpeculativeConfig(ngram_min=1).for_engine("torch")
+    assert asked is not None and (asked.num_tokens, asked.ngram_max, asked.ngram_min) == (3, 4, 1)
+
+
 def test_verify_accepts_while_the_rule_agrees_then_emits_the_rule_token() -> None:
     v = 10
     logits = torch.full((4, v), -5.0)

@@ -4,6 +4,7 @@ default model loaded onto the GPU (skipping where it cannot be)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -91,22 +92,28 @@ def rows_backend(
     raise ValueError(f"{fmt!r} is not a row format: one of {', '.join(ROW_FORMATS)}")
 
 
+def default_model_file() -> Path:
+    """The real default model's GGUF (SmolLM2-135M-Instruct Q4_1); skips the test where the
+    GGUF reader is missing or the model is neither cached nor fetchable."""
+    pytest.importorskip("gguf")  # the GGUF reader: a package the GPU image may lack
+    from monokernel.errors import ModelNotFoundError
+    from monokernel.weights.default_model import default_model_path
+
+    try:
+        return default_model_path(progress=False)
+    except ModelNotFoundError as e:
+        pytest.skip(f"the default model is not cached and cannot be fetched here: {e}")
+
+
 def default_model_on_gpu(user_message: str) -> tuple[ModelConfig, Weights, list[int]]:
     """The real default model (SmolLM2-135M-Instruct, its Q4_1 GGUF dequantised) as bf16 on
     the GPU, and ``user_message`` through its chat template; skips the test where the GGUF
     reader is missing or the model is neither cached nor fetchable."""
-    pytest.importorskip("gguf")  # the GGUF reader: a package the GPU image may lack
-    from monokernel.errors import ModelNotFoundError
     from monokernel.tokenizer.tokenizer import Tokenizer
-    from monokernel.weights.default_model import default_model_path
     from monokernel.weights.lazy_weights import cast_mapping
     from monokernel.weights.loader import load_checkpoint
 
-    try:
-        path = default_model_path(progress=False)
-    except ModelNotFoundError as e:
-        pytest.skip(f"the default model is not cached and cannot be fetched here: {e}")
-    ckpt = load_checkpoint(str(path))
+    ckpt = load_checkpoint(str(default_model_file()))
     tok = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file)
     prompt = tok.encode_chat([{"role": "user", "content": user_message}])
     dev = torch.device("cuda")
