@@ -229,7 +229,11 @@ def test_speculative_reaches_the_monokernel_which_says_why_it_makes_no_drafts(
     spec = SpeculativeConfig(ngram_min=1)
     config = EngineConfig(device="cpu", max_model_len=96, progress=False, speculative=spec)
     eng = Engine(model_dir, config)
-    assert eng.engine_name == "monokernel" and eng.backend.speculative == spec
+    # The config as the monokernel runs it: its own n-gram bounds where none was given.
+    assert eng.engine_name == "monokernel" and eng.backend.speculative == spec.for_engine(
+        "monokernel"
+    )
+    assert (eng.backend.speculative.ngram_max, eng.backend.speculative.ngram_min) == (6, 1)
     assert eng.engine_note == (
         "no pass build fits this shape, so it makes none (docs/speculative.md)"
     )
@@ -239,3 +243,23 @@ def test_speculative_reaches_the_monokernel_which_says_why_it_makes_no_drafts(
     two = EngineConfig(device="cpu", progress=False, speculative=spec, tp=2)
     with pytest.raises(InvalidRequestError, match="not with --tp > 1"):
         Engine(model_dir, two)
+
+
+def test_the_default_speculation_stays_quiet_where_the_monokernel_cannot_draft(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Speculation nobody asked for (run's and serve's default) is dropped without a note
+    where the model's passes do not fit, and under --tp > 1 it is not refused."""
+    from monokernel.runtime.speculative import SpeculativeConfig
+
+    _monokernel_resolves(monkeypatch, "DraftlessMonokernel")
+    unasked = SpeculativeConfig(by_default=True)
+    eng = Engine(model_dir, EngineConfig(device="cpu", progress=False, speculative=unasked))
+    assert eng.engine_name == "monokernel" and eng.engine_note is None
+    assert eng.speculative is None and eng.backend.speculative is None
+    out = eng.complete("abc abc abc abc", SamplingParams(max_tokens=5, temperature=0))
+    assert out.timings.drafted_tokens is None  # decoded without speculation, as off
+    two = EngineConfig(device="cpu", progress=False, speculative=unasked, tp=2)
+    with pytest.raises(Exception) as refused:  # TP needs GPUs: refused, but not for drafts
+        Engine(model_dir, two)
+    assert "--tp 2" in str(refused.value) and "--speculative" not in str(refused.value)
