@@ -256,26 +256,33 @@ class Engine:
             fp8_blocks=fp8_blocks,
             act_stats=act_stats,
         )
-        if self.speculative is not None:  # K and the n-gram bounds of the engine that runs
+        if self.speculative is not None:  # the engine's own n-gram bounds; None: not drafting
             self.speculative = self.speculative.for_engine(self.engine_name)
         if self.speculative is not None:
             self.backend.set_speculative(self.speculative)  # type: ignore[attr-defined]
-            if self.speculative.by_default and not self.backend.drafts_verified():  # type: ignore[attr-defined]
-                self.speculative = None  # the default, where this shape cannot draft: quiet
-                self.backend.set_speculative(None)  # type: ignore[attr-defined]
-            elif not self.backend.drafts_verified():  # type: ignore[attr-defined]
-                why = getattr(self.backend, "drafts_note", None) or (
-                    f"the {self.engine_name} engine on {self.device} does not verify drafts "
-                    "token-identically to plain decoding"
-                )
-                self.engine_note = (
-                    self.engine_note + "; " if self.engine_note else ""
-                ) + f"{why}, so it makes none (docs/speculative.md)"
+            if not self.backend.drafts_verified():  # type: ignore[attr-defined]
+                self._no_drafts()
         set_reuse = getattr(self.backend, "set_prefix_reuse", None)
         if self.config.prefix_reuse is not None and callable(set_reuse):
             set_reuse(self.config.prefix_reuse)
         self._busy = threading.Lock()
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+
+    def _no_drafts(self) -> None:
+        """The backend cannot verify drafts for this model: speculation nobody asked for (the
+        default) is dropped quietly; asked for, it stays, makes none and the note says why."""
+        assert self.speculative is not None
+        if self.speculative.by_default:
+            self.speculative = None
+            self.backend.set_speculative(None)  # type: ignore[attr-defined]
+            return
+        why = getattr(self.backend, "drafts_note", None) or (
+            f"the {self.engine_name} engine on {self.device} does not verify drafts "
+            "token-identically to plain decoding"
+        )
+        self.engine_note = (
+            self.engine_note + "; " if self.engine_note else ""
+        ) + f"{why}, so it makes none (docs/speculative.md)"
 
     @property
     def failure(self) -> str | None:
