@@ -51,16 +51,18 @@ def test_run_json(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_run_speculative_json(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """--speculative ngram: the same tokens as without it, and the drafts counted."""
+    """--speculative ngram, and the torch engine's packed CPU step by default: the same
+    tokens as --speculative off, and the drafts counted."""
     argv = ["run", "--model", str(model), "--max-tokens", "40", "--json", "--temperature", "0"]
     prompt = "the cat sat on the mat; the cat sat on the mat; the cat"
-    assert main([*argv, prompt]) == 0
+    assert main([*argv, "--speculative", "off", prompt]) == 0
     plain = json.loads(capsys.readouterr().out)
-    assert "drafted_tokens" not in plain
-    assert main([*argv, "--speculative", "ngram", "--ngram-min", "1", prompt]) == 0
-    fast = json.loads(capsys.readouterr().out)
-    assert fast["token_ids"] == plain["token_ids"] and fast["text"] == plain["text"]
-    assert fast["drafted_tokens"] >= fast["accepted_tokens"] >= 0 and fast["drafted_tokens"] > 0
+    assert "drafted_tokens" not in plain and plain["engine"] == "torch"
+    for flags in (["--speculative", "ngram", "--ngram-min", "1"], ["--ngram-min", "1"]):
+        assert main([*argv, *flags, prompt]) == 0
+        fast = json.loads(capsys.readouterr().out)
+        assert fast["token_ids"] == plain["token_ids"] and fast["text"] == plain["text"]
+        assert fast["drafted_tokens"] >= fast["accepted_tokens"] >= 0 < fast["drafted_tokens"]
 
 
 def test_run_streams_text_and_timings(model: Path) -> None:

@@ -233,10 +233,10 @@ def test_ngram_bounds_default_by_engine(
 @pytest.mark.parametrize(
     ("flag", "engine", "tp", "expect"),
     [
-        (None, "auto", 1, "default"),  # resolved by the engine: on where it is the monokernel
+        (None, "auto", 1, "default"),  # the backend says whether its passes pay by default
         (None, "monokernel", 1, "default"),
-        (None, "torch", 1, None),
-        (None, "reference", 1, None),
+        (None, "torch", 1, "default"),
+        (None, "reference", 1, "default"),
         (None, "monokernel", 2, None),  # no verify pass under TP: off, not refused
         ("off", "monokernel", 1, None),
         ("ngram", "torch", 1, "asked"),

@@ -15,7 +15,7 @@ import math
 import re
 from typing import TYPE_CHECKING
 
-from monokernel.runtime.speculative import DEFAULT_DRAFT, MAX_DRAFT, ON_BY_DEFAULT
+from monokernel.runtime.speculative import DEFAULT_DRAFT, MAX_DRAFT
 
 if TYPE_CHECKING:
     from monokernel.runtime.speculative import SpeculativeConfig
@@ -189,8 +189,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="ngram: draft from the request's own tokens (n-gram lookup) and verify several a "
         "pass; the same tokens, fewer passes where the output repeats its context. Default: "
-        f"ngram on the {', '.join(ON_BY_DEFAULT)} engine where the model's passes fit (one "
-        "GPU), off elsewhere; off: never",
+        "ngram where it measured no loss on chat (the monokernel where the model's passes "
+        "fit, on one GPU; the torch engine's packed CPU step), off elsewhere; off: never",
     )
     spec.add_argument(
         "--num-speculative-tokens",
@@ -220,9 +220,7 @@ def speculative_config(
     Without --speculative: the engine's default (a config marked ``by_default``, which the
     engine drops where it does not draft by default), none under --tp > 1."""
     by_default = args.speculative is None
-    if args.speculative == "off" or (
-        by_default and (args.tp > 1 or args.engine not in ("auto", *ON_BY_DEFAULT))
-    ):
+    if args.speculative == "off" or (by_default and args.tp > 1):
         return None, None
     from monokernel.errors import InvalidRequestError
     from monokernel.kernels.build import MAX_PASS_POSITIONS

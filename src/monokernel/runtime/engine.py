@@ -256,8 +256,11 @@ class Engine:
             fp8_blocks=fp8_blocks,
             act_stats=act_stats,
         )
-        if self.speculative is not None:  # the engine's own n-gram bounds; None: not drafting
+        if self.speculative is not None:  # the engine's own n-gram bounds where not given
             self.speculative = self.speculative.for_engine(self.engine_name)
+            by_default = getattr(self.backend, "drafts_by_default", None)
+            if self.speculative.by_default and not (callable(by_default) and by_default()):
+                self.speculative = None  # not asked for, and this backend's passes may not pay
         if self.speculative is not None:
             self.backend.set_speculative(self.speculative)  # type: ignore[attr-defined]
             if not self.backend.drafts_verified():  # type: ignore[attr-defined]

@@ -43,11 +43,6 @@ MAX_DRAFT = 32  # a verification pass grows with the draft; past ~32 tokens it s
 # (H200, session 51) but lost 9% where the model continues a pattern instead of copying it
 # (38% of the drafts kept), where K = 3 gained 2%: 3 is the default everywhere.
 DEFAULT_DRAFT = 3
-# The engines that draft when --speculative is not given (`off` turns it off): where the
-# workloads showed no loss on free-form chat (the issue's rule; the monokernel's chat 1.09x
-# at K = 3 on an H200, session 51, 1.02x on an H100, session 40). A shape whose passes do not
-# fit decodes by steps there without a word.
-ON_BY_DEFAULT = ("monokernel",)
 
 
 # --ngram-max / --ngram-min where none is given, by engine (others: NGRAM_DEFAULT). The
@@ -68,8 +63,8 @@ class SpeculativeConfig:
     # token); None: the engine's own (``bounds``).
     ngram_max: int | None = None
     ngram_min: int | None = None
-    # Not asked for (no --speculative): the engine's default, which is to draft only on the
-    # engines ON_BY_DEFAULT names (``for_engine``).
+    # Not asked for (no --speculative): drafts only where the backend's passes pay by
+    # default (``drafts_by_default``), and quietly nothing elsewhere.
     by_default: bool = False
 
     def __post_init__(self) -> None:
@@ -90,11 +85,8 @@ class SpeculativeConfig:
         if self.ngram_max is not None and self.ngram_min is not None:
             self.bounds()
 
-    def for_engine(self, engine: str) -> SpeculativeConfig | None:
-        """This config as ``engine`` runs it, the n-gram bounds its own where not given; None
-        where it was not asked for and ``engine`` does not draft by default."""
-        if self.by_default and engine not in ON_BY_DEFAULT:
-            return None
+    def for_engine(self, engine: str) -> SpeculativeConfig:
+        """This config as ``engine`` runs it: the n-gram bounds its own where not given."""
         longest, shortest = self.bounds(engine)
         return replace(self, ngram_max=longest, ngram_min=shortest)
 
@@ -288,6 +280,12 @@ class Speculating:
         """Whether a pass over several positions picks what the plain step would at each:
         where not, drafts would change the ids, so none is made."""
         return True
+
+    def drafts_by_default(self) -> bool:
+        """Whether requests draft without --speculative: where the workloads measured no loss
+        on free-form chat (issue 36's rule for a default). Not the reference engine's, which
+        is not the one anybody decodes with for speed."""
+        return False
 
     def set_speculative(self, config: SpeculativeConfig | None) -> None:
         """Draft from the request's own tokens and verify several a pass; None: one token a

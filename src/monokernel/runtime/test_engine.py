@@ -219,6 +219,9 @@ class DraftlessMonokernel(ReferenceBackend):
     def drafts_verified(self) -> bool:
         return False
 
+    def drafts_by_default(self) -> bool:
+        return True  # as the monokernel's, which drafts by default where its passes fit
+
 
 def test_speculative_reaches_the_monokernel_which_says_why_it_makes_no_drafts(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch

@@ -53,16 +53,23 @@ def test_bad_settings_are_refused_naming_the_flag(kwargs: dict, match: str) -> N
         SpeculativeConfig(**kwargs)
 
 
-def test_a_config_nobody_asked_for_drafts_only_where_on_by_default() -> None:
-    """Without --speculative only the engines that draft by default draft, each with its own
-    n-gram bounds where none is given; a config asked for runs on any engine."""
+def test_a_config_as_an_engine_runs_it_takes_the_engines_bounds_where_not_given() -> None:
     unasked = SpeculativeConfig(by_default=True)
-    assert unasked.for_engine("torch") is None and unasked.for_engine("reference") is None
     mk = unasked.for_engine("monokernel")
-    assert mk is not None and (mk.num_tokens, mk.ngram_max, mk.ngram_min) == (3, 6, 3)
-    assert mk.by_default  # so the engine stays quiet where this model's passes do not fit
+    assert (mk.num_tokens, mk.ngram_max, mk.ngram_min) == (3, 6, 3)
+    assert mk.by_default  # so the engine stays quiet where this backend does not draft
     asked = SpeculativeConfig(ngram_min=1).for_engine("torch")
-    assert asked is not None and (asked.num_tokens, asked.ngram_max, asked.ngram_min) == (3, 4, 1)
+    assert (asked.num_tokens, asked.ngram_max, asked.ngram_min, asked.by_default) == (
+        3,
+        4,
+        1,
+        False,
+    )
+
+
+def test_the_reference_engine_drafts_only_when_asked() -> None:
+    backend = ReferenceBackend(SHAPES["odd"], random_weights(SHAPES["odd"], seed=3), 64, "cpu")
+    assert not backend.drafts_by_default() and backend.drafts_verified()
 
 
 def test_verify_accepts_while_the_rule_agrees_then_emits_the_rule_token() -> None:

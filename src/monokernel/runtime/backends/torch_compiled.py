@@ -165,6 +165,11 @@ class TorchBackend(Speculating):
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         return self.packed.greedy_tokens(ids, start).tolist()
 
+    def drafts_by_default(self) -> bool:
+        # The packed CPU step's passes: spec-chat 1.18x, spec-tool 1.34x, spec-edit 1.48x at
+        # K = 3 on the default model (2-core CPU, session 51; docs/speculative.md).
+        return self.packed is not None
+
     def drafts_verified(self) -> bool:
         # On a GPU a pass of several positions runs eagerly, in bf16 sums that are not the
         # compiled one-token step's: at a near-tie it picks another token (docs/
