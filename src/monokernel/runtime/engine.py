@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from monokernel import envs
-from monokernel.errors import InvalidRequestError
+from monokernel.errors import BackendUnavailableError, InvalidRequestError
 from monokernel.models.config import ModelConfig
 from monokernel.runtime import kv_memory
 from monokernel.runtime.backends import create_backend, fallback_engine, resolve_engine
@@ -262,8 +262,17 @@ class Engine:
             if self.speculative.by_default and not (callable(by_default) and by_default()):
                 self.speculative = None  # not asked for, and this backend's passes may not pay
         if self.speculative is not None:
-            self.backend.set_speculative(self.speculative)  # type: ignore[attr-defined]
-            if not self.backend.drafts_verified():  # type: ignore[attr-defined]
+            try:
+                self.backend.set_speculative(self.speculative)  # type: ignore[attr-defined]
+            except BackendUnavailableError as e:  # its pass build failed to compile
+                if not self.speculative.by_default:
+                    raise
+                # The default must not cost a run that decodes without it: say why, go on.
+                self.backend.set_speculative(None)  # type: ignore[attr-defined]
+                self.speculative = None
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self._note(f"speculative decoding off: {first} (--speculative off skips it)")
+            if self.speculative is not None and not self.backend.drafts_verified():  # type: ignore[attr-defined]
                 self._no_drafts()
         set_reuse = getattr(self.backend, "set_prefix_reuse", None)
         if self.config.prefix_reuse is not None and callable(set_reuse):
@@ -283,9 +292,11 @@ class Engine:
             f"the {self.engine_name} engine on {self.device} does not verify drafts "
             "token-identically to plain decoding"
         )
-        self.engine_note = (
-            self.engine_note + "; " if self.engine_note else ""
-        ) + f"{why}, so it makes none (docs/speculative.md)"
+        self._note(f"{why}, so it makes none (docs/speculative.md)")
+
+    def _note(self, text: str) -> None:
+        """Add ``text`` to the startup line about the engine (startup_notes)."""
+        self.engine_note = f"{self.engine_note}; {text}" if self.engine_note else text
 
     @property
     def failure(self) -> str | None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from monokernel import Engine, EngineConfig, SamplingParams
-from monokernel.errors import InvalidRequestError, UnsupportedModelError
+from monokernel.errors import BackendUnavailableError, InvalidRequestError, UnsupportedModelError
 from monokernel.models.config import ModelConfig
 from monokernel.runtime import backends
 from monokernel.runtime import engine as engine_mod
@@ -246,6 +246,35 @@ def test_speculative_reaches_the_monokernel_which_says_why_it_makes_no_drafts(
     two = EngineConfig(device="cpu", progress=False, speculative=spec, tp=2)
     with pytest.raises(InvalidRequestError, match="not with --tp > 1"):
         Engine(model_dir, two)
+
+
+class PassBuildFailsMonokernel(DraftlessMonokernel):
+    """A monokernel stand-in whose pass build nvcc refuses (MonokernelBackend.set_speculative
+    raises what build.py raises)."""
+
+    def set_speculative(self, config: Any) -> None:
+        super().set_speculative(config)
+        if config is not None:
+            raise BackendUnavailableError("nvcc failed building the monokernel (...):\nptxas")
+
+
+def test_a_pass_build_that_fails_costs_the_default_nothing_but_an_asked_run(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from monokernel.runtime.speculative import SpeculativeConfig
+
+    _monokernel_resolves(monkeypatch, "PassBuildFailsMonokernel")
+    unasked = SpeculativeConfig(by_default=True)
+    eng = Engine(model_dir, EngineConfig(device="cpu", progress=False, speculative=unasked))
+    assert eng.speculative is None and eng.backend.speculative is None
+    assert eng.engine_note == (
+        "speculative decoding off: nvcc failed building the monokernel (...): "
+        "(--speculative off skips it)"
+    )
+    assert len(eng.complete("abc", SamplingParams(max_tokens=3, temperature=0)).token_ids) == 3
+    asked = EngineConfig(device="cpu", progress=False, speculative=SpeculativeConfig())
+    with pytest.raises(BackendUnavailableError, match="nvcc failed"):
+        Engine(model_dir, asked)
 
 
 def test_the_default_speculation_stays_quiet_where_the_monokernel_cannot_draft(
