@@ -182,6 +182,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
         "scale per output channel, int4 with a scale and offset per 128 input columns; the "
         "LM head and the embedding keep the checkpoint's format",
     )
+    add_speculative_flags(p)
+
+
+def add_speculative_flags(p: argparse.ArgumentParser) -> None:
+    """`--speculative` and its bounds (run, serve, agent-bench); ``speculative_config``
+    turns them into the engine's config."""
     spec = p.add_argument_group("speculative decoding (docs/speculative.md)")
     spec.add_argument(
         "--speculative",

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from monokernel.cli import validate
 from monokernel.workloads.agent_loop import (
     AgentLoopConfig,
     ChatClient,
@@ -48,11 +49,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up request")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON too (- = stdout only)")
+    validate.add_speculative_flags(p)  # in-process; a server runs with its own
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    args.tp = 1  # one GPU in-process (speculative_config's rule for --tp)
+    if args.endpoint and args.speculative is not None:
+        parser.error("argument --speculative: in-process only; a server has `serve --speculative`")
+    speculative, error = validate.speculative_config(args)
+    if error is not None:
+        parser.error(error)
     config = AgentLoopConfig(
         turns=args.turns,
         gen_tokens=args.gen_tokens,
@@ -74,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             progress=args.json != "-",
+            speculative=speculative,
         )
         client = EngineClient(Engine(args.model, engine_config))
     try:

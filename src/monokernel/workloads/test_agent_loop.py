@@ -123,6 +123,19 @@ def test_cli_writes_json(model_dir: Path, tmp_path: Path, capsys: pytest.Capture
     assert data["config"]["turns"] == 1 and data["turns"][0]["generated_tokens"] == 2
 
 
+def test_cli_takes_runs_speculative_flags_in_process_only(
+    model_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    argv = ["--model", str(model_dir), "--engine", "reference", "--device", "cpu"]
+    argv += ["--turns", "1", "--gen-tokens", "3", "--json", "-"]
+    assert main([*argv, "--speculative", "ngram", "--ngram-min", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["turns"][0]["generated_tokens"] == 3
+    with pytest.raises(SystemExit) as refused:
+        main(["--endpoint", "http://127.0.0.1:9", "--speculative", "off"])
+    assert refused.value.code == 2
+    assert "--speculative: in-process only" in capsys.readouterr().err
+
+
 def test_against_live_server(engine: Engine) -> None:
     pytest.importorskip("fastapi")
     pytest.importorskip("uvicorn")
