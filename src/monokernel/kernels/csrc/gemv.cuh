@@ -222,6 +222,27 @@ __device__ __forceinline__ void issue_row(typename F::Load (&buf)[RowShape<F, K,
 
 #include "gemv_tiles.cuh"  // gemv_split's branch for tile formats
 
+// A round of a unit's rows it0 .. it1 - 1, each by row(cur, nxt, it, it0): the row's first
+// batch in cur, the next row's issued into nxt; the two buffers take turns (PINGPONG: an
+// even number of rows a round ends with the next row in pre again), or nxt is copied back.
+template <bool PINGPONG, class L, int B, class Row>
+__device__ __forceinline__ void split_round(const Row& row, L (&pre)[B], int it0, int it1) {
+  if (PINGPONG) {
+    L alt[B];
+    for (int it = it0; it < it1; it += 2) {
+      row(pre, alt, it, it0);
+      if (it + 1 < it1) row(alt, pre, it + 1, it0);
+    }
+  } else {
+    for (int it = it0; it < it1; ++it) {
+      L nxt[B];
+      row(pre, nxt, it, it0);
+#pragma unroll
+      for (int i = 0; i < B; ++i) pre[i] = nxt[i];
+    }
+  }
+}
+
 // gemv_split over rows (a row format).
 template <int K, int SPLIT, bool PINGPONG = false, class F, class Out>
 __device__ __forceinline__ void gemv_split_rows(
@@ -259,21 +280,8 @@ __device__ __forceinline__ void gemv_split_rows(
   };
   for (int it0 = 0; it0 < iters; it0 += kSplitSlots) {
     const int it1 = min(iters, it0 + kSplitSlots);
-    if (PINGPONG) {
-      static_assert(kSplitSlots % 2 == 0, "a whole round must end with the next row in pre");
-      L alt[S::B];
-      for (int it = it0; it < it1; it += 2) {
-        row(pre, alt, it, it0);
-        if (it + 1 < it1) row(alt, pre, it + 1, it0);
-      }
-    } else {
-      for (int it = it0; it < it1; ++it) {
-        L nxt[S::B];
-        row(pre, nxt, it, it0);
-#pragma unroll
-        for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
-      }
-    }
+    static_assert(!PINGPONG || kSplitSlots % 2 == 0, "a round must end with the next row in pre");
+    split_round<PINGPONG>(row, pre, it0, it1);
     __syncthreads();
     // Thread (group gg, slot j) adds the slices of row u(gg) + (it0 + j) * units.
     for (int q = threadIdx.x; q < P::GROUPS * kSplitSlots; q += kThreads) {

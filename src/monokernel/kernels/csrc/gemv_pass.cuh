@@ -5,7 +5,8 @@
 // is a row of its own on its own unit (the *_spread loops), which reads the row again from
 // L2 but keeps a warp's registers and instructions a step's. Each position's sums are made
 // in the order a step makes its one (row_partial's chunks, then warp_sum, then the split-K
-// slices in warp order), so every position is the step's to the bit. Row formats only; a tile format's pass runs gemv_tiles once a position (the stages).
+// slices in warp order), so every position is the step's to the bit. Row formats only; a
+// tile format's pass runs gemv_tiles once a position (the stages).
 // Included by gemv.cuh after gemv_split and gemv_pairs. The loops repeat gemv.cuh's rather
 // than share them through lambdas: that form left the step's cubins as they were but made
 // the pass ~25% slower (perf-notes, step 88's lost lines).
@@ -105,20 +106,7 @@ __device__ __forceinline__ void gemv_split_rows_pass(
   };
   for (int it0 = 0; it0 < iters; it0 += R) {
     const int it1 = min(iters, it0 + R);
-    if (PINGPONG) {
-      L alt[S::B];
-      for (int it = it0; it < it1; it += 2) {
-        row(pre, alt, it, it0);
-        if (it + 1 < it1) row(alt, pre, it + 1, it0);
-      }
-    } else {
-      for (int it = it0; it < it1; ++it) {
-        L nxt[S::B];
-        row(pre, nxt, it, it0);
-#pragma unroll
-        for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
-      }
-    }
+    split_round<PINGPONG>(row, pre, it0, it1);
     __syncthreads();
     // Thread (group gg, slot j, position q) adds the slices of row u(gg) + (it0 + j) * units.
     for (int t = threadIdx.x; t < P::GROUPS * R * MK_P; t += kThreads) {
@@ -180,12 +168,7 @@ __device__ __forceinline__ void gemv_split_rows_spread(
   };
   for (int it0 = 0; it0 < iters; it0 += kSplitSlots) {
     const int it1 = min(iters, it0 + kSplitSlots);
-    for (int it = it0; it < it1; ++it) {
-      L nxt[S::B];
-      row(pre, nxt, it, it0);
-#pragma unroll
-      for (int i = 0; i < S::B; ++i) pre[i] = nxt[i];
-    }
+    split_round<false>(row, pre, it0, it1);
     __syncthreads();
     // Thread (group gg, slot j) adds the slices of virtual row u(gg) + (it0 + j) * units.
     for (int t = threadIdx.x; t < P::GROUPS * kSplitSlots; t += kThreads) {
