@@ -17,21 +17,18 @@ import torch
 
 from monokernel import envs
 from monokernel.models.shapes import SHAPES
-from monokernel.testing.gpu_models import ROW_FORMATS, random_ids, rows_backend
+from monokernel.testing.gpu_models import random_ids, row_format, rows_backend
 from monokernel.weights.random_weights import random_weights
 
 RELAUNCH_TOKENS = 256  # a --relaunch request's tokens
 
 
 def _weight_format(text: str) -> str:
-    name, _, group = text.partition(":")
-    if (name in ("bf16", "fp8", "int8") and not group) or (
-        name == "int4" and (not group or group.isdigit())
-    ):
-        return text
-    raise argparse.ArgumentTypeError(
-        f"{text!r} is not a row format: one of {', '.join(ROW_FORMATS)} (e.g. int4:32)"
-    )
+    try:
+        row_format(text)
+    except ValueError as e:  # argparse shows an ArgumentTypeError's words, not a ValueError's
+        raise argparse.ArgumentTypeError(f"{e} (e.g. int4:32)") from None
+    return text
 
 
 def main(argv: list[str]) -> int:

@@ -76,19 +76,28 @@ def rows_backend(
     from monokernel.weights.group_quant import quantize_rtn
     from monokernel.weights.quantize import is_quantized
 
-    name, _, group = fmt.partition(":")
-    if name == "bf16" and not group:
+    name, group = row_format(fmt)
+    if name == "bf16":
         return MonokernelBackend(cfg, weights, max_len, device)
     with envs.overridden(MONOKERNEL_WEIGHT_LAYOUT="rows"):
-        if name in ("fp8", "int8") and not group:
+        if name != "int4":
             return MonokernelBackend(cfg, weights, max_len, device, quantize=name)
-        if name == "int4" and (not group or group.isdigit()):
-            g = int(group or 128)
-            groups = {k: quantize_rtn(v, g) for k, v in weights.items() if is_quantized(k)}
-            return MonokernelBackend(
-                cfg, weights, max_len, device, quantize="int4", groups=groups,
-                prefill_precision="fp32",
-            )  # fmt: skip
+        groups = {k: quantize_rtn(v, group) for k, v in weights.items() if is_quantized(k)}
+        return MonokernelBackend(
+            cfg, weights, max_len, device, quantize="int4", groups=groups,
+            prefill_precision="fp32",
+        )  # fmt: skip
+
+
+def row_format(fmt: str) -> tuple[str, int]:
+    """(format, int4 group or 0) of one of ROW_FORMATS; ValueError naming them otherwise."""
+    from monokernel.weights.formats.int4 import DEFAULT_GROUP
+
+    name, _, group = fmt.partition(":")
+    if name in ("bf16", "fp8", "int8") and not group:
+        return name, 0
+    if name == "int4" and (not group or group.isdigit()):
+        return name, int(group or DEFAULT_GROUP)
     raise ValueError(f"{fmt!r} is not a row format: one of {', '.join(ROW_FORMATS)}")
 
 
