@@ -7,9 +7,10 @@
 // in the order a step makes its one (row_partial's chunks, then warp_sum, then the split-K
 // slices in warp order), so every position is the step's to the bit. Row formats only; a
 // tile format's pass runs gemv_tiles once a position (the stages).
-// Included by gemv.cuh after gemv_split and gemv_pairs. The loops repeat gemv.cuh's rather
-// than share them through lambdas: that form left the step's cubins as they were but made
-// the pass ~25% slower (perf-notes, step 88's lost lines).
+// Included by gemv.cuh after gemv_split and gemv_pairs. The row loops repeat gemv.cuh's
+// rather than share them through lambdas: that form left the step's cubins as they were but
+// made the pass ~25% slower (perf-notes, step 88's lost lines). Only a round's turns of the
+// prefetch buffers are shared (split_round), which leaves every cubin as it was.
 #pragma once
 
 // Lane partials of row w with each position's input (row_partial's, position by position).
